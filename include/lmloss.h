@@ -1,0 +1,263 @@
+/*
+ * lmloss.h - losses over the vocabulary axis, exact under softmax collapse.
+ *
+ * This header is the whole public contract. Every function returns an
+ * lmloss_status; on any status other than LMLOSS_OK no output has been
+ * written, and lmloss_last_error() (thread-local) says which argument was
+ * wrong and why. The library never allocates behind the caller's back on a
+ * device, never exits, aborts or prints.
+ *
+ * Tensors are row-major views: `rows` x `cols` elements with `row_stride`
+ * elements between row starts (row_stride >= cols; contiguous columns).
+ * A 1-D tensor of length N is rows = N, cols = 1 (row_stride >= 1).
+ * An optional tensor is absent when its data pointer is NULL.
+ *
+ * Logits may be F32, BF16 or F16; all accumulation is in fp32 (the REF
+ * backend accumulates in fp64). Indices may be I64 or I32.
+ *
+ * Numerics: every row statistic is the max-split sum (m, a, R): the max m,
+ * its first index a, and R = sum over j != a of exp(z_j - m). Then
+ * lse = m + log1p(R), log p_a = -log1p(R), 1 - p_a = R / (1 + R), so a
+ * confident row keeps its loss and every gradient entry to full relative
+ * precision. Results whose magnitude is below FLT_MIN (2^-126) may flush to
+ * zero; that is the documented underflow floor.
+ *
+ * Non-finite logits: a row holding a NaN or +inf, or holding only -inf,
+ * yields NaN for every per-row result of that row (loss, lse, log-probs,
+ * entropy, and its gradient row); reductions then read NaN. -inf entries in
+ * an otherwise finite row are legal (probability exactly 0).
+ */
+#ifndef LMLOSS_H
+#define LMLOSS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LMLOSS_VERSION_MAJOR 0
+#define LMLOSS_VERSION_MINOR 1
+#define LMLOSS_VERSION_PATCH 0
+
+/* Status codes. Values are pinned: they never change meaning. */
+typedef enum {
+  LMLOSS_OK = 0,
+  LMLOSS_ERR_NULL_POINTER = 1,      /* a required pointer is NULL */
+  LMLOSS_ERR_BAD_DTYPE = 2,         /* dtype not allowed for that argument */
+  LMLOSS_ERR_BAD_SHAPE = 3,         /* rows/cols inconsistent between tensors */
+  LMLOSS_ERR_BAD_STRIDE = 4,        /* row_stride < cols, or negative */
+  LMLOSS_ERR_INDEX_OUT_OF_RANGE = 5,/* target/index outside [0, V), not ignored */
+  LMLOSS_ERR_BAD_OPTION = 6,        /* option value NaN, out of range, unknown */
+  LMLOSS_ERR_WORKSPACE_TOO_SMALL = 7,
+  LMLOSS_ERR_BAD_DEVICE = 8,        /* tensors on different devices */
+  LMLOSS_ERR_UNSUPPORTED = 9,       /* backend not built in (e.g. CUDA) */
+  LMLOSS_ERR_DEVICE_FAILURE = 10    /* the device runtime reported an error */
+} lmloss_status;
+
+typedef enum {
+  LMLOSS_F32 = 0,
+  LMLOSS_BF16 = 1,
+  LMLOSS_F16 = 2,
+  LMLOSS_F64 = 3,
+  LMLOSS_I32 = 4,
+  LMLOSS_I64 = 5,
+  LMLOSS_BOOL = 6 /* one byte, 0 = false */
+} lmloss_dtype;
+
+typedef enum { LMLOSS_CPU = 0, LMLOSS_CUDA = 1 } lmloss_device;
+
+typedef struct {
+  void *data;
+  lmloss_dtype dtype;
+  lmloss_device device;
+  int64_t rows;
+  int64_t cols;
+  int64_t row_stride; /* in elements */
+} lmloss_tensor;
+
+/* Which implementation runs a call. AUTO picks CPU or CUDA from the
+ * tensors' device; REF is the float64 scalar reference (host memory only),
+ * the oracle of the test suite. */
+typedef enum {
+  LMLOSS_BACKEND_AUTO = 0,
+  LMLOSS_BACKEND_REF = 1,
+  LMLOSS_BACKEND_CPU = 2,
+  LMLOSS_BACKEND_CUDA = 3
+} lmloss_backend;
+
+/* Execution context: passed by pointer to every op; NULL means defaults. */
+typedef struct {
+  lmloss_backend backend;
+  void *stream;     /* cudaStream_t for CUDA calls; NULL = default stream */
+  int num_threads;  /* CPU threads; 0 = OpenMP's default */
+} lmloss_context;
+
+lmloss_context lmloss_context_default(void);
+
+/* Input transform applied to every logit, in this order:
+ * logit scale s, softcap c (c * tanh(x / c), off when c == 0), temperature
+ * T (x / T). Requires s > 0, c >= 0, T > 0, all finite. The backward
+ * applies their chain rule. */
+typedef struct {
+  float logit_scale;
+  float softcap;
+  float temperature;
+} lmloss_transform;
+
+lmloss_transform lmloss_transform_default(void); /* {1, 0, 1} */
+
+/* ------------------------------------------------------------------ */
+/* Cross-entropy over logits [N, V]                                    */
+/* ------------------------------------------------------------------ */
+
+typedef enum {
+  LMLOSS_REDUCE_NONE = 0,  /* loss is [N]; ignored rows read 0 */
+  LMLOSS_REDUCE_SUM = 1,   /* loss is [1] */
+  LMLOSS_REDUCE_MEAN = 2,  /* sum / (sum over valid rows of class_weight[y]);
+                              0 with zero gradient when that is 0 */
+  LMLOSS_REDUCE_SUM_OVER_ITEMS = 3 /* sum / num_items (transformers' and
+                                      TRL's num_items_in_batch) */
+} lmloss_reduction;
+
+/* Per row i with target y (rows with y == ignore_index contribute nothing
+ * and are not read), z = transform(x_i), p = softmax(z), class weights c
+ * (all 1 when absent, C = sum_j c_j), smoothing e:
+ *   ce_i   = c_y (1 - e) (lse - z_y) + (e / V) sum_j c_j (lse - z_j)
+ *   ce_i  *= sg(p_y)                 when dft (DFT, seed 001)
+ *   loss_i = w_i (ce_i + z_loss * lse^2)   (w = token weight, 1 if absent)
+ * The gradient is that of the reduced loss; for REDUCE_NONE it is the
+ * gradient of sum_i dloss_i * loss_i. */
+typedef struct {
+  int64_t ignore_index;    /* default -100 */
+  float label_smoothing;   /* in [0, 1] */
+  float z_loss;            /* >= 0 */
+  lmloss_transform transform;
+  lmloss_reduction reduction;
+  double num_items;        /* > 0, for LMLOSS_REDUCE_SUM_OVER_ITEMS */
+  int dft;                 /* 0 or 1 */
+  /* Fused forward+backward only (outputs.dlogits present): the upstream
+   * gradient of the returned loss (or of every row's loss, for NONE). */
+  float grad_output;       /* default 1 */
+  /* When 0, dlogits rows of ignored rows are left untouched (sparse
+   * supervision: only supervised rows are read and written). Default 1:
+   * they are written with zeros. */
+  int zero_ignored_rows;
+} lmloss_ce_options;
+
+lmloss_ce_options lmloss_ce_options_default(void);
+
+typedef struct {
+  lmloss_tensor logits;       /* [N, V] F32/BF16/F16 */
+  lmloss_tensor target;       /* [N] I64/I32 */
+  lmloss_tensor token_weight; /* optional [N] F32 */
+  lmloss_tensor class_weight; /* optional [V] F32 (rows = V, cols = 1) */
+} lmloss_ce_inputs;
+
+typedef struct {
+  lmloss_tensor loss;    /* required: F32 [N] for NONE, [1] otherwise */
+  lmloss_tensor lse;     /* optional F32 [N] logsumexp of z; ignored rows 0 */
+  lmloss_tensor entropy; /* optional F32 [N] entropy of p; ignored rows 0 */
+  lmloss_tensor argmax;  /* optional I64 [N] first argmax of z (token
+                            accuracy); ignored rows -1 */
+  lmloss_tensor dlogits; /* optional [N, V] F32/BF16/F16: fused forward and
+                            backward with upstream grad_output. May alias
+                            logits exactly (same data, dtype, stride): the
+                            gradient then overwrites the logits. */
+} lmloss_ce_outputs;
+
+/* Bytes of workspace that lmloss_cross_entropy and its backward need for N
+ * rows (the same for every backend). */
+size_t lmloss_cross_entropy_workspace_size(int64_t rows);
+
+/* Forward (and, with outputs->dlogits, the gradient in the same pass).
+ * Errors: NULL_POINTER (inputs/opt/out/logits/target/loss data),
+ * BAD_DTYPE, BAD_SHAPE (target not [N], weights wrong length, loss not [N]
+ * or [1]), BAD_STRIDE, INDEX_OUT_OF_RANGE (a target outside [0, V) that is
+ * not ignore_index; checked on CPU backends only, a CUDA kernel writes NaN
+ * for that row), BAD_OPTION, WORKSPACE_TOO_SMALL, BAD_DEVICE. */
+lmloss_status lmloss_cross_entropy(const lmloss_context *ctx,
+                                   const lmloss_ce_inputs *in,
+                                   const lmloss_ce_options *opt,
+                                   const lmloss_ce_outputs *out,
+                                   void *workspace, size_t workspace_bytes);
+
+/* Backward: dlogits [N, V] from dloss (F32, [1] for reduced losses, [N] for
+ * NONE; on the logits' device, never read by the host). Recomputes the row
+ * statistics from the logits. Same errors as the forward. */
+lmloss_status lmloss_cross_entropy_backward(const lmloss_context *ctx,
+                                            const lmloss_ce_inputs *in,
+                                            const lmloss_ce_options *opt,
+                                            const lmloss_tensor *dloss,
+                                            const lmloss_tensor *dlogits,
+                                            void *workspace,
+                                            size_t workspace_bytes);
+
+/* ------------------------------------------------------------------ */
+/* Log-probs (selective log-softmax) and entropy                      */
+/* ------------------------------------------------------------------ */
+
+/* logp[i, k] = log softmax(z_i)[index[i, k]], z = transform(x).
+ * index [N, K] I64/I32 with 0 <= index < V (K >= 1; K = 0 only in the
+ * entropy-only forms). mask: optional BOOL [N]; a masked-out row (0) is not
+ * read, and its logp and entropy read 0 (its gradient row 0).
+ * logp: F32/BF16/F16 [N, K]. entropy: optional F32 [N]. */
+lmloss_status lmloss_log_probs(const lmloss_context *ctx,
+                               const lmloss_tensor *logits,
+                               const lmloss_tensor *index,
+                               const lmloss_tensor *mask,
+                               const lmloss_transform *transform,
+                               const lmloss_tensor *logp,
+                               const lmloss_tensor *entropy);
+
+/* dlogits = d/dx of sum_ik dlogp[i,k] logp[i,k] + sum_i dentropy[i] H_i.
+ * dlogp: optional F32 [N, K] (absent = 0; index may then be absent too);
+ * dentropy: optional F32 [N]; at least one is present. dlogits
+ * F32/BF16/F16 [N, V]; may alias logits exactly. */
+lmloss_status lmloss_log_probs_backward(const lmloss_context *ctx,
+                                        const lmloss_tensor *logits,
+                                        const lmloss_tensor *index,
+                                        const lmloss_tensor *mask,
+                                        const lmloss_transform *transform,
+                                        const lmloss_tensor *dlogp,
+                                        const lmloss_tensor *dentropy,
+                                        const lmloss_tensor *dlogits);
+
+/* entropy [N] F32 of softmax(transform(x)): lmloss_log_probs with K = 0. */
+lmloss_status lmloss_entropy(const lmloss_context *ctx,
+                             const lmloss_tensor *logits,
+                             const lmloss_transform *transform,
+                             const lmloss_tensor *entropy);
+
+/* ------------------------------------------------------------------ */
+/* Softmax and log-softmax, any width                                  */
+/* ------------------------------------------------------------------ */
+
+/* out [N, V] F32/BF16/F16 = softmax(x) (log_softmax when `log`). out may
+ * alias x exactly. */
+lmloss_status lmloss_softmax(const lmloss_context *ctx, const lmloss_tensor *x,
+                             int log, const lmloss_tensor *out);
+
+/* dx from the forward's output y and the upstream dy ([N, V] each):
+ * softmax: dx = y * (dy - sum(dy * y)); log: dx = dy - exp(y) sum(dy).
+ * The argmax entry is formed from the others' sum, so it survives
+ * collapse. dx may alias dy exactly. */
+lmloss_status lmloss_softmax_backward(const lmloss_context *ctx,
+                                      const lmloss_tensor *y,
+                                      const lmloss_tensor *dy, int log,
+                                      const lmloss_tensor *dx);
+
+/* ------------------------------------------------------------------ */
+/* Library                                                             */
+/* ------------------------------------------------------------------ */
+
+const char *lmloss_status_string(lmloss_status s); /* "LMLOSS_ERR_..." */
+const char *lmloss_last_error(void); /* message of this thread's last error */
+int lmloss_has_cuda(void);           /* 1 when the CUDA backend is built in */
+const char *lmloss_cpu_isa(void);    /* "avx512", "avx2" or "portable" */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* LMLOSS_H */

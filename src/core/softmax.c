@@ -1,0 +1,32 @@
+/* softmax.c - softmax / log-softmax and their backward: validate, dispatch. */
+#include "validate.h"
+
+lmloss_status lmloss_softmax(const lmloss_context *ctx, const lmloss_tensor *x, int log,
+                             const lmloss_tensor *out) {
+  const lmloss_backend_ops *ops;
+  TRY(lmloss_check_tensor(x, "x", LMLOSS_FLOATS, -1, -1));
+  if (x->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "x: V must be >= 1");
+  if (log != 0 && log != 1) return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "log must be 0 or 1");
+  TRY(lmloss_check_tensor(out, "out", LMLOSS_FLOATS, x->rows, x->cols));
+  TRY(lmloss_check_alias(x, out, "out"));
+  const lmloss_tensor *ts[] = {out};
+  TRY(lmloss_check_device(ts, 1, x->device));
+  TRY(lmloss_pick_backend(ctx, x->device, &ops));
+  return ops->softmax(ctx, x, log, out);
+}
+
+lmloss_status lmloss_softmax_backward(const lmloss_context *ctx, const lmloss_tensor *y,
+                                      const lmloss_tensor *dy, int log, const lmloss_tensor *dx) {
+  const lmloss_backend_ops *ops;
+  TRY(lmloss_check_tensor(y, "y", LMLOSS_FLOATS, -1, -1));
+  if (y->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "y: V must be >= 1");
+  if (log != 0 && log != 1) return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "log must be 0 or 1");
+  TRY(lmloss_check_tensor(dy, "dy", LMLOSS_FLOATS, y->rows, y->cols));
+  TRY(lmloss_check_tensor(dx, "dx", LMLOSS_FLOATS, y->rows, y->cols));
+  TRY(lmloss_check_alias(dy, dx, "dx"));
+  TRY(lmloss_check_alias(y, dx, "dx"));
+  const lmloss_tensor *ts[] = {dy, dx};
+  TRY(lmloss_check_device(ts, 2, y->device));
+  TRY(lmloss_pick_backend(ctx, y->device, &ops));
+  return ops->softmax_backward(ctx, y, dy, log, dx);
+}

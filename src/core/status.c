@@ -1,0 +1,71 @@
+/* status.c - status names and the thread-local last-error message. */
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "backend.h"
+
+static _Thread_local char last_error[512];
+
+lmloss_status lmloss_fail(lmloss_status s, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(last_error, sizeof last_error, fmt, ap);
+  va_end(ap);
+  return s;
+}
+
+const char *lmloss_last_error(void) { return last_error; }
+
+const char *lmloss_status_string(lmloss_status s) {
+  switch (s) {
+  case LMLOSS_OK: return "LMLOSS_OK";
+  case LMLOSS_ERR_NULL_POINTER: return "LMLOSS_ERR_NULL_POINTER";
+  case LMLOSS_ERR_BAD_DTYPE: return "LMLOSS_ERR_BAD_DTYPE";
+  case LMLOSS_ERR_BAD_SHAPE: return "LMLOSS_ERR_BAD_SHAPE";
+  case LMLOSS_ERR_BAD_STRIDE: return "LMLOSS_ERR_BAD_STRIDE";
+  case LMLOSS_ERR_INDEX_OUT_OF_RANGE: return "LMLOSS_ERR_INDEX_OUT_OF_RANGE";
+  case LMLOSS_ERR_BAD_OPTION: return "LMLOSS_ERR_BAD_OPTION";
+  case LMLOSS_ERR_WORKSPACE_TOO_SMALL: return "LMLOSS_ERR_WORKSPACE_TOO_SMALL";
+  case LMLOSS_ERR_BAD_DEVICE: return "LMLOSS_ERR_BAD_DEVICE";
+  case LMLOSS_ERR_UNSUPPORTED: return "LMLOSS_ERR_UNSUPPORTED";
+  case LMLOSS_ERR_DEVICE_FAILURE: return "LMLOSS_ERR_DEVICE_FAILURE";
+  }
+  return "LMLOSS_ERR_UNKNOWN";
+}
+
+lmloss_context lmloss_context_default(void) {
+  lmloss_context c = {LMLOSS_BACKEND_AUTO, NULL, 0};
+  return c;
+}
+
+lmloss_transform lmloss_transform_default(void) {
+  lmloss_transform t = {1.0f, 0.0f, 1.0f};
+  return t;
+}
+
+lmloss_ce_options lmloss_ce_options_default(void) {
+  lmloss_ce_options o;
+  o.ignore_index = -100;
+  o.label_smoothing = 0.0f;
+  o.z_loss = 0.0f;
+  o.transform = lmloss_transform_default();
+  o.reduction = LMLOSS_REDUCE_MEAN;
+  o.num_items = 1.0;
+  o.dft = 0;
+  o.grad_output = 1.0f;
+  o.zero_ignored_rows = 1;
+  return o;
+}
+
+size_t lmloss_cross_entropy_workspace_size(int64_t rows) {
+  if (rows < 0) rows = 0;
+  return LMLOSS_CE_WS_HEADER + (size_t)rows * 3 * sizeof(double);
+}
+
+int lmloss_has_cuda(void) {
+#ifdef LMLOSS_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}

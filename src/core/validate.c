@@ -1,0 +1,122 @@
+/* validate.c - argument checks and backend choice for the core. */
+#include <math.h>
+
+#include "validate.h"
+
+static const char *dtype_name(lmloss_dtype d) {
+  static const char *names[] = {"F32", "BF16", "F16", "F64", "I32", "I64", "BOOL"};
+  return (unsigned)d < 7 ? names[d] : "unknown";
+}
+
+lmloss_status lmloss_check_tensor(const lmloss_tensor *t, const char *name, unsigned dtypes,
+                                  int64_t rows, int64_t cols) {
+  if (!t || !t->data) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "%s: data is NULL", name);
+  if ((unsigned)t->dtype > LMLOSS_BOOL || !(dtypes & LMLOSS_MASK(t->dtype)))
+    return lmloss_fail(LMLOSS_ERR_BAD_DTYPE, "%s: dtype %s (%d) not allowed here", name,
+                       dtype_name(t->dtype), (int)t->dtype);
+  if ((unsigned)t->device > LMLOSS_CUDA)
+    return lmloss_fail(LMLOSS_ERR_BAD_DEVICE, "%s: unknown device %d", name, (int)t->device);
+  if (t->rows < 0 || t->cols < 0)
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "%s: negative shape [%lld, %lld]", name,
+                       (long long)t->rows, (long long)t->cols);
+  if (t->row_stride < t->cols || (t->rows > 1 && t->row_stride < 1))
+    return lmloss_fail(LMLOSS_ERR_BAD_STRIDE, "%s: row_stride %lld < cols %lld", name,
+                       (long long)t->row_stride, (long long)t->cols);
+  if ((rows >= 0 && t->rows != rows) || (cols >= 0 && t->cols != cols))
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "%s: shape [%lld, %lld], expected [%lld, %lld]",
+                       name, (long long)t->rows, (long long)t->cols, (long long)rows,
+                       (long long)cols);
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_check_optional(const lmloss_tensor *t, const char *name, unsigned dtypes,
+                                    int64_t rows, int64_t cols) {
+  return lmloss_present(t) ? lmloss_check_tensor(t, name, dtypes, rows, cols) : LMLOSS_OK;
+}
+
+lmloss_status lmloss_check_transform(const lmloss_transform *t) {
+  if (!t) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "transform is NULL");
+  if (!(isfinite(t->logit_scale) && t->logit_scale > 0.0f))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "logit_scale must be finite and > 0, got %g",
+                       (double)t->logit_scale);
+  if (!(isfinite(t->softcap) && t->softcap >= 0.0f))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "softcap must be finite and >= 0, got %g",
+                       (double)t->softcap);
+  if (!(isfinite(t->temperature) && t->temperature > 0.0f))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "temperature must be finite and > 0, got %g",
+                       (double)t->temperature);
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_check_device(const lmloss_tensor *const *ts, int n, lmloss_device device) {
+  for (int i = 0; i < n; i++)
+    if (lmloss_present(ts[i]) && ts[i]->device != device)
+      return lmloss_fail(LMLOSS_ERR_BAD_DEVICE, "tensors are on different devices");
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_check_indices(const lmloss_tensor *idx, const lmloss_tensor *mask,
+                                   int64_t V, int allow_ignore, int64_t ignore, const char *name) {
+  if (idx->device != LMLOSS_CPU) return LMLOSS_OK;
+  for (int64_t r = 0; r < idx->rows; r++) {
+    if (lmloss_present(mask) && !((const unsigned char *)mask->data)[r * mask->row_stride])
+      continue;
+    for (int64_t c = 0; c < idx->cols; c++) {
+      int64_t v = lmloss_index_at(idx, r, c);
+      if (allow_ignore && v == ignore) continue;
+      if (v < 0 || v >= V)
+        return lmloss_fail(LMLOSS_ERR_INDEX_OUT_OF_RANGE,
+                           "%s[%lld, %lld] = %lld is outside [0, %lld)", name, (long long)r,
+                           (long long)c, (long long)v, (long long)V);
+    }
+  }
+  return LMLOSS_OK;
+}
+
+static const char *last_byte(const lmloss_tensor *t) {
+  if (t->rows == 0 || t->cols == 0) return (const char *)t->data;
+  return (const char *)t->data +
+         (size_t)((t->rows - 1) * t->row_stride + t->cols) * lmloss_dtype_size(t->dtype);
+}
+
+lmloss_status lmloss_check_alias(const lmloss_tensor *in, const lmloss_tensor *out,
+                                 const char *name) {
+  if (in->data == out->data && in->dtype == out->dtype && in->row_stride == out->row_stride)
+    return LMLOSS_OK;
+  const char *a0 = (const char *)in->data, *a1 = last_byte(in);
+  const char *b0 = (const char *)out->data, *b1 = last_byte(out);
+  if (a0 < b1 && b0 < a1)
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE,
+                       "%s overlaps its input without aliasing it exactly (same data, dtype, "
+                       "row_stride)",
+                       name);
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_pick_backend(const lmloss_context *ctx, lmloss_device device,
+                                  const lmloss_backend_ops **ops) {
+  lmloss_backend b = ctx ? ctx->backend : LMLOSS_BACKEND_AUTO;
+  if (ctx && ctx->num_threads < 0)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "num_threads must be >= 0");
+  if (b == LMLOSS_BACKEND_AUTO) b = device == LMLOSS_CUDA ? LMLOSS_BACKEND_CUDA : LMLOSS_BACKEND_CPU;
+  switch (b) {
+  case LMLOSS_BACKEND_REF:
+  case LMLOSS_BACKEND_CPU:
+    if (device != LMLOSS_CPU)
+      return lmloss_fail(LMLOSS_ERR_BAD_DEVICE, "the %s backend needs host memory",
+                         b == LMLOSS_BACKEND_REF ? "REF" : "CPU");
+    *ops = b == LMLOSS_BACKEND_REF ? &lmloss_ref_ops : &lmloss_cpu_ops;
+    return LMLOSS_OK;
+  case LMLOSS_BACKEND_CUDA:
+    if (device != LMLOSS_CUDA)
+      return lmloss_fail(LMLOSS_ERR_BAD_DEVICE, "the CUDA backend needs device memory");
+#ifdef LMLOSS_WITH_CUDA
+    *ops = &lmloss_cuda_ops;
+    return LMLOSS_OK;
+#else
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "this build of lmloss has no CUDA backend");
+#endif
+  case LMLOSS_BACKEND_AUTO: break;
+  }
+  return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown backend %d", (int)b);
+}

@@ -1,0 +1,54 @@
+/*
+ * validate.h - argument checks shared by the core entry points, and the
+ * choice of backend. Each check records a message naming the argument.
+ */
+#ifndef LMLOSS_CORE_VALIDATE_H
+#define LMLOSS_CORE_VALIDATE_H
+
+#include "backend.h"
+
+/* Return the status of x when it is not LMLOSS_OK. */
+#define TRY(x)                                                                 \
+  do {                                                                         \
+    lmloss_status st_ = (x);                                                   \
+    if (st_ != LMLOSS_OK) return st_;                                          \
+  } while (0)
+
+#define LMLOSS_MASK(d) (1u << (d))
+#define LMLOSS_FLOATS (LMLOSS_MASK(LMLOSS_F32) | LMLOSS_MASK(LMLOSS_BF16) | LMLOSS_MASK(LMLOSS_F16))
+#define LMLOSS_INDICES (LMLOSS_MASK(LMLOSS_I32) | LMLOSS_MASK(LMLOSS_I64))
+
+/* Check a tensor's pointer, dtype (a mask of allowed dtypes), stride, and,
+ * where rows/cols >= 0, its shape. */
+lmloss_status lmloss_check_tensor(const lmloss_tensor *t, const char *name, unsigned dtypes,
+                                  int64_t rows, int64_t cols);
+
+/* Same, for an optional tensor: OK when absent. */
+lmloss_status lmloss_check_optional(const lmloss_tensor *t, const char *name, unsigned dtypes,
+                                    int64_t rows, int64_t cols);
+
+lmloss_status lmloss_check_transform(const lmloss_transform *t);
+
+/* Every tensor in `ts` (absent ones skipped) on `device`. */
+lmloss_status lmloss_check_device(const lmloss_tensor *const *ts, int n, lmloss_device device);
+
+/* Host-side range check of an index tensor (skipped on CUDA memory):
+ * every entry in [0, V), except `ignore` when allow_ignore. Rows whose
+ * mask entry is 0 are not read. */
+lmloss_status lmloss_check_indices(const lmloss_tensor *idx, const lmloss_tensor *mask,
+                                   int64_t V, int allow_ignore, int64_t ignore, const char *name);
+
+/* Exact aliasing is allowed, partial overlap is not. */
+lmloss_status lmloss_check_alias(const lmloss_tensor *in, const lmloss_tensor *out,
+                                 const char *name);
+
+/* Resolve the backend for tensors on `device`. */
+lmloss_status lmloss_pick_backend(const lmloss_context *ctx, lmloss_device device,
+                                  const lmloss_backend_ops **ops);
+
+static inline int64_t lmloss_index_at(const lmloss_tensor *t, int64_t r, int64_t c) {
+  const char *p = (const char *)t->data + (size_t)(r * t->row_stride + c) * lmloss_dtype_size(t->dtype);
+  return t->dtype == LMLOSS_I64 ? *(const int64_t *)p : (int64_t) * (const int32_t *)p;
+}
+
+#endif

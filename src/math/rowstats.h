@@ -1,0 +1,158 @@
+/*
+ * rowstats.h - the max-split sum, written once for C and CUDA.
+ *
+ * A row's logits x pass through the transform w = softcap(s * x) (or s * x
+ * without softcap) and z = w * k, where k = 1 / T (softcap on) or s / T
+ * (off: then w = x). Statistics are kept in w units for the max and in z
+ * units for the sums, so every exponent is formed as (w - m) * k: the
+ * difference from the row max is scaled, never a large logit on its own.
+ *
+ * State of a (partial) row: m = max w, a = first index of the max,
+ *   r = sum_{j != a} exp((w_j - m) k)       (the max-split sum, R)
+ *   t = sum_{j != a} exp((w_j - m) k) (m - w_j) k   (entropy numerator)
+ *   u = sum_j c_j (m - w_j) k,  c = sum_j c_j     (label smoothing)
+ * a < 0 marks an empty state. Merging is associative, so the same state
+ * serves SIMD blocks, threads, warps, CUDA blocks and vocab chunks.
+ */
+#ifndef LMLOSS_MATH_ROWSTATS_H
+#define LMLOSS_MATH_ROWSTATS_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "lmloss.h"
+
+#if defined(__CUDACC__)
+#define LMLOSS_HD __host__ __device__ __forceinline__
+#else
+#define LMLOSS_HD static inline
+#endif
+
+typedef struct {
+  float m;
+  float r;
+  float t;
+  float u;
+  float c;
+  int64_t a;
+} lmloss_rowstat;
+
+/* How a transform maps x to w and what k is. */
+typedef struct {
+  float s;       /* logit scale */
+  float cap;     /* softcap, 0 = off */
+  float inv_cap; /* 1 / cap */
+  float k;       /* z = w * k */
+} lmloss_xform;
+
+LMLOSS_HD lmloss_xform lmloss_xform_make(lmloss_transform t) {
+  lmloss_xform f;
+  f.s = t.logit_scale;
+  f.cap = t.softcap;
+  f.inv_cap = t.softcap > 0.0f ? 1.0f / t.softcap : 0.0f;
+  f.k = t.softcap > 0.0f ? 1.0f / t.temperature
+                         : (float)((double)t.logit_scale / t.temperature);
+  return f;
+}
+
+/* w(x): identity without softcap (the scale lives in k then). */
+LMLOSS_HD float lmloss_xform_w(const lmloss_xform *f, float x) {
+  return f->cap > 0.0f ? f->cap * tanhf(f->s * x * f->inv_cap) : x;
+}
+
+/* dz/dx given x (and w = w(x)): the chain rule of scale, softcap, 1/T. */
+LMLOSS_HD float lmloss_xform_dzdx(const lmloss_xform *f, float w) {
+  if (f->cap > 0.0f) {
+    float th = w * f->inv_cap;
+    return f->k * f->s * (1.0f - th * th);
+  }
+  return f->k;
+}
+
+LMLOSS_HD lmloss_rowstat lmloss_rowstat_empty(void) {
+  lmloss_rowstat s;
+  s.m = -INFINITY;
+  s.r = 0.0f;
+  s.t = 0.0f;
+  s.u = 0.0f;
+  s.c = 0.0f;
+  s.a = -1;
+  return s;
+}
+
+/* Merge two partial states of one row. Ties keep the lower index as a and
+ * count the other occurrence's 1 into r. */
+LMLOSS_HD lmloss_rowstat lmloss_rowstat_merge(lmloss_rowstat x,
+                                              lmloss_rowstat y, float k) {
+  if (y.a < 0) return x;
+  if (x.a < 0) return y;
+  if (y.m > x.m || (y.m == x.m && y.a < x.a)) {
+    lmloss_rowstat tmp = x;
+    x = y;
+    y = tmp;
+  }
+  lmloss_rowstat o;
+  o.m = x.m;
+  o.a = x.a;
+  o.c = x.c + y.c;
+  float d = (x.m - y.m) * k; /* >= 0 */
+  float sc = expf(-d);
+  o.r = x.r + (1.0f + y.r) * sc;
+  o.t = x.t + sc * (y.t + d * (1.0f + y.r));
+  o.u = x.u + y.u + d * y.c;
+  return o;
+}
+
+/* A row whose max is NaN/+inf/-inf (all -inf) has no finite statistics. */
+LMLOSS_HD int lmloss_rowstat_finite(const lmloss_rowstat *s) {
+  return s->a >= 0 && isfinite(s->m) && !isnan(s->r);
+}
+
+/* log(1 + R): the gap between lse and the max, in z units. */
+LMLOSS_HD float lmloss_rowstat_l1r(const lmloss_rowstat *s) {
+  return log1pf(s->r);
+}
+
+LMLOSS_HD float lmloss_rowstat_lse(const lmloss_rowstat *s, float k) {
+  return s->m * k + log1pf(s->r);
+}
+
+/* log p_j from w_j: exact -log1p(R) at the max (ties included). */
+LMLOSS_HD float lmloss_rowstat_logp(const lmloss_rowstat *s, float k,
+                                    float w) {
+  return (w - s->m) * k - log1pf(s->r);
+}
+
+/* Entropy H = t / (1 + R) + log1p(R): a sum of non-negative terms. */
+LMLOSS_HD float lmloss_rowstat_entropy(const lmloss_rowstat *s) {
+  return s->t / (1.0f + s->r) + log1pf(s->r);
+}
+
+/* H_rest = sum_{j != a} p_j (lse - z_j) = (t + log1p(R) R) / (1 + R). */
+LMLOSS_HD float lmloss_rowstat_entropy_rest(const lmloss_rowstat *s) {
+  return (s->t + log1pf(s->r) * s->r) / (1.0f + s->r);
+}
+
+/* Per-row coefficients of the cross-entropy gradient in z units:
+ *   dce/dz_j = A p_j - B_j,  A = c_y (1 - e) + e C / V,
+ *   B_j = c_y (1 - e) [j == y] + e c_j / V.
+ * It sums to zero over j, which gives the argmax entry exactly:
+ *   dce/dz_a = (A - B_a) - A R / (1 + R). */
+typedef struct {
+  float a_coef;   /* A */
+  float hot;      /* c_y (1 - e) */
+  float smooth;   /* e / V (times c_j per entry) */
+} lmloss_ce_coef;
+
+LMLOSS_HD float lmloss_ce_grad_z(const lmloss_ce_coef *q,
+                                 const lmloss_rowstat *s, float p,
+                                 float cj, int is_target, int is_argmax) {
+  float b = (is_target ? q->hot : 0.0f) + q->smooth * cj;
+  /* The complement form only where p_a > 1/2: below that A p_a is exact
+   * enough and (A - B) - A R / (1 + R) would cancel. */
+  if (is_argmax && s->r < 1.0f)
+    return (q->a_coef - b) - q->a_coef * (s->r / (1.0f + s->r));
+  return q->a_coef * p - b;
+}
+
+#endif /* LMLOSS_MATH_ROWSTATS_H */
