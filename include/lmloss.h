@@ -37,6 +37,12 @@
 extern "C" {
 #endif
 
+#if defined(LMLOSS_BUILDING) && defined(__GNUC__)
+#define LMLOSS_API __attribute__((visibility("default")))
+#else
+#define LMLOSS_API
+#endif
+
 #define LMLOSS_VERSION_MAJOR 0
 #define LMLOSS_VERSION_MINOR 1
 #define LMLOSS_VERSION_PATCH 0
@@ -94,7 +100,7 @@ typedef struct {
   int num_threads;  /* CPU threads; 0 = OpenMP's default */
 } lmloss_context;
 
-lmloss_context lmloss_context_default(void);
+LMLOSS_API lmloss_context lmloss_context_default(void);
 
 /* Input transform applied to every logit, in this order:
  * logit scale s, softcap c (c * tanh(x / c), off when c == 0), temperature
@@ -106,7 +112,7 @@ typedef struct {
   float temperature;
 } lmloss_transform;
 
-lmloss_transform lmloss_transform_default(void); /* {1, 0, 1} */
+LMLOSS_API lmloss_transform lmloss_transform_default(void); /* {1, 0, 1} */
 
 /* ------------------------------------------------------------------ */
 /* Cross-entropy over logits [N, V]                                    */
@@ -146,7 +152,7 @@ typedef struct {
   int zero_ignored_rows;
 } lmloss_ce_options;
 
-lmloss_ce_options lmloss_ce_options_default(void);
+LMLOSS_API lmloss_ce_options lmloss_ce_options_default(void);
 
 typedef struct {
   lmloss_tensor logits;       /* [N, V] F32/BF16/F16 */
@@ -169,7 +175,7 @@ typedef struct {
 
 /* Bytes of workspace that lmloss_cross_entropy and its backward need for N
  * rows (the same for every backend). */
-size_t lmloss_cross_entropy_workspace_size(int64_t rows);
+LMLOSS_API size_t lmloss_cross_entropy_workspace_size(int64_t rows);
 
 /* Forward (and, with outputs->dlogits, the gradient in the same pass).
  * Errors: NULL_POINTER (inputs/opt/out/logits/target/loss data),
@@ -177,7 +183,7 @@ size_t lmloss_cross_entropy_workspace_size(int64_t rows);
  * or [1]), BAD_STRIDE, INDEX_OUT_OF_RANGE (a target outside [0, V) that is
  * not ignore_index; checked on CPU backends only, a CUDA kernel writes NaN
  * for that row), BAD_OPTION, WORKSPACE_TOO_SMALL, BAD_DEVICE. */
-lmloss_status lmloss_cross_entropy(const lmloss_context *ctx,
+LMLOSS_API lmloss_status lmloss_cross_entropy(const lmloss_context *ctx,
                                    const lmloss_ce_inputs *in,
                                    const lmloss_ce_options *opt,
                                    const lmloss_ce_outputs *out,
@@ -186,7 +192,7 @@ lmloss_status lmloss_cross_entropy(const lmloss_context *ctx,
 /* Backward: dlogits [N, V] from dloss (F32, [1] for reduced losses, [N] for
  * NONE; on the logits' device, never read by the host). Recomputes the row
  * statistics from the logits. Same errors as the forward. */
-lmloss_status lmloss_cross_entropy_backward(const lmloss_context *ctx,
+LMLOSS_API lmloss_status lmloss_cross_entropy_backward(const lmloss_context *ctx,
                                             const lmloss_ce_inputs *in,
                                             const lmloss_ce_options *opt,
                                             const lmloss_tensor *dloss,
@@ -203,7 +209,7 @@ lmloss_status lmloss_cross_entropy_backward(const lmloss_context *ctx,
  * entropy-only forms). mask: optional BOOL [N]; a masked-out row (0) is not
  * read, and its logp and entropy read 0 (its gradient row 0).
  * logp: F32/BF16/F16 [N, K]. entropy: optional F32 [N]. */
-lmloss_status lmloss_log_probs(const lmloss_context *ctx,
+LMLOSS_API lmloss_status lmloss_log_probs(const lmloss_context *ctx,
                                const lmloss_tensor *logits,
                                const lmloss_tensor *index,
                                const lmloss_tensor *mask,
@@ -215,7 +221,7 @@ lmloss_status lmloss_log_probs(const lmloss_context *ctx,
  * dlogp: optional F32 [N, K] (absent = 0; index may then be absent too);
  * dentropy: optional F32 [N]; at least one is present. dlogits
  * F32/BF16/F16 [N, V]; may alias logits exactly. */
-lmloss_status lmloss_log_probs_backward(const lmloss_context *ctx,
+LMLOSS_API lmloss_status lmloss_log_probs_backward(const lmloss_context *ctx,
                                         const lmloss_tensor *logits,
                                         const lmloss_tensor *index,
                                         const lmloss_tensor *mask,
@@ -225,7 +231,7 @@ lmloss_status lmloss_log_probs_backward(const lmloss_context *ctx,
                                         const lmloss_tensor *dlogits);
 
 /* entropy [N] F32 of softmax(transform(x)): lmloss_log_probs with K = 0. */
-lmloss_status lmloss_entropy(const lmloss_context *ctx,
+LMLOSS_API lmloss_status lmloss_entropy(const lmloss_context *ctx,
                              const lmloss_tensor *logits,
                              const lmloss_transform *transform,
                              const lmloss_tensor *entropy);
@@ -236,14 +242,14 @@ lmloss_status lmloss_entropy(const lmloss_context *ctx,
 
 /* out [N, V] F32/BF16/F16 = softmax(x) (log_softmax when `log`). out may
  * alias x exactly. */
-lmloss_status lmloss_softmax(const lmloss_context *ctx, const lmloss_tensor *x,
+LMLOSS_API lmloss_status lmloss_softmax(const lmloss_context *ctx, const lmloss_tensor *x,
                              int log, const lmloss_tensor *out);
 
 /* dx from the forward's output y and the upstream dy ([N, V] each):
  * softmax: dx = y * (dy - sum(dy * y)); log: dx = dy - exp(y) sum(dy).
  * The argmax entry is formed from the others' sum, so it survives
  * collapse. dx may alias dy exactly. */
-lmloss_status lmloss_softmax_backward(const lmloss_context *ctx,
+LMLOSS_API lmloss_status lmloss_softmax_backward(const lmloss_context *ctx,
                                       const lmloss_tensor *y,
                                       const lmloss_tensor *dy, int log,
                                       const lmloss_tensor *dx);
@@ -252,10 +258,10 @@ lmloss_status lmloss_softmax_backward(const lmloss_context *ctx,
 /* Library                                                             */
 /* ------------------------------------------------------------------ */
 
-const char *lmloss_status_string(lmloss_status s); /* "LMLOSS_ERR_..." */
-const char *lmloss_last_error(void); /* message of this thread's last error */
-int lmloss_has_cuda(void);           /* 1 when the CUDA backend is built in */
-const char *lmloss_cpu_isa(void);    /* "avx512", "avx2" or "portable" */
+LMLOSS_API const char *lmloss_status_string(lmloss_status s); /* "LMLOSS_ERR_..." */
+LMLOSS_API const char *lmloss_last_error(void); /* message of this thread's last error */
+LMLOSS_API int lmloss_has_cuda(void);           /* 1 when the CUDA backend is built in */
+LMLOSS_API const char *lmloss_cpu_isa(void);    /* "avx512", "avx2" or "portable" */
 
 #ifdef __cplusplus
 }
