@@ -60,11 +60,13 @@ LMLOSS_HD float lmloss_xform_w(const lmloss_xform *f, float x) {
   return f->cap > 0.0f ? f->cap * tanhf(f->s * x * f->inv_cap) : x;
 }
 
-/* dz/dx given x (and w = w(x)): the chain rule of scale, softcap, 1/T. */
-LMLOSS_HD float lmloss_xform_dzdx(const lmloss_xform *f, float w) {
+/* dz/dx: the chain rule of scale, softcap and 1/T. With softcap,
+ * 1 - tanh(u)^2 is formed as 4e / (1 + e)^2, e = exp(-2|u|), which keeps
+ * full relative precision where tanh(u) is close to 1. */
+LMLOSS_HD float lmloss_xform_dzdx(const lmloss_xform *f, float x) {
   if (f->cap > 0.0f) {
-    float th = w * f->inv_cap;
-    return f->k * f->s * (1.0f - th * th);
+    float e = expf(-2.0f * fabsf(f->s * x * f->inv_cap));
+    return f->k * f->s * (4.0f * e / ((1.0f + e) * (1.0f + e)));
   }
   return f->k;
 }
