@@ -50,16 +50,16 @@ extern "C" {
 /* Status codes. Values are pinned: they never change meaning. */
 typedef enum {
   LMLOSS_OK = 0,
-  LMLOSS_ERR_NULL_POINTER = 1,      /* a required pointer is NULL */
-  LMLOSS_ERR_BAD_DTYPE = 2,         /* dtype not allowed for that argument */
-  LMLOSS_ERR_BAD_SHAPE = 3,         /* rows/cols inconsistent between tensors */
-  LMLOSS_ERR_BAD_STRIDE = 4,        /* row_stride < cols, or negative */
-  LMLOSS_ERR_INDEX_OUT_OF_RANGE = 5,/* target/index outside [0, V), not ignored */
-  LMLOSS_ERR_BAD_OPTION = 6,        /* option value NaN, out of range, unknown */
+  LMLOSS_ERR_NULL_POINTER = 1,       /* a required pointer is NULL */
+  LMLOSS_ERR_BAD_DTYPE = 2,          /* dtype not allowed for that argument */
+  LMLOSS_ERR_BAD_SHAPE = 3,          /* rows/cols inconsistent between tensors */
+  LMLOSS_ERR_BAD_STRIDE = 4,         /* row_stride < cols, or negative */
+  LMLOSS_ERR_INDEX_OUT_OF_RANGE = 5, /* target/index outside [0, V), not ignored */
+  LMLOSS_ERR_BAD_OPTION = 6,         /* option value NaN, out of range, unknown */
   LMLOSS_ERR_WORKSPACE_TOO_SMALL = 7,
-  LMLOSS_ERR_BAD_DEVICE = 8,        /* tensors on different devices */
-  LMLOSS_ERR_UNSUPPORTED = 9,       /* backend not built in (e.g. CUDA) */
-  LMLOSS_ERR_DEVICE_FAILURE = 10    /* the device runtime reported an error */
+  LMLOSS_ERR_BAD_DEVICE = 8,     /* tensors on different devices */
+  LMLOSS_ERR_UNSUPPORTED = 9,    /* backend not built in (e.g. CUDA) */
+  LMLOSS_ERR_DEVICE_FAILURE = 10 /* the device runtime reported an error */
 } lmloss_status;
 
 typedef enum {
@@ -96,8 +96,8 @@ typedef enum {
 /* Execution context: passed by pointer to every op; NULL means defaults. */
 typedef struct {
   lmloss_backend backend;
-  void *stream;     /* cudaStream_t for CUDA calls; NULL = default stream */
-  int num_threads;  /* CPU threads; 0 = OpenMP's default */
+  void *stream;    /* cudaStream_t for CUDA calls; NULL = default stream */
+  int num_threads; /* CPU threads; 0 = OpenMP's default */
 } lmloss_context;
 
 LMLOSS_API lmloss_context lmloss_context_default(void);
@@ -119,10 +119,10 @@ LMLOSS_API lmloss_transform lmloss_transform_default(void); /* {1, 0, 1} */
 /* ------------------------------------------------------------------ */
 
 typedef enum {
-  LMLOSS_REDUCE_NONE = 0,  /* loss is [N]; ignored rows read 0 */
-  LMLOSS_REDUCE_SUM = 1,   /* loss is [1] */
-  LMLOSS_REDUCE_MEAN = 2,  /* sum / (sum over valid rows of class_weight[y]);
-                              0 with zero gradient when that is 0 */
+  LMLOSS_REDUCE_NONE = 0,          /* loss is [N]; ignored rows read 0 */
+  LMLOSS_REDUCE_SUM = 1,           /* loss is [1] */
+  LMLOSS_REDUCE_MEAN = 2,          /* sum / (sum over valid rows of class_weight[y]);
+                                      0 with zero gradient when that is 0 */
   LMLOSS_REDUCE_SUM_OVER_ITEMS = 3 /* sum / num_items (transformers' and
                                       TRL's num_items_in_batch) */
 } lmloss_reduction;
@@ -136,16 +136,16 @@ typedef enum {
  * The gradient is that of the reduced loss; for REDUCE_NONE it is the
  * gradient of sum_i dloss_i * loss_i. */
 typedef struct {
-  int64_t ignore_index;    /* default -100 */
-  float label_smoothing;   /* in [0, 1] */
-  float z_loss;            /* >= 0 */
+  int64_t ignore_index;  /* default -100 */
+  float label_smoothing; /* in [0, 1] */
+  float z_loss;          /* >= 0 */
   lmloss_transform transform;
   lmloss_reduction reduction;
-  double num_items;        /* > 0, for LMLOSS_REDUCE_SUM_OVER_ITEMS */
-  int dft;                 /* 0 or 1 */
+  double num_items; /* > 0, for LMLOSS_REDUCE_SUM_OVER_ITEMS */
+  int dft;          /* 0 or 1 */
   /* Fused forward+backward only (outputs.dlogits present): the upstream
    * gradient of the returned loss (or of every row's loss, for NONE). */
-  float grad_output;       /* default 1 */
+  float grad_output; /* default 1 */
   /* When 0, dlogits rows of ignored rows are left untouched (sparse
    * supervision: only supervised rows are read and written). Default 1:
    * they are written with zeros. */
@@ -183,22 +183,20 @@ LMLOSS_API size_t lmloss_cross_entropy_workspace_size(int64_t rows);
  * or [1]), BAD_STRIDE, INDEX_OUT_OF_RANGE (a target outside [0, V) that is
  * not ignore_index; checked on CPU backends only, a CUDA kernel writes NaN
  * for that row), BAD_OPTION, WORKSPACE_TOO_SMALL, BAD_DEVICE. */
-LMLOSS_API lmloss_status lmloss_cross_entropy(const lmloss_context *ctx,
-                                   const lmloss_ce_inputs *in,
-                                   const lmloss_ce_options *opt,
-                                   const lmloss_ce_outputs *out,
-                                   void *workspace, size_t workspace_bytes);
+LMLOSS_API lmloss_status lmloss_cross_entropy(const lmloss_context *ctx, const lmloss_ce_inputs *in,
+                                              const lmloss_ce_options *opt,
+                                              const lmloss_ce_outputs *out, void *workspace,
+                                              size_t workspace_bytes);
 
 /* Backward: dlogits [N, V] from dloss (F32, [1] for reduced losses, [N] for
  * NONE; on the logits' device, never read by the host). Recomputes the row
  * statistics from the logits. Same errors as the forward. */
 LMLOSS_API lmloss_status lmloss_cross_entropy_backward(const lmloss_context *ctx,
-                                            const lmloss_ce_inputs *in,
-                                            const lmloss_ce_options *opt,
-                                            const lmloss_tensor *dloss,
-                                            const lmloss_tensor *dlogits,
-                                            void *workspace,
-                                            size_t workspace_bytes);
+                                                       const lmloss_ce_inputs *in,
+                                                       const lmloss_ce_options *opt,
+                                                       const lmloss_tensor *dloss,
+                                                       const lmloss_tensor *dlogits,
+                                                       void *workspace, size_t workspace_bytes);
 
 /* ------------------------------------------------------------------ */
 /* Log-probs (selective log-softmax) and entropy                      */
@@ -209,32 +207,24 @@ LMLOSS_API lmloss_status lmloss_cross_entropy_backward(const lmloss_context *ctx
  * entropy-only forms). mask: optional BOOL [N]; a masked-out row (0) is not
  * read, and its logp and entropy read 0 (its gradient row 0).
  * logp: F32/BF16/F16 [N, K]. entropy: optional F32 [N]. */
-LMLOSS_API lmloss_status lmloss_log_probs(const lmloss_context *ctx,
-                               const lmloss_tensor *logits,
-                               const lmloss_tensor *index,
-                               const lmloss_tensor *mask,
-                               const lmloss_transform *transform,
-                               const lmloss_tensor *logp,
-                               const lmloss_tensor *entropy);
+LMLOSS_API lmloss_status lmloss_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                          const lmloss_tensor *index, const lmloss_tensor *mask,
+                                          const lmloss_transform *transform,
+                                          const lmloss_tensor *logp, const lmloss_tensor *entropy);
 
 /* dlogits = d/dx of sum_ik dlogp[i,k] logp[i,k] + sum_i dentropy[i] H_i.
  * dlogp: optional F32 [N, K] (absent = 0; index may then be absent too);
  * dentropy: optional F32 [N]; at least one is present. dlogits
  * F32/BF16/F16 [N, V]; may alias logits exactly. */
-LMLOSS_API lmloss_status lmloss_log_probs_backward(const lmloss_context *ctx,
-                                        const lmloss_tensor *logits,
-                                        const lmloss_tensor *index,
-                                        const lmloss_tensor *mask,
-                                        const lmloss_transform *transform,
-                                        const lmloss_tensor *dlogp,
-                                        const lmloss_tensor *dentropy,
-                                        const lmloss_tensor *dlogits);
+LMLOSS_API lmloss_status lmloss_log_probs_backward(
+    const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_tensor *dlogp,
+    const lmloss_tensor *dentropy, const lmloss_tensor *dlogits);
 
 /* entropy [N] F32 of softmax(transform(x)): lmloss_log_probs with K = 0. */
-LMLOSS_API lmloss_status lmloss_entropy(const lmloss_context *ctx,
-                             const lmloss_tensor *logits,
-                             const lmloss_transform *transform,
-                             const lmloss_tensor *entropy);
+LMLOSS_API lmloss_status lmloss_entropy(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                        const lmloss_transform *transform,
+                                        const lmloss_tensor *entropy);
 
 /* ------------------------------------------------------------------ */
 /* Softmax and log-softmax, any width                                  */
@@ -242,17 +232,16 @@ LMLOSS_API lmloss_status lmloss_entropy(const lmloss_context *ctx,
 
 /* out [N, V] F32/BF16/F16 = softmax(x) (log_softmax when `log`). out may
  * alias x exactly. */
-LMLOSS_API lmloss_status lmloss_softmax(const lmloss_context *ctx, const lmloss_tensor *x,
-                             int log, const lmloss_tensor *out);
+LMLOSS_API lmloss_status lmloss_softmax(const lmloss_context *ctx, const lmloss_tensor *x, int log,
+                                        const lmloss_tensor *out);
 
 /* dx from the forward's output y and the upstream dy ([N, V] each):
  * softmax: dx = y * (dy - sum(dy * y)); log: dx = dy - exp(y) sum(dy).
  * The argmax entry is formed from the others' sum, so it survives
  * collapse. dx may alias dy exactly. */
-LMLOSS_API lmloss_status lmloss_softmax_backward(const lmloss_context *ctx,
-                                      const lmloss_tensor *y,
-                                      const lmloss_tensor *dy, int log,
-                                      const lmloss_tensor *dx);
+LMLOSS_API lmloss_status lmloss_softmax_backward(const lmloss_context *ctx, const lmloss_tensor *y,
+                                                 const lmloss_tensor *dy, int log,
+                                                 const lmloss_tensor *dx);
 
 /* ------------------------------------------------------------------ */
 /* Library                                                             */

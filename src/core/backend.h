@@ -14,8 +14,8 @@
 
 typedef struct {
   lmloss_status (*cross_entropy)(const lmloss_context *, const lmloss_ce_inputs *,
-                                 const lmloss_ce_options *, const lmloss_ce_outputs *,
-                                 void *, size_t);
+                                 const lmloss_ce_options *, const lmloss_ce_outputs *, void *,
+                                 size_t);
   lmloss_status (*cross_entropy_backward)(const lmloss_context *, const lmloss_ce_inputs *,
                                           const lmloss_ce_options *, const lmloss_tensor *dloss,
                                           const lmloss_tensor *dlogits, void *, size_t);
@@ -27,8 +27,7 @@ typedef struct {
   lmloss_status (*log_probs_backward)(const lmloss_context *, const lmloss_tensor *logits,
                                       const lmloss_tensor *index, const lmloss_tensor *mask,
                                       const lmloss_transform *, const lmloss_tensor *dlogp,
-                                      const lmloss_tensor *dentropy,
-                                      const lmloss_tensor *dlogits);
+                                      const lmloss_tensor *dentropy, const lmloss_tensor *dlogits);
   lmloss_status (*softmax)(const lmloss_context *, const lmloss_tensor *x, int log,
                            const lmloss_tensor *out);
   lmloss_status (*softmax_backward)(const lmloss_context *, const lmloss_tensor *y,

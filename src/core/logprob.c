@@ -26,8 +26,7 @@ lmloss_status lmloss_log_probs(const lmloss_context *ctx, const lmloss_tensor *l
                                const lmloss_transform *tr, const lmloss_tensor *logp,
                                const lmloss_tensor *entropy) {
   const lmloss_backend_ops *ops;
-  if (!lmloss_present(index))
-    return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
+  if (!lmloss_present(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
   if (index->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: K must be >= 1");
   TRY(check_common(ctx, logits, index, mask, tr, &ops));
   TRY(lmloss_check_tensor(logp, "logp", LMLOSS_FLOATS, logits->rows, index->cols));

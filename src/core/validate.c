@@ -23,9 +23,8 @@ lmloss_status lmloss_check_tensor(const lmloss_tensor *t, const char *name, unsi
     return lmloss_fail(LMLOSS_ERR_BAD_STRIDE, "%s: row_stride %lld < cols %lld", name,
                        (long long)t->row_stride, (long long)t->cols);
   if ((rows >= 0 && t->rows != rows) || (cols >= 0 && t->cols != cols))
-    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "%s: shape [%lld, %lld], expected [%lld, %lld]",
-                       name, (long long)t->rows, (long long)t->cols, (long long)rows,
-                       (long long)cols);
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "%s: shape [%lld, %lld], expected [%lld, %lld]", name,
+                       (long long)t->rows, (long long)t->cols, (long long)rows, (long long)cols);
   return LMLOSS_OK;
 }
 
@@ -55,8 +54,8 @@ lmloss_status lmloss_check_device(const lmloss_tensor *const *ts, int n, lmloss_
   return LMLOSS_OK;
 }
 
-lmloss_status lmloss_check_indices(const lmloss_tensor *idx, const lmloss_tensor *mask,
-                                   int64_t V, int allow_ignore, int64_t ignore, const char *name) {
+lmloss_status lmloss_check_indices(const lmloss_tensor *idx, const lmloss_tensor *mask, int64_t V,
+                                   int allow_ignore, int64_t ignore, const char *name) {
   if (idx->device != LMLOSS_CPU) return LMLOSS_OK;
   for (int64_t r = 0; r < idx->rows; r++) {
     if (lmloss_present(mask) && !((const unsigned char *)mask->data)[r * mask->row_stride])
@@ -98,7 +97,8 @@ lmloss_status lmloss_pick_backend(const lmloss_context *ctx, lmloss_device devic
   lmloss_backend b = ctx ? ctx->backend : LMLOSS_BACKEND_AUTO;
   if (ctx && ctx->num_threads < 0)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "num_threads must be >= 0");
-  if (b == LMLOSS_BACKEND_AUTO) b = device == LMLOSS_CUDA ? LMLOSS_BACKEND_CUDA : LMLOSS_BACKEND_CPU;
+  if (b == LMLOSS_BACKEND_AUTO)
+    b = device == LMLOSS_CUDA ? LMLOSS_BACKEND_CUDA : LMLOSS_BACKEND_CPU;
   switch (b) {
   case LMLOSS_BACKEND_REF:
   case LMLOSS_BACKEND_CPU:

@@ -8,10 +8,10 @@
 #include "backend.h"
 
 /* Return the status of x when it is not LMLOSS_OK. */
-#define TRY(x)                                                                 \
-  do {                                                                         \
-    lmloss_status st_ = (x);                                                   \
-    if (st_ != LMLOSS_OK) return st_;                                          \
+#define TRY(x)                                                                                     \
+  do {                                                                                             \
+    lmloss_status st_ = (x);                                                                       \
+    if (st_ != LMLOSS_OK) return st_;                                                              \
   } while (0)
 
 #define LMLOSS_MASK(d) (1u << (d))
@@ -35,8 +35,8 @@ lmloss_status lmloss_check_device(const lmloss_tensor *const *ts, int n, lmloss_
 /* Host-side range check of an index tensor (skipped on CUDA memory):
  * every entry in [0, V), except `ignore` when allow_ignore. Rows whose
  * mask entry is 0 are not read. */
-lmloss_status lmloss_check_indices(const lmloss_tensor *idx, const lmloss_tensor *mask,
-                                   int64_t V, int allow_ignore, int64_t ignore, const char *name);
+lmloss_status lmloss_check_indices(const lmloss_tensor *idx, const lmloss_tensor *mask, int64_t V,
+                                   int allow_ignore, int64_t ignore, const char *name);
 
 /* Exact aliasing is allowed, partial overlap is not. */
 lmloss_status lmloss_check_alias(const lmloss_tensor *in, const lmloss_tensor *out,
@@ -47,7 +47,8 @@ lmloss_status lmloss_pick_backend(const lmloss_context *ctx, lmloss_device devic
                                   const lmloss_backend_ops **ops);
 
 static inline int64_t lmloss_index_at(const lmloss_tensor *t, int64_t r, int64_t c) {
-  const char *p = (const char *)t->data + (size_t)(r * t->row_stride + c) * lmloss_dtype_size(t->dtype);
+  const char *p =
+      (const char *)t->data + (size_t)(r * t->row_stride + c) * lmloss_dtype_size(t->dtype);
   return t->dtype == LMLOSS_I64 ? *(const int64_t *)p : (int64_t) * (const int32_t *)p;
 }
 

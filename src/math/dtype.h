@@ -48,7 +48,7 @@ LMLOSS_HD uint16_t lmloss_f32_to_f16(float f) {
   uint32_t a = u & 0x7fffffffu;
   if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);
   if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds to inf */
-  if (a < 0x38800000u) {                                     /* subnormal or zero half */
+  if (a < 0x38800000u) {                                   /* subnormal or zero half */
     /* add 0.5 (2^-1) so the fp32 adder rounds the mantissa at 2^-24 */
     float v = lmloss_bits_f32(a) + 0.5f;
     return (uint16_t)(sign | (uint16_t)(lmloss_f32_bits(v) - 0x3f000000u));

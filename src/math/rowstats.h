@@ -50,8 +50,7 @@ LMLOSS_HD lmloss_xform lmloss_xform_make(lmloss_transform t) {
   f.s = t.logit_scale;
   f.cap = t.softcap;
   f.inv_cap = t.softcap > 0.0f ? 1.0f / t.softcap : 0.0f;
-  f.k = t.softcap > 0.0f ? 1.0f / t.temperature
-                         : (float)((double)t.logit_scale / t.temperature);
+  f.k = t.softcap > 0.0f ? 1.0f / t.temperature : (float)((double)t.logit_scale / t.temperature);
   return f;
 }
 
@@ -84,8 +83,7 @@ LMLOSS_HD lmloss_rowstat lmloss_rowstat_empty(void) {
 
 /* Merge two partial states of one row. Ties keep the lower index as a and
  * count the other occurrence's 1 into r. */
-LMLOSS_HD lmloss_rowstat lmloss_rowstat_merge(lmloss_rowstat x,
-                                              lmloss_rowstat y, float k) {
+LMLOSS_HD lmloss_rowstat lmloss_rowstat_merge(lmloss_rowstat x, lmloss_rowstat y, float k) {
   if (y.a < 0) return x;
   if (x.a < 0) return y;
   if (y.m > x.m || (y.m == x.m && y.a < x.a)) {
@@ -111,17 +109,14 @@ LMLOSS_HD int lmloss_rowstat_finite(const lmloss_rowstat *s) {
 }
 
 /* log(1 + R): the gap between lse and the max, in z units. */
-LMLOSS_HD float lmloss_rowstat_l1r(const lmloss_rowstat *s) {
-  return log1pf(s->r);
-}
+LMLOSS_HD float lmloss_rowstat_l1r(const lmloss_rowstat *s) { return log1pf(s->r); }
 
 LMLOSS_HD float lmloss_rowstat_lse(const lmloss_rowstat *s, float k) {
   return s->m * k + log1pf(s->r);
 }
 
 /* log p_j from w_j: exact -log1p(R) at the max (ties included). */
-LMLOSS_HD float lmloss_rowstat_logp(const lmloss_rowstat *s, float k,
-                                    float w) {
+LMLOSS_HD float lmloss_rowstat_logp(const lmloss_rowstat *s, float k, float w) {
   return (w - s->m) * k - log1pf(s->r);
 }
 
@@ -141,19 +136,17 @@ LMLOSS_HD float lmloss_rowstat_entropy_rest(const lmloss_rowstat *s) {
  * It sums to zero over j, which gives the argmax entry exactly:
  *   dce/dz_a = (A - B_a) - A R / (1 + R). */
 typedef struct {
-  float a_coef;   /* A */
-  float hot;      /* c_y (1 - e) */
-  float smooth;   /* e / V (times c_j per entry) */
+  float a_coef; /* A */
+  float hot;    /* c_y (1 - e) */
+  float smooth; /* e / V (times c_j per entry) */
 } lmloss_ce_coef;
 
-LMLOSS_HD float lmloss_ce_grad_z(const lmloss_ce_coef *q,
-                                 const lmloss_rowstat *s, float p,
+LMLOSS_HD float lmloss_ce_grad_z(const lmloss_ce_coef *q, const lmloss_rowstat *s, float p,
                                  float cj, int is_target, int is_argmax) {
   float b = (is_target ? q->hot : 0.0f) + q->smooth * cj;
   /* The complement form only where p_a > 1/2: below that A p_a is exact
    * enough and (A - B) - A R / (1 + R) would cancel. */
-  if (is_argmax && s->r < 1.0f)
-    return (q->a_coef - b) - q->a_coef * (s->r / (1.0f + s->r));
+  if (is_argmax && s->r < 1.0f) return (q->a_coef - b) - q->a_coef * (s->r / (1.0f + s->r));
   return q->a_coef * p - b;
 }
 
