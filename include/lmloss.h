@@ -57,9 +57,10 @@ typedef enum {
   LMLOSS_ERR_INDEX_OUT_OF_RANGE = 5, /* target/index outside [0, V), not ignored */
   LMLOSS_ERR_BAD_OPTION = 6,         /* option value NaN, out of range, unknown */
   LMLOSS_ERR_WORKSPACE_TOO_SMALL = 7,
-  LMLOSS_ERR_BAD_DEVICE = 8,     /* tensors on different devices */
-  LMLOSS_ERR_UNSUPPORTED = 9,    /* backend not built in (e.g. CUDA) */
-  LMLOSS_ERR_DEVICE_FAILURE = 10 /* the device runtime reported an error */
+  LMLOSS_ERR_BAD_DEVICE = 8,      /* tensors on different devices */
+  LMLOSS_ERR_UNSUPPORTED = 9,     /* backend not built in (e.g. CUDA) */
+  LMLOSS_ERR_DEVICE_FAILURE = 10, /* the device runtime reported an error */
+  LMLOSS_ERR_OUT_OF_MEMORY = 11   /* host scratch unavailable (CPU log-probs backward) */
 } lmloss_status;
 
 typedef enum {

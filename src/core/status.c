@@ -29,6 +29,7 @@ const char *lmloss_status_string(lmloss_status s) {
   case LMLOSS_ERR_BAD_DEVICE: return "LMLOSS_ERR_BAD_DEVICE";
   case LMLOSS_ERR_UNSUPPORTED: return "LMLOSS_ERR_UNSUPPORTED";
   case LMLOSS_ERR_DEVICE_FAILURE: return "LMLOSS_ERR_DEVICE_FAILURE";
+  case LMLOSS_ERR_OUT_OF_MEMORY: return "LMLOSS_ERR_OUT_OF_MEMORY";
   }
   return "LMLOSS_ERR_UNKNOWN";
 }

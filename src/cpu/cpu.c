@@ -1,0 +1,30 @@
+/* cpu.c - the CPU backend's function table. */
+#include "core/backend.h"
+#include "rowpass.h"
+
+lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *, const lmloss_ce_inputs *,
+                                       const lmloss_ce_options *, const lmloss_ce_outputs *, void *,
+                                       size_t);
+lmloss_status lmloss_cpu_cross_entropy_backward(const lmloss_context *, const lmloss_ce_inputs *,
+                                                const lmloss_ce_options *, const lmloss_tensor *,
+                                                const lmloss_tensor *, void *, size_t);
+lmloss_status lmloss_cpu_log_probs(const lmloss_context *, const lmloss_tensor *,
+                                   const lmloss_tensor *, const lmloss_tensor *,
+                                   const lmloss_transform *, const lmloss_tensor *,
+                                   const lmloss_tensor *);
+lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *, const lmloss_tensor *,
+                                            const lmloss_tensor *, const lmloss_tensor *,
+                                            const lmloss_transform *, const lmloss_tensor *,
+                                            const lmloss_tensor *, const lmloss_tensor *);
+lmloss_status lmloss_cpu_softmax(const lmloss_context *, const lmloss_tensor *, int,
+                                 const lmloss_tensor *);
+lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *, const lmloss_tensor *,
+                                          const lmloss_tensor *, int, const lmloss_tensor *);
+
+const lmloss_backend_ops lmloss_cpu_ops = {
+    lmloss_cpu_cross_entropy, lmloss_cpu_cross_entropy_backward,
+    lmloss_cpu_log_probs,     lmloss_cpu_log_probs_backward,
+    lmloss_cpu_softmax,       lmloss_cpu_softmax_backward,
+};
+
+const char *lmloss_cpu_isa(void) { return lmloss_cpu_isa_name(); }

@@ -1,0 +1,44 @@
+/*
+ * rowpass.h - the CPU backend's per-row passes, compiled once per ISA
+ * (AVX-512, AVX2, portable) and chosen at load time by the CPU.
+ *
+ * A row is processed in blocks of LMLOSS_CPU_BLOCK elements: the block is
+ * converted to fp32 w values (transform applied) in an L1-resident buffer,
+ * then a vectorized max, then a vectorized exp-sum relative to the block
+ * max; block states merge through lmloss_rowstat_merge. Summing in blocks
+ * and merging keeps the fp32 sums near 1e-7 relative on 10^5-wide rows.
+ */
+#ifndef LMLOSS_CPU_ROWPASS_H
+#define LMLOSS_CPU_ROWPASS_H
+
+#include "math/rowstats.h"
+
+#define LMLOSS_CPU_BLOCK 2048
+
+/* Row statistics. cw: class weights or NULL (all 1). need_t / need_u
+ * request the entropy and smoothing sums. *nonfinite is set when the row
+ * holds a NaN or +inf (or only -inf: then st->a < 0). */
+void lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lmloss_xform *f,
+                          const float *cw, int need_t, int need_u, lmloss_rowstat *st,
+                          int *nonfinite);
+
+/* The gradient shape shared by every op on this backend, in x units:
+ *   out_j = (e_j (P + P2 dk_j) - Q c_j) dz/dx_j,
+ *   dk_j = (w_j - m) k,  e_j = exp(dk_j),  c_j = cw[j] or 1.
+ * Callers then overwrite the few entries (target, indices, argmax) whose
+ * exact form differs. */
+void lmloss_cpu_row_grad(const void *row, lmloss_dtype dt, int64_t V, const lmloss_xform *f,
+                         const float *cw, float m, float P, float P2, float Q, void *out,
+                         lmloss_dtype odt);
+
+/* out_j = e_j * P (softmax, P = 1 / (1 + R)) or dk_j - P (log, P = log1p R). */
+void lmloss_cpu_row_softmax(const void *row, lmloss_dtype dt, int64_t V, float m, float P, int log,
+                            void *out, lmloss_dtype odt);
+
+/* Row of zeros / NaNs in dtype odt. */
+void lmloss_cpu_row_fill(void *out, lmloss_dtype odt, int64_t V, float v);
+
+/* Name of the ISA the passes run with. */
+const char *lmloss_cpu_isa_name(void);
+
+#endif

@@ -1,0 +1,76 @@
+/*
+ * softmax.c - softmax / log-softmax of any width on the CPU, and their
+ * backward from the output. The forward is one statistics pass and one
+ * write pass per row; the backward takes the argmax of y first so the
+ * argmax entry can be formed from the sums of the others.
+ */
+#include "common.h"
+#include "rowpass.h"
+
+lmloss_status lmloss_cpu_softmax(const lmloss_context *ctx, const lmloss_tensor *x, int log,
+                                 const lmloss_tensor *out) {
+  const int64_t N = x->rows, V = x->cols;
+  const lmloss_xform f = lmloss_xform_make(lmloss_transform_default());
+#pragma omp parallel for schedule(dynamic, 4) num_threads(lmloss_cpu_threads(ctx))
+  for (int64_t i = 0; i < N; i++) {
+    const void *row = lmloss_cpu_row(x, i);
+    void *o = lmloss_cpu_row_mut(out, i);
+    lmloss_rowstat s;
+    int bad;
+    lmloss_cpu_row_stats(row, x->dtype, V, &f, NULL, 0, 0, &s, &bad);
+    if (bad || !lmloss_rowstat_finite(&s)) {
+      lmloss_cpu_row_fill(o, out->dtype, V, NAN);
+      continue;
+    }
+    float P = log ? lmloss_rowstat_l1r(&s) : 1.0f / (1.0f + s.r);
+    lmloss_cpu_row_softmax(row, x->dtype, V, s.m, P, log, o, out->dtype);
+  }
+  return LMLOSS_OK;
+}
+
+/* softmax:  dx_j = y_j (dy_j - sum_k dy_k y_k); at the argmax
+ *           dx_a = y_a (dy_a sum_{k!=a} y_k - sum_{k!=a} dy_k y_k).
+ * log:      dx_j = dy_j - p_j sum_k dy_k; at the argmax
+ *           dx_a = dy_a (1 - p_a) - p_a sum_{k!=a} dy_k, 1 - p_a = -expm1(y_a). */
+lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *ctx, const lmloss_tensor *y,
+                                          const lmloss_tensor *dy, int log,
+                                          const lmloss_tensor *dx) {
+  const int64_t N = y->rows, V = y->cols;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(lmloss_cpu_threads(ctx))
+  for (int64_t i = 0; i < N; i++) {
+    const void *yr = lmloss_cpu_row(y, i), *dr = lmloss_cpu_row(dy, i);
+    void *o = lmloss_cpu_row_mut(dx, i);
+    int64_t a = 0;
+    float ya = lmloss_load(yr, y->dtype, 0);
+    for (int64_t j = 1; j < V; j++) {
+      float v = lmloss_load(yr, y->dtype, j);
+      if (v > ya || ya != ya) {
+        ya = v;
+        a = j;
+      }
+    }
+    float rest_y = 0.0f, rest_dyy = 0.0f, rest_dy = 0.0f;
+    for (int64_t j = 0; j < V; j++) {
+      if (j == a) continue;
+      float yj = lmloss_load(yr, y->dtype, j), gj = lmloss_load(dr, dy->dtype, j);
+      rest_y += log ? 0.0f : yj;
+      rest_dyy += gj * yj;
+      rest_dy += gj;
+    }
+    const float dya = lmloss_load(dr, dy->dtype, a);
+    float xa;
+    if (log) {
+      float pa = expf(ya);
+      xa = dya * -expm1f(ya) - pa * rest_dy;
+    } else {
+      xa = ya * (dya * rest_y - rest_dyy);
+    }
+    const float total = log ? rest_dy + dya : rest_dyy + dya * ya;
+    for (int64_t j = 0; j < V; j++) {
+      float yj = lmloss_load(yr, y->dtype, j), gj = lmloss_load(dr, dy->dtype, j);
+      float v = log ? gj - expf(yj) * total : yj * (gj - total);
+      lmloss_store(o, dx->dtype, j, j == a ? xa : v);
+    }
+  }
+  return LMLOSS_OK;
+}
