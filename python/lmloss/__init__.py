@@ -1,0 +1,37 @@
+"""lmloss: losses over the LLM vocabulary axis, exact under softmax collapse.
+
+A ctypes binding of liblmloss (include/lmloss.h) for NumPy arrays. Every
+function takes logits [..., V] (leading axes are flattened into rows, one C
+call), keyword-only options, and `backend` ("auto", "cpu" or "ref": the
+float64 reference) and `num_threads` (0 = OpenMP's default). Errors raise
+lmloss.Error (a ValueError) with .status, the C status name.
+
+Dtypes: float32 passes through; float64 is computed in float32; bfloat16 is
+an ml_dtypes.bfloat16 array or a uint16 array of bf16 bit patterns; float16
+is native. Float outputs that have the logits' shape keep the input dtype
+for bf16/fp16 (float32 otherwise); per-row results are float32.
+"""
+
+__version__ = "0.1.0"
+
+from . import _lib
+from ._ce import CrossEntropyResult, cross_entropy
+from ._lib import Error
+from ._lib import path as library_path
+from ._logprob import entropy, log_probs, log_probs_backward, selective_log_softmax
+from ._softmax import log_softmax, softmax, softmax_backward
+
+
+def has_cuda():
+    """True when the loaded library has the CUDA backend built in."""
+    return bool(_lib.has_cuda())
+
+
+def cpu_isa():
+    """The CPU kernels' instruction set: "avx512", "avx2" or "portable"."""
+    return _lib.cpu_isa().decode()
+
+
+__all__ = ["CrossEntropyResult", "Error", "cpu_isa", "cross_entropy", "entropy", "has_cuda",
+           "library_path", "log_probs", "log_probs_backward", "log_softmax",
+           "selective_log_softmax", "softmax", "softmax_backward", "__version__"]

@@ -1,0 +1,97 @@
+"""Cross-entropy over the vocabulary axis (lmloss_cross_entropy)."""
+
+import collections
+
+import numpy as np
+
+from . import _lib
+from ._tensor import Rows, absent, out_vector, vector
+
+CrossEntropyResult = collections.namedtuple("CrossEntropyResult",
+                                            "loss dlogits lse entropy argmax")
+CrossEntropyResult.__doc__ = """Returned by cross_entropy when a return_* flag is set:
+loss as in the plain form; dlogits (or None without grad=True); lse,
+entropy (float32, shaped like target) and argmax (int64, -1 on ignored
+rows), each None unless requested."""
+
+
+def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                  logit_scale=1.0, softcap=0.0, temperature=1.0, weight=None, class_weight=None,
+                  reduction="mean", num_items=None, dft=False, grad=False, return_lse=False,
+                  return_entropy=False, return_argmax=False, backend="auto", num_threads=0):
+    """Cross-entropy of logits [..., V] against target [...] (int64/int32).
+
+    Per row with target y != ignore_index, z = transform(x) (x * logit_scale,
+    then softcap * tanh(. / softcap) when softcap > 0, then / temperature),
+    class weights c (class_weight [V], all 1 when None, C = sum c), smoothing e:
+        ce   = c_y (1 - e) (lse - z_y) + (e / V) sum_j c_j (lse - z_j)
+        ce  *= stop_gradient(p_y)              when dft (DFT)
+        loss = w (ce + z_loss * lse^2)         (w = weight [...], else 1)
+    reduction: "none" -> float32 array shaped like target (ignored rows 0);
+    "sum" -> float; "mean" -> sum / (sum of c_y over non-ignored rows), 0
+    (zero gradient) when that is 0. num_items given (> 0) -> sum / num_items
+    whether reduction is "sum" or "mean" (transformers' num_items_in_batch);
+    an error with "none".
+
+    grad=True returns (loss, dlogits): the gradient of the returned loss
+    with upstream 1 (for "none", of its sum), computed in the same pass.
+    dlogits is float32 for fp32/fp64 logits, else the logits' dtype.
+    With any return_* flag set, returns CrossEntropyResult instead.
+
+    Dtypes: fp32; fp64 (computed in fp32); bf16 (ml_dtypes.bfloat16, or
+    uint16 bit patterns); fp16. backend: "auto", "cpu" or "ref" (float64
+    reference); num_threads: 0 = OpenMP's default. Raises lmloss.Error.
+    """
+    if reduction not in _lib.REDUCTIONS:
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "reduction must be 'none', 'sum' or 'mean', "
+                         "got %r" % (reduction,))
+    if num_items is not None and reduction == "none":
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "num_items needs reduction 'sum' or 'mean'")
+    ctx = _lib.make_context(backend, num_threads)
+    x = Rows(logits, "logits")
+    n, keep = x.n, []
+
+    def vec(v, length, lead, name, kind):
+        if v is None:
+            return absent()
+        a, t = vector(v, length, lead, name, kind)
+        keep.append(a)
+        return t
+
+    inputs = _lib.CEInputs(x.t, vec(target, n, x.lead, "target", "index"),
+                           vec(weight, n, x.lead, "weight", "f32"),
+                           vec(class_weight, x.v, (x.v,), "class_weight", "f32"))
+    opt = _lib.ce_options_default()
+    opt.ignore_index = int(ignore_index)
+    opt.label_smoothing, opt.z_loss = float(label_smoothing), float(z_loss)
+    opt.transform = _lib.make_transform(logit_scale, softcap, temperature)
+    opt.reduction = _lib.REDUCTIONS[reduction]
+    if num_items is not None:
+        opt.reduction, opt.num_items = _lib.REDUCE_SUM_OVER_ITEMS, float(num_items)
+    opt.dft = int(bool(dft))
+
+    loss, loss_t = out_vector(n if reduction == "none" else 1)
+    outputs = _lib.CEOutputs(loss=loss_t)
+    extra = {}
+    for name, flag, dtype in (("lse", return_lse, np.float32),
+                              ("entropy", return_entropy, np.float32),
+                              ("argmax", return_argmax, np.int64)):
+        if flag:
+            extra[name], t = out_vector(n, dtype)
+            setattr(outputs, name, t)
+    dlogits = None
+    if grad:
+        dlogits, outputs.dlogits = x.empty(x.out_dtype())
+
+    ws_bytes = _lib.ce_workspace_size(n)
+    ws = np.empty(max(1, -(-ws_bytes // 8)), dtype=np.float64)  # 8-byte aligned
+    _lib.check(_lib.cross_entropy(ctx, inputs, opt, outputs, ws.ctypes.data, ws.nbytes))
+
+    loss = loss.reshape(x.lead) if reduction == "none" else float(loss[0])
+    if dlogits is not None:
+        dlogits = dlogits.reshape(x.lead + (x.v,))
+    if extra:
+        extra = {k: v.reshape(x.lead) for k, v in extra.items()}
+        return CrossEntropyResult(loss, dlogits, extra.get("lse"), extra.get("entropy"),
+                                  extra.get("argmax"))
+    return (loss, dlogits) if grad else loss

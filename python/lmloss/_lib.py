@@ -1,0 +1,151 @@
+"""Loading liblmloss.so and mirroring include/lmloss.h with ctypes.
+
+The library is looked up, in order, at:
+  1. the path in the environment variable LMLOSS_LIBRARY (when set, only
+     there);
+  2. the package directory (``pip install .`` puts it in ``lmloss/lib/``);
+  3. the build tree ``<repo>/build/`` (for ``PYTHONPATH=python``).
+
+The structs below mirror the C structs field by field (enums are C ints);
+ctypes applies the same natural alignment as the C compiler.
+"""
+
+import ctypes
+import os
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_NAME = "liblmloss.so"
+
+
+def _candidates():
+    env = os.environ.get("LMLOSS_LIBRARY")
+    if env:  # an explicit choice: the only candidate
+        yield env
+        return
+    yield os.path.join(_HERE, _NAME)
+    yield os.path.join(_HERE, "lib", _NAME)
+    yield os.path.join(os.path.dirname(os.path.dirname(_HERE)), "build", _NAME)
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        if os.path.isfile(path):
+            return ctypes.CDLL(path), path
+        tried.append(path)
+    raise ImportError("lmloss: cannot find %s; looked at: %s (set LMLOSS_LIBRARY to its path)"
+                      % (_NAME, ", ".join(tried)))
+
+
+lib, path = _load()
+
+# Enum values, pinned by lmloss.h.
+F32, BF16, F16, F64, I32, I64, BOOL = range(7)
+CPU_DEVICE = 0
+BACKENDS = {"auto": 0, "ref": 1, "cpu": 2}
+REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+REDUCE_SUM_OVER_ITEMS = 3
+
+_c_int64 = ctypes.c_int64
+
+
+class Tensor(ctypes.Structure):
+    """lmloss_tensor: a row-major [rows, cols] view with row_stride elements."""
+    _fields_ = [("data", ctypes.c_void_p), ("dtype", ctypes.c_int), ("device", ctypes.c_int),
+                ("rows", _c_int64), ("cols", _c_int64), ("row_stride", _c_int64)]
+
+
+class Context(ctypes.Structure):
+    _fields_ = [("backend", ctypes.c_int), ("stream", ctypes.c_void_p),
+                ("num_threads", ctypes.c_int)]
+
+
+class Transform(ctypes.Structure):
+    _fields_ = [("logit_scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("temperature", ctypes.c_float)]
+
+
+class CEOptions(ctypes.Structure):
+    _fields_ = [("ignore_index", _c_int64), ("label_smoothing", ctypes.c_float),
+                ("z_loss", ctypes.c_float), ("transform", Transform),
+                ("reduction", ctypes.c_int), ("num_items", ctypes.c_double),
+                ("dft", ctypes.c_int), ("grad_output", ctypes.c_float),
+                ("zero_ignored_rows", ctypes.c_int)]
+
+
+class CEInputs(ctypes.Structure):
+    _fields_ = [("logits", Tensor), ("target", Tensor), ("token_weight", Tensor),
+                ("class_weight", Tensor)]
+
+
+class CEOutputs(ctypes.Structure):
+    _fields_ = [("loss", Tensor), ("lse", Tensor), ("entropy", Tensor), ("argmax", Tensor),
+                ("dlogits", Tensor)]
+
+
+_P = ctypes.POINTER
+_status = ctypes.c_int
+
+
+def _proto(name, restype, *argtypes):
+    fn = getattr(lib, name)
+    fn.restype = restype
+    fn.argtypes = list(argtypes)
+    return fn
+
+
+context_default = _proto("lmloss_context_default", Context)
+transform_default = _proto("lmloss_transform_default", Transform)
+ce_options_default = _proto("lmloss_ce_options_default", CEOptions)
+ce_workspace_size = _proto("lmloss_cross_entropy_workspace_size", ctypes.c_size_t, _c_int64)
+cross_entropy = _proto("lmloss_cross_entropy", _status, _P(Context), _P(CEInputs),
+                       _P(CEOptions), _P(CEOutputs), ctypes.c_void_p, ctypes.c_size_t)
+log_probs = _proto("lmloss_log_probs", _status, _P(Context), _P(Tensor), _P(Tensor), _P(Tensor),
+                   _P(Transform), _P(Tensor), _P(Tensor))
+log_probs_backward = _proto("lmloss_log_probs_backward", _status, _P(Context), _P(Tensor),
+                            _P(Tensor), _P(Tensor), _P(Transform), _P(Tensor), _P(Tensor),
+                            _P(Tensor))
+entropy = _proto("lmloss_entropy", _status, _P(Context), _P(Tensor), _P(Transform), _P(Tensor))
+softmax = _proto("lmloss_softmax", _status, _P(Context), _P(Tensor), ctypes.c_int, _P(Tensor))
+softmax_backward = _proto("lmloss_softmax_backward", _status, _P(Context), _P(Tensor),
+                          _P(Tensor), ctypes.c_int, _P(Tensor))
+status_string = _proto("lmloss_status_string", ctypes.c_char_p, ctypes.c_int)
+last_error = _proto("lmloss_last_error", ctypes.c_char_p)
+has_cuda = _proto("lmloss_has_cuda", ctypes.c_int)
+cpu_isa = _proto("lmloss_cpu_isa", ctypes.c_char_p)
+
+
+class Error(ValueError):
+    """A call into lmloss failed. ``status`` is the C status name (for
+    example ``"LMLOSS_ERR_INDEX_OUT_OF_RANGE"``); str() adds the C message."""
+
+    def __init__(self, status, message):
+        super().__init__("%s: %s" % (status, message))
+        self.status = status
+        self.message = message
+
+
+def check(status):
+    """Raise Error for a non-OK status, with lmloss_last_error()'s message.
+    Must run on the calling thread right after the call (the message is
+    thread-local; ctypes calls run on the calling thread)."""
+    if status != 0:
+        raise Error(status_string(status).decode(), last_error().decode())
+
+
+def make_context(backend, num_threads):
+    """lmloss_context for backend "auto", "cpu" or "ref" and num_threads."""
+    if backend not in BACKENDS:
+        raise Error("LMLOSS_ERR_BAD_OPTION",
+                    "backend must be one of %s, got %r" % (sorted(BACKENDS), backend))
+    ctx = context_default()
+    ctx.backend = BACKENDS[backend]
+    ctx.num_threads = int(num_threads)
+    return ctx
+
+
+def make_transform(logit_scale=1.0, softcap=0.0, temperature=1.0):
+    tr = transform_default()
+    tr.logit_scale, tr.softcap = float(logit_scale), float(softcap)
+    tr.temperature = float(temperature)
+    return tr

@@ -1,0 +1,87 @@
+"""Per-token log-probs (selective log-softmax), entropy, and their backward."""
+
+import numpy as np
+
+from . import _lib
+from ._tensor import Rows, index_shape, matrix, out_vector, shape_error, vector
+
+
+def _mask(mask, x, keep):
+    if mask is None:
+        return None  # a NULL pointer: absent
+    a, t = vector(mask, x.n, x.lead, "mask", "mask")
+    keep.append(a)
+    return t
+
+
+def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backend="auto",
+              num_threads=0):
+    """log softmax(logits / temperature) gathered at index.
+
+    logits [..., V] (fp32, fp64 computed in fp32, bf16 as ml_dtypes.bfloat16
+    or uint16 bits, fp16); index [...] or [..., K] int64/int32 with
+    0 <= index < V, K <= V. Returns float32 shaped like index, or
+    (logp, entropy) with entropy=True (entropy float32 shaped [...]).
+    mask: optional bool/uint8 [...]; masked-out rows (0) are not read and
+    read 0 in every result. [B, T, V] inputs are one call over B*T rows.
+    backend: "auto", "cpu" or "ref"; num_threads: 0 = default.
+    """
+    ctx = _lib.make_context(backend, num_threads)
+    x = Rows(logits, "logits")
+    k, shape = index_shape(x, index)
+    idx, idx_t = matrix(index, x.n, k, "index", "index")
+    keep = [idx]
+    mask_t = _mask(mask, x, keep)
+    logp = np.empty((x.n, k), dtype=np.float32)
+    logp_t = _lib.Tensor(logp.ctypes.data, _lib.F32, _lib.CPU_DEVICE, x.n, k, k)
+    ent, ent_t = out_vector(x.n) if entropy else (None, None)
+    tr = _lib.make_transform(temperature=temperature)
+    _lib.check(_lib.log_probs(ctx, x.t, idx_t, mask_t, tr, logp_t, ent_t))
+    logp = logp.reshape(shape)
+    return (logp, ent.reshape(x.lead)) if entropy else logp
+
+
+selective_log_softmax = log_probs  # TRL's name: gather(log_softmax(logits), index)
+
+
+def log_probs_backward(logits, index, dlogp, dentropy=None, *, temperature=1.0, mask=None,
+                       backend="auto", num_threads=0):
+    """dlogits = d/dlogits of sum(dlogp * logp) + sum(dentropy * entropy).
+
+    Shapes as in log_probs; dlogp (shaped like index) and dentropy (shaped
+    [...]) are converted to float32; dlogp may be None when dentropy is
+    given (index may then be None too). Returns dlogits shaped like logits:
+    float32 for fp32/fp64 logits, else the logits' dtype (bf16, fp16).
+    """
+    ctx = _lib.make_context(backend, num_threads)
+    x = Rows(logits, "logits")
+    keep, idx_t, dlogp_t = [], None, None
+    if index is not None:
+        k, shape = index_shape(x, index)
+        idx, idx_t = matrix(index, x.n, k, "index", "index")
+        keep.append(idx)
+        if dlogp is not None:
+            if np.shape(dlogp) != shape:
+                raise shape_error("dlogp has shape %s, expected %s" % (np.shape(dlogp), shape))
+            g, dlogp_t = matrix(dlogp, x.n, k, "dlogp", "f32")
+            keep.append(g)
+    elif dlogp is not None:
+        raise _lib.Error("LMLOSS_ERR_NULL_POINTER", "dlogp given without index")
+    dent_t = None
+    if dentropy is not None:
+        d, dent_t = vector(dentropy, x.n, x.lead, "dentropy", "f32")
+        keep.append(d)
+    mask_t = _mask(mask, x, keep)
+    dx, dx_t = x.empty(x.out_dtype())
+    tr = _lib.make_transform(temperature=temperature)
+    _lib.check(_lib.log_probs_backward(ctx, x.t, idx_t, mask_t, tr, dlogp_t, dent_t, dx_t))
+    return dx.reshape(x.lead + (x.v,))
+
+
+def entropy(logits, *, temperature=1.0, backend="auto", num_threads=0):
+    """Entropy of softmax(logits / temperature) per row: float32 [...]."""
+    ctx = _lib.make_context(backend, num_threads)
+    x = Rows(logits, "logits")
+    ent, ent_t = out_vector(x.n)
+    _lib.check(_lib.entropy(ctx, x.t, _lib.make_transform(temperature=temperature), ent_t))
+    return ent.reshape(x.lead)

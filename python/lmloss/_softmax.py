@@ -1,0 +1,37 @@
+"""Softmax and log-softmax over the last axis, and their backward."""
+
+from . import _lib
+from ._tensor import Rows, shape_error
+
+
+def _forward(logits, log, backend, num_threads):
+    ctx = _lib.make_context(backend, num_threads)
+    x = Rows(logits, "logits")
+    out, out_t = x.empty(x.out_dtype())
+    _lib.check(_lib.softmax(ctx, x.t, int(log), out_t))
+    return out.reshape(x.lead + (x.v,))
+
+
+def softmax(logits, *, backend="auto", num_threads=0):
+    """softmax over the last axis of logits [..., V]. Same shape; float32
+    for fp32/fp64 input, else the input's dtype (bf16 as ml_dtypes.bfloat16
+    or uint16 bits, fp16)."""
+    return _forward(logits, False, backend, num_threads)
+
+
+def log_softmax(logits, *, backend="auto", num_threads=0):
+    """log_softmax over the last axis; shapes and dtypes as softmax."""
+    return _forward(logits, True, backend, num_threads)
+
+
+def softmax_backward(y, dy, log=False, *, backend="auto", num_threads=0):
+    """dx from the forward output y and upstream dy (both [..., V]):
+    softmax: dx = y * (dy - sum(dy * y)); log: dx = dy - exp(y) sum(dy).
+    dx is float32 for fp32/fp64 dy, else dy's dtype."""
+    ctx = _lib.make_context(backend, num_threads)
+    y, dy = Rows(y, "y"), Rows(dy, "dy")
+    if dy.lead + (dy.v,) != y.lead + (y.v,):
+        raise shape_error("dy has shape %s, y has %s" % (dy.lead + (dy.v,), y.lead + (y.v,)))
+    dx, dx_t = dy.empty(dy.out_dtype())
+    _lib.check(_lib.softmax_backward(ctx, y.t, dy.t, int(bool(log)), dx_t))
+    return dx.reshape(dy.lead + (dy.v,))
