@@ -1,0 +1,31 @@
+/*
+ * ref.c - the float64 scalar reference backend: the oracle of the test
+ * suite, selectable as LMLOSS_BACKEND_REF (host memory only). Plain loops,
+ * one row at a time, all math in double, each output rounded once.
+ */
+#include "core/backend.h"
+
+lmloss_status lmloss_ref_cross_entropy(const lmloss_context *, const lmloss_ce_inputs *,
+                                       const lmloss_ce_options *, const lmloss_ce_outputs *, void *,
+                                       size_t);
+lmloss_status lmloss_ref_cross_entropy_backward(const lmloss_context *, const lmloss_ce_inputs *,
+                                                const lmloss_ce_options *, const lmloss_tensor *,
+                                                const lmloss_tensor *, void *, size_t);
+lmloss_status lmloss_ref_log_probs(const lmloss_context *, const lmloss_tensor *,
+                                   const lmloss_tensor *, const lmloss_tensor *,
+                                   const lmloss_transform *, const lmloss_tensor *,
+                                   const lmloss_tensor *);
+lmloss_status lmloss_ref_log_probs_backward(const lmloss_context *, const lmloss_tensor *,
+                                            const lmloss_tensor *, const lmloss_tensor *,
+                                            const lmloss_transform *, const lmloss_tensor *,
+                                            const lmloss_tensor *, const lmloss_tensor *);
+lmloss_status lmloss_ref_softmax(const lmloss_context *, const lmloss_tensor *, int,
+                                 const lmloss_tensor *);
+lmloss_status lmloss_ref_softmax_backward(const lmloss_context *, const lmloss_tensor *,
+                                          const lmloss_tensor *, int, const lmloss_tensor *);
+
+const lmloss_backend_ops lmloss_ref_ops = {
+    lmloss_ref_cross_entropy, lmloss_ref_cross_entropy_backward,
+    lmloss_ref_log_probs,     lmloss_ref_log_probs_backward,
+    lmloss_ref_softmax,       lmloss_ref_softmax_backward,
+};
