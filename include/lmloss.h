@@ -245,6 +245,88 @@ LMLOSS_API lmloss_status lmloss_softmax_backward(const lmloss_context *ctx, cons
                                                  const lmloss_tensor *dx);
 
 /* ------------------------------------------------------------------ */
+/* Fused linear head: the same losses from hidden states and the head */
+/* ------------------------------------------------------------------ */
+
+/* logits = hidden [N, H] x weight [V, H]^T (+ bias [V]), never held whole:
+ * rows are processed in chunks whose transient slabs fit the caller's
+ * memory budget. Rows a loss ignores (ignore_index, mask 0) are compacted
+ * away before the GEMMs, so they cost nothing. hidden, weight and bias
+ * share one dtype: F32 on every backend; BF16/F16 on CUDA only (the CPU
+ * backend returns LMLOSS_ERR_UNSUPPORTED for them). fp32 inputs use true
+ * fp32 GEMMs (no TF32). On CUDA the call reads the number of supervised
+ * rows back to the host once (it sizes the GEMMs): this is the one host
+ * synchronization of the fused-head calls. */
+typedef struct {
+  lmloss_tensor hidden; /* [N, H] */
+  lmloss_tensor weight; /* [V, H] */
+  lmloss_tensor bias;   /* optional [V] (rows = V, cols = 1) */
+} lmloss_head;
+
+typedef struct {
+  /* Bytes for the transient per-chunk buffers (the logits slab, its
+   * gradient, the gathered hidden rows and their gradient). 0 = 256 MiB.
+   * A budget that cannot hold one row gives LMLOSS_ERR_WORKSPACE_TOO_SMALL. */
+  size_t memory_budget;
+  /* When dweight / dbias are BF16/F16, accumulate them over the chunks in
+   * fp32 buffers inside the workspace (V*H*4 + V*4 bytes beyond the budget)
+   * and round once at the end. Default 1. Pass F32 gradient tensors to
+   * accumulate in place instead. */
+  int fp32_accumulate;
+} lmloss_head_options;
+
+LMLOSS_API lmloss_head_options lmloss_head_options_default(void);
+
+/* Gradients of a fused-head call; each one optional (absent = frozen). They
+ * are overwritten, not accumulated into. dhidden: [N, H] in hidden's dtype
+ * (rows the loss ignores read 0); dweight [V, H] and dbias [V]: F32 or the
+ * weight's dtype. */
+typedef struct {
+  lmloss_tensor dhidden;
+  lmloss_tensor dweight;
+  lmloss_tensor dbias;
+} lmloss_head_grads;
+
+/* Workspace bytes for any fused-head call with these shapes, options and
+ * requested gradients (k: indices per row for log-probs, 1 for CE). */
+LMLOSS_API lmloss_status lmloss_linear_workspace_size(const lmloss_head *head,
+                                                      const lmloss_head_options *hopt,
+                                                      const lmloss_head_grads *grads, int64_t k,
+                                                      size_t *bytes);
+
+/* Cross-entropy of the fused head, every option of lmloss_cross_entropy.
+ * out->dlogits must be absent. With grads present, their gradients are
+ * computed in the same pass for upstream opt->grad_output. */
+LMLOSS_API lmloss_status lmloss_linear_cross_entropy(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *target,
+    const lmloss_tensor *token_weight, const lmloss_tensor *class_weight,
+    const lmloss_ce_options *opt, const lmloss_head_options *hopt, const lmloss_ce_outputs *out,
+    const lmloss_head_grads *grads, void *workspace, size_t workspace_bytes);
+
+/* Gradients from dloss (F32 [1] or [N] for NONE, on the device);
+ * recomputes the logits chunk by chunk. */
+LMLOSS_API lmloss_status lmloss_linear_cross_entropy_backward(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *target,
+    const lmloss_tensor *token_weight, const lmloss_tensor *class_weight,
+    const lmloss_ce_options *opt, const lmloss_head_options *hopt, const lmloss_tensor *dloss,
+    const lmloss_head_grads *grads, void *workspace, size_t workspace_bytes);
+
+/* Log-probs (and entropy) of the fused head: as lmloss_log_probs. */
+LMLOSS_API lmloss_status lmloss_linear_log_probs(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_head_options *hopt,
+    const lmloss_tensor *logp, const lmloss_tensor *entropy, void *workspace,
+    size_t workspace_bytes);
+
+/* Gradients from dlogp [N, K] and/or dentropy [N] (entropy's gradient is
+ * the real one). */
+LMLOSS_API lmloss_status lmloss_linear_log_probs_backward(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_head_options *hopt,
+    const lmloss_tensor *dlogp, const lmloss_tensor *dentropy, const lmloss_head_grads *grads,
+    void *workspace, size_t workspace_bytes);
+
+/* ------------------------------------------------------------------ */
 /* Library                                                             */
 /* ------------------------------------------------------------------ */
 

@@ -12,6 +12,39 @@
 
 #include "lmloss.h"
 
+/* Building blocks of the fused linear head (src/core/fused_linear.c runs
+ * the chunk loop with them). Tensors are row-major views; shapes are
+ * those of the tensors passed. */
+typedef struct {
+  /* c = alpha * op(a) op(b) + beta * c, op = transpose when t_a / t_b. */
+  lmloss_status (*gemm)(const lmloss_context *, int t_a, int t_b, float alpha,
+                        const lmloss_tensor *a, const lmloss_tensor *b, float beta,
+                        const lmloss_tensor *c);
+  /* Indices of the rows to keep into list (device memory of the backend):
+   * label != ignore for I32/I64 labels, != 0 for BOOL. On the host: their
+   * count and the sum of class_weight[label] (of 1s without weights). */
+  lmloss_status (*select_rows)(const lmloss_context *, const lmloss_tensor *labels, int64_t ignore,
+                               const lmloss_tensor *class_weight, int64_t *list, int64_t *count,
+                               double *weight_sum);
+  /* dst[r] = src[list[r]] and dst[list[r]] = src[r], r < rows of the
+   * compact side; same dtype. */
+  lmloss_status (*gather_rows)(const lmloss_context *, const lmloss_tensor *src,
+                               const int64_t *list, const lmloss_tensor *dst);
+  lmloss_status (*scatter_rows)(const lmloss_context *, const lmloss_tensor *src,
+                                const int64_t *list, const lmloss_tensor *dst);
+  lmloss_status (*fill)(const lmloss_context *, const lmloss_tensor *t, double v);
+  /* every row of c = vec ([cols, 1]) */
+  lmloss_status (*broadcast_row)(const lmloss_context *, const lmloss_tensor *vec,
+                                 const lmloss_tensor *c);
+  /* out ([cols, 1]) = beta * out + column sums of a */
+  lmloss_status (*colsum)(const lmloss_context *, const lmloss_tensor *a, float beta,
+                          const lmloss_tensor *out);
+  /* dst [1] = sum of src [n, 1] (F32), in a fixed order */
+  lmloss_status (*sum)(const lmloss_context *, const lmloss_tensor *src, const lmloss_tensor *dst);
+  /* dst = src, converted, same shape */
+  lmloss_status (*cast)(const lmloss_context *, const lmloss_tensor *src, const lmloss_tensor *dst);
+} lmloss_linear_prims;
+
 typedef struct {
   lmloss_status (*cross_entropy)(const lmloss_context *, const lmloss_ce_inputs *,
                                  const lmloss_ce_options *, const lmloss_ce_outputs *, void *,
@@ -32,6 +65,7 @@ typedef struct {
                            const lmloss_tensor *out);
   lmloss_status (*softmax_backward)(const lmloss_context *, const lmloss_tensor *y,
                                     const lmloss_tensor *dy, int log, const lmloss_tensor *dx);
+  const lmloss_linear_prims *linear; /* NULL: no fused head on this backend */
 } lmloss_backend_ops;
 
 extern const lmloss_backend_ops lmloss_ref_ops;

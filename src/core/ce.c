@@ -3,7 +3,7 @@
 
 #include "validate.h"
 
-static lmloss_status check_options(const lmloss_ce_options *o) {
+lmloss_status lmloss_check_ce_options(const lmloss_ce_options *o) {
   TRY(lmloss_check_transform(&o->transform));
   if (!(o->label_smoothing >= 0.0f && o->label_smoothing <= 1.0f))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "label_smoothing must be in [0, 1], got %g",
@@ -36,7 +36,7 @@ static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_ce_inp
   TRY(lmloss_check_tensor(&in->target, "target", LMLOSS_INDICES, N, 1));
   TRY(lmloss_check_optional(&in->token_weight, "token_weight", LMLOSS_MASK(LMLOSS_F32), N, 1));
   TRY(lmloss_check_optional(&in->class_weight, "class_weight", LMLOSS_MASK(LMLOSS_F32), V, 1));
-  TRY(check_options(opt));
+  TRY(lmloss_check_ce_options(opt));
   if (!ws && N > 0) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
   if (ws_bytes < lmloss_cross_entropy_workspace_size(N))
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",

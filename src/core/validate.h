@@ -29,6 +29,9 @@ lmloss_status lmloss_check_optional(const lmloss_tensor *t, const char *name, un
 
 lmloss_status lmloss_check_transform(const lmloss_transform *t);
 
+/* Every cross-entropy option in range (also checks its transform). */
+lmloss_status lmloss_check_ce_options(const lmloss_ce_options *o);
+
 /* Every tensor in `ts` (absent ones skipped) on `device`. */
 lmloss_status lmloss_check_device(const lmloss_tensor *const *ts, int n, lmloss_device device);
 

@@ -25,7 +25,7 @@ static inline float *lmloss_cpu_f32_at(const lmloss_tensor *t, int64_t i) {
 }
 
 static inline int lmloss_cpu_masked_out(const lmloss_tensor *mask, int64_t i) {
-  return mask && !((const unsigned char *)mask->data)[i * mask->row_stride];
+  return lmloss_present(mask) && !((const unsigned char *)mask->data)[i * mask->row_stride];
 }
 
 #endif

@@ -20,27 +20,39 @@ const char *lmloss_cpu_isa_name(void) {
   return "portable";
 }
 
-/* exp(hi + lo) for hi <= 0, 0 below the fp32 normal range (the underflow
- * floor). Cody-Waite reduction, degree-7 Taylor on |r| <= ln2/2 (error
- * 5e-9): pure arithmetic so every loop that calls it vectorizes. */
+/* exp(hi + lo) for hi <= 0, down through the fp32 subnormals (a row sum
+ * of many subnormal terms can be a normal number). Cody-Waite reduction,
+ * degree-6 Taylor on |r| <= ln2/2 (error 1.7e-7), the scale 2^n applied in
+ * two normal halves: pure arithmetic, so every loop that calls it
+ * vectorizes. */
 static inline float exp_neg(float hi, float lo) {
   const float magic = 12582912.0f;       /* 1.5 * 2^23: round to nearest */
-  float h = hi > -100.0f ? hi : -100.0f; /* -inf and NaN stay convertible */
+  float h = hi > -104.0f ? hi : -104.0f; /* -inf and NaN stay convertible */
   float n = (h * 1.44269504088896341f + magic) - magic;
   float r = fmaf(n, -0.693145751953125f, h);
   r = fmaf(n, -1.428606765330187e-06f, r) + lo;
-  float p = 1.0f / 5040.0f;
-  p = fmaf(p, r, 1.0f / 720.0f);
+  float p = 1.0f / 720.0f;
   p = fmaf(p, r, 1.0f / 120.0f);
   p = fmaf(p, r, 1.0f / 24.0f);
   p = fmaf(p, r, 1.0f / 6.0f);
   p = fmaf(p, r, 0.5f);
   p = fmaf(p, r, 1.0f);
   p = fmaf(p, r, 1.0f);
-  int32_t ni = (int32_t)n;
-  ni = ni < -126 ? -126 : ni;
-  float scale = lmloss_bits_f32((uint32_t)(ni + 127) << 23);
-  return hi < -87.33654f ? 0.0f : p * scale;
+  int32_t ni = (int32_t)n, n1 = ni >> 1, n2 = ni - n1;
+  float s1 = lmloss_bits_f32((uint32_t)(n1 + 127) << 23);
+  float s2 = lmloss_bits_f32((uint32_t)(n2 + 127) << 23);
+  return hi < -103.972f ? 0.0f : p * s1 * s2;
+}
+
+/* The exponent (w - m) k and its rounding error: the error of the
+ * subtraction (TwoSum) and of the product (fma) go into lo, so p_j keeps
+ * fp32 accuracy however far w is from m. */
+static inline float exponent(float w, float m, float k, float *lo) {
+  float d = w - m, bb = d - w;
+  float derr = (w - (d - bb)) + (-m - bb);
+  float dk = d * k;
+  *lo = fmaf(d, k, -dk) + derr * k;
+  return dk;
 }
 
 /* Convert n elements starting at j0 to fp32. */
@@ -77,14 +89,28 @@ static inline void store_block(void *out, lmloss_dtype odt, int64_t j0, int n, c
 }
 
 /* The block's w values: the row itself for fp32 without softcap, else
- * converted (and softcapped) into buf. */
+ * converted (and softcapped) into buf. Softcap maps +-inf to +-cap, so the
+ * non-finite policy is read off the raw x first: *bad for NaN or +inf,
+ * *all_ninf when every x is -inf. */
 static inline const float *block_w(const void *row, lmloss_dtype dt, int64_t j0, int n,
-                                   const lmloss_xform *f, float *buf) {
+                                   const lmloss_xform *f, float *buf, int *bad, int *all_ninf) {
+  *bad = 0;
+  *all_ninf = 0;
   if (dt == LMLOSS_F32 && f->cap == 0.0f) return (const float *)row + j0;
   load_x(row, dt, j0, n, buf);
-  if (f->cap > 0.0f)
+  if (f->cap > 0.0f) {
+    int nans = 0, pinf = 0, ninf = 0;
+#pragma omp simd reduction(+ : nans, pinf, ninf)
+    for (int i = 0; i < n; i++) {
+      nans += buf[i] != buf[i];
+      pinf += buf[i] == INFINITY;
+      ninf += buf[i] == -INFINITY;
+    }
+    *bad = nans || pinf;
+    *all_ninf = ninf == n;
     for (int i = 0; i < n; i++)
       buf[i] = lmloss_xform_w(f, buf[i]);
+  }
   return buf;
 }
 
@@ -98,14 +124,13 @@ static inline __attribute__((always_inline)) void block_sums(const float *restri
   int ties = 0;
 #pragma omp simd reduction(+ : r, t, u, c, ties)
   for (int i = 0; i < n; i++) {
-    float d = buf[i] - mb;
-    float dk = d * k;
-    float e = exp_neg(dk, fmaf(d, k, -dk));
+    float lo, dk = exponent(buf[i], mb, k, &lo);
+    float e = exp_neg(dk, lo);
     int tie = buf[i] == mb;
     e = tie ? 0.0f : e;
     ties += tie;
     r += e;
-    if (need_t) t -= e * dk;
+    if (need_t) t -= e > 0.0f ? e * dk : 0.0f; /* -inf entries add 0, not NaN */
     if (need_u) {
       float cj = cw ? cw[i] : 1.0f;
       u -= cj * dk;
@@ -129,7 +154,10 @@ void lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lml
   int bad = 0;
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
     int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
-    const float *w = block_w(row, dt, j0, n, f, buf);
+    int raw_bad, all_ninf;
+    const float *w = block_w(row, dt, j0, n, f, buf, &raw_bad, &all_ninf);
+    if (raw_bad) bad = 1;
+    if (all_ninf) continue;
     float mb = -INFINITY;
     int nans = 0;
 #pragma omp simd reduction(max : mb) reduction(+ : nans)
@@ -168,10 +196,10 @@ static inline __attribute__((always_inline)) void
 grad_block(float *buf, int n, float m, float k, const float *cw, float P, float P2, float Q) {
 #pragma omp simd
   for (int i = 0; i < n; i++) {
-    float d = buf[i] - m, dk = d * k;
-    float e = exp_neg(dk, fmaf(d, k, -dk));
+    float lo, dk = exponent(buf[i], m, k, &lo);
+    float e = exp_neg(dk, lo);
     float cj = cw ? cw[i] : 1.0f;
-    buf[i] = (e * (P + P2 * dk) - Q * cj) * k;
+    buf[i] = ((e > 0.0f ? e * (P + P2 * dk) : 0.0f) - Q * cj) * k;
   }
 }
 
@@ -187,10 +215,10 @@ void lmloss_cpu_row_grad(const void *row, lmloss_dtype dt, int64_t V, const lmlo
     if (f->cap > 0.0f) {
       for (int i = 0; i < n; i++) {
         float x = buf[i], w = lmloss_xform_w(f, x);
-        float d = w - m, dk = d * k;
-        float e = exp_neg(dk, fmaf(d, k, -dk));
+        float lo, dk = exponent(w, m, k, &lo);
+        float e = exp_neg(dk, lo);
         float cj = cw ? cw[j0 + i] : 1.0f;
-        buf[i] = (e * (P + P2 * dk) - Q * cj) * lmloss_xform_dzdx(f, x);
+        buf[i] = ((e > 0.0f ? e * (P + P2 * dk) : 0.0f) - Q * cj) * lmloss_xform_dzdx(f, x);
       }
     } else {
       const float *cwb = cw ? cw + j0 : NULL;
@@ -216,8 +244,10 @@ void lmloss_cpu_row_softmax(const void *row, lmloss_dtype dt, int64_t V, float m
         buf[i] = (buf[i] - m) - P;
     } else {
 #pragma omp simd
-      for (int i = 0; i < n; i++)
-        buf[i] = exp_neg(buf[i] - m, 0.0f) * P;
+      for (int i = 0; i < n; i++) {
+        float lo, d = exponent(buf[i], m, 1.0f, &lo);
+        buf[i] = exp_neg(d, lo) * P;
+      }
     }
     store_block(out, odt, j0, n, buf);
   }

@@ -49,7 +49,8 @@ lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *ctx, const lmlos
         a = j;
       }
     }
-    float rest_y = 0.0f, rest_dyy = 0.0f, rest_dy = 0.0f;
+    double rest_y = 0.0, rest_dyy = 0.0,
+           rest_dy = 0.0; /* these sums cancel: accumulate in double */
     for (int64_t j = 0; j < V; j++) {
       if (j == a) continue;
       float yj = lmloss_load(yr, y->dtype, j), gj = lmloss_load(dr, dy->dtype, j);
@@ -59,16 +60,14 @@ lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *ctx, const lmlos
     }
     const float dya = lmloss_load(dr, dy->dtype, a);
     float xa;
-    if (log) {
-      float pa = expf(ya);
-      xa = dya * -expm1f(ya) - pa * rest_dy;
-    } else {
-      xa = ya * (dya * rest_y - rest_dyy);
-    }
-    const float total = log ? rest_dy + dya : rest_dyy + dya * ya;
+    if (log)
+      xa = (float)(dya * -expm1((double)ya) - exp((double)ya) * rest_dy);
+    else
+      xa = (float)(ya * (dya * rest_y - rest_dyy));
+    const double total = log ? rest_dy + dya : rest_dyy + (double)dya * ya;
     for (int64_t j = 0; j < V; j++) {
       float yj = lmloss_load(yr, y->dtype, j), gj = lmloss_load(dr, dy->dtype, j);
-      float v = log ? gj - expf(yj) * total : yj * (gj - total);
+      float v = (float)(log ? gj - exp((double)yj) * total : yj * (gj - total));
       lmloss_store(o, dx->dtype, j, j == a ? xa : v);
     }
   }

@@ -60,7 +60,7 @@ static void run_case(tgroup *g, int64_t N, int64_t V, int log, lmloss_dtype xdt,
     if (tg_true(g, sr == LMLOSS_OK && sg == LMLOSS_OK, "backward status %s %s (%s)",
                 lmloss_status_string(sr), lmloss_status_string(sg), lmloss_last_error()))
       for (int64_t i = 0; i < N; i++) {
-        /* cancellation floor: 2^-22 |terms| (testing.h); argmax: the others' sum */
+        /* cancellation floor: TOL_CANCEL |terms| (testing.h); argmax: the others' sum */
         double sabs = 0, rest = 0;
         int64_t a = 0;
         for (int64_t j = 0; j < V; j++) {

@@ -6,7 +6,7 @@ log p_j = z_j - m - log1p(R) otherwise. Functions return float64 arrays and,
 for gradients, a floor array: the magnitude of the constant parts that the
 formula subtracts (B_j, in the brief's notation; for the softmax backward
 the magnitudes summed into sum(dy) or sum(dy * y)), so a test may allow
-2^-22 * floor of cancellation on top of the relative tolerance. Options
+1e-5 * floor of cancellation on top of the relative tolerance. Options
 are rounded to float32 first, as the C structs hold them.
 """
 

@@ -19,19 +19,19 @@
  *   ulp_dt(r) = 0 for F32 outputs; for BF16/F16 outputs one ulp of that
  *               dtype at r (relative 2^-8..2^-7 for bf16, 2^-11..2^-10
  *               for fp16; 2^-133 / 2^-24 in their subnormal ranges)
- *   cancel    = inherent-cancellation floor, 2^-22 times the magnitude of
+ *   cancel    = inherent-cancellation floor, TOL_REL times the magnitude of
  *               the terms that the exact result subtracts:
- *               CE gradient with label smoothing: 2^-22 |B_j| (at the
+ *               CE gradient with label smoothing: TOL_REL |B_j| (at the
  *                 argmax entry |A - B_a|), B_j = c_y (1 - e)[j == y] +
  *                 e c_j / V, A = c_y (1 - e) + e C / V, times the row's
  *                 gradient scale (token weight, reduction factor, upstream
  *                 gradient, dz/dx);
- *               log-probs backward: 2^-22 (|D_j| + p_j sum_k |dlogp_k| +
+ *               log-probs backward: TOL_REL (|D_j| + p_j sum_k |dlogp_k| +
  *                 |dH| p_j (|log p_j| + H)) times dz/dx, and at an argmax
  *                 entry with p_a > 1/2 (formed as minus the others' sum)
  *                 the sum of the other entries' floors;
- *               softmax backward: 2^-22 y_j (|dy_j| + sum_k |dy_k| y_k),
- *                 log-softmax backward: 2^-22 (|dy_j| + exp(y_j) sum_k |dy_k|),
+ *               softmax backward: TOL_REL y_j (|dy_j| + sum_k |dy_k| y_k),
+ *                 log-softmax backward: TOL_REL (|dy_j| + exp(y_j) sum_k |dy_k|),
  *                 and at the argmax entry the sum of the others' floors;
  *               0 everywhere else.
  * NaN references require NaN, infinite ones the same infinity.
@@ -50,7 +50,7 @@
 
 #define TOL_REL 1e-5
 #define TOL_FLOOR ((double)FLT_MIN)
-#define TOL_CANCEL 0x1p-22
+#define TOL_CANCEL TOL_REL
 
 /* ---- case groups: one summary line each, worst relative error ---- */
 typedef struct {

@@ -1,0 +1,480 @@
+/*
+ * fused_linear.c - the fused linear head: validation and the chunk loop.
+ *
+ * The supervised rows are selected first (ignored / masked rows never reach
+ * a GEMM). Then, per chunk of at most `rows` of them:
+ *   gather hidden rows -> slab = hidden_c W^T (+ bias)           (GEMM 1)
+ *   the backend's own row op on the slab (CE or log-probs, forward and/or
+ *   gradient, in place when the weight is F32)
+ *   dhidden_c = dlogits W -> scattered back                      (GEMM 2)
+ *   dW += dlogits^T hidden_c, dbias += column sums               (GEMM 3)
+ * so the numerics are exactly those of the logits ops, and memory beyond
+ * inputs and outputs is the chunk buffers (sized from the budget) plus,
+ * on request, fp32 accumulators for 16-bit dW / dbias. This file holds no
+ * math: it sequences the backend's primitives.
+ */
+#include <string.h>
+
+#include "validate.h"
+
+#define DEFAULT_BUDGET ((size_t)256 << 20)
+#define ALIGN 256
+
+lmloss_head_options lmloss_head_options_default(void) {
+  lmloss_head_options o = {DEFAULT_BUDGET, 1};
+  return o;
+}
+
+typedef enum { CE_FORWARD, CE_BACKWARD, LP_FORWARD, LP_BACKWARD } job_kind;
+
+typedef struct {
+  job_kind kind;
+  const lmloss_context *ctx;
+  const lmloss_head *head;
+  const lmloss_tensor *labels; /* target [N] or index [N, K] (may be absent for entropy) */
+  const lmloss_tensor *mask, *tw, *cw;
+  const lmloss_ce_options *opt;
+  const lmloss_transform *tr;
+  const lmloss_head_options *hopt;
+  const lmloss_ce_outputs *out;
+  const lmloss_tensor *dloss, *logp, *entropy, *dlogp, *dentropy;
+  const lmloss_head_grads *grads;
+} linear_job;
+
+/* Where everything lives in the workspace; rows = rows per chunk. */
+typedef struct {
+  int64_t rows, K;
+  size_t list, slab, dl, hid, dh, aux, ce_ws, acc_w, acc_b, sums, total;
+  int dl_separate; /* dlogits in the weight's 16-bit dtype, beside the fp32 slab */
+  int acc_w_f32, acc_b_f32;
+} linear_plan;
+
+static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
+
+static int wants(const lmloss_tensor *t) { return lmloss_present(t); }
+
+static int has_grads(const lmloss_head_grads *g) {
+  return g && (wants(&g->dhidden) || wants(&g->dweight) || wants(&g->dbias));
+}
+
+/* Bytes of small per-row buffers: labels, weights, per-row results. */
+static size_t aux_per_row(int64_t K) { return 64 + (size_t)K * 16; }
+
+static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_options *hopt,
+                               const lmloss_head_grads *grads, int64_t K, linear_plan *p) {
+  const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
+  const size_t hs = lmloss_dtype_size(head->hidden.dtype);
+  const size_t budget = hopt->memory_budget ? hopt->memory_budget : DEFAULT_BUDGET;
+  memset(p, 0, sizeof *p);
+  p->K = K;
+  p->dl_separate = has_grads(grads) && head->weight.dtype != LMLOSS_F32;
+  size_t per_row = (size_t)V * 4 + (p->dl_separate ? (size_t)V * hs : 0) + 2 * (size_t)H * hs +
+                   aux_per_row(K) + 3 * sizeof(double);
+  int64_t rows = (int64_t)(budget / per_row);
+  if (rows < 1)
+    return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
+                       "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
+                       "and their buffers)",
+                       budget, per_row, (long long)V);
+  if (rows > N) rows = N > 0 ? N : 1;
+  if (rows > 128) rows -= rows % 128; /* whole GEMM tiles */
+  p->rows = rows;
+  size_t off = 0;
+  p->list = off, off += up((size_t)(N > 0 ? N : 1) * 8);
+  p->slab = off, off += up((size_t)rows * V * 4);
+  p->dl = off, off += p->dl_separate ? up((size_t)rows * V * hs) : 0;
+  p->hid = off, off += up((size_t)rows * H * hs);
+  p->dh = off, off += up((size_t)rows * H * hs);
+  p->aux = off, off += up((size_t)rows * aux_per_row(K));
+  p->ce_ws = off, off += up(lmloss_cross_entropy_workspace_size(rows));
+  p->sums = off, off += up((size_t)(N / rows + 2) * 4);
+  if (grads && wants(&grads->dweight) && grads->dweight.dtype != LMLOSS_F32 &&
+      hopt->fp32_accumulate) {
+    p->acc_w_f32 = 1;
+    p->acc_w = off, off += up((size_t)V * H * 4);
+  }
+  if (grads && wants(&grads->dbias) && grads->dbias.dtype != LMLOSS_F32 && hopt->fp32_accumulate) {
+    p->acc_b_f32 = 1;
+    p->acc_b = off, off += up((size_t)V * 4);
+  }
+  p->total = off;
+  return LMLOSS_OK;
+}
+
+static lmloss_tensor view(void *data, lmloss_dtype dt, lmloss_device dev, int64_t rows,
+                          int64_t cols) {
+  lmloss_tensor t = {data, dt, dev, rows, cols, cols};
+  return t;
+}
+
+static lmloss_tensor rows_of(const lmloss_tensor *t, int64_t first, int64_t n) {
+  lmloss_tensor v = *t;
+  v.data = (char *)t->data + (size_t)(first * t->row_stride) * lmloss_dtype_size(t->dtype);
+  v.rows = n;
+  return v;
+}
+
+static lmloss_status check_head(const lmloss_head *head, const lmloss_head_options *hopt) {
+  if (!head || !hopt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "head or options is NULL");
+  TRY(lmloss_check_tensor(&head->hidden, "hidden", LMLOSS_FLOATS, -1, -1));
+  TRY(lmloss_check_tensor(&head->weight, "weight", LMLOSS_MASK(head->hidden.dtype), -1,
+                          head->hidden.cols));
+  if (head->weight.rows < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "weight: V must be >= 1");
+  if (head->hidden.cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "hidden: H must be >= 1");
+  TRY(lmloss_check_optional(&head->bias, "bias", LMLOSS_MASK(head->hidden.dtype), head->weight.rows,
+                            1));
+  if (hopt->fp32_accumulate != 0 && hopt->fp32_accumulate != 1)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "fp32_accumulate must be 0 or 1");
+  return LMLOSS_OK;
+}
+
+static lmloss_status check_grads(const lmloss_head *head, const lmloss_head_grads *g) {
+  if (!g) return LMLOSS_OK;
+  const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
+  const unsigned wdt = LMLOSS_MASK(LMLOSS_F32) | LMLOSS_MASK(head->weight.dtype);
+  TRY(lmloss_check_optional(&g->dhidden, "dhidden", LMLOSS_MASK(head->hidden.dtype), N, H));
+  TRY(lmloss_check_optional(&g->dweight, "dweight", wdt, V, H));
+  TRY(lmloss_check_optional(&g->dbias, "dbias", wdt, V, 1));
+  if (wants(&g->dbias) && !wants(&head->bias))
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dbias given for a head without bias");
+  if (wants(&g->dhidden)) TRY(lmloss_check_alias(&head->hidden, &g->dhidden, "dhidden"));
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_linear_workspace_size(const lmloss_head *head, const lmloss_head_options *hopt,
+                                           const lmloss_head_grads *grads, int64_t k,
+                                           size_t *bytes) {
+  linear_plan p;
+  if (!bytes) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "bytes is NULL");
+  if (k < 0) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "k must be >= 0");
+  TRY(check_head(head, hopt));
+  TRY(check_grads(head, grads));
+  TRY(make_plan(head, hopt, grads, k, &p));
+  *bytes = p.total;
+  return LMLOSS_OK;
+}
+
+/* The row op of one chunk on the slab; dl = where its gradient goes. */
+static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *ops,
+                                const linear_plan *p, char *ws, const int64_t *list, int64_t c,
+                                int64_t n, const lmloss_tensor *slab, const lmloss_tensor *dl,
+                                double scale) {
+  const lmloss_linear_prims *L = ops->linear;
+  const lmloss_device dev = j->head->hidden.device;
+  const lmloss_context *ctx = j->ctx;
+  char *aux = ws + p->aux;
+  const int64_t K = p->K;
+  /* per-row compact buffers, rows = n */
+  lmloss_tensor lab = view(aux, LMLOSS_I64, dev, n, K > 0 ? K : 1);
+  lmloss_tensor f1 =
+      view(aux + (size_t)p->rows * K * 8 + 0 * (size_t)p->rows * 8, LMLOSS_F32, dev, n, 1);
+  lmloss_tensor f2 = rows_of(&f1, p->rows, n), f3 = rows_of(&f1, 2 * p->rows, n);
+  lmloss_tensor i1 =
+      view(aux + (size_t)p->rows * K * 8 + 3 * (size_t)p->rows * 8, LMLOSS_I64, dev, n, 1);
+  lmloss_tensor f4 = view(aux + (size_t)p->rows * K * 8 + 4 * (size_t)p->rows * 8, LMLOSS_F32, dev,
+                          n, K > 0 ? K : 1);
+  if (j->labels && K > 0) {
+    lab.dtype = j->labels->dtype;
+    lab.row_stride = lab.cols;
+    TRY(L->gather_rows(ctx, j->labels, list, &lab));
+  }
+
+  if (j->kind == CE_FORWARD || j->kind == CE_BACKWARD) {
+    lmloss_ce_options o = *j->opt;
+    o.zero_ignored_rows = 1;
+    if (o.reduction != LMLOSS_REDUCE_NONE) {
+      o.reduction = LMLOSS_REDUCE_SUM_OVER_ITEMS; /* the global divisor, per chunk */
+      o.num_items = 1.0 / scale;
+    }
+    lmloss_ce_inputs in = {*slab, lab, {0}, *j->cw};
+    if (wants(j->tw)) {
+      in.token_weight = f3;
+      TRY(L->gather_rows(ctx, j->tw, list, &f3));
+    }
+    void *cws = ws + p->ce_ws;
+    size_t cwb = lmloss_cross_entropy_workspace_size(n);
+    if (j->kind == CE_BACKWARD) {
+      lmloss_tensor d = *j->dloss;
+      if (j->opt->reduction == LMLOSS_REDUCE_NONE) {
+        d = f1;
+        TRY(L->gather_rows(ctx, j->dloss, list, &d));
+      }
+      return ops->cross_entropy_backward(ctx, &in, &o, &d, dl, cws, cwb);
+    }
+    const lmloss_ce_outputs *out = j->out;
+    lmloss_ce_outputs co;
+    memset(&co, 0, sizeof co);
+    co.loss = j->opt->reduction == LMLOSS_REDUCE_NONE
+                  ? f1
+                  : view(ws + p->sums + (size_t)c * 4, LMLOSS_F32, dev, 1, 1);
+    if (wants(&out->lse)) co.lse = f2;
+    if (wants(&out->entropy)) co.entropy = rows_of(&f2, p->rows, n); /* f3's slot, after tw */
+    if (wants(&out->entropy) && wants(j->tw)) co.entropy = f4;
+    if (wants(&out->argmax)) co.argmax = i1;
+    if (dl) co.dlogits = *dl;
+    TRY(ops->cross_entropy(ctx, &in, &o, &co, cws, cwb));
+    if (j->opt->reduction == LMLOSS_REDUCE_NONE) TRY(L->scatter_rows(ctx, &f1, list, &out->loss));
+    if (wants(&out->lse)) TRY(L->scatter_rows(ctx, &co.lse, list, &out->lse));
+    if (wants(&out->entropy)) TRY(L->scatter_rows(ctx, &co.entropy, list, &out->entropy));
+    if (wants(&out->argmax)) TRY(L->scatter_rows(ctx, &i1, list, &out->argmax));
+    return LMLOSS_OK;
+  }
+  const lmloss_tensor *idx = K > 0 ? &lab : NULL;
+  if (j->kind == LP_FORWARD) {
+    lmloss_tensor lp = f4, *ent = wants(j->entropy) ? &f1 : NULL;
+    if (j->logp) lp.dtype = j->logp->dtype, lp.row_stride = K;
+    TRY(ops->log_probs(ctx, slab, idx, NULL, j->tr, j->logp ? &lp : NULL, ent));
+    if (j->logp) TRY(L->scatter_rows(ctx, &lp, list, j->logp));
+    if (ent) TRY(L->scatter_rows(ctx, ent, list, j->entropy));
+    return LMLOSS_OK;
+  }
+  lmloss_tensor dlp = f4, dent = f1;
+  if (j->dlogp) TRY(L->gather_rows(ctx, j->dlogp, list, &dlp));
+  if (j->dentropy) TRY(L->gather_rows(ctx, j->dentropy, list, &dent));
+  return ops->log_probs_backward(ctx, slab, j->dlogp ? idx : NULL, NULL, j->tr,
+                                 j->dlogp ? &dlp : NULL, j->dentropy ? &dent : NULL, dl);
+}
+
+/* Outputs of the rows that no chunk visits. */
+static lmloss_status fill_unvisited(const linear_job *j, const lmloss_linear_prims *L) {
+  const lmloss_context *ctx = j->ctx;
+  if (j->kind == CE_FORWARD) {
+    if (j->opt->reduction == LMLOSS_REDUCE_NONE) TRY(L->fill(ctx, &j->out->loss, 0.0));
+    if (wants(&j->out->lse)) TRY(L->fill(ctx, &j->out->lse, 0.0));
+    if (wants(&j->out->entropy)) TRY(L->fill(ctx, &j->out->entropy, 0.0));
+    if (wants(&j->out->argmax)) TRY(L->fill(ctx, &j->out->argmax, -1.0));
+  }
+  if (j->kind == LP_FORWARD) {
+    if (j->logp) TRY(L->fill(ctx, j->logp, 0.0));
+    if (wants(j->entropy)) TRY(L->fill(ctx, j->entropy, 0.0));
+  }
+  if (j->grads && wants(&j->grads->dhidden)) TRY(L->fill(ctx, &j->grads->dhidden, 0.0));
+  return LMLOSS_OK;
+}
+
+static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
+  const lmloss_head *h = j->head;
+  const lmloss_device dev = h->hidden.device;
+  const lmloss_backend_ops *ops;
+  TRY(lmloss_pick_backend(j->ctx, dev, &ops));
+  if (!ops->linear)
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "this backend has no fused linear head");
+  const lmloss_linear_prims *L = ops->linear;
+  linear_plan p;
+  int64_t K = (j->kind == CE_FORWARD || j->kind == CE_BACKWARD) ? 1
+              : j->labels                                       ? j->labels->cols
+                                                                : 0;
+  TRY(make_plan(h, j->hopt, j->grads, K, &p));
+  if (!ws) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
+  if (ws_bytes < p.total)
+    return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",
+                       ws_bytes, p.total);
+  char *w = ws;
+  const int64_t H = h->hidden.cols, V = h->weight.rows;
+  const lmloss_head_grads *g = j->grads;
+  int64_t *list = (int64_t *)(w + p.list), M = 0;
+  double wsum = 0.0;
+  const int is_ce = j->kind == CE_FORWARD || j->kind == CE_BACKWARD;
+  if (is_ce) {
+    TRY(L->select_rows(j->ctx, j->labels, j->opt->ignore_index, j->cw, list, &M, &wsum));
+  } else if (wants(j->mask)) {
+    TRY(L->select_rows(j->ctx, j->mask, 0, NULL, list, &M, &wsum));
+  } else {
+    lmloss_tensor all = view(NULL, LMLOSS_BOOL, dev, h->hidden.rows, 1);
+    TRY(L->select_rows(j->ctx, &all, 0, NULL, list, &M, &wsum));
+  }
+  double scale = 1.0;
+  if (is_ce && j->opt->reduction == LMLOSS_REDUCE_MEAN) scale = wsum > 0.0 ? 1.0 / wsum : 0.0;
+  if (is_ce && j->opt->reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) scale = 1.0 / j->opt->num_items;
+  if (scale == 0.0) M = 0; /* mean over zero weight: 0 with a zero gradient */
+  TRY(fill_unvisited(j, L));
+
+  const int want_grad =
+      has_grads(g) && j->kind != LP_FORWARD && !(j->kind == CE_FORWARD && !has_grads(g));
+  lmloss_tensor accw = {0}, accb = {0};
+  if (g && wants(&g->dweight))
+    accw = p.acc_w_f32 ? view(w + p.acc_w, LMLOSS_F32, dev, V, H) : g->dweight;
+  if (g && wants(&g->dbias))
+    accb = p.acc_b_f32 ? view(w + p.acc_b, LMLOSS_F32, dev, V, 1) : g->dbias;
+  const int64_t nchunks = (M + p.rows - 1) / p.rows;
+  for (int64_t c = 0; c < nchunks; c++) {
+    const int64_t first = c * p.rows, n = M - first < p.rows ? M - first : p.rows;
+    const int64_t *lc = list + first;
+    lmloss_tensor hc = view(w + p.hid, h->hidden.dtype, dev, n, H);
+    lmloss_tensor slab = view(w + p.slab, LMLOSS_F32, dev, n, V);
+    TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
+    if (wants(&h->bias)) TRY(L->broadcast_row(j->ctx, &h->bias, &slab));
+    TRY(L->gemm(j->ctx, 0, 1, 1.0f, &hc, &h->weight, wants(&h->bias) ? 1.0f : 0.0f, &slab));
+    lmloss_tensor dl = p.dl_separate ? view(w + p.dl, h->weight.dtype, dev, n, V) : slab;
+    TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &dl : NULL, scale));
+    if (!want_grad) continue;
+    const float beta = c == 0 ? 0.0f : 1.0f;
+    if (wants(&g->dhidden)) {
+      lmloss_tensor dh = view(w + p.dh, h->hidden.dtype, dev, n, H);
+      TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dl, &h->weight, 0.0f, &dh));
+      TRY(L->scatter_rows(j->ctx, &dh, lc, &g->dhidden));
+    }
+    if (wants(&g->dweight)) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &accw));
+    if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &dl, beta, &accb));
+  }
+  if (want_grad || (g && j->kind == CE_FORWARD)) {
+    if (g && wants(&g->dweight)) {
+      if (nchunks == 0) TRY(L->fill(j->ctx, &accw, 0.0));
+      if (p.acc_w_f32) TRY(L->cast(j->ctx, &accw, &g->dweight));
+    }
+    if (g && wants(&g->dbias)) {
+      if (nchunks == 0) TRY(L->fill(j->ctx, &accb, 0.0));
+      if (p.acc_b_f32) TRY(L->cast(j->ctx, &accb, &g->dbias));
+    }
+  }
+  if (j->kind == CE_FORWARD && j->opt->reduction != LMLOSS_REDUCE_NONE) {
+    if (nchunks == 0) return L->fill(j->ctx, &j->out->loss, 0.0);
+    lmloss_tensor sums = view(w + p.sums, LMLOSS_F32, dev, nchunks, 1);
+    TRY(L->sum(j->ctx, &sums, &j->out->loss));
+  }
+  return LMLOSS_OK;
+}
+
+/* Shared checks of the CE entry points. */
+static lmloss_status check_ce(const lmloss_head *head, const lmloss_tensor *target,
+                              const lmloss_tensor *tw, const lmloss_tensor *cw,
+                              const lmloss_ce_options *opt) {
+  if (!opt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "options is NULL");
+  const int64_t N = head->hidden.rows, V = head->weight.rows;
+  TRY(lmloss_check_tensor(target, "target", LMLOSS_INDICES, N, 1));
+  TRY(lmloss_check_optional(tw, "token_weight", LMLOSS_MASK(LMLOSS_F32), N, 1));
+  TRY(lmloss_check_optional(cw, "class_weight", LMLOSS_MASK(LMLOSS_F32), V, 1));
+  TRY(lmloss_check_ce_options(opt));
+  const lmloss_tensor *ts[] = {&head->hidden, &head->weight, &head->bias, target, tw, cw};
+  TRY(lmloss_check_device(ts, 6, head->hidden.device));
+  return lmloss_check_indices(target, NULL, V, 1, opt->ignore_index, "target");
+}
+
+static const lmloss_tensor *opt_tensor(const lmloss_tensor *t) {
+  static const lmloss_tensor none = {0};
+  return t ? t : &none;
+}
+
+lmloss_status
+lmloss_linear_cross_entropy(const lmloss_context *ctx, const lmloss_head *head,
+                            const lmloss_tensor *target, const lmloss_tensor *token_weight,
+                            const lmloss_tensor *class_weight, const lmloss_ce_options *opt,
+                            const lmloss_head_options *hopt, const lmloss_ce_outputs *out,
+                            const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
+  TRY(check_head(head, hopt));
+  TRY(check_grads(head, grads));
+  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
+  TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt));
+  const int64_t N = head->hidden.rows;
+  if (wants(&out->dlogits))
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dlogits must be absent: the fused head never "
+                                             "materializes the logits");
+  TRY(lmloss_check_tensor(&out->loss, "loss", LMLOSS_MASK(LMLOSS_F32),
+                          opt->reduction == LMLOSS_REDUCE_NONE ? N : 1, 1));
+  TRY(lmloss_check_optional(&out->lse, "lse", LMLOSS_MASK(LMLOSS_F32), N, 1));
+  TRY(lmloss_check_optional(&out->entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), N, 1));
+  TRY(lmloss_check_optional(&out->argmax, "argmax", LMLOSS_MASK(LMLOSS_I64), N, 1));
+  linear_job j = {.kind = CE_FORWARD,
+                  .ctx = ctx,
+                  .head = head,
+                  .labels = target,
+                  .tw = opt_tensor(token_weight),
+                  .cw = opt_tensor(class_weight),
+                  .opt = opt,
+                  .hopt = hopt,
+                  .out = out,
+                  .grads = has_grads(grads) ? grads : NULL};
+  return run(&j, ws, ws_bytes);
+}
+
+lmloss_status lmloss_linear_cross_entropy_backward(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *target,
+    const lmloss_tensor *token_weight, const lmloss_tensor *class_weight,
+    const lmloss_ce_options *opt, const lmloss_head_options *hopt, const lmloss_tensor *dloss,
+    const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
+  TRY(check_head(head, hopt));
+  TRY(check_grads(head, grads));
+  TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt));
+  if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
+  TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
+                          opt->reduction == LMLOSS_REDUCE_NONE ? head->hidden.rows : 1, 1));
+  linear_job j = {.kind = CE_BACKWARD,
+                  .ctx = ctx,
+                  .head = head,
+                  .labels = target,
+                  .tw = opt_tensor(token_weight),
+                  .cw = opt_tensor(class_weight),
+                  .opt = opt,
+                  .hopt = hopt,
+                  .dloss = dloss,
+                  .grads = grads};
+  return run(&j, ws, ws_bytes);
+}
+
+static lmloss_status check_lp(const lmloss_head *head, const lmloss_tensor *index,
+                              const lmloss_tensor *mask, const lmloss_transform *tr) {
+  const int64_t N = head->hidden.rows, V = head->weight.rows;
+  TRY(lmloss_check_optional(index, "index", LMLOSS_INDICES, N, -1));
+  if (wants(index) && index->cols > V)
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: K = %lld exceeds V = %lld",
+                       (long long)index->cols, (long long)V);
+  TRY(lmloss_check_optional(mask, "mask", LMLOSS_MASK(LMLOSS_BOOL), N, 1));
+  TRY(lmloss_check_transform(tr));
+  const lmloss_tensor *ts[] = {&head->hidden, &head->weight, &head->bias, index, mask};
+  TRY(lmloss_check_device(ts, 5, head->hidden.device));
+  return wants(index) ? lmloss_check_indices(index, mask, V, 0, 0, "index") : LMLOSS_OK;
+}
+
+lmloss_status lmloss_linear_log_probs(const lmloss_context *ctx, const lmloss_head *head,
+                                      const lmloss_tensor *index, const lmloss_tensor *mask,
+                                      const lmloss_transform *tr, const lmloss_head_options *hopt,
+                                      const lmloss_tensor *logp, const lmloss_tensor *entropy,
+                                      void *ws, size_t ws_bytes) {
+  TRY(check_head(head, hopt));
+  if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
+  if (index->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: K must be >= 1");
+  TRY(check_lp(head, index, mask, tr));
+  TRY(lmloss_check_tensor(logp, "logp", LMLOSS_FLOATS, head->hidden.rows, index->cols));
+  TRY(lmloss_check_optional(entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
+  linear_job j = {.kind = LP_FORWARD,
+                  .ctx = ctx,
+                  .head = head,
+                  .labels = index,
+                  .mask = wants(mask) ? mask : NULL,
+                  .tr = tr,
+                  .hopt = hopt,
+                  .logp = logp,
+                  .entropy = wants(entropy) ? entropy : NULL};
+  return run(&j, ws, ws_bytes);
+}
+
+lmloss_status
+lmloss_linear_log_probs_backward(const lmloss_context *ctx, const lmloss_head *head,
+                                 const lmloss_tensor *index, const lmloss_tensor *mask,
+                                 const lmloss_transform *tr, const lmloss_head_options *hopt,
+                                 const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
+                                 const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
+  TRY(check_head(head, hopt));
+  TRY(check_grads(head, grads));
+  TRY(check_lp(head, index, mask, tr));
+  const int64_t N = head->hidden.rows;
+  if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
+  if (!wants(dlogp) && !wants(dentropy))
+    return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "dlogp and dentropy are both absent");
+  if (wants(dlogp)) {
+    if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "dlogp given without index");
+    TRY(lmloss_check_tensor(dlogp, "dlogp", LMLOSS_MASK(LMLOSS_F32), N, index->cols));
+  }
+  TRY(lmloss_check_optional(dentropy, "dentropy", LMLOSS_MASK(LMLOSS_F32), N, 1));
+  linear_job j = {.kind = LP_BACKWARD,
+                  .ctx = ctx,
+                  .head = head,
+                  .labels = wants(dlogp) ? index : NULL,
+                  .mask = wants(mask) ? mask : NULL,
+                  .tr = tr,
+                  .hopt = hopt,
+                  .dlogp = wants(dlogp) ? dlogp : NULL,
+                  .dentropy = wants(dentropy) ? dentropy : NULL,
+                  .grads = grads};
+  return run(&j, ws, ws_bytes);
+}
