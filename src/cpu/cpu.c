@@ -21,10 +21,13 @@ lmloss_status lmloss_cpu_softmax(const lmloss_context *, const lmloss_tensor *, 
 lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *, const lmloss_tensor *,
                                           const lmloss_tensor *, int, const lmloss_tensor *);
 
+extern const lmloss_linear_prims lmloss_cpu_linear;
+
 const lmloss_backend_ops lmloss_cpu_ops = {
     lmloss_cpu_cross_entropy, lmloss_cpu_cross_entropy_backward,
     lmloss_cpu_log_probs,     lmloss_cpu_log_probs_backward,
     lmloss_cpu_softmax,       lmloss_cpu_softmax_backward,
+    &lmloss_cpu_linear,
 };
 
 const char *lmloss_cpu_isa(void) { return lmloss_cpu_isa_name(); }

@@ -25,7 +25,11 @@ lmloss_status lmloss_ref_softmax_backward(const lmloss_context *, const lmloss_t
                                           const lmloss_tensor *, int, const lmloss_tensor *);
 
 const lmloss_backend_ops lmloss_ref_ops = {
-    lmloss_ref_cross_entropy, lmloss_ref_cross_entropy_backward,
-    lmloss_ref_log_probs,     lmloss_ref_log_probs_backward,
-    lmloss_ref_softmax,       lmloss_ref_softmax_backward,
+    lmloss_ref_cross_entropy,
+    lmloss_ref_cross_entropy_backward,
+    lmloss_ref_log_probs,
+    lmloss_ref_log_probs_backward,
+    lmloss_ref_softmax,
+    lmloss_ref_softmax_backward,
+    NULL, /* no fused head: its oracle is the full product in the tests */
 };
