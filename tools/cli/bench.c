@@ -1,0 +1,177 @@
+/*
+ * bench.c - `lmloss bench`: time ops (median of --reps runs after a
+ * warm-up) and set each against the limit measured in the same run: the
+ * CPU's read+exp pass, the GPU's device-to-device copy bandwidth (bytes at
+ * minimum: the logits read once, plus the gradient written once where
+ * there is one), or the fused head's three GEMMs alone.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli.h"
+
+#ifdef LMLOSS_CLI_CUDA
+#include <cuda_runtime.h>
+#endif
+
+static int cmp(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+static double time_case_ms(cli_case *c, const lmloss_context *ctx, int reps) {
+  double *t = malloc(sizeof(double) * (size_t)reps);
+  for (int r = -2; r < reps; r++) {
+    double ms = 0;
+    lmloss_status s = LMLOSS_OK;
+#ifdef LMLOSS_CLI_CUDA
+    if (c->dev == LMLOSS_CUDA) {
+      cudaEvent_t e0, e1;
+      cudaEventCreate(&e0), cudaEventCreate(&e1);
+      cudaEventRecord(e0, 0);
+      s = cli_case_run(c, ctx);
+      cudaEventRecord(e1, 0);
+      cudaEventSynchronize(e1);
+      float f;
+      cudaEventElapsedTime(&f, e0, e1);
+      ms = f;
+      cudaEventDestroy(e0), cudaEventDestroy(e1);
+    } else
+#endif
+    {
+      double t0 = now_ms();
+      s = cli_case_run(c, ctx);
+      ms = now_ms() - t0;
+    }
+    if (s != LMLOSS_OK) {
+      fprintf(stderr, "lmloss bench: %s: %s (%s)\n", cli_op_name(c->op), lmloss_status_string(s),
+              lmloss_last_error());
+      exit(1);
+    }
+    if (r >= 0) t[r] = ms;
+  }
+  qsort(t, (size_t)reps, sizeof t[0], cmp);
+  double m = t[reps / 2];
+  free(t);
+  return m;
+}
+
+static int parse_shape(const char *s, int64_t *N, int64_t *V, int64_t *H) {
+  long long a = 0, b = 0, c = 0;
+  int n = sscanf(s, "%lld,%lld,%lld", &a, &b, &c);
+  if (n < 2 || a < 1 || b < 3 || (n == 3 && c < 1)) return 0;
+  *N = a, *V = b;
+  if (n == 3) *H = c;
+  return 1;
+}
+
+int cmd_bench(int argc, char **argv) {
+  cli_op ops[OP_COUNT];
+  int nops = 0, csv = 0, reps = 10, threads = 0;
+  lmloss_device dev = LMLOSS_CPU;
+  lmloss_dtype dt = LMLOSS_F32;
+  int64_t N = 0, V = 0, H = 0;
+  for (int a = 1; a < argc; a++) {
+    cli_op op;
+    const char *v = a + 1 < argc ? argv[a + 1] : "";
+    if (!strcmp(argv[a], "--csv"))
+      csv = 1;
+    else if (!strcmp(argv[a], "--device") && ++a) {
+      if (!strcmp(v, "cuda"))
+        dev = LMLOSS_CUDA;
+      else if (strcmp(v, "cpu"))
+        return fprintf(stderr, "lmloss bench: --device cpu|cuda\n"), 2;
+    } else if (!strcmp(argv[a], "--dtype") && ++a) {
+      if (!strcmp(v, "bf16"))
+        dt = LMLOSS_BF16;
+      else if (!strcmp(v, "f16"))
+        dt = LMLOSS_F16;
+      else if (strcmp(v, "f32"))
+        return fprintf(stderr, "lmloss bench: --dtype f32|bf16|f16\n"), 2;
+    } else if (!strcmp(argv[a], "--shape") && ++a) {
+      if (!parse_shape(v, &N, &V, &H)) return fprintf(stderr, "lmloss bench: --shape N,V[,H]\n"), 2;
+    } else if (!strcmp(argv[a], "--reps") && ++a) {
+      reps = atoi(v);
+      if (reps < 1) return fprintf(stderr, "lmloss bench: --reps >= 1\n"), 2;
+    } else if (!strcmp(argv[a], "--threads") && ++a) {
+      threads = atoi(v);
+    } else if (cli_op_parse(argv[a], &op)) {
+      ops[nops++] = op;
+    } else {
+      return fprintf(stderr, "lmloss bench: unknown argument %s (lmloss --help)\n", argv[a]), 2;
+    }
+  }
+  if (dev == LMLOSS_CUDA && !cli_cuda_available())
+    return fprintf(stderr, "lmloss bench: no CUDA device (or lmloss built without CUDA)\n"), 2;
+  if (!nops) /* the default set */
+    for (int o = 0; o < OP_COUNT; o++)
+      ops[nops++] = (cli_op)o;
+  lmloss_context ctx = lmloss_context_default();
+  ctx.num_threads = threads;
+  if (csv)
+    printf("op,device,dtype,N,V,H,ms,gb_per_s,tflops,limit,fraction_of_limit\n");
+  else
+    printf("%-16s %-5s %-5s %-20s %9s %9s %9s  %s\n", "op", "dev", "dtype", "shape", "ms", "GB/s",
+           "TFLOP/s", "vs limit (measured in this run)");
+  double copy_gbs = 0;
+  for (int k = 0; k < nops; k++) {
+    const int lin = cli_op_is_linear(ops[k]);
+    int64_t n = N, v = V, h = H;
+    if (!n) n = dev == LMLOSS_CUDA ? 8192 : lin ? 1024 : 4096;
+    if (!v) v = dev == LMLOSS_CUDA ? 152064 : 32768;
+    if (!h) h = dev == LMLOSS_CUDA ? 4096 : 1024;
+    if (lin && dev == LMLOSS_CPU && dt != LMLOSS_F32) continue; /* fp32-only on the CPU */
+    fprintf(stderr, "[%d/%d] %s %lldx%lld%s ...\n", k + 1, nops, cli_op_name(ops[k]), (long long)n,
+            (long long)v, lin ? "" : "");
+    cli_case c;
+    if (!cli_case_init(&c, ops[k], n, v, lin ? h : 0, dt, dev, 0.0, 11))
+      return fprintf(stderr, "lmloss bench: bad shape for %s\n", cli_op_name(ops[k])), 2;
+    double ms = time_case_ms(&c, &ctx, reps), bytes = cli_op_bytes(&c), fl = cli_op_flops(&c);
+    double limit_ms = 0, frac = 0;
+    char limit[64] = "";
+    if (lin) {
+      limit_ms = cli_limit_gemm_ms(&c, reps);
+      frac = ms / limit_ms;
+      snprintf(limit, sizeof limit, "%.3fx its 3 GEMMs (%.2f ms)", frac, limit_ms);
+    } else if (dev == LMLOSS_CPU) {
+      const lmloss_tensor *x = c.op == OP_SOFTMAX_BWD ? &c.y : &c.x;
+      if (dt == LMLOSS_F32) {
+        limit_ms = cli_limit_exp_pass_ms(x->data, n * v, threads);
+        frac = ms / limit_ms;
+        snprintf(limit, sizeof limit, "%.2fx the read+exp pass (%.2f ms)", frac, limit_ms);
+      }
+    } else {
+      if (!copy_gbs)
+        copy_gbs = cli_limit_copy_gbs(dev, (size_t)(n * v) * (dt == LMLOSS_F32 ? 4 : 2));
+      frac = bytes / (ms * 1e6) / copy_gbs;
+      snprintf(limit, sizeof limit, "%.1f%% of copy bandwidth (%.0f GB/s)", 100 * frac, copy_gbs);
+    }
+    char shape[48];
+    snprintf(shape, sizeof shape, lin ? "%lldx%lldx%lld" : "%lldx%lld", (long long)n, (long long)v,
+             (long long)h);
+    const char *dn = dt == LMLOSS_F32 ? "f32" : dt == LMLOSS_BF16 ? "bf16" : "f16";
+    double gbs = bytes / (ms * 1e6), tf = fl / (ms * 1e9);
+    if (csv)
+      printf("%s,%s,%s,%lld,%lld,%lld,%.4f,%.1f,%.2f,%.4f,%.4f\n", cli_op_name(ops[k]),
+             dev ? "cuda" : "cpu", dn, (long long)n, (long long)v, (long long)(lin ? h : 0), ms,
+             gbs, tf,
+             lin                 ? limit_ms
+             : dev == LMLOSS_CPU ? limit_ms
+                                 : copy_gbs,
+             frac);
+    else
+      printf("%-16s %-5s %-5s %-20s %9.3f %9.1f %9.2f  %s\n", cli_op_name(ops[k]),
+             dev ? "cuda" : "cpu", dn, shape, ms, gbs, tf, limit);
+    fflush(stdout);
+    cli_case_free(&c);
+  }
+  return 0;
+}

@@ -1,0 +1,78 @@
+/*
+ * cli.h - the `lmloss` command: shared pieces of its subcommands.
+ *
+ * A case is one op at one shape, dtype and device, with random inputs
+ * (optionally peaked rows: the target leads the rest by `margin`) and its
+ * output buffers. The same case runs on any backend; check compares a
+ * backend's outputs with the float64 REF backend's on the same inputs,
+ * bench times it against the limit measured in the same run.
+ */
+#ifndef LMLOSS_CLI_H
+#define LMLOSS_CLI_H
+
+#include <stddef.h>
+
+#include "lmloss.h"
+
+typedef enum {
+  OP_CE,          /* CE forward, mean, smoothing + z-loss, lse + entropy */
+  OP_CE_GRAD,     /* CE forward + backward in one pass (dlogits) */
+  OP_CE_BWD,      /* CE backward from dloss */
+  OP_LOGPROB,     /* log-probs forward, K indices */
+  OP_LOGPROB_ENT, /* log-probs + entropy forward */
+  OP_LOGPROB_BWD, /* log-probs backward from dlogp and dentropy */
+  OP_SOFTMAX,     /* softmax forward */
+  OP_LOG_SOFTMAX, /* log-softmax forward */
+  OP_SOFTMAX_BWD, /* softmax backward from y */
+  OP_LINEAR_CE,   /* fused head CE, forward + dhidden, dW, dbias */
+  OP_LINEAR_LP,   /* fused head log-probs + entropy, then their backward */
+  OP_COUNT
+} cli_op;
+
+typedef struct {
+  cli_op op;
+  int64_t N, V, H, K;
+  lmloss_dtype dt;
+  lmloss_device dev;
+  double margin; /* 0: plain random rows */
+  /* tensors of the case, on dev; outputs listed in out[] */
+  lmloss_tensor x, idx, dloss, dlogp, dent, hidden, weight, bias, y;
+  lmloss_tensor out[5];
+  int nout;
+  void *ws;
+  size_t ws_bytes;
+} cli_case;
+
+const char *cli_op_name(cli_op op);
+int cli_op_parse(const char *name, cli_op *op);
+int cli_op_is_linear(cli_op op);
+/* Minimum bytes the op must move (bandwidth ops) and its GEMM flops. */
+double cli_op_bytes(const cli_case *c);
+double cli_op_flops(const cli_case *c);
+
+/* Inputs from `seed` (identical on every device), outputs allocated. */
+int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmloss_dtype dt,
+                  lmloss_device dev, double margin, unsigned seed);
+lmloss_status cli_case_run(cli_case *c, const lmloss_context *ctx);
+/* Output k as doubles on the host (malloc'd, *n elements, *cols per row). */
+double *cli_case_fetch(const cli_case *c, int k, size_t *n, int64_t *cols);
+void cli_case_free(cli_case *c);
+
+/* Device memory (CUDA only when built with it). */
+int cli_cuda_available(void);
+void *cli_alloc(lmloss_device dev, size_t bytes);
+void cli_free(lmloss_device dev, void *p);
+void cli_upload(lmloss_device dev, void *dst, const void *src, size_t bytes);
+void cli_download(lmloss_device dev, void *dst, const void *src, size_t bytes);
+void cli_sync(lmloss_device dev);
+
+/* Limits measured on this machine, in the same run as the timings. */
+double cli_limit_exp_pass_ms(const float *x, int64_t n, int threads); /* CPU */
+double cli_limit_copy_gbs(lmloss_device dev, size_t bytes);           /* CUDA D2D */
+double cli_limit_gemm_ms(const cli_case *c, int reps);                /* the op's GEMMs */
+
+int cmd_check(int argc, char **argv);
+int cmd_bench(int argc, char **argv);
+int cmd_collapse(int argc, char **argv);
+
+#endif

@@ -1,0 +1,48 @@
+/* main.c - the `lmloss` command: check, bench, collapse. */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+static void usage(FILE *f) {
+  fprintf(f, "usage: lmloss <command> [options]\n"
+             "\n"
+             "commands:\n"
+             "  check [--cpu-only]   run every op on every available backend (CPU, and CUDA\n"
+             "                       when there is a GPU) against the float64 reference, on\n"
+             "                       random and on peaked rows, fp32 and bf16; prints a\n"
+             "                       pass/fail table; exit status 1 on any failure\n"
+             "  bench [OP...] [--device cpu|cuda] [--shape N,V[,H]] [--dtype f32|bf16|f16]\n"
+             "        [--threads T] [--reps R] [--csv]\n"
+             "                       time ops and compare each with the machine's limit\n"
+             "                       measured in the same run (CPU: a read+exp pass over the\n"
+             "                       logits; CUDA: device copy bandwidth; fused head: its\n"
+             "                       three GEMMs alone). OPs (default: all):\n"
+             "                       ");
+  for (int o = 0; o < OP_COUNT; o++)
+    fprintf(f, "%s%s", cli_op_name((cli_op)o), o + 1 < OP_COUNT ? ", " : "\n");
+  fprintf(f, "                       Default shapes: CPU 4096,32768 (fused head 1024,32768,1024);\n"
+             "                       CUDA 8192,152064 (fused head 8192,152064,4096).\n"
+             "  collapse             show softmax collapse: a confident token's loss and\n"
+             "                       gradient, the usual fp32 way vs lmloss vs float64\n"
+             "  --help               this text\n"
+             "\n"
+             "examples:\n"
+             "  lmloss check\n"
+             "  lmloss bench logprob ce-grad --shape 4096,32768 --threads 2\n"
+             "  lmloss bench linear-ce --device cuda --dtype bf16 --csv\n");
+}
+
+int main(int argc, char **argv) {
+  if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") ||
+      !strcmp(argv[1], "help")) {
+    usage(stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  if (!strcmp(argv[1], "check")) return cmd_check(argc - 1, argv + 1);
+  if (!strcmp(argv[1], "bench")) return cmd_bench(argc - 1, argv + 1);
+  if (!strcmp(argv[1], "collapse")) return cmd_collapse(argc - 1, argv + 1);
+  fprintf(stderr, "lmloss: unknown command '%s'\n\n", argv[1]);
+  usage(stderr);
+  return 2;
+}
