@@ -10,6 +10,10 @@ Dtypes: float32 passes through; float64 is computed in float32; bfloat16 is
 an ml_dtypes.bfloat16 array or a uint16 array of bf16 bit patterns; float16
 is native. Float outputs that have the logits' shape keep the input dtype
 for bf16/fp16 (float32 otherwise); per-row results are float32.
+
+The fused linear head (linear_cross_entropy, linear_log_probs and its
+backward) takes hidden states [..., H] and the head weight [V, H] (+ bias)
+instead of logits and never materializes the [N, V] logits.
 """
 
 __version__ = "0.1.0"
@@ -18,6 +22,8 @@ from . import _lib
 from ._ce import CrossEntropyResult, cross_entropy
 from ._lib import Error
 from ._lib import path as library_path
+from ._linear import (LinearCrossEntropyResult, linear_cross_entropy, linear_log_probs,
+                      linear_log_probs_backward)
 from ._logprob import entropy, log_probs, log_probs_backward, selective_log_softmax
 from ._softmax import log_softmax, softmax, softmax_backward
 
@@ -32,6 +38,7 @@ def cpu_isa():
     return _lib.cpu_isa().decode()
 
 
-__all__ = ["CrossEntropyResult", "Error", "cpu_isa", "cross_entropy", "entropy", "has_cuda",
-           "library_path", "log_probs", "log_probs_backward", "log_softmax",
+__all__ = ["CrossEntropyResult", "Error", "LinearCrossEntropyResult", "cpu_isa", "cross_entropy",
+           "entropy", "has_cuda", "library_path", "linear_cross_entropy", "linear_log_probs",
+           "linear_log_probs_backward", "log_probs", "log_probs_backward", "log_softmax",
            "selective_log_softmax", "softmax", "softmax_backward", "__version__"]

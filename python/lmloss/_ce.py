@@ -15,6 +15,25 @@ entropy (float32, shaped like target) and argmax (int64, -1 on ignored
 rows), each None unless requested."""
 
 
+def ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
+               reduction, num_items, dft):
+    """lmloss_ce_options from cross_entropy's keywords (shared with the fused head)."""
+    if reduction not in _lib.REDUCTIONS:
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "reduction must be 'none', 'sum' or 'mean', "
+                         "got %r" % (reduction,))
+    if num_items is not None and reduction == "none":
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "num_items needs reduction 'sum' or 'mean'")
+    opt = _lib.ce_options_default()
+    opt.ignore_index = int(ignore_index)
+    opt.label_smoothing, opt.z_loss = float(label_smoothing), float(z_loss)
+    opt.transform = _lib.make_transform(logit_scale, softcap, temperature)
+    opt.reduction = _lib.REDUCTIONS[reduction]
+    if num_items is not None:
+        opt.reduction, opt.num_items = _lib.REDUCE_SUM_OVER_ITEMS, float(num_items)
+    opt.dft = int(bool(dft))
+    return opt
+
+
 def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
                   logit_scale=1.0, softcap=0.0, temperature=1.0, weight=None, class_weight=None,
                   reduction="mean", num_items=None, dft=False, grad=False, return_lse=False,
@@ -42,11 +61,8 @@ def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_l
     uint16 bit patterns); fp16. backend: "auto", "cpu" or "ref" (float64
     reference); num_threads: 0 = OpenMP's default. Raises lmloss.Error.
     """
-    if reduction not in _lib.REDUCTIONS:
-        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "reduction must be 'none', 'sum' or 'mean', "
-                         "got %r" % (reduction,))
-    if num_items is not None and reduction == "none":
-        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "num_items needs reduction 'sum' or 'mean'")
+    opt = ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
+                     reduction, num_items, dft)
     ctx = _lib.make_context(backend, num_threads)
     x = Rows(logits, "logits")
     n, keep = x.n, []
@@ -61,14 +77,6 @@ def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_l
     inputs = _lib.CEInputs(x.t, vec(target, n, x.lead, "target", "index"),
                            vec(weight, n, x.lead, "weight", "f32"),
                            vec(class_weight, x.v, (x.v,), "class_weight", "f32"))
-    opt = _lib.ce_options_default()
-    opt.ignore_index = int(ignore_index)
-    opt.label_smoothing, opt.z_loss = float(label_smoothing), float(z_loss)
-    opt.transform = _lib.make_transform(logit_scale, softcap, temperature)
-    opt.reduction = _lib.REDUCTIONS[reduction]
-    if num_items is not None:
-        opt.reduction, opt.num_items = _lib.REDUCE_SUM_OVER_ITEMS, float(num_items)
-    opt.dft = int(bool(dft))
 
     loss, loss_t = out_vector(n if reduction == "none" else 1)
     outputs = _lib.CEOutputs(loss=loss_t)

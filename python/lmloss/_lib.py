@@ -83,6 +83,19 @@ class CEOutputs(ctypes.Structure):
                 ("dlogits", Tensor)]
 
 
+class Head(ctypes.Structure):
+    """lmloss_head: hidden [N, H], weight [V, H], optional bias [V]."""
+    _fields_ = [("hidden", Tensor), ("weight", Tensor), ("bias", Tensor)]
+
+
+class HeadOptions(ctypes.Structure):
+    _fields_ = [("memory_budget", ctypes.c_size_t), ("fp32_accumulate", ctypes.c_int)]
+
+
+class HeadGrads(ctypes.Structure):
+    _fields_ = [("dhidden", Tensor), ("dweight", Tensor), ("dbias", Tensor)]
+
+
 _P = ctypes.POINTER
 _status = ctypes.c_int
 
@@ -109,6 +122,23 @@ entropy = _proto("lmloss_entropy", _status, _P(Context), _P(Tensor), _P(Transfor
 softmax = _proto("lmloss_softmax", _status, _P(Context), _P(Tensor), ctypes.c_int, _P(Tensor))
 softmax_backward = _proto("lmloss_softmax_backward", _status, _P(Context), _P(Tensor),
                           _P(Tensor), ctypes.c_int, _P(Tensor))
+head_options_default = _proto("lmloss_head_options_default", HeadOptions)
+linear_workspace_size = _proto("lmloss_linear_workspace_size", _status, _P(Head),
+                               _P(HeadOptions), _P(HeadGrads), _c_int64, _P(ctypes.c_size_t))
+linear_cross_entropy = _proto("lmloss_linear_cross_entropy", _status, _P(Context), _P(Head),
+                              _P(Tensor), _P(Tensor), _P(Tensor), _P(CEOptions), _P(HeadOptions),
+                              _P(CEOutputs), _P(HeadGrads), ctypes.c_void_p, ctypes.c_size_t)
+linear_cross_entropy_backward = _proto("lmloss_linear_cross_entropy_backward", _status,
+                                       _P(Context), _P(Head), _P(Tensor), _P(Tensor), _P(Tensor),
+                                       _P(CEOptions), _P(HeadOptions), _P(Tensor), _P(HeadGrads),
+                                       ctypes.c_void_p, ctypes.c_size_t)
+linear_log_probs = _proto("lmloss_linear_log_probs", _status, _P(Context), _P(Head), _P(Tensor),
+                          _P(Tensor), _P(Transform), _P(HeadOptions), _P(Tensor), _P(Tensor),
+                          ctypes.c_void_p, ctypes.c_size_t)
+linear_log_probs_backward = _proto("lmloss_linear_log_probs_backward", _status, _P(Context),
+                                   _P(Head), _P(Tensor), _P(Tensor), _P(Transform),
+                                   _P(HeadOptions), _P(Tensor), _P(Tensor), _P(HeadGrads),
+                                   ctypes.c_void_p, ctypes.c_size_t)
 status_string = _proto("lmloss_status_string", ctypes.c_char_p, ctypes.c_int)
 last_error = _proto("lmloss_last_error", ctypes.c_char_p)
 has_cuda = _proto("lmloss_has_cuda", ctypes.c_int)

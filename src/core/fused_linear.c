@@ -259,6 +259,9 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   TRY(lmloss_pick_backend(j->ctx, dev, &ops));
   if (!ops->linear)
     return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "this backend has no fused linear head");
+  /* Before anything is written: 16-bit heads exist on CUDA only. */
+  if (h->hidden.dtype != LMLOSS_F32 && dev != LMLOSS_CUDA)
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "the CPU fused head takes F32 hidden/weight only");
   const lmloss_linear_prims *L = ops->linear;
   linear_plan p;
   int64_t K = (j->kind == CE_FORWARD || j->kind == CE_BACKWARD) ? 1

@@ -123,9 +123,10 @@ def cross_entropy(x, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
                 argmax=np.where(valid, a, -1))
 
 
-def log_probs_backward(x, index, dlogp=None, dentropy=None, temperature=1.0, mask=None):
+def log_probs_backward(x, index, dlogp=None, dentropy=None, temperature=1.0, mask=None,
+                       logit_scale=1.0, softcap=0.0):
     """dlogits [N, V] of sum dlogp * logp + sum dentropy * H, and floor."""
-    z, dzdx = transform(x, temperature=temperature)
+    z, dzdx = transform(x, logit_scale, softcap, temperature)
     n, v = z.shape
     rows = np.arange(n)
     a, lp, p, q, _ = stats(z)

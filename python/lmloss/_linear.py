@@ -1,0 +1,211 @@
+"""The fused linear head: cross-entropy and log-probs straight from hidden
+states and the LM head (lmloss_linear_*), without the [N, V] logits.
+
+logits = hidden [..., H] x weight[V, H]^T (+ bias [V]) are formed in row
+chunks whose transient buffers fit `memory_budget` bytes (None = the C
+default, 256 MiB); rows the loss ignores (ignore_index, mask 0) never reach
+a GEMM. hidden, weight and bias share one dtype: float32 (float64 is
+computed in float32) on the CPU; bf16/fp16 heads need the CUDA backend
+(LMLOSS_ERR_UNSUPPORTED here). Gradients come back as float32 for fp32
+heads, else in the head's dtype; dhidden is shaped like hidden.
+"""
+
+import collections
+import ctypes
+
+import numpy as np
+
+from . import _lib
+from ._ce import ce_options
+from ._tensor import Rows, _code, _rows, absent, index_shape, matrix, out_vector, shape_error
+from ._tensor import tensor, vector
+
+LinearCrossEntropyResult = collections.namedtuple(
+    "LinearCrossEntropyResult", "loss dhidden dweight dbias lse entropy argmax")
+LinearCrossEntropyResult.__doc__ = """Returned by linear_cross_entropy when a return_*
+flag is set: loss as in the plain form; dhidden, dweight, dbias (None without grad=True;
+dbias None without bias); lse, entropy (float32) and argmax (int64, -1 on ignored rows),
+each shaped like target and None unless requested."""
+
+
+class _Head:
+    """hidden [..., H], weight [V, H] and bias [V] as an lmloss_head; keeps
+    the arrays the C call reads alive."""
+
+    def __init__(self, hidden, weight, bias):
+        self.x = Rows(hidden, "hidden")
+        w = np.asarray(weight)
+        if w.ndim != 2:
+            raise shape_error("weight must be [V, H], got shape %s" % (w.shape,))
+        self.w = Rows(w, "weight")
+        self.n, self.h, self.v = self.x.n, self.x.v, w.shape[0]
+        bias_t, self.b = absent(), None
+        if bias is not None:
+            b = np.asarray(bias)
+            if b.dtype == np.float64:
+                b = b.astype(np.float32)
+            if b.shape != (self.v,):
+                raise shape_error("bias has shape %s, expected (%d,)" % (b.shape, self.v))
+            self.b, stride = _rows(b, self.v, 1)
+            bias_t = tensor(self.b, _code(b.dtype, "bias"), self.v, 1, stride)
+        self.t = _lib.Head(self.x.t, self.w.t, bias_t)
+
+    def grads(self, dhidden=True, dweight=True, dbias=True):
+        """New gradient arrays (dbias only with a bias) and their lmloss_head_grads."""
+        dh, dh_t = self.x.empty(self.x.out_dtype()) if dhidden else (None, absent())
+        dw, dw_t = self.w.empty(self.w.out_dtype()) if dweight else (None, absent())
+        db, db_t = None, absent()
+        if dbias and self.b is not None:
+            dt = self.w.out_dtype()
+            db = np.empty(self.v, dtype=dt)
+            db_t = tensor(db, _code(dt, "dbias"), self.v, 1, 1)
+        if dh is not None:
+            dh = dh.reshape(self.x.lead + (self.h,))
+        return (dh, dw, db), _lib.HeadGrads(dh_t, dw_t, db_t)
+
+
+def _options(memory_budget):
+    hopt = _lib.head_options_default()
+    if memory_budget is not None:
+        if int(memory_budget) <= 0:
+            raise _lib.Error("LMLOSS_ERR_BAD_OPTION",
+                             "memory_budget must be > 0 bytes (None = the default)")
+        hopt.memory_budget = int(memory_budget)
+    return hopt
+
+
+def _workspace(head, hopt, grads, k):
+    """A workspace of the size lmloss_linear_workspace_size gives, 256-byte aligned."""
+    size = ctypes.c_size_t(0)
+    _lib.check(_lib.linear_workspace_size(head.t, hopt, grads, int(k), ctypes.byref(size)))
+    buf = np.empty(size.value + 256, dtype=np.uint8)
+    off = -buf.ctypes.data % 256
+    return buf, buf.ctypes.data + off, size.value
+
+
+def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=None,
+                         ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale=1.0,
+                         softcap=0.0, temperature=1.0, token_weight=None, class_weight=None,
+                         reduction="mean", num_items=None, dft=False, grad=False,
+                         return_lse=False, return_entropy=False, return_argmax=False,
+                         backend="auto", num_threads=0):
+    """Cross-entropy of logits = hidden [..., H] weight[V, H]^T (+ bias [V])
+    against target [...], never holding the logits whole.
+
+    The loss and every option are those of lmloss.cross_entropy, with one
+    rename: the per-token weights are `token_weight` ([...], float32), since
+    `weight` is the head here. grad=True returns (loss, dhidden, dweight,
+    dbias): the gradients of the returned loss (for "none", of its sum),
+    computed in the same pass; dbias is None without bias. With any return_*
+    flag set, returns LinearCrossEntropyResult instead. memory_budget: bytes
+    for the per-chunk buffers (None = 256 MiB); too small for one row raises
+    LMLOSS_ERR_WORKSPACE_TOO_SMALL. Raises lmloss.Error.
+    """
+    opt = ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
+                     reduction, num_items, dft)
+    ctx = _lib.make_context(backend, num_threads)
+    head, hopt = _Head(hidden, weight, bias), _options(memory_budget)
+    n, lead, keep = head.n, head.x.lead, []
+
+    def vec(v, length, shape, name, kind):
+        if v is None:
+            return absent()
+        a, t = vector(v, length, shape, name, kind)
+        keep.append(a)
+        return t
+
+    target_t = vec(target, n, lead, "target", "index")
+    tw_t = vec(token_weight, n, lead, "token_weight", "f32")
+    cw_t = vec(class_weight, head.v, (head.v,), "class_weight", "f32")
+    loss, loss_t = out_vector(n if reduction == "none" else 1)
+    outputs = _lib.CEOutputs(loss=loss_t)
+    extra = {}
+    for name, flag, dtype in (("lse", return_lse, np.float32),
+                              ("entropy", return_entropy, np.float32),
+                              ("argmax", return_argmax, np.int64)):
+        if flag:
+            extra[name], t = out_vector(n, dtype)
+            setattr(outputs, name, t)
+    (dh, dw, db), grads = head.grads() if grad else ((None, None, None), None)
+    ws, ws_ptr, ws_bytes = _workspace(head, hopt, grads, 1)
+    _lib.check(_lib.linear_cross_entropy(ctx, head.t, target_t, tw_t, cw_t, opt, hopt, outputs,
+                                         grads, ws_ptr, ws_bytes))
+    loss = loss.reshape(lead) if reduction == "none" else float(loss[0])
+    if extra:
+        extra = {k: v.reshape(lead) for k, v in extra.items()}
+        return LinearCrossEntropyResult(loss, dh, dw, db, extra.get("lse"),
+                                        extra.get("entropy"), extra.get("argmax"))
+    return (loss, dh, dw, db) if grad else loss
+
+
+def _mask(mask, head, keep):
+    if mask is None:
+        return None
+    a, t = vector(mask, head.n, head.x.lead, "mask", "mask")
+    keep.append(a)
+    return t
+
+
+def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit_scale=1.0,
+                     softcap=0.0, mask=None, entropy=False, memory_budget=None, backend="auto",
+                     num_threads=0):
+    """log softmax(transform(logits)) gathered at index, logits = hidden
+    [..., H] weight[V, H]^T (+ bias [V]); transform as in cross_entropy
+    (logit_scale, then softcap, then temperature).
+
+    index [...] or [..., K] int64/int32 with 0 <= index < V. Returns float32
+    shaped like index, or (logp, entropy) with entropy=True (float32 [...]).
+    mask: optional bool/uint8 [...]; masked-out rows (0) are never computed
+    and read 0. memory_budget as in linear_cross_entropy.
+    """
+    ctx = _lib.make_context(backend, num_threads)
+    head, hopt = _Head(hidden, weight, bias), _options(memory_budget)
+    k, shape = index_shape(head.x, index)
+    idx, idx_t = matrix(index, head.n, k, "index", "index")
+    keep = [idx]
+    mask_t = _mask(mask, head, keep)
+    logp = np.empty((head.n, k), dtype=np.float32)
+    logp_t = tensor(logp, _lib.F32, head.n, k, k)
+    ent, ent_t = out_vector(head.n) if entropy else (None, None)
+    tr = _lib.make_transform(logit_scale, softcap, temperature)
+    ws, ws_ptr, ws_bytes = _workspace(head, hopt, None, k)
+    _lib.check(_lib.linear_log_probs(ctx, head.t, idx_t, mask_t, tr, hopt, logp_t, ent_t, ws_ptr,
+                                     ws_bytes))
+    logp = logp.reshape(shape)
+    return (logp, ent.reshape(head.x.lead)) if entropy else logp
+
+
+def linear_log_probs_backward(hidden, weight, index, dlogp, dentropy=None, *, bias=None,
+                              temperature=1.0, logit_scale=1.0, softcap=0.0, mask=None,
+                              memory_budget=None, backend="auto", num_threads=0):
+    """Gradients of sum(dlogp * logp) + sum(dentropy * entropy) of
+    linear_log_probs: returns (dhidden, dweight, dbias), dbias None without
+    bias. dlogp (shaped like index) may be None when dentropy ([...]) is
+    given; index may then be None too. Logits recomputed chunk by chunk.
+    """
+    ctx = _lib.make_context(backend, num_threads)
+    head, hopt = _Head(hidden, weight, bias), _options(memory_budget)
+    keep, idx_t, dlogp_t, k = [], None, None, 0
+    if index is not None:
+        kk, shape = index_shape(head.x, index)
+        idx, idx_t = matrix(index, head.n, kk, "index", "index")
+        keep.append(idx)
+        if dlogp is not None:
+            if np.shape(dlogp) != shape:
+                raise shape_error("dlogp has shape %s, expected %s" % (np.shape(dlogp), shape))
+            g, dlogp_t = matrix(dlogp, head.n, kk, "dlogp", "f32")
+            keep.append(g)
+            k = kk
+    elif dlogp is not None:
+        raise _lib.Error("LMLOSS_ERR_NULL_POINTER", "dlogp given without index")
+    dent_t = None
+    if dentropy is not None:
+        d, dent_t = vector(dentropy, head.n, head.x.lead, "dentropy", "f32")
+        keep.append(d)
+    mask_t = _mask(mask, head, keep)
+    tr = _lib.make_transform(logit_scale, softcap, temperature)
+    (dh, dw, db), grads = head.grads()
+    ws, ws_ptr, ws_bytes = _workspace(head, hopt, grads, k)
+    _lib.check(_lib.linear_log_probs_backward(ctx, head.t, idx_t, mask_t, tr, hopt, dlogp_t,
+                                              dent_t, grads, ws_ptr, ws_bytes))
+    return dh, dw, db

@@ -1,0 +1,960 @@
+/*
+ * test_fused_linear.c - the fused linear head (lmloss_linear_*) of the
+ * backend under test against a float64 oracle: logits = hidden W^T + bias
+ * formed in double from the (already rounded) inputs; the REF backend on
+ * those logits rounded to fp32 gives the per-row values and dlogits; dhidden,
+ * dweight and dbias are formed in double from REF's dlogits.
+ *
+ * Accuracy contract of the fused head (tolerances written once, here):
+ *   F32 heads: loss, lse, entropy, log-probs and dhidden within FL_TOL
+ *     relative per row (norm over the row; a reduced loss as one value),
+ *     dweight and dbias within FL_TOL Frobenius-relative as whole tensors.
+ *   BF16 heads (CUDA only): per-row values as for F32 (the GEMMs accumulate
+ *     in fp32 into an fp32 slab); each gradient tensor g, Frobenius, within
+ *     BF16_FACTOR times the error of rounding the exact gradient e to bf16:
+ *     |g - e| <= BF16_FACTOR |bf16(e) - e|.
+ *   Chunking: 1-row, 3-row and default chunks agree within CHUNK_TOL, on
+ *     rows that are not peaked (the GEMM's rounding depends on the chunk's
+ *     row count, and a peaked row turns one ulp of a large logit into ~1e-6
+ *     relative on its tiny loss and entropy).
+ *   Rows the loss ignores (or masks) read exactly 0, gradients included.
+ * Peaked rows are made exactly: row i owns hidden dimension H0 + i (h_i = 1
+ * there, 0 in every other row) and W[y_i][H0 + i] is set so that logit y_i
+ * leads the row's max of the others by the margin; targets are distinct.
+ */
+#include "support/testing.h"
+
+#define FL_TOL 1e-4
+#define CHUNK_TOL 1e-6
+#define BF16_FACTOR 2.5
+#define ABS_FLOOR ((double)FLT_MIN)
+
+enum { FWD, FUSED, BWD };
+static const char *mode_name[] = {"fwd", "fused", "bwd"};
+enum { G_ALL, G_NO_W, G_DH, G_NO_DH }; /* requested gradients */
+static const char *grads_name[] = {"all", "frozen-weight", "dhidden-only", "no-dhidden"};
+static int want_dh(int g) { return g != G_NO_DH; }
+static int want_dw(int g) { return g == G_ALL || g == G_NO_DH; }
+static int want_db(int g) { return g != G_DH; }
+
+/* ---- the head and its float64 logits ---- */
+
+typedef struct {
+  int64_t N, V, H0, H;
+  lmloss_dtype dt;
+  lmloss_tensor hidden, weight, bias; /* host, dtype dt; bias may be absent */
+  double *h64, *w64, *b64;            /* the same values in double */
+  double *x64;                        /* logits [N, V] in double */
+  lmloss_tensor logits;               /* x64 rounded to F32: REF's input */
+} head_data;
+
+static void *xcalloc(size_t n, size_t size) {
+  void *p = calloc(n ? n : 1, size);
+  if (!p) {
+    fprintf(stderr, "FAIL: out of memory\n");
+    exit(1);
+  }
+  return p;
+}
+
+static void logits64(head_data *hd) {
+  const int64_t N = hd->N, V = hd->V, H = hd->H;
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < V; j++) {
+      double s = hd->b64 ? hd->b64[j] : 0.0;
+      const double *h = hd->h64 + i * H, *w = hd->w64 + j * H;
+      for (int64_t k = 0; k < H; k++)
+        s += h[k] * w[k];
+      hd->x64[i * V + j] = s;
+    }
+}
+
+/* peak[i] >= 0: row i's target leads the others by margin (margin >= 0). */
+static void head_new(head_data *hd, int64_t N, int64_t V, int64_t H0, lmloss_dtype dt, int bias,
+                     int64_t pad, const int64_t *peak, double margin, double sigma) {
+  memset(hd, 0, sizeof *hd);
+  const int64_t H = H0 + N;
+  hd->N = N, hd->V = V, hd->H0 = H0, hd->H = H, hd->dt = dt;
+  hd->hidden = host_new(dt, N, H, H + pad);
+  hd->weight = host_new(dt, V, H, H + pad);
+  host_poison(&hd->hidden), host_poison(&hd->weight); /* padding holds garbage */
+  hd->h64 = xcalloc((size_t)(N * H), sizeof(double));
+  hd->w64 = xcalloc((size_t)(V * H), sizeof(double));
+  hd->x64 = xcalloc((size_t)(N * V), sizeof(double));
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t k = 0; k < H; k++) {
+      double v = k < H0 ? rng_normal() : (k == H0 + i && peak && peak[i] >= 0 && margin >= 0);
+      tset(&hd->hidden, i, k, v);
+      hd->h64[i * H + k] = tget(&hd->hidden, i, k);
+    }
+  for (int64_t j = 0; j < V; j++)
+    for (int64_t k = 0; k < H; k++) {
+      tset(&hd->weight, j, k, k < H0 ? sigma / sqrt((double)H0) * rng_normal() : 0.0);
+      hd->w64[j * H + k] = tget(&hd->weight, j, k);
+    }
+  if (bias) {
+    hd->bias = host_new(dt, V, 1, 1);
+    hd->b64 = xcalloc((size_t)V, sizeof(double));
+    for (int64_t j = 0; j < V; j++) {
+      tset(&hd->bias, j, 0, 0.5 * rng_normal());
+      hd->b64[j] = tget(&hd->bias, j, 0);
+    }
+  }
+  logits64(hd);
+  if (peak && margin >= 0) {
+    for (int64_t i = 0; i < N; i++) {
+      int64_t y = peak[i];
+      if (y < 0 || y >= V || V == 1) continue;
+      double mx = -INFINITY;
+      for (int64_t j = 0; j < V; j++)
+        if (j != y && hd->x64[i * V + j] > mx) mx = hd->x64[i * V + j];
+      tset(&hd->weight, y, H0 + i, mx + margin - hd->x64[i * V + y]);
+      hd->w64[y * H + H0 + i] = tget(&hd->weight, y, H0 + i);
+    }
+    logits64(hd);
+  }
+  hd->logits = host_new(LMLOSS_F32, N, V, V);
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < V; j++)
+      tset(&hd->logits, i, j, hd->x64[i * V + j]);
+}
+
+static void head_free(head_data *hd) {
+  host_free(&hd->hidden), host_free(&hd->weight), host_free(&hd->bias), host_free(&hd->logits);
+  free(hd->h64), free(hd->w64), free(hd->b64), free(hd->x64);
+}
+
+/* Exact gradients from dlogits [N, V]: dh [N, H], dw [V, H], db [V]. */
+static void grad_oracle(const head_data *hd, const lmloss_tensor *dl, double *dh, double *dw,
+                        double *db) {
+  const int64_t N = hd->N, V = hd->V, H = hd->H;
+  memset(dh, 0, sizeof(double) * (size_t)(N * H));
+  memset(dw, 0, sizeof(double) * (size_t)(V * H));
+  memset(db, 0, sizeof(double) * (size_t)V);
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < V; j++) {
+      double d = tget(dl, i, j);
+      if (d == 0.0) continue;
+      const double *w = hd->w64 + j * H, *h = hd->h64 + i * H;
+      double *dhi = dh + i * H, *dwj = dw + j * H;
+      for (int64_t k = 0; k < H; k++)
+        dhi[k] += d * w[k], dwj[k] += d * h[k];
+      db[j] += d;
+    }
+}
+
+/* ---- comparisons ---- */
+
+static double to_bf16(double v) {
+  uint16_t b;
+  lmloss_tensor t = {&b, LMLOSS_BF16, LMLOSS_CPU, 1, 1, 1};
+  tset(&t, 0, 0, v);
+  return tget(&t, 0, 0);
+}
+
+static double *to_f64(const lmloss_tensor *t) {
+  double *a = xcalloc((size_t)(t->rows * t->cols), sizeof(double));
+  for (int64_t i = 0; i < t->rows; i++)
+    for (int64_t j = 0; j < t->cols; j++)
+      a[i * t->cols + j] = tget(t, i, j);
+  return a;
+}
+
+static void note(tgroup *g, double err, double ref) {
+  if (ref > ABS_FLOOR && err / ref > g->worst) g->worst = err / ref;
+}
+
+/* Every row of got [rows, cols] within tol of ref (relative norm of the row). */
+static void rows_close(tgroup *g, const lmloss_tensor *got, const double *ref, double tol,
+                       const char *what) {
+  for (int64_t i = 0; i < got->rows; i++) {
+    double num = 0.0, den = 0.0;
+    int finite = 1;
+    for (int64_t j = 0; j < got->cols; j++) {
+      double v = tget(got, i, j), r = ref[i * got->cols + j];
+      finite &= isfinite(v);
+      num += (v - r) * (v - r), den += r * r;
+    }
+    num = sqrt(num), den = sqrt(den);
+    note(g, num, den);
+    tg_true(g, finite && num <= tol * den + ABS_FLOOR, "%s row %lld: rel err %.3g (|ref| %.3g)",
+            what, (long long)i, den > 0 ? num / den : num, den);
+  }
+}
+
+/* Whole tensor, Frobenius: within tol relative, or (bf16 > 0) within
+ * BF16_FACTOR times the error of rounding ref to bf16. */
+static void tensor_close(tgroup *g, const lmloss_tensor *got, const double *ref, double tol,
+                         int bf16, const char *what) {
+  double num = 0.0, den = 0.0, rnd = 0.0;
+  int finite = 1;
+  for (int64_t i = 0; i < got->rows; i++)
+    for (int64_t j = 0; j < got->cols; j++) {
+      double v = tget(got, i, j), r = ref[i * got->cols + j], b = bf16 ? to_bf16(r) - r : 0.0;
+      finite &= isfinite(v);
+      num += (v - r) * (v - r), den += r * r, rnd += b * b;
+    }
+  num = sqrt(num), den = sqrt(den), rnd = sqrt(rnd);
+  note(g, num, den);
+  double bound = (bf16 ? BF16_FACTOR * rnd : tol * den) + ABS_FLOOR;
+  tg_true(g, finite && num <= bound, "%s: err %.3g > bound %.3g (|ref| %.3g, bf16 rounding %.3g)",
+          what, num, bound, den, rnd);
+}
+
+static void all_zero(tgroup *g, const lmloss_tensor *t, const char *what) {
+  if (!t->data) return;
+  int ok = 1;
+  for (int64_t i = 0; i < t->rows; i++)
+    for (int64_t j = 0; j < t->cols; j++)
+      ok &= tget(t, i, j) == 0.0;
+  tg_true(g, ok, "%s is not all zeros", what);
+}
+
+/* Gradient tensors against the exact ones. */
+static void grads_close(tgroup *g, const head_data *hd, const lmloss_tensor *dh,
+                        const lmloss_tensor *dw, const lmloss_tensor *db, const lmloss_tensor *dl) {
+  const int64_t N = hd->N, V = hd->V, H = hd->H;
+  double *eh = xcalloc((size_t)(N * H), sizeof(double));
+  double *ew = xcalloc((size_t)(V * H), sizeof(double)), *eb = xcalloc((size_t)V, sizeof(double));
+  grad_oracle(hd, dl, eh, ew, eb);
+  int bf = hd->dt == LMLOSS_BF16;
+  if (dh->data) {
+    if (bf)
+      tensor_close(g, dh, eh, 0, 1, "dhidden");
+    else
+      rows_close(g, dh, eh, FL_TOL, "dhidden");
+  }
+  if (dw->data) tensor_close(g, dw, ew, FL_TOL, bf, "dweight");
+  if (db->data) tensor_close(g, db, eb, FL_TOL, bf, "dbias");
+  free(eh), free(ew), free(eb);
+}
+
+/* Same results of two runs (chunking), within CHUNK_TOL. */
+static void runs_agree(tgroup *g, const lmloss_tensor *a, const lmloss_tensor *b, int whole,
+                       const char *what) {
+  if (!a->data) return;
+  double *r = to_f64(b);
+  if (whole)
+    tensor_close(g, a, r, CHUNK_TOL, 0, what);
+  else
+    rows_close(g, a, r, CHUNK_TOL, what);
+  free(r);
+}
+
+/* ---- the device side of a call ---- */
+
+typedef struct {
+  lmloss_tensor loss, lse, ent, amax; /* CE forward */
+  lmloss_tensor logp;                 /* log-probs forward (ent shared) */
+  lmloss_tensor dh, dw, db;
+} outs;
+
+static void outs_poison(outs *o) {
+  lmloss_tensor *t[] = {&o->loss, &o->lse, &o->ent, &o->amax, &o->logp, &o->dh, &o->dw, &o->db};
+  for (int i = 0; i < 8; i++)
+    if (t[i]->data) host_poison(t[i]);
+}
+
+static outs outs_clone(const outs *o) {
+  outs c = *o;
+  lmloss_tensor *s[] = {&c.loss, &c.lse, &c.ent, &c.amax, &c.logp, &c.dh, &c.dw, &c.db};
+  for (int i = 0; i < 8; i++)
+    *s[i] = host_clone(s[i]);
+  return c;
+}
+
+static int outs_same(const outs *a, const outs *b) {
+  const lmloss_tensor *s[] = {&a->loss, &a->lse, &a->ent, &a->amax,
+                              &a->logp, &a->dh,  &a->dw,  &a->db};
+  const lmloss_tensor *t[] = {&b->loss, &b->lse, &b->ent, &b->amax,
+                              &b->logp, &b->dh,  &b->dw,  &b->db};
+  int ok = 1;
+  for (int i = 0; i < 8; i++)
+    if (s[i]->data) ok &= same_bytes(s[i], t[i]);
+  return ok;
+}
+
+static void outs_restore(const outs *o, const outs *p) {
+  const lmloss_tensor *s[] = {&o->loss, &o->lse, &o->ent, &o->amax,
+                              &o->logp, &o->dh,  &o->dw,  &o->db};
+  const lmloss_tensor *t[] = {&p->loss, &p->lse, &p->ent, &p->amax,
+                              &p->logp, &p->dh,  &p->dw,  &p->db};
+  for (int i = 0; i < 8; i++)
+    if (s[i]->data) memcpy(s[i]->data, t[i]->data, tensor_bytes(s[i]));
+}
+
+static void outs_free(outs *o) {
+  lmloss_tensor *s[] = {&o->loss, &o->lse, &o->ent, &o->amax, &o->logp, &o->dh, &o->dw, &o->db};
+  for (int i = 0; i < 8; i++)
+    host_free(s[i]);
+}
+
+/* How a call is made: the memory budget (0 = default) and a workspace one
+ * byte short of what lmloss_linear_workspace_size says. */
+typedef struct {
+  size_t budget;
+  int ws_short;
+} how;
+
+typedef struct {
+  int kind; /* FWD / FUSED / BWD for CE; 10 + FWD / BWD for log-probs */
+  const head_data *hd;
+  const lmloss_tensor *labels, *tw, *cw, *mask, *dloss, *dlogp, *dent;
+  const lmloss_ce_options *opt;
+  const lmloss_transform *tr;
+  int64_t k;
+} call_spec;
+
+static lmloss_status call(const call_spec *s, how hw, outs *o) {
+  lmloss_context ctx = tb_ctx();
+  const head_data *hd = s->hd;
+  lmloss_head h = {dev_clone(&hd->hidden), dev_clone(&hd->weight), dev_clone(&hd->bias)};
+  lmloss_tensor none = {0};
+  lmloss_tensor lab = s->labels ? dev_clone(s->labels) : none;
+  lmloss_tensor tw = s->tw ? dev_clone(s->tw) : none, cw = s->cw ? dev_clone(s->cw) : none;
+  lmloss_tensor mask = s->mask ? dev_clone(s->mask) : none;
+  lmloss_tensor dloss = s->dloss ? dev_clone(s->dloss) : none;
+  lmloss_tensor dlogp = s->dlogp ? dev_clone(s->dlogp) : none;
+  lmloss_tensor dent = s->dent ? dev_clone(s->dent) : none;
+  outs d = *o;
+  lmloss_tensor *src[] = {&o->loss, &o->lse, &o->ent, &o->amax, &o->logp, &o->dh, &o->dw, &o->db};
+  lmloss_tensor *dst[] = {&d.loss, &d.lse, &d.ent, &d.amax, &d.logp, &d.dh, &d.dw, &d.db};
+  for (int i = 0; i < 8; i++)
+    *dst[i] = dev_clone(src[i]);
+  lmloss_head_options ho = lmloss_head_options_default();
+  ho.memory_budget = hw.budget;
+  lmloss_head_grads gr = {d.dh, d.dw, d.db};
+  size_t wsb = 0;
+  if (lmloss_linear_workspace_size(&h, &ho, &gr, s->k, &wsb) != LMLOSS_OK)
+    wsb = 1 << 16; /* the call itself must then fail */
+  if (hw.ws_short) wsb -= 1;
+  void *ws = dev_alloc_bytes(wsb);
+  lmloss_status st;
+  if (s->kind == FWD || s->kind == FUSED) {
+    lmloss_ce_outputs out = {d.loss, d.lse, d.ent, d.amax, {0}};
+    st = lmloss_linear_cross_entropy(&ctx, &h, &lab, &tw, &cw, s->opt, &ho, &out,
+                                     s->kind == FUSED ? &gr : NULL, ws, wsb);
+  } else if (s->kind == BWD) {
+    st = lmloss_linear_cross_entropy_backward(&ctx, &h, &lab, &tw, &cw, s->opt, &ho, &dloss, &gr,
+                                              ws, wsb);
+  } else if (s->kind == 10 + FWD) {
+    st = lmloss_linear_log_probs(&ctx, &h, &lab, &mask, s->tr, &ho, &d.logp, &d.ent, ws, wsb);
+  } else {
+    st = lmloss_linear_log_probs_backward(&ctx, &h, s->labels ? &lab : NULL, &mask, s->tr, &ho,
+                                          s->dlogp ? &dlogp : NULL, s->dent ? &dent : NULL, &gr, ws,
+                                          wsb);
+  }
+  for (int i = 0; i < 8; i++)
+    dev_fetch(src[i], dst[i]), dev_free(dst[i]);
+  dev_free(&h.hidden), dev_free(&h.weight), dev_free(&h.bias), dev_free(&lab), dev_free(&tw);
+  dev_free(&cw), dev_free(&mask), dev_free(&dloss), dev_free(&dlogp), dev_free(&dent);
+  dev_free_bytes(ws);
+  return st;
+}
+
+/* The smallest memory budget that holds one row (so that chunks have
+ * exactly 1 row; 3x that: 3 rows), found from lmloss_linear_workspace_size. */
+static size_t one_row_budget(const head_data *hd, const outs *o, int64_t k) {
+  lmloss_head h = {hd->hidden, hd->weight, hd->bias};
+  lmloss_head_grads gr = {o->dh, o->dw, o->db};
+  lmloss_head_options ho = lmloss_head_options_default();
+  size_t lo = 1, hi = (size_t)1 << 32, b;
+  while (lo < hi) {
+    ho.memory_budget = lo + (hi - lo) / 2;
+    if (lmloss_linear_workspace_size(&h, &ho, &gr, k, &b) == LMLOSS_OK)
+      hi = ho.memory_budget;
+    else
+      lo = ho.memory_budget + 1;
+  }
+  return lo;
+}
+
+/* ---- cross-entropy cases ---- */
+
+typedef struct {
+  int64_t N, V, H0, pad;
+  lmloss_dtype dt, idt, gwdt; /* head; target; dweight/dbias */
+  lmloss_ce_options opt;
+  int bias, tw, cw, mode, grads, outs, all_ignored, chunks;
+  double margin, ignore_frac, sigma;
+} lc_case;
+
+static lc_case lc_base(int64_t N, int64_t V) {
+  lc_case c;
+  memset(&c, 0, sizeof c);
+  c.N = N, c.V = V, c.H0 = 24, c.dt = c.gwdt = LMLOSS_F32, c.idt = LMLOSS_I64;
+  c.opt = lmloss_ce_options_default();
+  c.mode = FUSED, c.grads = G_ALL, c.outs = 1, c.margin = -1, c.sigma = 2.0;
+  return c;
+}
+
+static outs lc_outs(const lc_case *c, const head_data *hd) {
+  outs o;
+  memset(&o, 0, sizeof o);
+  int64_t N = c->N, V = c->V, H = hd->H;
+  if (c->mode != BWD) {
+    o.loss = host_new(LMLOSS_F32, c->opt.reduction == LMLOSS_REDUCE_NONE ? N : 1, 1, 1);
+    if (c->outs) {
+      o.lse = host_new(LMLOSS_F32, N, 1, 1), o.ent = host_new(LMLOSS_F32, N, 1, 1);
+      o.amax = host_new(LMLOSS_I64, N, 1, 1);
+    }
+  }
+  if (c->mode != FWD) {
+    if (want_dh(c->grads)) o.dh = host_new(c->dt, N, H, H);
+    if (want_dw(c->grads)) o.dw = host_new(c->gwdt, V, H, H);
+    if (want_db(c->grads) && c->bias) o.db = host_new(c->gwdt, V, 1, 1);
+  }
+  outs_poison(&o);
+  return o;
+}
+
+static void lc_print(const lc_case *c) {
+  printf("  case: N=%lld V=%lld H0=%lld head=%s dW=%s mode=%s grads=%s bias=%d margin=%g "
+         "ignore=%g ls=%g zl=%g s=%g cap=%g T=%g red=%d dft=%d tw=%d cw=%d\n",
+         (long long)c->N, (long long)c->V, (long long)c->H0, dt_name(c->dt), dt_name(c->gwdt),
+         mode_name[c->mode], grads_name[c->grads], c->bias, c->margin,
+         c->all_ignored ? 1.0 : c->ignore_frac, c->opt.label_smoothing, c->opt.z_loss,
+         c->opt.transform.logit_scale, c->opt.transform.softcap, c->opt.transform.temperature,
+         (int)c->opt.reduction, c->opt.dft, c->tw, c->cw);
+}
+
+/* Distinct random targets (while they last); ignored rows get ignore. */
+static void targets(int64_t N, int64_t V, double ignore_frac, int64_t ignore, int64_t *tv) {
+  char *used = xcalloc((size_t)V, 1);
+  for (int64_t i = 0; i < N; i++) {
+    int64_t y = rng_int(V);
+    for (int t = 0; t < 64 && used[y]; t++)
+      y = rng_int(V);
+    used[y] = 1;
+    tv[i] = rng_uniform() < ignore_frac ? ignore : y;
+  }
+  free(used);
+}
+
+static void lc_run(tgroup *g, const lc_case *c) {
+  const int64_t N = c->N, V = c->V;
+  const lmloss_ce_options *opt = &c->opt;
+  int64_t *tv = xcalloc((size_t)N, sizeof(int64_t)), *peak = xcalloc((size_t)N, sizeof(int64_t));
+  targets(N, V, c->all_ignored ? 2.0 : c->ignore_frac, opt->ignore_index, tv);
+  for (int64_t i = 0; i < N; i++)
+    peak[i] = tv[i] == opt->ignore_index ? -1 : tv[i];
+  head_data hd;
+  head_new(&hd, N, V, c->H0, c->dt, c->bias, c->pad, peak, c->margin, c->sigma);
+  lmloss_tensor tgt = host_new(c->idt, N, 1, 1), tw = {0}, cw = {0}, dloss = {0};
+  for (int64_t i = 0; i < N; i++)
+    tset(&tgt, i, 0, (double)tv[i]);
+  if (c->tw) {
+    tw = host_new(LMLOSS_F32, N, 1, 1);
+    for (int64_t i = 0; i < N; i++)
+      tset(&tw, i, 0, 0.25 + 1.5 * rng_uniform());
+  }
+  if (c->cw) {
+    cw = host_new(LMLOSS_F32, V, 1, 1);
+    for (int64_t j = 0; j < V; j++)
+      tset(&cw, j, 0, rng_uniform() < 0.1 ? 0.0 : 0.5 + rng_uniform());
+  }
+  if (c->mode == BWD) {
+    dloss = host_new(LMLOSS_F32, opt->reduction == LMLOSS_REDUCE_NONE ? N : 1, 1, 1);
+    for (int64_t i = 0; i < dloss.rows; i++)
+      tset(&dloss, i, 0, 0.5 + rng_uniform());
+  }
+
+  /* the oracle: REF on the rounded float64 logits */
+  lmloss_context rctx = ref_ctx();
+  lmloss_ce_inputs in = {hd.logits, tgt, tw, cw};
+  lmloss_tensor rloss = host_new(LMLOSS_F32, opt->reduction == LMLOSS_REDUCE_NONE ? N : 1, 1, 1);
+  lmloss_tensor rlse = host_new(LMLOSS_F32, N, 1, 1), rent = host_new(LMLOSS_F32, N, 1, 1);
+  lmloss_tensor ramax = host_new(LMLOSS_I64, N, 1, 1), rdl = host_new(LMLOSS_F32, N, V, V);
+  size_t wsb = lmloss_cross_entropy_workspace_size(N);
+  void *ws = malloc(wsb);
+  lmloss_status sr;
+  if (c->mode == BWD) {
+    sr = lmloss_cross_entropy_backward(&rctx, &in, opt, &dloss, &rdl, ws, wsb);
+  } else {
+    lmloss_ce_outputs ro = {rloss, rlse, rent, ramax, c->mode == FUSED ? rdl : (lmloss_tensor){0}};
+    sr = lmloss_cross_entropy(&rctx, &in, opt, &ro, ws, wsb);
+  }
+  free(ws);
+
+  /* the backend under test, at each budget */
+  outs o[3];
+  int nrun = c->chunks ? 3 : 1;
+  call_spec s = {c->mode, &hd, &tgt, &tw, &cw, NULL, &dloss, NULL, NULL, opt, NULL, 1};
+  size_t b1 = 0;
+  int before = (int)g->fails;
+  for (int r = 0; r < nrun; r++) {
+    o[r] = lc_outs(c, &hd);
+    if (r == 0 && c->chunks) b1 = one_row_budget(&hd, &o[0], 1);
+    how hw = {c->chunks ? (r == 0 ? b1 : r == 1 ? 3 * b1 : 0) : 0, 0};
+    lmloss_status st = call(&s, hw, &o[r]);
+    if (!tg_true(g, sr == LMLOSS_OK && st == LMLOSS_OK, "status ref %s got %s (%s)",
+                 lmloss_status_string(sr), lmloss_status_string(st), lmloss_last_error()))
+      continue;
+    if (c->mode != BWD) {
+      double *rl = to_f64(&rloss);
+      rows_close(g, &o[r].loss, rl, FL_TOL, "loss");
+      free(rl);
+      if (c->outs) {
+        double *a = to_f64(&rlse), *b = to_f64(&rent);
+        rows_close(g, &o[r].lse, a, FL_TOL, "lse");
+        rows_close(g, &o[r].ent, b, FL_TOL, "entropy");
+        free(a), free(b);
+        for (int64_t i = 0; i < N; i++) {
+          /* compare argmax where the top two logits are apart */
+          double m1 = -INFINITY, m2 = -INFINITY;
+          for (int64_t j = 0; j < V; j++) {
+            double x = hd.x64[i * V + j];
+            if (x > m1)
+              m2 = m1, m1 = x;
+            else if (x > m2)
+              m2 = x;
+          }
+          if (tv[i] != opt->ignore_index && m1 - m2 < 1e-2) continue;
+          tg_true(g, tget(&o[r].amax, i, 0) == tget(&ramax, i, 0), "argmax[%lld] got %g ref %g",
+                  (long long)i, tget(&o[r].amax, i, 0), tget(&ramax, i, 0));
+        }
+      }
+    }
+    if (c->mode != FWD) grads_close(g, &hd, &o[r].dh, &o[r].dw, &o[r].db, &rdl);
+    if (c->all_ignored) {
+      all_zero(g, &o[r].loss, "all-ignored loss");
+      all_zero(g, &o[r].lse, "all-ignored lse");
+      all_zero(g, &o[r].ent, "all-ignored entropy");
+      all_zero(g, &o[r].dh, "all-ignored dhidden");
+      all_zero(g, &o[r].dw, "all-ignored dweight");
+      all_zero(g, &o[r].db, "all-ignored dbias");
+      for (int64_t i = 0; o[r].amax.data && i < N; i++)
+        tg_true(g, tget(&o[r].amax, i, 0) == -1.0, "all-ignored argmax[%lld] != -1", (long long)i);
+    }
+    if (r > 0) { /* the chunking does not change the results */
+      runs_agree(g, &o[r].loss, &o[0].loss, 0, "chunks: loss");
+      runs_agree(g, &o[r].lse, &o[0].lse, 0, "chunks: lse");
+      runs_agree(g, &o[r].ent, &o[0].ent, 0, "chunks: entropy");
+      runs_agree(g, &o[r].dh, &o[0].dh, 0, "chunks: dhidden");
+      runs_agree(g, &o[r].dw, &o[0].dw, 1, "chunks: dweight");
+      runs_agree(g, &o[r].db, &o[0].db, 1, "chunks: dbias");
+      if (o[r].amax.data) tg_true(g, same_bytes(&o[r].amax, &o[0].amax), "chunks: argmax differs");
+    }
+  }
+  if (c->chunks) {
+    /* too small a budget, too small a workspace: the status, outputs untouched */
+    how bad[] = {{b1 - 1, 0}, {b1, 1}, {0, 1}};
+    for (int b = 0; b < 3; b++) {
+      outs p = lc_outs(c, &hd), q = outs_clone(&p);
+      lmloss_status st = call(&s, bad[b], &p);
+      tg_true(g, st == LMLOSS_ERR_WORKSPACE_TOO_SMALL && outs_same(&p, &q),
+              "budget %zu%s: got %s, outputs untouched %d", bad[b].budget,
+              bad[b].ws_short ? " with a workspace 1 byte short" : "", lmloss_status_string(st),
+              outs_same(&p, &q));
+      outs_free(&p), outs_free(&q);
+    }
+  }
+  if ((int)g->fails > before && before == 0) lc_print(c);
+  for (int r = 0; r < nrun; r++)
+    outs_free(&o[r]);
+  host_free(&rloss), host_free(&rlse), host_free(&rent), host_free(&ramax), host_free(&rdl);
+  host_free(&tgt), host_free(&tw), host_free(&cw), host_free(&dloss);
+  head_free(&hd);
+  free(tv), free(peak);
+}
+
+/* ---- log-probs cases ---- */
+
+typedef struct {
+  int64_t N, V, H0, K;
+  lmloss_dtype dt, idt, gwdt;
+  lmloss_transform tr;
+  int bias, mask, entropy, mode, dlogp, dent, no_index, grads, chunks;
+  double margin, sigma;
+} lp_case;
+
+static lp_case lp_base(int64_t N, int64_t V, int64_t K) {
+  lp_case c;
+  memset(&c, 0, sizeof c);
+  c.N = N, c.V = V, c.H0 = 24, c.K = K, c.dt = c.gwdt = LMLOSS_F32, c.idt = LMLOSS_I64;
+  c.tr = lmloss_transform_default();
+  c.mode = FWD, c.entropy = 1, c.dlogp = 1, c.grads = G_ALL, c.margin = -1, c.sigma = 2.0;
+  return c;
+}
+
+static outs lp_outs(const lp_case *c, const head_data *hd) {
+  outs o;
+  memset(&o, 0, sizeof o);
+  if (c->mode == FWD) {
+    o.logp = host_new(LMLOSS_F32, c->N, c->K, c->K);
+    if (c->entropy) o.ent = host_new(LMLOSS_F32, c->N, 1, 1);
+  } else {
+    if (want_dh(c->grads)) o.dh = host_new(c->dt, c->N, hd->H, hd->H);
+    if (want_dw(c->grads)) o.dw = host_new(c->gwdt, c->V, hd->H, hd->H);
+    if (want_db(c->grads) && c->bias) o.db = host_new(c->gwdt, c->V, 1, 1);
+  }
+  outs_poison(&o);
+  return o;
+}
+
+static void lp_print(const lp_case *c) {
+  printf("  case: N=%lld V=%lld K=%lld head=%s mode=%s grads=%s bias=%d margin=%g s=%g cap=%g "
+         "T=%g mask=%d entropy=%d dlogp=%d dentropy=%d no_index=%d\n",
+         (long long)c->N, (long long)c->V, (long long)c->K, dt_name(c->dt), mode_name[c->mode],
+         grads_name[c->grads], c->bias, c->margin, c->tr.logit_scale, c->tr.softcap,
+         c->tr.temperature, c->mask, c->entropy, c->dlogp, c->dent, c->no_index);
+}
+
+static void lp_run(tgroup *g, const lp_case *c) {
+  const int64_t N = c->N, V = c->V, K = c->K;
+  int64_t *tv = xcalloc((size_t)N, sizeof(int64_t));
+  targets(N, V, 0.0, -1, tv);
+  head_data hd;
+  head_new(&hd, N, V, c->H0, c->dt, c->bias, 0, tv, c->margin, c->sigma);
+  lmloss_tensor idx = host_new(c->idt, N, K, K), mask = {0}, dlogp = {0}, dent = {0};
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t k = 0; k < K; k++)
+      tset(&idx, i, k, k == 0 ? (double)tv[i] : (double)rng_int(V));
+  if (c->mask) {
+    mask = host_new(LMLOSS_BOOL, N, 1, 1);
+    for (int64_t i = 0; i < N; i++)
+      tset(&mask, i, 0, rng_uniform() < 0.7);
+  }
+  if (c->mode == BWD && c->dlogp) {
+    dlogp = host_new(LMLOSS_F32, N, K, K);
+    for (int64_t i = 0; i < N; i++)
+      for (int64_t k = 0; k < K; k++)
+        tset(&dlogp, i, k, rng_normal());
+  }
+  if (c->mode == BWD && c->dent) {
+    dent = host_new(LMLOSS_F32, N, 1, 1);
+    for (int64_t i = 0; i < N; i++)
+      tset(&dent, i, 0, rng_normal());
+  }
+  const int use_idx = !(c->mode == BWD && !c->dlogp && c->no_index);
+
+  lmloss_context rctx = ref_ctx();
+  lmloss_tensor rlogp = host_new(LMLOSS_F32, N, K, K), rent = host_new(LMLOSS_F32, N, 1, 1);
+  lmloss_tensor rdl = host_new(LMLOSS_F32, N, V, V);
+  lmloss_status sr =
+      c->mode == FWD
+          ? lmloss_log_probs(&rctx, &hd.logits, &idx, &mask, &c->tr, &rlogp, &rent)
+          : lmloss_log_probs_backward(&rctx, &hd.logits, use_idx ? &idx : NULL, &mask, &c->tr,
+                                      c->dlogp ? &dlogp : NULL, c->dent ? &dent : NULL, &rdl);
+
+  outs o[3];
+  int nrun = c->chunks ? 3 : 1, before = (int)g->fails;
+  int64_t k = c->mode == FWD || c->dlogp ? K : 0;
+  call_spec s = {10 + c->mode,
+                 &hd,
+                 use_idx ? &idx : NULL,
+                 NULL,
+                 NULL,
+                 c->mask ? &mask : NULL,
+                 NULL,
+                 c->dlogp ? &dlogp : NULL,
+                 c->dent ? &dent : NULL,
+                 NULL,
+                 &c->tr,
+                 k};
+  size_t b1 = 0;
+  for (int r = 0; r < nrun; r++) {
+    o[r] = lp_outs(c, &hd);
+    if (r == 0 && c->chunks) b1 = one_row_budget(&hd, &o[0], k);
+    how hw = {c->chunks ? (r == 0 ? b1 : r == 1 ? 3 * b1 : 0) : 0, 0};
+    lmloss_status st = call(&s, hw, &o[r]);
+    if (!tg_true(g, sr == LMLOSS_OK && st == LMLOSS_OK, "status ref %s got %s (%s)",
+                 lmloss_status_string(sr), lmloss_status_string(st), lmloss_last_error()))
+      continue;
+    if (c->mode == FWD) {
+      double *a = to_f64(&rlogp), *b = to_f64(&rent);
+      rows_close(g, &o[r].logp, a, FL_TOL, "logp");
+      if (c->entropy) rows_close(g, &o[r].ent, b, FL_TOL, "entropy");
+      free(a), free(b);
+    } else {
+      grads_close(g, &hd, &o[r].dh, &o[r].dw, &o[r].db, &rdl);
+    }
+    if (r > 0) {
+      runs_agree(g, &o[r].logp, &o[0].logp, 0, "chunks: logp");
+      runs_agree(g, &o[r].ent, &o[0].ent, 0, "chunks: entropy");
+      runs_agree(g, &o[r].dh, &o[0].dh, 0, "chunks: dhidden");
+      runs_agree(g, &o[r].dw, &o[0].dw, 1, "chunks: dweight");
+      runs_agree(g, &o[r].db, &o[0].db, 1, "chunks: dbias");
+    }
+  }
+  if (c->chunks) {
+    how bad[] = {{b1 - 1, 0}, {0, 1}};
+    for (int b = 0; b < 2; b++) {
+      outs p = lp_outs(c, &hd), q = outs_clone(&p);
+      lmloss_status st = call(&s, bad[b], &p);
+      tg_true(g, st == LMLOSS_ERR_WORKSPACE_TOO_SMALL && outs_same(&p, &q),
+              "budget %zu%s: got %s, outputs untouched %d", bad[b].budget,
+              bad[b].ws_short ? " with a workspace 1 byte short" : "", lmloss_status_string(st),
+              outs_same(&p, &q));
+      outs_free(&p), outs_free(&q);
+    }
+  }
+  if ((int)g->fails > before && before == 0) lp_print(c);
+  for (int r = 0; r < nrun; r++)
+    outs_free(&o[r]);
+  host_free(&idx), host_free(&mask), host_free(&dlogp), host_free(&dent);
+  host_free(&rlogp), host_free(&rent), host_free(&rdl);
+  head_free(&hd);
+  free(tv);
+}
+
+/* ---- bad input ---- */
+
+static void expect(tgroup *g, lmloss_status got, lmloss_status want, const outs *o, const outs *p,
+                   const char *what) {
+  int same = outs_same(o, p);
+  int ok = (want == LMLOSS_OK ? got != LMLOSS_OK : got == want) && lmloss_last_error()[0] && same;
+  tg_true(g, ok, "%s: got %s want %s, message '%s', outputs untouched %d", what,
+          lmloss_status_string(got), want == LMLOSS_OK ? "an error" : lmloss_status_string(want),
+          lmloss_last_error(), same);
+  outs_restore(o, p); /* the next check starts from the poison again */
+}
+
+static void bad_input(tgroup *g) {
+  const int64_t N = 4, V = 17, H = 8;
+  lmloss_context ctx = lmloss_context_default();
+  ctx.backend = LMLOSS_BACKEND_CPU;
+  lmloss_tensor hid = host_new(LMLOSS_F32, N, H, H), w = host_new(LMLOSS_F32, V, H, H);
+  lmloss_tensor b = host_new(LMLOSS_F32, V, 1, 1), t = host_new(LMLOSS_I64, N, 1, 1);
+  lmloss_tensor idx = host_new(LMLOSS_I64, N, 1, 1), dlg = host_new(LMLOSS_F32, N, V, V);
+  lmloss_tensor hid16 = host_new(LMLOSS_BF16, N, H, H), w16 = host_new(LMLOSS_BF16, V, H, H);
+  lmloss_tensor w9 = host_new(LMLOSS_F32, V, H + 1, H + 1), none = {0};
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t k = 0; k < H; k++)
+      tset(&hid, i, k, rng_normal()), tset(&hid16, i, k, rng_normal());
+  for (int64_t j = 0; j < V; j++)
+    for (int64_t k = 0; k < H; k++)
+      tset(&w, j, k, rng_normal()), tset(&w16, j, k, rng_normal());
+  for (int64_t i = 0; i < N; i++)
+    tset(&t, i, 0, (double)(3 * i)), tset(&idx, i, 0, (double)i);
+  outs o;
+  memset(&o, 0, sizeof o);
+  o.loss = host_new(LMLOSS_F32, N, 1, 1), o.lse = host_new(LMLOSS_F32, N, 1, 1);
+  o.logp = host_new(LMLOSS_F32, N, 1, 1), o.dh = host_new(LMLOSS_F32, N, H, H);
+  o.dw = host_new(LMLOSS_F32, V, H, H), o.db = host_new(LMLOSS_F32, V, 1, 1);
+  outs_poison(&o);
+  outs p = outs_clone(&o);
+  lmloss_ce_options opt = lmloss_ce_options_default();
+  opt.reduction = LMLOSS_REDUCE_NONE;
+  lmloss_head_options ho = lmloss_head_options_default();
+  lmloss_transform tr = lmloss_transform_default();
+  lmloss_ce_outputs out = {o.loss, o.lse, {0}, {0}, {0}};
+  lmloss_head head = {hid, w, none}, hb = {hid, w, b};
+  lmloss_head_grads gr = {o.dh, o.dw, none}, grb = {o.dh, o.dw, o.db};
+  lmloss_tensor dloss = host_new(LMLOSS_F32, N, 1, 1);
+  size_t wsb = 1 << 20;
+  void *ws = malloc(wsb);
+  size_t bytes;
+
+  expect(g, lmloss_linear_cross_entropy(&ctx, NULL, &t, NULL, NULL, &opt, &ho, &out, &gr, ws, wsb),
+         LMLOSS_ERR_NULL_POINTER, &o, &p, "CE: head NULL");
+  expect(g,
+         lmloss_linear_cross_entropy_backward(&ctx, NULL, &t, NULL, NULL, &opt, &ho, &dloss, &gr,
+                                              ws, wsb),
+         LMLOSS_ERR_NULL_POINTER, &o, &p, "CE backward: head NULL");
+  expect(g, lmloss_linear_log_probs(&ctx, NULL, &idx, NULL, &tr, &ho, &o.logp, NULL, ws, wsb),
+         LMLOSS_ERR_NULL_POINTER, &o, &p, "log-probs: head NULL");
+  expect(g, lmloss_linear_workspace_size(NULL, &ho, &gr, 1, &bytes), LMLOSS_ERR_NULL_POINTER, &o,
+         &p, "workspace size: head NULL");
+  {
+    lmloss_head h = {hid, w16, none};
+    expect(g, lmloss_linear_cross_entropy(&ctx, &h, &t, NULL, NULL, &opt, &ho, &out, &gr, ws, wsb),
+           LMLOSS_ERR_BAD_DTYPE, &o, &p, "CE: hidden F32, weight BF16");
+    expect(g, lmloss_linear_log_probs(&ctx, &h, &idx, NULL, &tr, &ho, &o.logp, NULL, ws, wsb),
+           LMLOSS_ERR_BAD_DTYPE, &o, &p, "log-probs: hidden F32, weight BF16");
+    h.weight = w9;
+    expect(g, lmloss_linear_cross_entropy(&ctx, &h, &t, NULL, NULL, &opt, &ho, &out, &gr, ws, wsb),
+           LMLOSS_ERR_BAD_SHAPE, &o, &p, "CE: weight has H + 1 columns");
+    expect(g, lmloss_linear_workspace_size(&h, &ho, &gr, 1, &bytes), LMLOSS_ERR_BAD_SHAPE, &o, &p,
+           "workspace size: weight has H + 1 columns");
+  }
+  {
+    lmloss_ce_outputs o2 = out;
+    o2.dlogits = dlg;
+    expect(g,
+           lmloss_linear_cross_entropy(&ctx, &head, &t, NULL, NULL, &opt, &ho, &o2, &gr, ws, wsb),
+           LMLOSS_OK, &o, &p, "CE: dlogits given in the outputs");
+  }
+  expect(g,
+         lmloss_linear_cross_entropy(&ctx, &head, &t, NULL, NULL, &opt, &ho, &out, &grb, ws, wsb),
+         LMLOSS_OK, &o, &p, "CE: dbias without bias");
+  expect(g,
+         lmloss_linear_log_probs_backward(&ctx, &head, &idx, NULL, &tr, &ho, &dloss, NULL, &grb, ws,
+                                          wsb),
+         LMLOSS_OK, &o, &p, "log-probs backward: dbias without bias");
+  {
+    lmloss_head h = {hid16, w16, none};
+    lmloss_tensor dh16 = host_new(LMLOSS_BF16, N, H, H);
+    host_poison(&dh16);
+    lmloss_tensor dh16p = host_clone(&dh16);
+    lmloss_head_grads g16 = {dh16, o.dw, none};
+    expect(g, lmloss_linear_cross_entropy(&ctx, &h, &t, NULL, NULL, &opt, &ho, &out, &g16, ws, wsb),
+           LMLOSS_ERR_UNSUPPORTED, &o, &p, "CE: BF16 head on the CPU backend");
+    expect(g, lmloss_linear_log_probs(&ctx, &h, &idx, NULL, &tr, &ho, &o.logp, NULL, ws, wsb),
+           LMLOSS_ERR_UNSUPPORTED, &o, &p, "log-probs: BF16 head on the CPU backend");
+    expect(g,
+           lmloss_linear_cross_entropy_backward(&ctx, &h, &t, NULL, NULL, &opt, &ho, &dloss, &g16,
+                                                ws, wsb),
+           LMLOSS_ERR_UNSUPPORTED, &o, &p, "CE backward: BF16 head on the CPU backend");
+    tg_true(g, same_bytes(&dh16, &dh16p), "BF16 head on the CPU: dhidden was written");
+    host_free(&dh16), host_free(&dh16p);
+  }
+  {
+    lmloss_head_options h2 = ho;
+    h2.memory_budget = 16;
+    expect(g,
+           lmloss_linear_cross_entropy(&ctx, &hb, &t, NULL, NULL, &opt, &h2, &out, &grb, ws, wsb),
+           LMLOSS_ERR_WORKSPACE_TOO_SMALL, &o, &p, "CE: budget of 16 bytes");
+    expect(g, lmloss_linear_workspace_size(&hb, &h2, &grb, 1, &bytes),
+           LMLOSS_ERR_WORKSPACE_TOO_SMALL, &o, &p, "workspace size: budget of 16 bytes");
+  }
+  tset(&t, 2, 0, (double)V);
+  expect(g, lmloss_linear_cross_entropy(&ctx, &head, &t, NULL, NULL, &opt, &ho, &out, &gr, ws, wsb),
+         LMLOSS_ERR_INDEX_OUT_OF_RANGE, &o, &p, "CE: target = V");
+  free(ws);
+  outs_free(&o), outs_free(&p);
+  host_free(&hid), host_free(&w), host_free(&b), host_free(&t), host_free(&idx);
+  host_free(&dlg), host_free(&hid16), host_free(&w16), host_free(&w9), host_free(&dloss);
+}
+
+/* ---- the suite ---- */
+
+static const double margins[] = {-1, 0, 5, 17, 30, 50};
+
+static void ce_suite(lmloss_dtype dt) {
+  tgroup g;
+  char name[96];
+  const char *dn = dt_name(dt);
+
+  snprintf(name, sizeof name, "linear ce margins x V x modes x grads (%s)", dn);
+  tg_begin(&g, name);
+  for (int m = 0; m < 6; m++)
+    for (int v = 0; v < 2; v++)
+      for (int md = 0; md < 3; md++) {
+        lc_case c = lc_base(12, v ? 4099 : 1003);
+        int k = 6 * m + 3 * v + md;
+        c.dt = dt, c.margin = margins[m], c.mode = md, c.grads = k % 4, c.bias = k % 2;
+        c.idt = k % 3 ? LMLOSS_I64 : LMLOSS_I32, c.pad = k % 5 == 0 ? 3 : 0;
+        c.gwdt = dt == LMLOSS_BF16 && k % 2 ? LMLOSS_BF16 : LMLOSS_F32;
+        c.opt.reduction = (lmloss_reduction)(k % 4);
+        c.opt.num_items = 9.5, c.opt.grad_output = 0.75f;
+        rng_seed(1000 + k);
+        lc_run(&g, &c);
+      }
+  tg_end(&g);
+
+  static const char *optname[] = {
+      "ignore_index (75%)", "label_smoothing", "z_loss",       "logit_scale", "softcap",
+      "temperature",        "token_weight",    "class_weight", "dft",         "plain",
+      "ls+zl+tw+cw+ign",    "scale+cap+T+dft", "all"};
+  for (int o = 0; o < 13; o++) {
+    snprintf(name, sizeof name, "linear ce option %s x reductions (%s)", optname[o], dn);
+    tg_begin(&g, name);
+    for (int r = 0; r < 4; r++)
+      for (int md = FUSED; md <= BWD; md++) {
+        int k = 2 * r + md;
+        lc_case c = lc_base(o == 0 || o >= 10 ? 24 : 10, k % 3 == 0 ? 4099 : 1003);
+        c.dt = dt, c.opt.reduction = (lmloss_reduction)r, c.mode = md;
+        c.opt.num_items = 37.5, c.opt.grad_output = 0.75f;
+        c.margin = (double[]){-1, 5, 17, -1}[k % 4], c.bias = k % 2, c.outs = k % 3 != 1;
+        c.gwdt = dt == LMLOSS_BF16 && k % 2 ? LMLOSS_BF16 : LMLOSS_F32;
+        int all = o == 12, mix1 = o == 10 || all, mix2 = o == 11 || all;
+        if (o == 0 || mix1) c.ignore_frac = 0.75, c.opt.ignore_index = o == 0 ? -1 : -100;
+        if (o == 1 || mix1) c.opt.label_smoothing = 0.1f;
+        if (o == 2 || mix1) c.opt.z_loss = 1e-3f;
+        if (o == 3 || mix2) c.opt.transform.logit_scale = 0.5f;
+        if (o == 4 || mix2) c.opt.transform.softcap = 30.0f;
+        if (o == 5 || mix2) c.opt.transform.temperature = 0.7f;
+        if (o == 6 || mix1) c.tw = 1;
+        if (o == 7 || mix1) c.cw = 1;
+        if (o == 8 || mix2) c.opt.dft = 1;
+        rng_seed(7000 + 100 * o + k);
+        lc_run(&g, &c);
+      }
+    tg_end(&g);
+  }
+
+  snprintf(name, sizeof name, "linear ce all-ignored batch (%s)", dn);
+  tg_begin(&g, name);
+  for (int r = 0; r < 4; r++)
+    for (int md = 0; md < 3; md++) {
+      lc_case c = lc_base(6, 1003);
+      c.dt = dt, c.all_ignored = 1, c.opt.reduction = (lmloss_reduction)r, c.mode = md;
+      c.opt.num_items = 3, c.cw = md % 2, c.bias = 1, c.grads = r % 2 ? G_ALL : G_NO_W;
+      rng_seed(100 + 3 * r + md);
+      lc_run(&g, &c);
+    }
+  tg_end(&g);
+
+  snprintf(name, sizeof name, "linear ce chunks: 1-row, 3-row, default; workspace (%s)", dn);
+  tg_begin(&g, name);
+  for (int k = 0; k < 4; k++) {
+    lc_case c = lc_base(13, k % 2 ? 4099 : 1003);
+    c.dt = dt, c.chunks = 1, c.mode = k < 2 ? FUSED : BWD, c.bias = 1, c.ignore_frac = 0.3;
+    c.opt.reduction = (lmloss_reduction)(k % 2 ? LMLOSS_REDUCE_MEAN : LMLOSS_REDUCE_NONE);
+    c.opt.label_smoothing = k == 1 ? 0.1f : 0.0f, c.tw = k == 2, c.opt.z_loss = k == 3 ? 1e-3f : 0;
+    rng_seed(200 + k);
+    lc_run(&g, &c);
+  }
+  tg_end(&g);
+}
+
+static void lp_suite(lmloss_dtype dt) {
+  tgroup g;
+  char name[96];
+  const char *dn = dt_name(dt);
+  static const lmloss_transform trs[] = {
+      {1, 0, 1}, {1, 0, 0.7f}, {0.5f, 0, 1}, {1, 30, 1}, {0.8f, 25, 1.3f}};
+
+  snprintf(name, sizeof name, "linear log-probs K x transform x mask x margin (%s)", dn);
+  tg_begin(&g, name);
+  for (int k = 0; k < 20; k++) {
+    lp_case c = lp_base(12, k % 3 ? 1003 : 4099, k % 2 ? 3 : 1);
+    c.dt = dt, c.tr = trs[k % 5], c.mask = k % 4 >= 2, c.entropy = k % 3 != 2, c.bias = k % 2;
+    c.idt = k % 2 ? LMLOSS_I32 : LMLOSS_I64;
+    c.margin = c.tr.temperature < 1 || c.tr.softcap > 0 ? (k % 2 ? 17 : -1) : margins[k % 6];
+    rng_seed(3000 + k);
+    lp_run(&g, &c);
+  }
+  tg_end(&g);
+
+  snprintf(name, sizeof name, "linear log-probs backward dlogp/dentropy/both (%s)", dn);
+  tg_begin(&g, name);
+  for (int k = 0; k < 24; k++) {
+    lp_case c = lp_base(12, k % 3 ? 1003 : 4099, k % 2 ? 3 : 1);
+    c.dt = dt, c.mode = BWD, c.tr = trs[k % 5], c.mask = k % 4 >= 2, c.bias = k % 2;
+    c.dlogp = k % 3 != 1, c.dent = k % 3 != 0, c.no_index = k % 2, c.grads = (k / 3) % 4;
+    c.gwdt = dt == LMLOSS_BF16 && k % 2 ? LMLOSS_BF16 : LMLOSS_F32;
+    c.margin = c.tr.temperature < 1 || c.tr.softcap > 0 ? (k % 2 ? 17 : -1) : margins[k % 6];
+    rng_seed(4000 + k);
+    lp_run(&g, &c);
+  }
+  tg_end(&g);
+
+  snprintf(name, sizeof name, "linear log-probs chunks: 1-row, 3-row, default (%s)", dn);
+  tg_begin(&g, name);
+  for (int k = 0; k < 3; k++) {
+    lp_case c = lp_base(11, 1003, 3);
+    c.dt = dt, c.chunks = 1, c.mode = k ? BWD : FWD, c.mask = 1, c.bias = 1;
+    c.dlogp = k != 2, c.dent = k != 1;
+    rng_seed(5000 + k);
+    lp_run(&g, &c);
+  }
+  tg_end(&g);
+}
+
+int main(void) {
+  tb_init();
+  tgroup g;
+  tg_begin(&g, "linear bad input");
+  rng_seed(1);
+  bad_input(&g);
+  tg_end(&g);
+  ce_suite(LMLOSS_F32);
+  lp_suite(LMLOSS_F32);
+  if (tb_is_cuda()) {
+    ce_suite(LMLOSS_BF16);
+    lp_suite(LMLOSS_BF16);
+  }
+  return test_finish();
+}

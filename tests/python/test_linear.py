@@ -1,0 +1,332 @@
+"""The fused linear head (lmloss.linear_*) against a float64 NumPy oracle:
+logits = hidden @ weight.T + bias in float64 from the float32 inputs, then
+reference.py; dhidden, dweight, dbias formed in float64 from the reference
+dlogits.
+
+Tolerance (the fused head's contract for fp32): per-row values and dhidden
+rows within TOL relative (norm of the row), dweight and dbias within TOL
+Frobenius-relative; results with different memory budgets (chunk sizes)
+agree within CHUNK_TOL on rows that are not peaked (the GEMM's rounding
+depends on the chunk's row count, and a peaked row turns one ulp of a large
+logit into ~1e-6 relative on its tiny loss and entropy).
+"""
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import lmloss
+import reference as R
+from lmloss import _lib
+
+TOL = 1e-4
+CHUNK_TOL = 1e-6
+FLOOR = 2.0 ** -126
+
+
+def make_head(rng, n, v, margin=None, target=None, h0=16, bias=True, sigma=2.0):
+    """float32 hidden [n, h0 + n], weight [v, h0 + n], bias [v]. With a
+    margin, row i owns hidden dimension h0 + i and weight[target[i], h0 + i]
+    makes logit target[i] lead the row's other max by the margin."""
+    hd = h0 + n
+    hid = np.zeros((n, hd), np.float32)
+    hid[:, :h0] = rng.standard_normal((n, h0))
+    w = np.zeros((v, hd), np.float32)
+    w[:, :h0] = rng.standard_normal((v, h0)) * sigma / np.sqrt(h0)
+    b = (0.5 * rng.standard_normal(v)).astype(np.float32) if bias else None
+    if margin is not None:
+        x = logits64(hid, w, b)
+        for i, y in enumerate(target):
+            if y < 0 or y >= v:
+                continue
+            hid[i, h0 + i] = 1.0
+            w[y, h0 + i] = np.float32(np.delete(x[i], y).max() + margin - x[i, y])
+    return hid, w, b
+
+
+def logits64(hid, w, b):
+    x = R.f64(hid) @ R.f64(w).T
+    return x + R.f64(b) if b is not None else x
+
+
+def head_grads(g, hid, w, b):
+    """Exact dhidden, dweight, dbias from dlogits g [N, V]."""
+    return g @ R.f64(w), g.T @ R.f64(hid), (g.sum(axis=0) if b is not None else None)
+
+
+def rows_close(got, ref, tol=TOL, what=""):
+    got = R.f64(got).reshape(len(ref), -1)
+    ref = np.asarray(ref, np.float64).reshape(len(ref), -1)
+    assert np.isfinite(got).all(), what
+    err = np.linalg.norm(got - ref, axis=1)
+    den = np.linalg.norm(ref, axis=1)
+    bad = err > tol * den + FLOOR
+    assert not bad.any(), "%s: rows %s rel err %s" % (what, np.nonzero(bad)[0],
+                                                      (err / np.maximum(den, FLOOR))[bad])
+
+
+def tensor_close(got, ref, tol=TOL, what=""):
+    got, ref = R.f64(got), np.asarray(ref, np.float64)
+    assert got.shape == ref.shape and np.isfinite(got).all(), what
+    err, den = np.linalg.norm(got - ref), np.linalg.norm(ref)
+    assert err <= tol * den + FLOOR, "%s: rel err %g" % (what, err / max(den, FLOOR))
+
+
+def targets(rng, n, v, ignore_frac=0.0, ignore_index=-100):
+    y = rng.choice(v, n, replace=False)
+    return np.where(rng.random(n) < ignore_frac, ignore_index, y)
+
+
+def check_ce(hid, w, b, y, tw=None, cw=None, budget=None, **kw):
+    """linear_cross_entropy(grad=True) against the oracle; returns the results."""
+    res = lmloss.linear_cross_entropy(hid, w, y, bias=b, token_weight=tw, class_weight=cw,
+                                      grad=True, memory_budget=budget, return_lse=True,
+                                      return_entropy=True, **kw)
+    ref = R.cross_entropy(logits64(hid, w, b), y, weight=tw, class_weight=cw, **kw)
+    if kw.get("reduction") == "none":
+        rows_close(res.loss, ref["loss"], what="loss")
+    else:
+        assert abs(res.loss - ref["loss"]) <= TOL * abs(ref["loss"]) + FLOOR, (res.loss, ref)
+    rows_close(res.lse, ref["lse"], what="lse")
+    rows_close(res.entropy, ref["entropy"], what="entropy")
+    dh, dw, db = head_grads(ref["grad"], hid, w, b)
+    assert res.dhidden.dtype == np.float32 and res.dhidden.shape == hid.shape
+    rows_close(res.dhidden, dh, what="dhidden")
+    tensor_close(res.dweight, dw, what="dweight")
+    if b is None:
+        assert res.dbias is None
+    else:
+        tensor_close(res.dbias, db, what="dbias")
+    return res
+
+
+@pytest.mark.parametrize("margin", [0, 5, 17, 30, 50])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_ce_margins(margin, reduction):
+    rng = np.random.default_rng(margin)
+    y = targets(rng, 8, 1003)
+    hid, w, b = make_head(rng, 8, 1003, margin, y, bias=margin % 2 == 1)
+    check_ce(hid, w, b, y, reduction=reduction)
+
+
+OPTIONS = [
+    dict(label_smoothing=0.1),
+    dict(z_loss=1e-3),
+    dict(logit_scale=0.5),
+    dict(softcap=30.0),
+    dict(temperature=0.7),
+    dict(dft=True),
+    dict(tw=True),
+    dict(cw=True),
+    dict(ignore=0.75),
+    dict(reduction="sum"),
+    dict(num_items=37.5),
+    dict(reduction="none", label_smoothing=0.2, z_loss=1e-4, tw=True),
+    dict(cw=True, tw=True, label_smoothing=0.1, ignore=0.5, ignore_index=-1),
+    dict(logit_scale=0.8, softcap=25.0, temperature=1.3, dft=True, reduction="sum"),
+]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: ",".join(sorted(o)))
+def test_ce_options(opts):
+    kw = dict(opts)
+    rng = np.random.default_rng(len(str(kw)))
+    n, v = 16, 1003
+    ignore_index = kw.get("ignore_index", -100)
+    y = targets(rng, n, v, kw.pop("ignore", 0.0), ignore_index)
+    tw = (0.25 + 1.5 * rng.random(n)).astype(np.float32) if kw.pop("tw", False) else None
+    cw = None
+    if kw.pop("cw", False):
+        cw = np.where(rng.random(v) < 0.1, 0.0, 0.5 + rng.random(v)).astype(np.float32)
+    hid, w, b = make_head(rng, n, v, 5, y)
+    check_ce(hid, w, b, y, tw, cw, **kw)
+
+
+def one_row_budget(fn):
+    """The smallest memory_budget fn accepts: chunks of exactly one row."""
+    lo, hi = 1, 1 << 30
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            fn(mid)
+            hi = mid
+        except lmloss.Error as e:
+            assert e.status == "LMLOSS_ERR_WORKSPACE_TOO_SMALL"
+            lo = mid + 1
+    return lo
+
+
+def test_ce_chunks():
+    rng = np.random.default_rng(1)
+    n, v = 13, 1003
+    y = targets(rng, n, v, 0.3)
+    hid, w, b = make_head(rng, n, v)  # not peaked: see CHUNK_TOL
+    kw = dict(reduction="none", label_smoothing=0.1)
+    b1 = one_row_budget(lambda m: lmloss.linear_cross_entropy(hid, w, y, bias=b, grad=True,
+                                                              memory_budget=m, **kw))
+    runs = [check_ce(hid, w, b, y, budget=m, **kw) for m in (b1, 3 * b1, None)]
+    for r in runs[:2]:
+        for name in ("loss", "lse", "entropy", "dhidden"):
+            rows_close(getattr(r, name), R.f64(getattr(runs[2], name)), CHUNK_TOL, name)
+        tensor_close(r.dweight, R.f64(runs[2].dweight), CHUNK_TOL, "dweight")
+        tensor_close(r.dbias, R.f64(runs[2].dbias), CHUNK_TOL, "dbias")
+    with pytest.raises(lmloss.Error) as e:
+        lmloss.linear_cross_entropy(hid, w, y, bias=b, grad=True, memory_budget=b1 - 1, **kw)
+    assert e.value.status == "LMLOSS_ERR_WORKSPACE_TOO_SMALL"
+
+
+def test_ce_leading_axes_and_outputs():
+    rng = np.random.default_rng(2)
+    y = targets(rng, 6, 50, 0.3)
+    hid, w, b = make_head(rng, 6, 50, 5, y)
+    res = lmloss.linear_cross_entropy(hid.reshape(2, 3, -1), w, y.reshape(2, 3), bias=b,
+                                      grad=True, reduction="none", return_argmax=True)
+    ref = R.cross_entropy(logits64(hid, w, b), y, reduction="none")
+    assert res.loss.shape == (2, 3) and res.dhidden.shape == (2, 3, hid.shape[1])
+    assert res.lse is None and res.entropy is None
+    assert (res.argmax.ravel() == ref["argmax"]).all()
+    rows_close(res.loss.ravel(), ref["loss"])
+    loss, dh, dw, db = lmloss.linear_cross_entropy(hid, w, y, grad=True)
+    assert db is None and dh.shape == hid.shape and dw.shape == w.shape
+    assert isinstance(lmloss.linear_cross_entropy(hid, w, y), float)
+
+
+def test_ce_all_ignored():
+    rng = np.random.default_rng(3)
+    hid, w, b = make_head(rng, 5, 40)
+    y = np.full(5, -100)
+    for reduction in ("mean", "sum", "none"):
+        loss, dh, dw, db = lmloss.linear_cross_entropy(hid, w, y, bias=b, grad=True,
+                                                       reduction=reduction)
+        assert np.all(np.asarray(loss) == 0)
+        assert not dh.any() and not dw.any() and not db.any()
+
+
+def check_lp(hid, w, b, idx, budget=None, mask=None, **tr):
+    logp, ent = lmloss.linear_log_probs(hid, w, idx, bias=b, mask=mask, entropy=True,
+                                        memory_budget=budget, **tr)
+    z = R.transform(logits64(hid, w, b), **tr)[0]
+    _, lp, p, _, _ = R.stats(z)
+    n = len(hid)
+    ref_lp = np.take_along_axis(lp, idx.reshape(n, -1), axis=1).reshape(idx.shape)
+    ref_ent = R.entropy_terms(lp, p)[0]
+    if mask is not None:
+        ref_lp = np.where(mask.reshape((n,) + (1,) * (idx.ndim - 1)), ref_lp, 0.0)
+        ref_ent = np.where(mask, ref_ent, 0.0)
+    assert logp.shape == idx.shape and logp.dtype == np.float32
+    rows_close(logp, ref_lp, what="logp")
+    rows_close(ent, ref_ent, what="entropy")
+    return logp, ent
+
+
+TRANSFORMS = [dict(), dict(temperature=0.7), dict(logit_scale=0.5, softcap=30.0),
+              dict(logit_scale=0.8, softcap=25.0, temperature=1.3)]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("tr", TRANSFORMS, ids=lambda t: ",".join(sorted(t)) or "plain")
+@pytest.mark.parametrize("masked", [False, True])
+def test_log_probs(k, tr, masked):
+    rng = np.random.default_rng(10 * k + len(tr))
+    n, v = 10, 1003
+    y = targets(rng, n, v)
+    hid, w, b = make_head(rng, n, v, 17, y)
+    idx = y if k == 1 else np.stack([y] + [rng.integers(0, v, n) for _ in range(k - 1)], 1)
+    mask = rng.random(n) < 0.7 if masked else None
+    check_lp(hid, w, b, idx, mask=mask, **tr)
+
+
+@pytest.mark.parametrize("which", ["dlogp", "dentropy", "both"])
+@pytest.mark.parametrize("tr", TRANSFORMS[:3], ids=lambda t: ",".join(sorted(t)) or "plain")
+def test_log_probs_backward(which, tr):
+    rng = np.random.default_rng(len(which) + 7 * len(tr))
+    n, v, k = 10, 1003, 3
+    y = targets(rng, n, v)
+    hid, w, b = make_head(rng, n, v, 30, y)
+    idx = np.stack([y, rng.integers(0, v, n), rng.integers(0, v, n)], 1)
+    mask = rng.random(n) < 0.7
+    dlogp = rng.standard_normal((n, k)).astype(np.float32) if which != "dentropy" else None
+    dent = rng.standard_normal(n).astype(np.float32) if which != "dlogp" else None
+    index = None if which == "dentropy" else idx
+    dh, dw, db = lmloss.linear_log_probs_backward(hid, w, index, dlogp, dent, bias=b, mask=mask,
+                                                  **tr)
+    g, _ = R.log_probs_backward(logits64(hid, w, b), idx, dlogp, dent, mask=mask, **tr)
+    rdh, rdw, rdb = head_grads(g, hid, w, b)
+    rows_close(dh, rdh, what="dhidden")
+    assert not dh[~mask].any()
+    tensor_close(dw, rdw, what="dweight")
+    tensor_close(db, rdb, what="dbias")
+
+
+def test_log_probs_chunks():
+    rng = np.random.default_rng(4)
+    n, v = 11, 1003
+    y = targets(rng, n, v)
+    hid, w, b = make_head(rng, n, v)  # not peaked: see CHUNK_TOL
+    idx = np.stack([y, rng.integers(0, v, n)], 1)
+    mask = rng.random(n) < 0.7
+    dlogp = rng.standard_normal((n, 2)).astype(np.float32)
+    dent = rng.standard_normal(n).astype(np.float32)
+    b1 = one_row_budget(lambda m: lmloss.linear_log_probs(hid, w, idx, bias=b, memory_budget=m))
+    fwd = [check_lp(hid, w, b, idx, budget=m, mask=mask) for m in (b1, 3 * b1, None)]
+    bwd = [lmloss.linear_log_probs_backward(hid, w, idx, dlogp, dent, bias=b, mask=mask,
+                                            memory_budget=m) for m in (b1, 3 * b1, None)]
+    for i in range(2):
+        rows_close(fwd[i][0], R.f64(fwd[2][0]), CHUNK_TOL, "logp")
+        rows_close(fwd[i][1], R.f64(fwd[2][1]), CHUNK_TOL, "entropy")
+        rows_close(bwd[i][0], R.f64(bwd[2][0]), CHUNK_TOL, "dhidden")
+        tensor_close(bwd[i][1], R.f64(bwd[2][1]), CHUNK_TOL, "dweight")
+        tensor_close(bwd[i][2], R.f64(bwd[2][2]), CHUNK_TOL, "dbias")
+
+
+H = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+W = np.random.default_rng(1).standard_normal((10, 8)).astype(np.float32)
+Y = np.array([1, 2, 3, 4])
+
+ERRORS = [
+    ("H mismatch", lmloss.linear_cross_entropy, (H, W[:, :7], Y), {}, "BAD_SHAPE"),
+    ("weight 1-D", lmloss.linear_cross_entropy, (H, W[0], Y), {}, "BAD_SHAPE"),
+    ("bias shape", lmloss.linear_cross_entropy, (H, W, Y), dict(bias=np.ones(9)), "BAD_SHAPE"),
+    ("target shape", lmloss.linear_cross_entropy, (H, W, Y[:3]), {}, "BAD_SHAPE"),
+    ("token_weight shape", lmloss.linear_cross_entropy, (H, W, Y),
+     dict(token_weight=np.ones(3)), "BAD_SHAPE"),
+    ("dtype mismatch", lmloss.linear_cross_entropy, (H, W.astype(ml_dtypes.bfloat16), Y), {},
+     "BAD_DTYPE"),
+    ("bf16 head on the CPU", lmloss.linear_cross_entropy,
+     (H.astype(ml_dtypes.bfloat16), W.astype(ml_dtypes.bfloat16), Y), {}, "UNSUPPORTED"),
+    ("bf16 head log-probs", lmloss.linear_log_probs,
+     (H.astype(ml_dtypes.bfloat16), W.astype(ml_dtypes.bfloat16), Y), {}, "UNSUPPORTED"),
+    ("ref backend", lmloss.linear_cross_entropy, (H, W, Y), dict(backend="ref"), "UNSUPPORTED"),
+    ("target out of range", lmloss.linear_cross_entropy, (H, W, [1, 2, 3, 10]), {},
+     "INDEX_OUT_OF_RANGE"),
+    ("index out of range", lmloss.linear_log_probs, (H, W, [0, 1, 2, 10]), {},
+     "INDEX_OUT_OF_RANGE"),
+    ("budget too small", lmloss.linear_cross_entropy, (H, W, Y), dict(memory_budget=16),
+     "WORKSPACE_TOO_SMALL"),
+    ("budget 0", lmloss.linear_cross_entropy, (H, W, Y), dict(memory_budget=0), "BAD_OPTION"),
+    ("temperature 0", lmloss.linear_log_probs, (H, W, Y), dict(temperature=0.0), "BAD_OPTION"),
+    ("label_smoothing", lmloss.linear_cross_entropy, (H, W, Y), dict(label_smoothing=2.0),
+     "BAD_OPTION"),
+    ("reduction", lmloss.linear_cross_entropy, (H, W, Y), dict(reduction="avg"), "BAD_OPTION"),
+    ("dlogp shape", lmloss.linear_log_probs_backward, (H, W, Y, np.ones(3)), {}, "BAD_SHAPE"),
+    ("no upstream", lmloss.linear_log_probs_backward, (H, W, Y, None), {}, "NULL_POINTER"),
+]
+
+
+@pytest.mark.parametrize("case", ERRORS, ids=[c[0] for c in ERRORS])
+def test_errors(case):
+    _, fn, args, kw, status = case
+    with pytest.raises(lmloss.Error) as e:
+        fn(*args, **kw)
+    assert e.value.status == "LMLOSS_ERR_" + status and e.value.message
+
+
+def test_struct_layout():
+    """lmloss_head, lmloss_head_options, lmloss_head_grads on LP64 (checked with gcc)."""
+    assert ctypes.sizeof(_lib.Head) == 120 and _lib.Head.bias.offset == 80
+    assert ctypes.sizeof(_lib.HeadOptions) == 16 and _lib.HeadOptions.fp32_accumulate.offset == 8
+    assert ctypes.sizeof(_lib.HeadGrads) == 120 and _lib.HeadGrads.dweight.offset == 40
+    d = _lib.head_options_default()
+    assert (d.memory_budget, d.fp32_accumulate) == (256 << 20, 1)
