@@ -11,6 +11,7 @@
 #define LMLOSS_CORE_BACKEND_H
 
 #include "lmloss.h"
+#include "math/dtype.h"
 
 /* Building blocks of the fused linear head (src/core/fused_linear.c runs
  * the chunk loop with them). Tensors are row-major views; shapes are
@@ -22,7 +23,8 @@ typedef struct {
                         const lmloss_tensor *c);
   /* Indices of the rows to keep into list (device memory of the backend):
    * label != ignore for I32/I64 labels, != 0 for BOOL. On the host: their
-   * count and the sum of class_weight[label] (of 1s without weights). */
+   * count and the sum of class_weight[label] (of 1s without weights).
+   * list has room for N + 2 entries; the last two are scratch. */
   lmloss_status (*select_rows)(const lmloss_context *, const lmloss_tensor *labels, int64_t ignore,
                                const lmloss_tensor *class_weight, int64_t *list, int64_t *count,
                                double *weight_sum);
@@ -76,20 +78,6 @@ extern const lmloss_backend_ops lmloss_cuda_ops;
 
 /* Absent optional tensor. */
 static inline int lmloss_present(const lmloss_tensor *t) { return t && t->data; }
-
-/* Element pointer arithmetic in 64 bits. */
-static inline size_t lmloss_dtype_size(lmloss_dtype d) {
-  switch (d) {
-  case LMLOSS_F64:
-  case LMLOSS_I64: return 8;
-  case LMLOSS_F32:
-  case LMLOSS_I32: return 4;
-  case LMLOSS_BF16:
-  case LMLOSS_F16: return 2;
-  case LMLOSS_BOOL: return 1;
-  }
-  return 0;
-}
 
 /* Workspace layout of the cross-entropy family, shared by every backend:
  * per-row loss [N] and per-row weight [N] in double, then the compacted

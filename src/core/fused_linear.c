@@ -80,7 +80,7 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   if (rows > 128) rows -= rows % 128; /* whole GEMM tiles */
   p->rows = rows;
   size_t off = 0;
-  p->list = off, off += up((size_t)(N > 0 ? N : 1) * 8);
+  p->list = off, off += up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
   p->slab = off, off += up((size_t)rows * V * 4);
   p->dl = off, off += p->dl_separate ? up((size_t)rows * V * hs) : 0;
   p->hid = off, off += up((size_t)rows * H * hs);

@@ -6,10 +6,25 @@
 #ifndef LMLOSS_MATH_DTYPE_H
 #define LMLOSS_MATH_DTYPE_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "rowstats.h"
+
+/* Bytes of one element (element offsets are computed in 64 bits). */
+LMLOSS_HD size_t lmloss_dtype_size(lmloss_dtype d) {
+  switch (d) {
+  case LMLOSS_F64:
+  case LMLOSS_I64: return 8;
+  case LMLOSS_F32:
+  case LMLOSS_I32: return 4;
+  case LMLOSS_BF16:
+  case LMLOSS_F16: return 2;
+  case LMLOSS_BOOL: return 1;
+  }
+  return 0;
+}
 
 LMLOSS_HD float lmloss_bits_f32(uint32_t u) {
   float f;

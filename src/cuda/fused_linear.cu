@@ -1,0 +1,265 @@
+/*
+ * fused_linear.cu - the CUDA building blocks of the fused linear head
+ * (src/core/fused_linear.c runs the chunk loop): cuBLAS GEMMs (fp32
+ * accumulation; fp32 operands use the pedantic mode, so never TF32), row
+ * gathers and scatters, and small reductions, all on the caller's stream.
+ * select_rows reads the number of supervised rows back to the host: the
+ * one synchronization of a fused-head call (it sizes the GEMMs). The
+ * cuBLAS handle is created once per device and thread-safely reused.
+ */
+#include <cublas_v2.h>
+#include <mutex>
+
+#include "common.cuh"
+
+namespace lmc {
+
+static cudaDataType cuda_type(lmloss_dtype d) {
+  return d == LMLOSS_F32 ? CUDA_R_32F : d == LMLOSS_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+}
+
+static lmloss_status handle_for(const lmloss_context *ctx, cublasHandle_t *out) {
+  static std::mutex lock;
+  static cublasHandle_t handles[64];
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA: no current device");
+  std::lock_guard<std::mutex> g(lock);
+  if (!handles[dev] && cublasCreate(&handles[dev]) != CUBLAS_STATUS_SUCCESS)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "cuBLAS: cannot create a handle");
+  if (cublasSetStream(handles[dev], stream_of(ctx)) != CUBLAS_STATUS_SUCCESS)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "cuBLAS: cannot set the stream");
+  *out = handles[dev];
+  return LMLOSS_OK;
+}
+
+/* Row-major c = alpha op(a) op(b) + beta c is column-major
+ * c^T = alpha op(b)^T op(a)^T + beta c^T: swap the operands. */
+static lmloss_status gemm(const lmloss_context *ctx, int t_a, int t_b, float alpha,
+                          const lmloss_tensor *a, const lmloss_tensor *b, float beta,
+                          const lmloss_tensor *c) {
+  cublasHandle_t h;
+  lmloss_status s = handle_for(ctx, &h);
+  if (s != LMLOSS_OK) return s;
+  const int64_t m = c->rows, n = c->cols, k = t_a ? a->rows : a->cols;
+  if (m == 0 || n == 0) return LMLOSS_OK;
+  cublasComputeType_t ct =
+      a->dtype == LMLOSS_F32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+  cublasStatus_t st =
+      cublasGemmEx(h, t_b ? CUBLAS_OP_T : CUBLAS_OP_N, t_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n,
+                   (int)m, (int)k, &alpha, b->data, cuda_type(b->dtype), (int)b->row_stride,
+                   a->data, cuda_type(a->dtype), (int)a->row_stride, &beta, c->data,
+                   cuda_type(c->dtype), (int)c->row_stride, ct, CUBLAS_GEMM_DEFAULT);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "cuBLAS GEMM failed (status %d)", (int)st);
+  return LMLOSS_OK;
+}
+
+/* One block scans the labels in order: flags, a block-wide prefix sum per
+ * tile, the list, and (in a fixed order) the class-weight sum. */
+__global__ void select_kernel(const void *labels, lmloss_dtype dt, int64_t stride, int64_t n,
+                              int64_t ignore, const float *cw, int64_t cw_stride, int64_t *list,
+                              double *result) {
+  __shared__ int64_t base;
+  __shared__ int scan[1024];
+  __shared__ double wsum[1024];
+  const int t = threadIdx.x;
+  if (t == 0) base = 0;
+  double w = 0.0;
+  for (int64_t i0 = 0; i0 < n; i0 += blockDim.x) {
+    const int64_t i = i0 + t;
+    int keep = 0;
+    int64_t y = 0;
+    if (i < n) {
+      if (dt == LMLOSS_BOOL)
+        keep = labels ? ((const unsigned char *)labels)[i * stride] != 0 : 1;
+      else {
+        y = dt == LMLOSS_I64 ? ((const int64_t *)labels)[i * stride]
+                             : (int64_t)((const int32_t *)labels)[i * stride];
+        keep = y != ignore;
+      }
+    }
+    if (keep) w += (dt != LMLOSS_BOOL && cw) ? (double)cw[y * cw_stride] : 1.0;
+    scan[t] = keep;
+    __syncthreads();
+    for (int off = 1; off < (int)blockDim.x; off <<= 1) { /* inclusive Hillis-Steele */
+      int v = t >= off ? scan[t - off] : 0;
+      __syncthreads();
+      scan[t] += v;
+      __syncthreads();
+    }
+    if (keep) list[base + scan[t] - 1] = i;
+    __syncthreads();
+    if (t == blockDim.x - 1) base += scan[t];
+    __syncthreads();
+  }
+  wsum[t] = w;
+  __syncthreads();
+  for (int off = blockDim.x / 2; off > 0; off >>= 1) {
+    if (t < off) wsum[t] += wsum[t + off];
+    __syncthreads();
+  }
+  if (t == 0) result[0] = (double)base, result[1] = wsum[0];
+}
+
+static lmloss_status select_rows(const lmloss_context *ctx, const lmloss_tensor *labels,
+                                 int64_t ignore, const lmloss_tensor *cw, int64_t *list,
+                                 int64_t *count, double *weight_sum) {
+  cudaStream_t st = stream_of(ctx);
+  /* two doubles of device scratch: just past the list's N entries */
+  double *res = (double *)(list + labels->rows);
+  const float *w = (cw && cw->data) ? (const float *)cw->data : nullptr;
+  select_kernel<<<1, 1024, 0, st>>>(labels->data, labels->dtype, labels->row_stride, labels->rows,
+                                    ignore, w, cw ? cw->row_stride : 0, list, res);
+  lmloss_status s = check_launch("select_rows");
+  if (s != LMLOSS_OK) return s;
+  double host[2];
+  cudaError_t e = cudaMemcpyAsync(host, res, sizeof host, cudaMemcpyDeviceToHost, st);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(st);
+  if (e != cudaSuccess)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA select_rows: %s", cudaGetErrorString(e));
+  *count = (int64_t)host[0];
+  *weight_sum = host[1];
+  return LMLOSS_OK;
+}
+
+/* Copies of whole rows: a block per row, 4-byte words when they fit. */
+template <typename W>
+__global__ void copy_rows_kernel(const char *src, int64_t src_stride, char *dst, int64_t dst_stride,
+                                 const int64_t *list, int gather, int64_t rows, int64_t words) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t s = gather ? list[r] : r, d = gather ? r : list[r];
+    const W *in = (const W *)(src + s * src_stride);
+    W *out = (W *)(dst + d * dst_stride);
+    for (int64_t j = threadIdx.x; j < words; j += blockDim.x)
+      out[j] = in[j];
+  }
+}
+
+static lmloss_status copy_rows(const lmloss_context *ctx, const lmloss_tensor *src,
+                               const int64_t *list, const lmloss_tensor *dst, int gather) {
+  const int64_t rows = gather ? dst->rows : src->rows;
+  if (rows == 0) return LMLOSS_OK;
+  const size_t es = lmloss_dtype_size(src->dtype);
+  const int64_t bytes = src->cols * (int64_t)es;
+  const int64_t ss = src->row_stride * (int64_t)es, ds = dst->row_stride * (int64_t)es;
+  const unsigned grid = (unsigned)(rows < 65535 ? rows : 65535);
+  const int wide = bytes % 4 == 0 && ss % 4 == 0 && ds % 4 == 0 &&
+                   ((uintptr_t)src->data | (uintptr_t)dst->data) % 4 == 0;
+  if (wide)
+    copy_rows_kernel<uint32_t><<<grid, 256, 0, stream_of(ctx)>>>(
+        (const char *)src->data, ss, (char *)dst->data, ds, list, gather, rows, bytes / 4);
+  else
+    copy_rows_kernel<uint8_t><<<grid, 256, 0, stream_of(ctx)>>>(
+        (const char *)src->data, ss, (char *)dst->data, ds, list, gather, rows, bytes);
+  return check_launch(gather ? "gather_rows" : "scatter_rows");
+}
+
+static lmloss_status gather_rows(const lmloss_context *ctx, const lmloss_tensor *src,
+                                 const int64_t *list, const lmloss_tensor *dst) {
+  return copy_rows(ctx, src, list, dst, 1);
+}
+
+static lmloss_status scatter_rows(const lmloss_context *ctx, const lmloss_tensor *src,
+                                  const int64_t *list, const lmloss_tensor *dst) {
+  return copy_rows(ctx, src, list, dst, 0);
+}
+
+/* Element-wise kernels over a [rows, cols] view: fill, cast, broadcast. */
+__global__ void elementwise_kernel(int mode, const void *src, lmloss_dtype sdt, int64_t sstride,
+                                   void *dst, lmloss_dtype ddt, int64_t dstride, int64_t rows,
+                                   int64_t cols, double v) {
+  const int64_t n = rows * cols;
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t i = e / cols, j = e % cols;
+    char *row = (char *)dst + (size_t)(i * dstride) * lmloss_dtype_size(ddt);
+    if (ddt == LMLOSS_I64) {
+      ((int64_t *)row)[j] = (int64_t)v;
+      continue;
+    }
+    float x = (float)v;
+    if (mode == 1) /* cast */
+      x = lmloss_load((const char *)src + (size_t)(i * sstride) * lmloss_dtype_size(sdt), sdt, j);
+    if (mode == 2) /* broadcast of a [cols, 1] vector */
+      x = lmloss_load(src, sdt, j * sstride);
+    lmloss_store(row, ddt, j, x);
+  }
+}
+
+static lmloss_status elementwise(const lmloss_context *ctx, int mode, const lmloss_tensor *src,
+                                 const lmloss_tensor *dst, double v) {
+  const int64_t n = dst->rows * dst->cols;
+  if (n == 0) return LMLOSS_OK;
+  const int64_t blocks = (n + 255) / 256;
+  elementwise_kernel<<<(unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, stream_of(ctx)>>>(
+      mode, src ? src->data : nullptr, src ? src->dtype : LMLOSS_F32, src ? src->row_stride : 0,
+      dst->data, dst->dtype, dst->row_stride, dst->rows, dst->cols, v);
+  return check_launch("elementwise");
+}
+
+static lmloss_status fill(const lmloss_context *ctx, const lmloss_tensor *t, double v) {
+  return elementwise(ctx, 0, nullptr, t, v);
+}
+
+static lmloss_status cast(const lmloss_context *ctx, const lmloss_tensor *src,
+                          const lmloss_tensor *dst) {
+  return elementwise(ctx, 1, src, dst, 0.0);
+}
+
+static lmloss_status broadcast_row(const lmloss_context *ctx, const lmloss_tensor *vec,
+                                   const lmloss_tensor *c) {
+  return elementwise(ctx, 2, vec, c, 0.0);
+}
+
+/* Column sums: a thread per column walks the rows in order (coalesced
+ * across the warp, the same order every run). */
+__global__ void colsum_kernel(const void *a, lmloss_dtype adt, int64_t astride, int64_t rows,
+                              int64_t cols, float beta, void *out, lmloss_dtype odt,
+                              int64_t ostride) {
+  const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (j >= cols) return;
+  float acc = 0.0f;
+  for (int64_t r = 0; r < rows; r++)
+    acc += lmloss_load((const char *)a + (size_t)(r * astride) * lmloss_dtype_size(adt), adt, j);
+  const int64_t o = j * ostride;
+  const float prev = beta != 0.0f ? beta * lmloss_load(out, odt, o) : 0.0f;
+  lmloss_store(out, odt, o, prev + acc);
+}
+
+static lmloss_status colsum(const lmloss_context *ctx, const lmloss_tensor *a, float beta,
+                            const lmloss_tensor *out) {
+  if (a->cols == 0) return LMLOSS_OK;
+  colsum_kernel<<<(unsigned)((a->cols + 255) / 256), 256, 0, stream_of(ctx)>>>(
+      a->data, a->dtype, a->row_stride, a->rows, a->cols, beta, out->data, out->dtype,
+      out->row_stride);
+  return check_launch("colsum");
+}
+
+__global__ void sum_kernel(const float *src, int64_t stride, int64_t n, float *dst) {
+  __shared__ double part[256];
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    s += src[i * stride];
+  part[threadIdx.x] = s;
+  __syncthreads();
+  for (int off = blockDim.x / 2; off > 0; off >>= 1) {
+    if ((int)threadIdx.x < off) part[threadIdx.x] += part[threadIdx.x + off];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *dst = (float)part[0];
+}
+
+static lmloss_status sum(const lmloss_context *ctx, const lmloss_tensor *src,
+                         const lmloss_tensor *dst) {
+  sum_kernel<<<1, 256, 0, stream_of(ctx)>>>((const float *)src->data, src->row_stride, src->rows,
+                                            (float *)dst->data);
+  return check_launch("sum");
+}
+
+} // namespace lmc
+
+extern "C" const lmloss_linear_prims lmloss_cuda_linear = {
+    lmc::gemm,          lmc::select_rows, lmc::gather_rows, lmc::scatter_rows, lmc::fill,
+    lmc::broadcast_row, lmc::colsum,      lmc::sum,         lmc::cast,
+};
