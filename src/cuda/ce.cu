@@ -1,0 +1,467 @@
+/*
+ * ce.cu - cross-entropy forward, fused forward+backward and backward on
+ * CUDA, with every option of lmloss_ce_options.
+ *
+ * Launch sequence (all on the caller's stream, nothing allocated):
+ *   [ce_denominator]  MEAN with a gradient: sum of class_weight[y] over
+ *                     supervised rows into the workspace header, so the
+ *                     row kernel can scale gradients in the same pass.
+ *   ce_rows           per row: statistics, loss, optional outputs, and
+ *                     the gradient row when asked.
+ *   [ce_finalize]     reduced losses: fixed-order sum of the per-row
+ *                     losses and weights kept in the workspace (double).
+ * Workspace: header (256 bytes: [0] denominator, double), then per-row
+ * loss [N] and per-row weight [N] in double; the trailing N int64 unused.
+ * A target outside [0, V) that is not ignore_index gives NaN for its row
+ * (loss and gradient) and weight 0 in the MEAN denominator.
+ */
+#include "common.cuh"
+
+namespace lmc {
+
+enum CeMode { CE_FWD = 0, CE_FUSED = 1, CE_BWD = 2 };
+
+struct CeArgs {
+  const void *x;
+  int64_t N, V, xs;
+  const void *tgt;
+  int tgt64;
+  int64_t ts;
+  const float *tw;
+  int64_t tws;
+  const float *cw;
+  int64_t cws;
+  long long ignore;
+  float eps, zl;
+  int dft, mode, reduction, zero_ignored;
+  Xf X;
+  /* outputs */
+  float *loss; /* NONE (forward): [N] */
+  int64_t ls;
+  float *lse, *ent;
+  int64_t lses, ents;
+  long long *amax;
+  int64_t ams;
+  void *dx;
+  int64_t dxs;
+  double *ws_loss, *ws_wt; /* forward: per-row loss and weight */
+  const double *den;       /* MEAN with a gradient */
+  float grad_output;       /* fused */
+  const float *dloss;      /* backward */
+  int64_t dls;
+  double num_items;
+  int cs;
+  int64_t chunk;
+  int staged;
+};
+
+/* The weight of row i in the MEAN denominator (0 when ignored or out of
+ * range). */
+__device__ __forceinline__ double row_weight(const CeArgs &a, long long y) {
+  if (y == a.ignore || y < 0 || y >= a.V) return 0.0;
+  return a.cw ? (double)a.cw[y * a.cws] : 1.0;
+}
+
+/* One 1024-thread block: a fixed-order double sum over rows (deterministic,
+ * N is small next to N x V). */
+__device__ __forceinline__ double block_sum(double v, double *sh) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    v += __shfl_down_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double s = 0.0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++)
+      s += sh[w];
+  return s;
+}
+
+__global__ void ce_denominator(CeArgs a, double *out) {
+  __shared__ double sh[32];
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x)
+    s += row_weight(a, ld_index(a.tgt, a.tgt64, i * a.ts));
+  s = block_sum(s, sh);
+  if (threadIdx.x == 0) *out = s;
+}
+
+__global__ void ce_finalize(CeArgs a, float *loss) {
+  __shared__ double sh[32];
+  double l = 0.0, w = 0.0;
+  for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x) {
+    l += a.ws_loss[i];
+    w += a.ws_wt[i];
+  }
+  l = block_sum(l, sh);
+  __syncthreads();
+  w = block_sum(w, sh);
+  if (threadIdx.x == 0) {
+    double r = l;
+    if (a.reduction == LMLOSS_REDUCE_MEAN) r = w != 0.0 ? l / w : 0.0;
+    if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) r = l / a.num_items;
+    *loss = (float)r;
+  }
+}
+
+template <typename In, typename O>
+__device__ __forceinline__ void zero_chunk(O *row, const Chunk &c, int64_t V, bool al) {
+  constexpr int NV = elt<In>::NV; /* chunks are multiples of the input's vector */
+  float z[NV];
+#pragma unroll
+  for (int i = 0; i < NV; i++)
+    z[i] = 0.0f;
+  for (int64_t j = c.jb + (int64_t)threadIdx.x * NV; j < c.je; j += (int64_t)blockDim.x * NV) {
+    if (j + NV <= c.je)
+      store_vec<O, NV>(row, j, V, al, z);
+    else
+      for (int64_t q = j; q < c.je; q++)
+        row[q] = fromf<O>(0.0f);
+  }
+}
+
+/* One row per CTA cluster, persistent over rows. Why this shape: the
+ * gradient needs the row statistics before its first write, so the row is
+ * read twice; staging each CTA's chunk (<= ~100 KB, so two 512-thread CTAs
+ * share an SM) in shared memory makes the second read free, and a cluster
+ * of up to 8 CTAs (one DSMEM exchange of the state per row) splits rows
+ * too wide for one SM (152064 bf16 = 304 KB -> 4 x 76 KB). Loads are
+ * 16 bytes, 4 in flight per thread; the state is per thread and online
+ * (rescaled only when the max grows). Forward-only runs the same kernel
+ * without staging (single pass, streaming loads). O = void: no gradient. */
+template <typename In, typename O, bool T>
+__global__ void __launch_bounds__(512, 2) ce_rows(CeArgs a) {
+  constexpr int NV = elt<In>::NV;
+  extern __shared__ uint4 stage[];
+  __shared__ RedSmem red;
+  const int cs = a.cs, rank = (int)(blockIdx.x % cs);
+  const int64_t nclusters = gridDim.x / cs;
+  const Xf &X = a.X;
+  const float k = X.f.k;
+  const bool U = a.eps > 0.0f;
+  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rank);
+  int parity = 0, synced = 0;
+
+  for (int64_t i = blockIdx.x / cs; i < a.N; i += nclusters) {
+    const In *row = (const In *)a.x + i * a.xs;
+    const long long y = ld_index(a.tgt, a.tgt64, i * a.ts);
+    O *drow = (O *)a.dx + i * a.dxs;
+    const bool grad = a.mode != CE_FWD;
+    if (y == a.ignore) {
+      if (rank == 0 && threadIdx.x == 0) {
+        if (a.mode == CE_FWD || a.mode == CE_FUSED) {
+          if (a.reduction == LMLOSS_REDUCE_NONE)
+            a.loss[i * a.ls] = 0.0f;
+          else {
+            a.ws_loss[i] = 0.0;
+            a.ws_wt[i] = 0.0;
+          }
+          if (a.lse) a.lse[i * a.lses] = 0.0f;
+          if (a.ent) a.ent[i * a.ents] = 0.0f;
+          if (a.amax) a.amax[i * a.ams] = -1;
+        }
+      }
+      if (grad && a.zero_ignored) zero_chunk<In, O>(drow, ch, a.V, is_aligned16(drow));
+      continue;
+    }
+    const bool in_al = is_aligned16(row);
+
+    /* Pass 1: statistics of this CTA's chunk (staged when asked). */
+    Acc acc;
+    acc.init(X);
+    const bool keep = grad && !a.staged; /* second read from L2 */
+    auto ld = [&](int64_t v) {
+      return keep ? load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al)
+                  : load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al);
+    };
+    {
+      auto step = [&](int64_t v, const Raw<In> &rv) {
+        if (a.staged) stage[v] = rv.u;
+        float w[NV];
+        unpack<In, NV>(rv, w);
+        acc.xform<NV>(X, w);
+        acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, U, a.cw, a.cws);
+      };
+      int64_t v = threadIdx.x;
+      const int64_t B = blockDim.x;
+      for (; v + 3 * B < ch.nv; v += 4 * B) {
+        Raw<In> r0 = ld(v), r1 = ld(v + B), r2 = ld(v + 2 * B), r3 = ld(v + 3 * B);
+        step(v, r0);
+        step(v + B, r1);
+        step(v + 2 * B, r2);
+        step(v + 3 * B, r3);
+      }
+      for (; v < ch.nv; v += B)
+        step(v, ld(v));
+    }
+    /* The target's logit, read before any CTA of the cluster writes (the
+     * gradient may overwrite the logits in place). */
+    const bool y_ok = y >= 0 && y < a.V;
+    const float wy = y_ok ? lmloss_xform_w(&X.f, tof(row[y])) : 0.0f;
+    const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
+
+    Part P = reduce_row(acc, k, T, U, &red, cs, parity);
+    parity ^= 1;
+    synced = 1;
+    lmloss_rowstat s = P.s;
+    s.u += P.ue;
+    s.c += P.ce;
+    const bool ok = y_ok && !P.bad && lmloss_rowstat_finite(&s);
+
+    /* Row scalars (identical in every CTA of the cluster). */
+    const float l1r = log1pf(s.r);
+    const float inv = 1.0f / (1.0f + s.r);
+    const double lse = (double)s.m * k + l1r;
+    const double ly = (double)(s.m - wy) * k + l1r; /* lse - z_y, exact 0 gap at the max */
+    const float C = a.cw ? s.c : (float)a.V;
+    lmloss_ce_coef q;
+    q.hot = cy * (1.0f - a.eps);
+    q.smooth = a.eps / (float)a.V;
+    q.a_coef = q.hot + q.smooth * C;
+    double ce = q.hot * ly;
+    if (U) ce += (double)q.smooth * ((double)C * l1r + s.u);
+    float py = 0.0f;
+    {
+      float p2;
+      py = cexp(X, fmaxf(wy - s.m, X.dmin), &p2) * inv;
+    }
+    if (a.dft) ce *= py;
+    const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
+    double li = (double)tw * (ce + (double)a.zl * lse * lse);
+    if (!ok) li = NAN;
+
+    if (rank == 0 && threadIdx.x == 0 && a.mode != CE_BWD) {
+      if (a.reduction == LMLOSS_REDUCE_NONE)
+        a.loss[i * a.ls] = (float)li;
+      else {
+        a.ws_loss[i] = li;
+        a.ws_wt[i] = y_ok ? (double)cy : 0.0;
+      }
+      const bool fin = !P.bad && lmloss_rowstat_finite(&s);
+      if (a.lse) a.lse[i * a.lses] = fin ? (float)lse : NAN;
+      if (a.ent) a.ent[i * a.ents] = fin ? lmloss_rowstat_entropy(&s) : NAN;
+      if (a.amax) a.amax[i * a.ams] = fin ? s.a : -1;
+    }
+    if (!grad) continue;
+
+    /* Upstream gradient of this row's loss. */
+    float G;
+    if (a.mode == CE_FUSED) {
+      G = a.grad_output;
+    } else {
+      G = a.reduction == LMLOSS_REDUCE_NONE ? a.dloss[i * a.dls] : a.dloss[0];
+    }
+    if (a.reduction == LMLOSS_REDUCE_MEAN) {
+      double d = *a.den;
+      G = d != 0.0 ? (float)(G / d) : 0.0f;
+    } else if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) {
+      G = (float)(G / a.num_items);
+    }
+    G *= tw;
+    const float Gce = a.dft ? G * py : G;
+    const float Gz = G * 2.0f * a.zl * (float)lse;
+    /* dz_j = e_j F1 - F0 c_j away from the target and the argmax. */
+    float F1 = (Gce * q.a_coef + Gz) * inv, F0 = Gce * q.smooth;
+    if (!ok) F1 = F0 = NAN;
+    const float m = s.m;
+    const long long am = s.a;
+    const bool out_al = is_aligned16(drow);
+
+    auto body = [&](int64_t v, const Raw<In> &rv) {
+      const int64_t j0 = ch.jb + v * NV;
+      float x[NV], w[NV], g[NV];
+      unpack<In, NV>(rv, x);
+#pragma unroll
+      for (int e = 0; e < NV; e++)
+        w[e] = x[e];
+      xform_vec<NV>(X, w);
+      const bool special = (unsigned long long)(y - j0) < (unsigned long long)NV ||
+                           (unsigned long long)(am - j0) < (unsigned long long)NV;
+#pragma unroll
+      for (int e = 0; e < NV; e++) {
+        float p2;
+        float ej = cexp(X, fmaxf(w[e] - m, X.dmin), &p2);
+        float cj = (a.cw && j0 + e < a.V) ? a.cw[(j0 + e) * a.cws] : 1.0f;
+        g[e] = fmaf(ej, F1, -F0 * cj);
+      }
+      if (special) {
+#pragma unroll
+        for (int e = 0; e < NV; e++) {
+          long long j = j0 + e;
+          if (j == y || j == am) {
+            float cj = a.cw ? a.cw[j * a.cws] : 1.0f;
+            float p2;
+            float pj = cexp(X, fmaxf(w[e] - m, X.dmin), &p2) * inv;
+            float gz = Gce * lmloss_ce_grad_z(&q, &s, pj, cj, j == y, j == am) + Gz * pj;
+            g[e] = ok ? gz : NAN;
+          }
+        }
+      }
+      if (X.f.cap > 0.0f) {
+#pragma unroll
+        for (int e = 0; e < NV; e++)
+          g[e] *= dzdx(X, x[e]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < NV; e++)
+          g[e] *= k;
+      }
+      store_vec<O, NV>(drow, j0, a.V, out_al, g);
+    };
+
+    if (a.staged) {
+      for (int64_t v = threadIdx.x; v < ch.nv; v += blockDim.x) {
+        Raw<In> rv;
+        rv.u = stage[v];
+        body(v, rv); /* each thread reads back only the vectors it staged */
+      }
+    } else {
+      /* Second read from L2, newest lines first. */
+      const int64_t B = blockDim.x;
+      int64_t last = ch.nv - 1 - ((ch.nv - 1 - (int64_t)threadIdx.x) % B);
+      if (ch.nv <= (int64_t)threadIdx.x) last = -1;
+      int64_t v = last;
+      for (; v - B >= 0; v -= 2 * B) {
+        Raw<In> r0 = load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al);
+        Raw<In> r1 = load_vec<In, STREAM>(row, ch.jb + (v - B) * NV, a.V, in_al);
+        body(v, r0);
+        body(v - B, r1);
+      }
+      for (; v >= 0; v -= B)
+        body(v, load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al));
+    }
+  }
+  if (synced) cluster_exit(cs);
+}
+
+template <typename In, typename O>
+static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
+  Plan p = make_plan(d, a.V, elt<In>::NV, a.mode != CE_FWD, 0);
+  if (a.mode == CE_FWD) {
+    /* single pass: one CTA per row, no cluster */
+    p.cs = 1;
+    p.staged = 0;
+    p.chunk = ((a.V + elt<In>::NV - 1) / elt<In>::NV) * elt<In>::NV;
+    p.bs = pick_bs(p.chunk / elt<In>::NV);
+    p.smem = 0;
+  }
+  a.cs = p.cs;
+  a.chunk = p.chunk;
+  a.staged = p.staged;
+  if (T) return launch_rows(ce_rows<In, O, true>, p, d, a.N, st, a, "cross_entropy");
+  return launch_rows(ce_rows<In, O, false>, p, d, a.N, st, a, "cross_entropy");
+}
+
+template <typename In>
+static lmloss_status launch_ce_out(const DevInfo &d, CeArgs &a, bool T, lmloss_dtype od,
+                                   cudaStream_t st) {
+  if (a.mode == CE_FWD) return launch_ce<In, float>(d, a, T, st); /* O unused */
+  switch (od) {
+  case LMLOSS_BF16: return launch_ce<In, bf16>(d, a, T, st);
+  case LMLOSS_F16: return launch_ce<In, f16>(d, a, T, st);
+  default: return launch_ce<In, float>(d, a, T, st);
+  }
+}
+
+static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *in,
+                            const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
+                            const lmloss_tensor *dloss, const lmloss_tensor *dlogits, void *ws,
+                            int mode) {
+  cudaStream_t st = stream_of(ctx);
+  DevInfo d;
+  lmloss_status s = dev_info(&d);
+  if (s != LMLOSS_OK) return s;
+  CeArgs a = {};
+  a.x = in->logits.data;
+  a.N = in->logits.rows;
+  a.V = in->logits.cols;
+  a.xs = in->logits.row_stride;
+  a.tgt = in->target.data;
+  a.tgt64 = in->target.dtype == LMLOSS_I64;
+  a.ts = in->target.row_stride;
+  a.tw = (const float *)in->token_weight.data;
+  a.tws = in->token_weight.row_stride;
+  a.cw = (const float *)in->class_weight.data;
+  a.cws = in->class_weight.row_stride;
+  a.ignore = opt->ignore_index;
+  a.eps = opt->label_smoothing;
+  a.zl = opt->z_loss;
+  a.dft = opt->dft;
+  a.mode = mode;
+  a.reduction = opt->reduction;
+  a.zero_ignored = opt->zero_ignored_rows;
+  a.X = make_xf(opt->transform);
+  a.grad_output = opt->grad_output;
+  a.num_items = opt->num_items;
+  char *base = (char *)ws;
+  double *hdr = (double *)base;
+  a.ws_loss = (double *)(base + LMLOSS_CE_WS_HEADER);
+  a.ws_wt = a.ws_loss + a.N;
+  a.den = hdr;
+  bool T = false;
+  if (out) {
+    a.loss = (float *)out->loss.data;
+    a.ls = out->loss.row_stride;
+    a.lse = (float *)out->lse.data;
+    a.lses = out->lse.row_stride;
+    a.ent = (float *)out->entropy.data;
+    a.ents = out->entropy.row_stride;
+    a.amax = (long long *)out->argmax.data;
+    a.ams = out->argmax.row_stride;
+    T = a.ent != NULL;
+  }
+  lmloss_dtype od = LMLOSS_F32;
+  if (dlogits) {
+    a.dx = dlogits->data;
+    a.dxs = dlogits->row_stride;
+    od = dlogits->dtype;
+  }
+  if (dloss) {
+    a.dloss = (const float *)dloss->data;
+    a.dls = dloss->row_stride;
+  }
+  if (a.N == 0) {
+    if (mode != CE_BWD && opt->reduction != LMLOSS_REDUCE_NONE) {
+      /* empty sum: 0 */
+      cudaError_t e = cudaMemsetAsync(out->loss.data, 0, sizeof(float), st);
+      if (e != cudaSuccess)
+        return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA memset: %s", cudaGetErrorString(e));
+    }
+    return LMLOSS_OK;
+  }
+  if (mode != CE_FWD && opt->reduction == LMLOSS_REDUCE_MEAN) {
+    ce_denominator<<<1, 1024, 0, st>>>(a, hdr);
+    if ((s = check_launch("cross_entropy denominator")) != LMLOSS_OK) return s;
+  }
+  switch (in->logits.dtype) {
+  case LMLOSS_BF16: s = launch_ce_out<bf16>(d, a, T, od, st); break;
+  case LMLOSS_F16: s = launch_ce_out<f16>(d, a, T, od, st); break;
+  default: s = launch_ce_out<float>(d, a, T, od, st); break;
+  }
+  if (s != LMLOSS_OK) return s;
+  if (mode != CE_BWD && opt->reduction != LMLOSS_REDUCE_NONE) {
+    ce_finalize<<<1, 1024, 0, st>>>(a, (float *)out->loss.data);
+    return check_launch("cross_entropy finalize");
+  }
+  return LMLOSS_OK;
+}
+
+} // namespace lmc
+
+extern "C" lmloss_status lmloss_cuda_cross_entropy(const lmloss_context *ctx,
+                                                   const lmloss_ce_inputs *in,
+                                                   const lmloss_ce_options *opt,
+                                                   const lmloss_ce_outputs *out, void *ws,
+                                                   size_t ws_bytes) {
+  (void)ws_bytes;
+  const lmloss_tensor *dl = lmloss_present(&out->dlogits) ? &out->dlogits : NULL;
+  return lmc::run_ce(ctx, in, opt, out, NULL, dl, ws, dl ? lmc::CE_FUSED : lmc::CE_FWD);
+}
+
+extern "C" lmloss_status
+lmloss_cuda_cross_entropy_backward(const lmloss_context *ctx, const lmloss_ce_inputs *in,
+                                   const lmloss_ce_options *opt, const lmloss_tensor *dloss,
+                                   const lmloss_tensor *dlogits, void *ws, size_t ws_bytes) {
+  (void)ws_bytes;
+  return lmc::run_ce(ctx, in, opt, NULL, dloss, dlogits, ws, lmc::CE_BWD);
+}

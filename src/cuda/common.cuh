@@ -1,0 +1,548 @@
+/*
+ * common.cuh - shared pieces of the CUDA backend: 16-byte vector loads and
+ * stores of F32/BF16/F16 rows, the compensated exp, the per-thread online
+ * max-split accumulator, its block and cluster reductions (through
+ * lmloss_rowstat_merge), launch planning and error mapping.
+ *
+ * Row layout seen by every kernel: a row is cut into `cs` chunks (one per
+ * CTA of a thread-block cluster, cs = 1 without clusters), each a multiple
+ * of NV elements (16 bytes of input), and a chunk into vectors of NV
+ * elements. Thread t of a CTA owns vectors t, t + BS, ... in increasing
+ * order, so its first argmax is the first one it sees; merges break ties
+ * by the lower index.
+ */
+#ifndef LMLOSS_CUDA_COMMON_CUH
+#define LMLOSS_CUDA_COMMON_CUH
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <float.h>
+#include <stdint.h>
+
+extern "C" {
+#include "core/backend.h"
+}
+#include "math/dtype.h"
+#include "math/rowstats.h"
+
+namespace lmc {
+
+namespace cg = cooperative_groups;
+
+constexpr float LN2 = 0.693147180559945309f;
+constexpr double LOG2E = 1.4426950408889634074;
+
+/* ------------------------------------------------------------------ */
+/* Element types                                                       */
+/* ------------------------------------------------------------------ */
+
+typedef __nv_bfloat16 bf16;
+typedef __half f16;
+
+template <typename T> struct elt {
+  static constexpr int NV = 16 / sizeof(T); /* elements per 16-byte vector */
+};
+
+__device__ __forceinline__ float tof(float x) { return x; }
+__device__ __forceinline__ float tof(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float tof(f16 x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T fromf(float x);
+template <> __device__ __forceinline__ float fromf<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 fromf<bf16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ f16 fromf<f16>(float x) { return __float2half_rn(x); }
+
+template <typename T> __device__ __forceinline__ T neg_inf();
+template <> __device__ __forceinline__ float neg_inf<float>() { return -INFINITY; }
+template <> __device__ __forceinline__ bf16 neg_inf<bf16>() { return __ushort_as_bfloat16(0xff80); }
+template <> __device__ __forceinline__ f16 neg_inf<f16>() { return __ushort_as_half(0xfc00); }
+
+/* 16 bytes of input, viewed as NV elements. */
+template <typename T> union Raw {
+  uint4 u;
+  T e[elt<T>::NV];
+};
+
+/* Cache policy of a global load: KEEP lets L2 hold the line for a second
+ * pass; STREAM marks it evict-first (read once). Neither uses the
+ * non-coherent path, so exact aliasing of input and output stays safe. */
+enum Hint { KEEP = 0, STREAM = 1 };
+
+template <Hint H> __device__ __forceinline__ uint4 ld16(const void *p) {
+  const uint4 *q = (const uint4 *)p;
+  return H == STREAM ? __ldcs(q) : __ldcg(q);
+}
+
+/* Vector v of a row (elements j0 = v * NV ...): 16-byte load when the row
+ * is aligned and the vector complete, else element loads padded with -inf
+ * (which adds nothing to any statistic). */
+template <typename T, Hint H>
+__device__ __forceinline__ Raw<T> load_vec(const T *row, int64_t j0, int64_t V, bool aligned) {
+  constexpr int NV = elt<T>::NV;
+  Raw<T> r;
+  if (aligned && j0 + NV <= V) {
+    r.u = ld16<H>(row + j0);
+  } else {
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+      r.e[i] = j0 + i < V ? row[j0 + i] : neg_inf<T>();
+  }
+  return r;
+}
+
+template <typename T, int NV> __device__ __forceinline__ void unpack(const Raw<T> &r, float *x) {
+#pragma unroll
+  for (int i = 0; i < NV; i++)
+    x[i] = tof(r.e[i]);
+}
+
+/* Store NV values at j0 (only those < V): vector stores (8, 16 or 32
+ * bytes) when the output row is 16-byte aligned and the vector complete. */
+template <typename O, int NV>
+__device__ __forceinline__ void store_vec(O *row, int64_t j0, int64_t V, bool aligned,
+                                          const float *y) {
+  constexpr int BYTES = NV * sizeof(O);
+  if (aligned && j0 + NV <= V) {
+    union {
+      O e[NV];
+      uint4 q[BYTES >= 16 ? BYTES / 16 : 1];
+      uint2 d;
+    } o;
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+      o.e[i] = fromf<O>(y[i]);
+    if (BYTES >= 16) {
+#pragma unroll
+      for (int i = 0; i < BYTES / 16; i++)
+        __stcs((uint4 *)(row + j0) + i, o.q[i]);
+    } else {
+      __stcs((uint2 *)(row + j0), o.d);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+      if (j0 + i < V) row[j0 + i] = fromf<O>(y[i]);
+  }
+}
+
+__device__ __forceinline__ bool is_aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
+
+/* ------------------------------------------------------------------ */
+/* Transform and exponentials                                          */
+/* ------------------------------------------------------------------ */
+
+/* The transform with k * log2(e) as a hi/lo pair, and the clamp dmin of
+ * the max difference below which exp underflows to 0 (keeps -inf logits
+ * from turning the compensation into NaN). */
+struct Xf {
+  lmloss_xform f;
+  float kh, kl; /* kh + kl = k log2(e) to ~2^-48 */
+  float dmin;   /* (w - m) below this gives exp = 0 */
+};
+
+static inline Xf make_xf(lmloss_transform t) {
+  Xf x;
+  x.f = lmloss_xform_make(t);
+  double kk = (double)x.f.k * LOG2E;
+  x.kh = (float)kk;
+  x.kl = (float)(kk - (double)x.kh);
+  x.dmin = (float)(-250.0 / kk);
+  return x;
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/* NaN-propagating max (sm_80+): a NaN anywhere in a vector sends it down
+ * the slow path, where it is flagged. */
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
+/* exp(d k) for d = w - m <= 0 (already clamped to >= dmin), with the
+ * rounding of the product d * k log2(e) compensated: p + lo is the exact
+ * exponent to ~2^-48 relative, and 2^(p + lo) = 2^p (1 + lo ln 2). Sets
+ * *p2 = p (the base-2 exponent) for the entropy sums. */
+__device__ __forceinline__ float cexp(const Xf &X, float d, float *p2) {
+  float p = d * X.kh;
+  float lo = fmaf(d, X.kl, fmaf(d, X.kh, -p));
+  float e = ex2(p);
+  *p2 = p;
+  return fmaf(e, lo * LN2, e);
+}
+
+template <int NV> __device__ __forceinline__ void xform_vec(const Xf &X, float *x) {
+  if (X.f.cap > 0.0f) {
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+      x[i] = lmloss_xform_w(&X.f, x[i]);
+  }
+}
+
+__device__ __forceinline__ float dzdx(const Xf &X, float x) {
+  return X.f.cap > 0.0f ? lmloss_xform_dzdx(&X.f, x) : X.f.k;
+}
+
+/* ------------------------------------------------------------------ */
+/* Per-thread online max-split accumulator                             */
+/* ------------------------------------------------------------------ */
+
+/* State in w units for the max, r as in rowstats.h, tn = sum e_j p_j with
+ * p_j = (w_j - m) k log2(e) <= 0 (so t = -tn ln 2), u and c for label
+ * smoothing (only when U). The vector fast path (no new max, no NaN) costs
+ * one subtract, clamp, compensated exp and add per element. */
+struct Acc {
+  float m, mref, r, tn, u, c;
+  long long a;
+  int bad, fin; /* fin: saw a logit > -inf (tracked under softcap only) */
+
+  __device__ __forceinline__ void init(const Xf &X) {
+    m = -INFINITY;
+    mref = -FLT_MAX;
+    r = tn = u = c = 0.0f;
+    a = -1;
+    bad = 0;
+    fin = X.f.cap > 0.0f ? 0 : 1;
+  }
+
+  /* One element that may raise the max (slow path). */
+  /* The transform of a loaded vector, checking the raw logits: NaN and
+   * +inf make the row non-finite even where softcap would map them to a
+   * finite w; -inf is legal (softcap maps it to -cap), but a row of only
+   * -inf is non-finite (without softcap that is the empty state). */
+  template <int NV> __device__ __forceinline__ void xform(const Xf &X, float *x) {
+    if (X.f.cap > 0.0f) {
+#pragma unroll
+      for (int i = 0; i < NV; i++) {
+        if (x[i] != x[i] || x[i] == INFINITY) bad = 1;
+        if (x[i] > -INFINITY) fin = 1;
+        x[i] = lmloss_xform_w(&X.f, x[i]);
+      }
+    }
+  }
+
+  /* A vector whose max vm beats the running max (rare per thread, but
+   * frequent per warp early in a row, so it is kept short and branch-free
+   * inside): rescale the state to the new max once, make the vector's
+   * first occurrence of vm the argmax and take it out of the vector (-inf),
+   * so the common loop below adds the rest, ties included. NaNs are
+   * flagged here (max_nan sends their vector here) and then contribute 0. */
+  template <bool T, int NV>
+  __device__ __forceinline__ void new_max(const Xf &X, float *w, int64_t j0, bool U) {
+    float vm = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+      if (w[i] != w[i]) bad = 1;
+      vm = fmaxf(vm, w[i]);
+    }
+    if (!(vm > m)) return;
+    if (a >= 0) {
+      float dd = m - vm, p;
+      float sc = cexp(X, fmaxf(dd, X.dmin), &p);
+      if (T) tn = sc * (tn + p * (1.0f + r));
+      r = (1.0f + r) * sc;
+      if (U) u = fmaf(-dd * X.f.k, c, u);
+    }
+    int im = NV;
+#pragma unroll
+    for (int i = NV - 1; i >= 0; i--)
+      if (w[i] == vm) im = i;
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+      if (i == im) w[i] = -INFINITY;
+    m = vm;
+    mref = vm;
+    a = j0 + im;
+  }
+
+  template <bool T, int NV>
+  __device__ __forceinline__ void vec(const Xf &X, float *w, int64_t j0, int64_t V, bool U,
+                                      const float *cw, int64_t cw_stride) {
+    float vm = w[0];
+#pragma unroll
+    for (int i = 1; i < NV; i++)
+      vm = max_nan(vm, w[i]);
+    if (U) {
+      /* smoothing sums against the max after this vector, before the
+       * argmax entry is taken out (its own term is 0) */
+      float mn = vm > m ? vm : mref;
+      if (vm > m && a >= 0) u = fmaf((vm - m) * X.f.k, c, u);
+#pragma unroll
+      for (int i = 0; i < NV; i++) {
+        if (j0 + i < V) {
+          float cj = cw ? cw[(j0 + i) * cw_stride] : 1.0f;
+          u = fmaf(cj, (mn - w[i]) * X.f.k, u);
+          c += cj;
+        }
+      }
+    }
+    if (!(vm <= m)) new_max<T, NV>(X, w, j0, false);
+#pragma unroll
+    for (int i = 0; i < NV; i++) {
+      float p;
+      float e = cexp(X, fmaxf(w[i] - mref, X.dmin), &p);
+      r += e;
+      if (T) tn = fmaf(e, p, tn);
+    }
+  }
+
+  __device__ __forceinline__ lmloss_rowstat state() const {
+    lmloss_rowstat s;
+    s.m = m;
+    s.r = r;
+    s.t = -tn * LN2;
+    s.u = a >= 0 ? u : 0.0f;
+    s.c = a >= 0 ? c : 0.0f;
+    s.a = a;
+    return s;
+  }
+};
+
+/* ------------------------------------------------------------------ */
+/* Block and cluster reduction of the row state                        */
+/* ------------------------------------------------------------------ */
+
+/* A partial row: the merged state, the (u, c) of sub-states holding only
+ * -inf (which the merge drops as empty, but which label smoothing must
+ * still see), and the NaN flag. */
+struct Part {
+  lmloss_rowstat s;
+  float ue, ce;
+  int bad;
+};
+
+__device__ __forceinline__ lmloss_rowstat shfl_state(lmloss_rowstat s, int off, bool T, bool U) {
+  lmloss_rowstat o;
+  o.m = __shfl_xor_sync(0xffffffffu, s.m, off);
+  o.r = __shfl_xor_sync(0xffffffffu, s.r, off);
+  o.t = T ? __shfl_xor_sync(0xffffffffu, s.t, off) : 0.0f;
+  o.u = U ? __shfl_xor_sync(0xffffffffu, s.u, off) : 0.0f;
+  o.c = U ? __shfl_xor_sync(0xffffffffu, s.c, off) : 0.0f;
+  o.a = __shfl_xor_sync(0xffffffffu, (long long)s.a, off);
+  return o;
+}
+
+/* Shared memory of the reductions: one slot per warp, the block result,
+ * and two cluster slots (double-buffered by row parity, so one cluster
+ * barrier per row suffices). */
+struct RedSmem {
+  Part warp[32];
+  Part block;
+  Part cluster[2];
+};
+
+/* Merge in a fixed order (xor butterfly within warps, warp slots in
+ * order, cluster ranks in order): bit-reproducible. Every thread of
+ * every CTA of the cluster returns the same row state. Contains
+ * __syncthreads (and a cluster barrier when cs > 1): call uniformly. */
+__device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool U, RedSmem *sm,
+                                           int cs, int parity) {
+  Part p;
+  p.s = acc.state();
+  p.ue = (U && acc.a < 0) ? acc.u : 0.0f;
+  p.ce = (U && acc.a < 0) ? acc.c : 0.0f;
+  p.bad = __syncthreads_or(acc.bad) | !__syncthreads_or(acc.fin);
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    lmloss_rowstat o = shfl_state(p.s, off, T, U);
+    /* Lane order: the lower lane's state is the left operand. */
+    bool lower = (threadIdx.x & off) == 0;
+    p.s = lower ? lmloss_rowstat_merge(p.s, o, k) : lmloss_rowstat_merge(o, p.s, k);
+    if (U) {
+      p.ue += __shfl_xor_sync(0xffffffffu, p.ue, off);
+      p.ce += __shfl_xor_sync(0xffffffffu, p.ce, off);
+    }
+  }
+  int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if ((threadIdx.x & 31) == 0) sm->warp[warp] = p;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Part b = sm->warp[0];
+    for (int w = 1; w < nwarps; w++) {
+      b.s = lmloss_rowstat_merge(b.s, sm->warp[w].s, k);
+      b.ue += sm->warp[w].ue;
+      b.ce += sm->warp[w].ce;
+    }
+    if (cs > 1)
+      sm->cluster[parity] = b;
+    else
+      sm->block = b;
+  }
+  if (cs == 1) {
+    __syncthreads();
+    return sm->block;
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cg::cluster_group cl = cg::this_cluster();
+  cl.sync();
+  Part b = *cl.map_shared_rank(&sm->cluster[parity], 0);
+  for (int q = 1; q < cs; q++) {
+    Part o = *cl.map_shared_rank(&sm->cluster[parity], q);
+    b.s = lmloss_rowstat_merge(b.s, o.s, k);
+    b.ue += o.ue;
+    b.ce += o.ce;
+    b.bad |= o.bad;
+  }
+  return b;
+#else
+  return sm->block; /* unreachable: the host never clusters below sm_90 */
+#endif
+}
+
+/* Final barrier of a clustered kernel: no CTA leaves while a peer may
+ * still read its shared memory. */
+__device__ __forceinline__ void cluster_exit(int cs) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cs > 1) cg::this_cluster().sync();
+#endif
+}
+
+/* Where this CTA's chunk of a row lies. */
+struct Chunk {
+  int64_t jb, je; /* elements [jb, je) */
+  int64_t nv;     /* vectors in it */
+};
+
+template <int NV> __device__ __forceinline__ Chunk my_chunk(int64_t V, int64_t chunk, int rank) {
+  Chunk c;
+  c.jb = (int64_t)rank * chunk;
+  c.je = c.jb + chunk < V ? c.jb + chunk : V;
+  if (c.je < c.jb) c.je = c.jb;
+  c.nv = (c.je - c.jb + NV - 1) / NV;
+  return c;
+}
+
+/* Read a target / index of dtype I32 or I64. */
+__device__ __forceinline__ long long ld_index(const void *p, int is64, int64_t i) {
+  return is64 ? ((const long long *)p)[i] : (long long)((const int *)p)[i];
+}
+
+/* ------------------------------------------------------------------ */
+/* Host side                                                           */
+/* ------------------------------------------------------------------ */
+
+static inline cudaStream_t stream_of(const lmloss_context *ctx) {
+  return ctx ? (cudaStream_t)ctx->stream : (cudaStream_t)0;
+}
+
+static inline lmloss_status check_launch(const char *what) {
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA %s: %s", what, cudaGetErrorString(e));
+  return LMLOSS_OK;
+}
+
+struct DevInfo {
+  int sms, cc_major, smem_optin;
+};
+
+static inline lmloss_status dev_info(DevInfo *d) {
+  int dev;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d->sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e == cudaSuccess)
+    e = cudaDeviceGetAttribute(&d->cc_major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess)
+    e = cudaDeviceGetAttribute(&d->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA device query: %s", cudaGetErrorString(e));
+  return LMLOSS_OK;
+}
+
+/* Launch plan of a two-pass row kernel: cluster size, threads, chunk,
+ * whether the chunk is staged in shared memory (one HBM read), and the
+ * persistent grid. */
+struct Plan {
+  int cs, bs, staged;
+  int64_t chunk; /* elements per CTA, a multiple of NV */
+  size_t smem;   /* dynamic shared memory bytes */
+  int grid;
+};
+
+/* Threads per CTA from the vectors it owns: at least ~8 vectors (128
+ * bytes) per thread keeps several 16-byte loads in flight each. */
+static inline int pick_bs(int64_t nv) { return nv >= 4096 ? 512 : nv >= 1024 ? 256 : 128; }
+
+/* Staging budget per CTA: two CTAs per SM fit below ~100 KB. */
+static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int want_stage,
+                             size_t extra_per_vector_bits) {
+  Plan p;
+  int64_t nvec = (V + NV - 1) / NV;
+  const int64_t budget_small = 100 * 1024, budget_big = d.smem_optin - 8 * 1024;
+  int maxcs = d.cc_major >= 9 ? 8 : 1;
+  p.cs = 0;
+  p.staged = 0;
+  if (want_stage) {
+    for (int64_t budget : {budget_small, budget_big}) {
+      for (int cs = 1; cs <= maxcs && !p.cs; cs *= 2) {
+        int64_t v = (nvec + cs - 1) / cs;
+        if (v * 16 + (v + 31) / 32 * 4 * (int64_t)extra_per_vector_bits <= budget) p.cs = cs;
+      }
+      if (p.cs) break;
+    }
+    p.staged = p.cs != 0;
+  }
+  if (!p.cs) {
+    /* Too wide to stage: re-read from L2; spread each row over a cluster
+     * so fewer rows (less L2) are in flight. */
+    p.cs = 1;
+    while (p.cs < maxcs && (nvec + p.cs - 1) / p.cs > 8192)
+      p.cs *= 2;
+  }
+  int64_t nvc = (nvec + p.cs - 1) / p.cs;
+  p.chunk = nvc * NV;
+  p.bs = pick_bs(nvc);
+  p.smem =
+      (p.staged ? (size_t)nvc * 16 : 0) + (size_t)((nvc + 31) / 32) * 4 * extra_per_vector_bits;
+  p.grid = 0;
+  return p;
+}
+
+/* Set the shared memory limit, size the persistent grid from occupancy
+ * and launch with the cluster dimension. */
+template <typename K, typename A>
+static lmloss_status launch_rows(K kernel, Plan &p, const DevInfo &d, int64_t rows, cudaStream_t st,
+                                 const A &args, const char *what) {
+  if (rows <= 0) return LMLOSS_OK;
+  cudaError_t e = cudaSuccess;
+  if (p.smem > 48 * 1024)
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
+  if (e != cudaSuccess)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA %s: shared memory %zu: %s", what, p.smem,
+                       cudaGetErrorString(e));
+  int per_sm = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, p.bs, p.smem);
+  if (e != cudaSuccess || per_sm < 1) per_sm = 1;
+  int64_t clusters = (int64_t)per_sm * d.sms / p.cs;
+  if (clusters < 1) clusters = 1;
+  if (clusters > rows) clusters = rows;
+  p.grid = (int)(clusters * p.cs);
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = dim3(p.grid);
+  cfg.blockDim = dim3(p.bs);
+  cfg.dynamicSmemBytes = p.smem;
+  cfg.stream = st;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = p.cs;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.cs > 1 ? 1 : 0;
+  e = cudaLaunchKernelEx(&cfg, kernel, args);
+  if (e != cudaSuccess)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA %s launch: %s", what,
+                       cudaGetErrorString(e));
+  return check_launch(what);
+}
+
+} // namespace lmc
+
+#endif

@@ -1,0 +1,33 @@
+/*
+ * cuda.cu - the CUDA backend's function table. Each op lives in its own
+ * file (ce.cu, logprob.cu, softmax.cu); every kernel runs on the caller's
+ * stream, never synchronizes the host and never allocates.
+ */
+#include "common.cuh"
+
+extern "C" {
+lmloss_status lmloss_cuda_cross_entropy(const lmloss_context *, const lmloss_ce_inputs *,
+                                        const lmloss_ce_options *, const lmloss_ce_outputs *,
+                                        void *, size_t);
+lmloss_status lmloss_cuda_cross_entropy_backward(const lmloss_context *, const lmloss_ce_inputs *,
+                                                 const lmloss_ce_options *, const lmloss_tensor *,
+                                                 const lmloss_tensor *, void *, size_t);
+lmloss_status lmloss_cuda_log_probs(const lmloss_context *, const lmloss_tensor *,
+                                    const lmloss_tensor *, const lmloss_tensor *,
+                                    const lmloss_transform *, const lmloss_tensor *,
+                                    const lmloss_tensor *);
+lmloss_status lmloss_cuda_log_probs_backward(const lmloss_context *, const lmloss_tensor *,
+                                             const lmloss_tensor *, const lmloss_tensor *,
+                                             const lmloss_transform *, const lmloss_tensor *,
+                                             const lmloss_tensor *, const lmloss_tensor *);
+lmloss_status lmloss_cuda_softmax(const lmloss_context *, const lmloss_tensor *, int,
+                                  const lmloss_tensor *);
+lmloss_status lmloss_cuda_softmax_backward(const lmloss_context *, const lmloss_tensor *,
+                                           const lmloss_tensor *, int, const lmloss_tensor *);
+
+extern const lmloss_backend_ops lmloss_cuda_ops = {
+    lmloss_cuda_cross_entropy, lmloss_cuda_cross_entropy_backward,
+    lmloss_cuda_log_probs,     lmloss_cuda_log_probs_backward,
+    lmloss_cuda_softmax,       lmloss_cuda_softmax_backward,
+};
+}

@@ -1,0 +1,393 @@
+/*
+ * logprob.cu - log-probs (selective log-softmax), entropy, and their
+ * backward on CUDA.
+ *
+ * Forward: logp[i, k] = (w_idx - m) k - log1p(R) (exact -log1p(R) at the
+ * max), entropy = t / (1 + R) + log1p(R). An index outside [0, V) (not
+ * checked on the host for device memory) gives NaN for that entry.
+ * Backward, in z units, with D = sum_k dlogp_k, inv = 1 / (1 + R):
+ *   dz_j = sum_{k: idx_k = j} dlogp_k - D p_j - dH p_j ((w_j - m) k + t inv)
+ * (log p_j + H = (w_j - m) k + t / (1 + R): the log1p(R) cancels
+ * analytically), and at the argmax the dlogp part uses 1 - p_a = R inv.
+ * An out-of-range index makes its whole gradient row NaN.
+ */
+#include "common.cuh"
+
+namespace lmc {
+
+struct LpArgs {
+  const void *x;
+  int64_t N, V, xs;
+  const void *idx;
+  int idx64;
+  int64_t is, K;
+  const unsigned char *mask;
+  int64_t ms;
+  Xf X;
+  void *logp;
+  int64_t lps;
+  float *ent;
+  int64_t ents;
+  const float *dlogp;
+  int64_t dlps;
+  const float *dent;
+  int64_t dents;
+  void *dx;
+  int64_t dxs;
+  int cs;
+  int64_t chunk;
+  int staged;
+};
+
+/* One CTA per row, one pass, no staging. Why: the forward reads each logit
+ * exactly once, so all that matters is keeping enough 16-byte loads in
+ * flight (4 per thread, evict-first) with the fewest instructions per
+ * element (online max-split, compensated ex2); 512 threads for wide rows
+ * (~37 vectors each at V = 152064), 256/128 for narrow ones so every
+ * thread still owns >= 8 vectors and 2-4 rows share an SM. */
+template <typename In, typename O, bool T> __global__ void __launch_bounds__(512) lp_fwd(LpArgs a) {
+  constexpr int NV = elt<In>::NV;
+  __shared__ RedSmem red;
+  const Xf &X = a.X;
+  const float k = X.f.k;
+  const Chunk ch = my_chunk<NV>(a.V, a.chunk, 0);
+  for (int64_t i = blockIdx.x; i < a.N; i += gridDim.x) {
+    O *lrow = (O *)a.logp + i * a.lps;
+    if (a.mask && !a.mask[i * a.ms]) {
+      for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x)
+        lrow[q] = fromf<O>(0.0f);
+      if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = 0.0f;
+      continue;
+    }
+    const In *row = (const In *)a.x + i * a.xs;
+    const bool al = is_aligned16(row);
+    Acc acc;
+    acc.init(X);
+    auto step = [&](int64_t v, const Raw<In> &rv) {
+      float w[NV];
+      unpack<In, NV>(rv, w);
+      acc.xform<NV>(X, w);
+      acc.vec<T, NV>(X, w, v * NV, a.V, false, nullptr, 0);
+    };
+    int64_t v = threadIdx.x;
+    const int64_t B = blockDim.x;
+    for (; v + 3 * B < ch.nv; v += 4 * B) {
+      Raw<In> r0 = load_vec<In, STREAM>(row, v * NV, a.V, al);
+      Raw<In> r1 = load_vec<In, STREAM>(row, (v + B) * NV, a.V, al);
+      Raw<In> r2 = load_vec<In, STREAM>(row, (v + 2 * B) * NV, a.V, al);
+      Raw<In> r3 = load_vec<In, STREAM>(row, (v + 3 * B) * NV, a.V, al);
+      step(v, r0);
+      step(v + B, r1);
+      step(v + 2 * B, r2);
+      step(v + 3 * B, r3);
+    }
+    for (; v < ch.nv; v += B)
+      step(v, load_vec<In, STREAM>(row, v * NV, a.V, al));
+
+    Part P = reduce_row(acc, k, T, false, &red, 1, 0);
+    const lmloss_rowstat &s = P.s;
+    const bool ok = !P.bad && lmloss_rowstat_finite(&s);
+    const float l1r = log1pf(s.r);
+    for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x) {
+      long long j = ld_index(a.idx, a.idx64, i * a.is + q);
+      float lp = NAN;
+      if (ok && j >= 0 && j < a.V) {
+        float wj = lmloss_xform_w(&X.f, tof(row[j]));
+        lp = (float)((double)(wj - s.m) * k - l1r);
+      }
+      lrow[q] = fromf<O>(lp);
+    }
+    if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = ok ? lmloss_rowstat_entropy(&s) : NAN;
+  }
+}
+
+/* Same shape as the cross-entropy gradient (see ce_rows): one row per
+ * cluster of up to 8 CTAs, each staging its chunk (<= ~100 KB) in shared
+ * memory so the logits are read from HBM once, persistent over rows.
+ * Positions that need the exact formula (the argmax, the K indices) are
+ * flagged in a per-vector bitmap in shared memory, so the hot loop pays
+ * one shared load per 16 bytes whatever K is. */
+template <typename In, typename O, bool T>
+__global__ void __launch_bounds__(512, 2) lp_bwd(LpArgs a) {
+  constexpr int NV = elt<In>::NV;
+  extern __shared__ uint4 stage[];
+  __shared__ RedSmem red;
+  const int cs = a.cs, rank = (int)(blockIdx.x % cs);
+  const int64_t nclusters = gridDim.x / cs;
+  const Xf &X = a.X;
+  const float k = X.f.k;
+  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rank);
+  const int64_t nvmax = a.chunk / NV;
+  unsigned *bm = (unsigned *)(stage + (a.staged ? nvmax : 0));
+  const int64_t nwords = (nvmax + 31) / 32;
+  int parity = 0, synced = 0;
+
+  for (int64_t i = blockIdx.x / cs; i < a.N; i += nclusters) {
+    const In *row = (const In *)a.x + i * a.xs;
+    O *drow = (O *)a.dx + i * a.dxs;
+    const bool out_al = is_aligned16(drow);
+    if (a.mask && !a.mask[i * a.ms]) {
+      float z[NV];
+#pragma unroll
+      for (int e = 0; e < NV; e++)
+        z[e] = 0.0f;
+      for (int64_t v = threadIdx.x; v < ch.nv; v += blockDim.x)
+        store_vec<O, NV>(drow, ch.jb + v * NV, a.V, out_al, z);
+      continue;
+    }
+    const bool in_al = is_aligned16(row);
+    const bool keep = !a.staged;
+    auto ld = [&](int64_t v) {
+      return keep ? load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al)
+                  : load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al);
+    };
+    Acc acc;
+    acc.init(X);
+    auto step = [&](int64_t v, const Raw<In> &rv) {
+      if (a.staged) stage[v] = rv.u;
+      float w[NV];
+      unpack<In, NV>(rv, w);
+      acc.xform<NV>(X, w);
+      acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
+    };
+    {
+      int64_t v = threadIdx.x;
+      const int64_t B = blockDim.x;
+      for (; v + 3 * B < ch.nv; v += 4 * B) {
+        Raw<In> r0 = ld(v), r1 = ld(v + B), r2 = ld(v + 2 * B), r3 = ld(v + 3 * B);
+        step(v, r0);
+        step(v + B, r1);
+        step(v + 2 * B, r2);
+        step(v + 3 * B, r3);
+      }
+      for (; v < ch.nv; v += B)
+        step(v, ld(v));
+    }
+    /* Its barriers also order the previous row's bitmap reads before the clear. */
+    Part P = reduce_row(acc, k, T, false, &red, cs, parity);
+    for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
+      bm[q] = 0u;
+    parity ^= 1;
+    synced = 1;
+    const lmloss_rowstat s = P.s;
+    bool ok = !P.bad && lmloss_rowstat_finite(&s);
+
+    /* Row scalars; every thread sums dlogp in the same order. */
+    float D = 0.0f;
+    if (a.dlogp) {
+      for (int64_t q = 0; q < a.K; q++) {
+        long long j = ld_index(a.idx, a.idx64, i * a.is + q);
+        if (j < 0 || j >= a.V) ok = false;
+        D += a.dlogp[i * a.dlps + q];
+      }
+    }
+    const float dH = a.dent ? a.dent[i * a.dents] : 0.0f;
+    const float inv = 1.0f / (1.0f + s.r);
+    const float tinv = T ? s.t * inv : 0.0f;
+    float c0 = -inv * (D + dH * tinv), c1 = -inv * dH * k;
+    if (!ok) c0 = c1 = NAN;
+    const float m = s.m;
+    const long long am = s.a;
+
+    /* Flag the vectors holding the argmax or an index. */
+    __syncthreads();
+    if (threadIdx.x == 0 && am >= ch.jb && am < ch.je) {
+      int64_t v = (am - ch.jb) / NV;
+      atomicOr(&bm[v >> 5], 1u << (v & 31));
+    }
+    if (a.dlogp) {
+      for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x) {
+        long long j = ld_index(a.idx, a.idx64, i * a.is + q);
+        if (j >= ch.jb && j < ch.je) {
+          int64_t v = (j - ch.jb) / NV;
+          atomicOr(&bm[v >> 5], 1u << (v & 31));
+        }
+      }
+    }
+    __syncthreads();
+
+    auto body = [&](int64_t v, const Raw<In> &rv) {
+      const int64_t j0 = ch.jb + v * NV;
+      float x[NV], w[NV], g[NV];
+      unpack<In, NV>(rv, x);
+#pragma unroll
+      for (int e = 0; e < NV; e++)
+        w[e] = x[e];
+      xform_vec<NV>(X, w);
+#pragma unroll
+      for (int e = 0; e < NV; e++) {
+        float p2, d = fmaxf(w[e] - m, X.dmin);
+        float ej = cexp(X, d, &p2);
+        g[e] = ej * fmaf(c1, d, c0);
+      }
+      if ((bm[v >> 5] >> (v & 31)) & 1u) {
+#pragma unroll
+        for (int e = 0; e < NV; e++) {
+          const long long j = j0 + e;
+          float Dj = 0.0f;
+          bool hit = j == am;
+          if (a.dlogp) {
+            for (int64_t q = 0; q < a.K; q++) {
+              if (ld_index(a.idx, a.idx64, i * a.is + q) == j) {
+                Dj += a.dlogp[i * a.dlps + q];
+                hit = true;
+              }
+            }
+          }
+          if (!hit) continue;
+          float p2, d = fmaxf(w[e] - m, X.dmin);
+          float pj = cexp(X, d, &p2) * inv;
+          float dl = j == am ? Dj * (s.r * inv) - (D - Dj) * pj : Dj - D * pj;
+          float gz = dl - dH * pj * fmaf(d, k, tinv);
+          g[e] = ok ? gz : NAN;
+        }
+      }
+      if (X.f.cap > 0.0f) {
+#pragma unroll
+        for (int e = 0; e < NV; e++)
+          g[e] *= dzdx(X, x[e]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < NV; e++)
+          g[e] *= k;
+      }
+      store_vec<O, NV>(drow, j0, a.V, out_al, g);
+    };
+
+    if (a.staged) {
+      for (int64_t v = threadIdx.x; v < ch.nv; v += blockDim.x) {
+        Raw<In> rv;
+        rv.u = stage[v];
+        body(v, rv);
+      }
+    } else {
+      const int64_t B = blockDim.x;
+      int64_t v = ch.nv > (int64_t)threadIdx.x ? ch.nv - 1 - ((ch.nv - 1 - threadIdx.x) % B) : -1;
+      for (; v - B >= 0; v -= 2 * B) {
+        Raw<In> r0 = load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al);
+        Raw<In> r1 = load_vec<In, STREAM>(row, ch.jb + (v - B) * NV, a.V, in_al);
+        body(v, r0);
+        body(v - B, r1);
+      }
+      for (; v >= 0; v -= B)
+        body(v, load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al));
+    }
+  }
+  if (synced) cluster_exit(cs);
+}
+
+template <typename In, typename O>
+static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
+  (void)d;
+  constexpr int NV = elt<In>::NV;
+  int64_t nv = (a.V + NV - 1) / NV;
+  a.chunk = nv * NV;
+  a.cs = 1;
+  int bs = pick_bs(nv);
+  int64_t grid = a.N < (1 << 30) ? a.N : (1 << 30);
+  if (grid <= 0) return LMLOSS_OK;
+  if (T)
+    lp_fwd<In, O, true><<<(unsigned)grid, bs, 0, st>>>(a);
+  else
+    lp_fwd<In, O, false><<<(unsigned)grid, bs, 0, st>>>(a);
+  return check_launch("log_probs");
+}
+
+template <typename In, typename O>
+static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
+  Plan p = make_plan(d, a.V, elt<In>::NV, 1, 1);
+  a.cs = p.cs;
+  a.chunk = p.chunk;
+  a.staged = p.staged;
+  if (T) return launch_rows(lp_bwd<In, O, true>, p, d, a.N, st, a, "log_probs_backward");
+  return launch_rows(lp_bwd<In, O, false>, p, d, a.N, st, a, "log_probs_backward");
+}
+
+template <typename In>
+static lmloss_status dispatch_out(const DevInfo &d, LpArgs &a, bool T, lmloss_dtype od, int bwd,
+                                  cudaStream_t st) {
+  switch (od) {
+  case LMLOSS_BF16:
+    return bwd ? launch_bwd<In, bf16>(d, a, T, st) : launch_fwd<In, bf16>(d, a, T, st);
+  case LMLOSS_F16: return bwd ? launch_bwd<In, f16>(d, a, T, st) : launch_fwd<In, f16>(d, a, T, st);
+  default: return bwd ? launch_bwd<In, float>(d, a, T, st) : launch_fwd<In, float>(d, a, T, st);
+  }
+}
+
+static LpArgs common_args(const lmloss_tensor *logits, const lmloss_tensor *index,
+                          const lmloss_tensor *mask, const lmloss_transform *tr) {
+  LpArgs a = {};
+  a.x = logits->data;
+  a.N = logits->rows;
+  a.V = logits->cols;
+  a.xs = logits->row_stride;
+  if (lmloss_present(index)) {
+    a.idx = index->data;
+    a.idx64 = index->dtype == LMLOSS_I64;
+    a.is = index->row_stride;
+    a.K = index->cols;
+  }
+  if (lmloss_present(mask)) {
+    a.mask = (const unsigned char *)mask->data;
+    a.ms = mask->row_stride;
+  }
+  a.X = make_xf(*tr);
+  return a;
+}
+
+static lmloss_status run(LpArgs &a, lmloss_dtype in, lmloss_dtype od, bool T, int bwd,
+                         const lmloss_context *ctx) {
+  DevInfo d;
+  lmloss_status s = dev_info(&d);
+  if (s != LMLOSS_OK) return s;
+  cudaStream_t st = stream_of(ctx);
+  switch (in) {
+  case LMLOSS_BF16: return dispatch_out<bf16>(d, a, T, od, bwd, st);
+  case LMLOSS_F16: return dispatch_out<f16>(d, a, T, od, bwd, st);
+  default: return dispatch_out<float>(d, a, T, od, bwd, st);
+  }
+}
+
+} // namespace lmc
+
+extern "C" lmloss_status
+lmloss_cuda_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
+                      const lmloss_tensor *index, const lmloss_tensor *mask,
+                      const lmloss_transform *tr, const lmloss_tensor *logp,
+                      const lmloss_tensor *entropy) {
+  lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
+  lmloss_dtype od = LMLOSS_F32;
+  if (lmloss_present(logp)) {
+    a.logp = logp->data;
+    a.lps = logp->row_stride;
+    od = logp->dtype;
+  } else {
+    a.K = 0;
+  }
+  if (lmloss_present(entropy)) {
+    a.ent = (float *)entropy->data;
+    a.ents = entropy->row_stride;
+  }
+  return lmc::run(a, logits->dtype, od, a.ent != NULL, 0, ctx);
+}
+
+extern "C" lmloss_status
+lmloss_cuda_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *logits,
+                               const lmloss_tensor *index, const lmloss_tensor *mask,
+                               const lmloss_transform *tr, const lmloss_tensor *dlogp,
+                               const lmloss_tensor *dentropy, const lmloss_tensor *dlogits) {
+  lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
+  if (lmloss_present(dlogp)) {
+    a.dlogp = (const float *)dlogp->data;
+    a.dlps = dlogp->row_stride;
+  } else {
+    a.K = 0;
+  }
+  if (lmloss_present(dentropy)) {
+    a.dent = (const float *)dentropy->data;
+    a.dents = dentropy->row_stride;
+  }
+  a.dx = dlogits->data;
+  a.dxs = dlogits->row_stride;
+  return lmc::run(a, logits->dtype, dlogits->dtype, a.dent != NULL, 1, ctx);
+}
