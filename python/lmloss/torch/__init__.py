@@ -1,0 +1,27 @@
+"""lmloss.torch: the lmloss losses on torch tensors (CPU and CUDA), with autograd.
+
+Importing it needs torch; ``import lmloss`` alone does not. Every function
+takes the keywords of its NumPy namesake in lmloss (the per-token weights of
+linear_cross_entropy are token_weight=), returns torch tensors on the
+input's device, and is differentiable: the backward calls the C backward
+functions. Tensors are passed to the C library by data_ptr() (row strides
+for non-contiguous rows with a contiguous last axis, no copies); CUDA calls
+run on torch.cuda.current_stream() and never synchronize the host, except
+the fused head's one read of its supervised-row count. Workspaces come from
+the caching allocator. Logits may be float32, bfloat16 or float16 (float64
+is computed in float32); accumulation is the C library's fp32. A CUDA tensor
+with a library built without CUDA raises lmloss.Error (LMLOSS_ERR_UNSUPPORTED).
+
+The ops are registered with torch.library (namespace ``lmloss``: see
+_ops.py and _linear_ops.py) with fake impls from symbolic shapes, so
+torch.compile(fullgraph=True) traces them without graph breaks, and a new
+batch size under dynamic shapes does not recompile.
+"""
+
+from ._functional import (cross_entropy, entropy, linear_cross_entropy, linear_log_probs,
+                          log_probs, log_softmax, selective_log_softmax, softmax)
+from ._modules import CrossEntropyLoss, LinearCrossEntropyLoss, LinearLogProbs
+
+__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "LinearLogProbs", "cross_entropy",
+           "entropy", "linear_cross_entropy", "linear_log_probs", "log_probs", "log_softmax",
+           "selective_log_softmax", "softmax"]

@@ -1,0 +1,113 @@
+"""torch tensors as lmloss_tensor views, contexts and workspaces.
+
+Contract: a tensor is passed by its data_ptr() (no copy) when its last axis
+is contiguous and its rows are evenly spaced (row_stride >= cols), as a
+logits[:, :V] slice is; otherwise it is copied with .contiguous(). CUDA
+tensors are passed with device LMLOSS_CUDA and the context carries
+torch.cuda.current_stream(device).cuda_stream, so a call is queued on the
+caller's stream and never synchronizes the host. Workspaces come from the
+caching allocator (torch.empty(..., dtype=torch.uint8)). A CUDA tensor
+meeting a library built without CUDA raises lmloss.Error
+(LMLOSS_ERR_UNSUPPORTED) before any call.
+"""
+
+import contextlib
+import ctypes
+
+import torch
+
+from .. import _lib
+
+CUDA_DEVICE = 1
+_CODES = {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16,
+          torch.float64: _lib.F64, torch.int32: _lib.I32, torch.int64: _lib.I64,
+          torch.bool: _lib.BOOL, torch.uint8: _lib.BOOL}
+BACKENDS = {"auto": 0, "ref": 1, "cpu": 2, "cuda": 3}
+
+
+# lmloss_cross_entropy_backward (the NumPy binding has no use for it).
+_P = ctypes.POINTER
+ce_backward = _lib.lib.lmloss_cross_entropy_backward
+ce_backward.restype = ctypes.c_int
+ce_backward.argtypes = [_P(_lib.Context), _P(_lib.CEInputs), _P(_lib.CEOptions), _P(_lib.Tensor),
+                        _P(_lib.Tensor), ctypes.c_void_p, ctypes.c_size_t]
+
+
+def backend_code(backend):
+    if backend not in BACKENDS:
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION",
+                         "backend must be one of %s, got %r" % (sorted(BACKENDS), backend))
+    return BACKENDS[backend]
+
+
+def rows_view(t):
+    """t (2-D [rows, cols]) with a contiguous last axis and evenly spaced
+    rows, as (tensor to keep alive, row_stride in elements)."""
+    rows, cols = t.shape
+    dense = max(cols, 1)
+    if rows <= 1:
+        return (t, dense) if (cols <= 1 or t.stride(1) == 1) else (t.contiguous(), dense)
+    if (cols <= 1 or t.stride(1) == 1) and t.stride(0) >= dense:
+        return t, t.stride(0)
+    t = t.contiguous()
+    return t, dense
+
+
+def view(t, keep):
+    """lmloss_tensor of a 2-D tensor, or of a 1-D tensor as [N, 1]; an absent
+    (zeroed) one for None. Tensors the C call reads are appended to keep."""
+    if t is None:
+        return _lib.Tensor()
+    if t.dim() == 1:
+        t = t.unsqueeze(1)
+    t, stride = rows_view(t)
+    keep.append(t)
+    code = _CODES.get(t.dtype)
+    if code is None:
+        raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "dtype %s not supported" % t.dtype)
+    dev = CUDA_DEVICE if t.is_cuda else _lib.CPU_DEVICE
+    return _lib.Tensor(t.data_ptr(), code, dev, t.shape[0], t.shape[1], stride)
+
+
+def ptr(t):
+    """A pointer to lmloss_tensor view of t, or None (NULL) for None."""
+    return None if t is None else ctypes.byref(t)
+
+
+def check_device(t):
+    """Raise a clear lmloss.Error for a CUDA tensor when the library has no CUDA backend."""
+    if t.is_cuda and not _lib.has_cuda():
+        raise _lib.Error("LMLOSS_ERR_UNSUPPORTED",
+                         "a CUDA tensor was passed but %s was built without CUDA "
+                         "(lmloss.has_cuda() is False); rebuild with -DLMLOSS_CUDA=ON or move the "
+                         "tensors to the CPU" % _lib.path)
+    if t.device.type not in ("cpu", "cuda"):
+        raise _lib.Error("LMLOSS_ERR_BAD_DEVICE", "tensors must be on cpu or cuda, got %s"
+                         % t.device)
+
+
+@contextlib.contextmanager
+def context(t, backend, num_threads):
+    """lmloss_context for tensor t's device: the current CUDA stream of that
+    device (with it made current) for CUDA tensors."""
+    check_device(t)
+    ctx = _lib.context_default()
+    ctx.backend = int(backend)
+    ctx.num_threads = int(num_threads)
+    if not t.is_cuda:
+        yield ctx
+        return
+    with torch.cuda.device(t.device):
+        ctx.stream = torch.cuda.current_stream(t.device).cuda_stream
+        yield ctx
+
+
+def workspace(nbytes, device):
+    """(tensor, 256-byte aligned address, bytes) from the caching allocator."""
+    buf = torch.empty(int(nbytes) + 256, dtype=torch.uint8, device=device)
+    addr = buf.data_ptr()
+    return buf, addr + (-addr % 256), int(nbytes)
+
+
+def transform(logit_scale, softcap, temperature):
+    return _lib.make_transform(logit_scale, softcap, temperature)

@@ -1,0 +1,215 @@
+"""torch.library custom ops of the fused linear head (lmloss_linear_*):
+hidden [N, H] x weight [V, H]^T (+ bias [V]), never holding the [N, V]
+logits. hidden, weight and bias share one dtype (the public functions in
+lmloss.torch cast them). The backward ops recompute the logits chunk by
+chunk (lmloss_linear_cross_entropy_backward with dloss on the device,
+lmloss_linear_log_probs_backward) and return only the gradients autograd
+asks for (an empty [0] tensor for the others): dhidden in hidden's dtype,
+dweight and dbias in the weight's dtype (fp32-accumulated over chunks).
+On CUDA each call reads the supervised-row count to the host once (the
+C library's one synchronization of the fused head).
+"""
+
+import ctypes
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _lib
+from . import _bridge as B
+from ._ops import F32, _ce_opt, _extras, _loss
+
+NEED_DH, NEED_DW, NEED_DB = 1, 2, 4
+
+
+def _head(hidden, weight, bias, keep):
+    return _lib.Head(B.view(hidden, keep), B.view(weight, keep), B.view(bias, keep))
+
+
+def _hopt(memory_budget):
+    hopt = _lib.head_options_default()
+    if memory_budget > 0:
+        hopt.memory_budget = int(memory_budget)
+    return hopt
+
+
+def _grads(hidden, weight, bias, need):
+    """New gradient tensors ([0] when not needed) as (tensors, shapes only)."""
+    def new(t, flag, like):
+        ok = t is not None and need & flag
+        return like.new_empty(t.shape if ok else (0,), dtype=like.dtype)
+    return (new(hidden, NEED_DH, hidden), new(weight, NEED_DW, weight),
+            new(bias, NEED_DB, weight))
+
+
+def _grads_struct(grads, keep):
+    def v(t):
+        return B.view(t, keep) if t.numel() else _lib.Tensor()
+    return _lib.HeadGrads(*(v(t) for t in grads))
+
+
+def _workspace(head, hopt, grads, k, device):
+    size = ctypes.c_size_t(0)
+    _lib.check(_lib.linear_workspace_size(head, hopt, B.ptr(grads), int(k), ctypes.byref(size)))
+    return B.workspace(size.value, device)
+
+
+def _need(ctx, bias):
+    n = ctx.needs_input_grad
+    return (NEED_DH if n[0] else 0) | (NEED_DW if n[1] else 0) | \
+        (NEED_DB if bias is not None and n[2] else 0)
+
+
+def _back(grads, need, n_opts):
+    dh, dw, db = grads
+    return (dh if need & NEED_DH else None, dw if need & NEED_DW else None,
+            db if need & NEED_DB else None) + (None,) * n_opts
+
+
+# ---------------------------------------------------------------- cross-entropy
+
+@torch.library.custom_op("lmloss::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                         token_weight: Optional[Tensor], class_weight: Optional[Tensor],
+                         ignore_index: int, label_smoothing: float, z_loss: float,
+                         logit_scale: float, softcap: float, temperature: float, reduction: str,
+                         num_items: Optional[float], dft: bool, memory_budget: int, backend: int,
+                         num_threads: int, extras: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    opt = _ce_opt(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
+                  reduction, num_items, dft)
+    n = hidden.shape[0]
+    loss = _loss(hidden, n, reduction)
+    lse, ent, amax = _extras(hidden, n, extras)
+    keep, hopt = [], _hopt(memory_budget)
+    with B.context(hidden, backend, num_threads) as ctx:
+        head = _head(hidden, weight, bias, keep)
+        out = _lib.CEOutputs(loss=B.view(loss.reshape(-1), keep))
+        for name, t in (("lse", lse), ("entropy", ent), ("argmax", amax)):
+            if t.numel():
+                setattr(out, name, B.view(t, keep))
+        ws, addr, nbytes = _workspace(head, hopt, None, 1, hidden.device)
+        _lib.check(_lib.linear_cross_entropy(ctx, head, B.view(target, keep),
+                                             B.ptr(B.view(token_weight, keep)),
+                                             B.ptr(B.view(class_weight, keep)), opt, hopt, out,
+                                             None, addr, nbytes))
+    return loss, lse, ent, amax
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, bias, target, token_weight, class_weight, ignore_index, label_smoothing,
+      z_loss, logit_scale, softcap, temperature, reduction, num_items, dft, memory_budget,
+      backend, num_threads, extras):
+    n = hidden.shape[0]
+    return (_loss(hidden, n, reduction),) + _extras(hidden, n, extras)
+
+
+@torch.library.custom_op("lmloss::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward(
+        dloss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+        token_weight: Optional[Tensor], class_weight: Optional[Tensor], ignore_index: int,
+        label_smoothing: float, z_loss: float, logit_scale: float, softcap: float,
+        temperature: float, reduction: str, num_items: Optional[float], dft: bool,
+        memory_budget: int, backend: int, num_threads: int,
+        need: int) -> tuple[Tensor, Tensor, Tensor]:
+    opt = _ce_opt(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
+                  reduction, num_items, dft)
+    grads = _grads(hidden, weight, bias, need)
+    keep, hopt = [], _hopt(memory_budget)
+    with B.context(hidden, backend, num_threads) as ctx:
+        head, gs = _head(hidden, weight, bias, keep), _grads_struct(grads, keep)
+        ws, addr, nbytes = _workspace(head, hopt, gs, 1, hidden.device)
+        _lib.check(_lib.linear_cross_entropy_backward(
+            ctx, head, B.view(target, keep), B.ptr(B.view(token_weight, keep)),
+            B.ptr(B.view(class_weight, keep)), opt, hopt,
+            B.view(dloss.reshape(-1).to(F32), keep), gs, addr, nbytes))
+    return grads
+
+
+@linear_cross_entropy_backward.register_fake
+def _(dloss, hidden, weight, bias, *rest):
+    return _grads(hidden, weight, bias, rest[-1])
+
+
+def _lce_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:6])
+    ctx.opts = inputs[6:-1]  # every option but `extras`
+
+
+def _lce_backward(ctx, dloss, *_):
+    saved = ctx.saved_tensors
+    need = _need(ctx, saved[2])
+    grads = linear_cross_entropy_backward(dloss, *saved, *ctx.opts, need)
+    return _back(grads, need, 16)
+
+
+linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+# ---------------------------------------------------------------- log-probs, entropy
+
+@torch.library.custom_op("lmloss::linear_log_probs", mutates_args=())
+def linear_log_probs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor,
+                     mask: Optional[Tensor], logit_scale: float, softcap: float,
+                     temperature: float, want_entropy: bool, memory_budget: int, backend: int,
+                     num_threads: int) -> tuple[Tensor, Tensor]:
+    n, k = index.shape
+    logp = hidden.new_empty((n, k), dtype=F32)
+    ent = hidden.new_empty((n,) if want_entropy else (0,), dtype=F32)
+    keep, hopt = [], _hopt(memory_budget)
+    with B.context(hidden, backend, num_threads) as ctx:
+        head = _head(hidden, weight, bias, keep)
+        ws, addr, nbytes = _workspace(head, hopt, None, k, hidden.device)
+        _lib.check(_lib.linear_log_probs(
+            ctx, head, B.view(index, keep), B.ptr(B.view(mask, keep)),
+            B.transform(logit_scale, softcap, temperature), hopt, B.view(logp, keep),
+            B.ptr(B.view(ent, keep) if want_entropy else None), addr, nbytes))
+    return logp, ent
+
+
+@linear_log_probs.register_fake
+def _(hidden, weight, bias, index, mask, logit_scale, softcap, temperature, want_entropy,
+      memory_budget, backend, num_threads):
+    n, k = index.shape
+    return (hidden.new_empty((n, k), dtype=F32),
+            hidden.new_empty((n,) if want_entropy else (0,), dtype=F32))
+
+
+@torch.library.custom_op("lmloss::linear_log_probs_backward", mutates_args=())
+def linear_log_probs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                              index: Tensor, mask: Optional[Tensor], logit_scale: float,
+                              softcap: float, temperature: float, dlogp: Tensor,
+                              dentropy: Optional[Tensor], memory_budget: int, backend: int,
+                              num_threads: int, need: int) -> tuple[Tensor, Tensor, Tensor]:
+    grads = _grads(hidden, weight, bias, need)
+    keep, hopt = [], _hopt(memory_budget)
+    with B.context(hidden, backend, num_threads) as ctx:
+        head, gs = _head(hidden, weight, bias, keep), _grads_struct(grads, keep)
+        ws, addr, nbytes = _workspace(head, hopt, gs, index.shape[1], hidden.device)
+        dent = None if dentropy is None else B.view(dentropy.to(F32), keep)
+        _lib.check(_lib.linear_log_probs_backward(
+            ctx, head, B.view(index, keep), B.ptr(B.view(mask, keep)),
+            B.transform(logit_scale, softcap, temperature), hopt,
+            B.view(dlogp.to(F32), keep), B.ptr(dent), gs, addr, nbytes))
+    return grads
+
+
+@linear_log_probs_backward.register_fake
+def _(hidden, weight, bias, *rest):
+    return _grads(hidden, weight, bias, rest[-1])
+
+
+def _llp_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5])
+    ctx.transform, ctx.want_entropy, ctx.run = inputs[5:8], inputs[8], inputs[9:]
+
+
+def _llp_backward(ctx, dlogp, dent):
+    saved = ctx.saved_tensors
+    need = _need(ctx, saved[2])
+    grads = linear_log_probs_backward(*saved, *ctx.transform, dlogp,
+                                      dent if ctx.want_entropy else None, *ctx.run, need)
+    return _back(grads, need, 9)
+
+
+linear_log_probs.register_autograd(_llp_backward, setup_context=_llp_setup)

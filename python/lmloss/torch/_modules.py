@@ -1,0 +1,65 @@
+"""nn.Module forms of the lmloss.torch losses (options fixed at construction)."""
+
+import torch
+
+from . import _functional as F
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """Like torch.nn.CrossEntropyLoss over logits [..., V] and target [...]
+    (class indices; weight = per-class weights [V]), plus the lmloss options
+    z_loss, logit_scale, softcap, temperature, dft, num_items. forward(logits,
+    target, token_weight=None, num_items=None) -> loss (0-d, or [...] for
+    reduction="none"); a num_items given to forward overrides the module's."""
+
+    def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                 *, z_loss=0.0, logit_scale=1.0, softcap=0.0, temperature=1.0, dft=False,
+                 num_items=None, backend="auto"):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.options = dict(ignore_index=ignore_index, reduction=reduction,
+                            label_smoothing=label_smoothing, z_loss=z_loss,
+                            logit_scale=logit_scale, softcap=softcap, temperature=temperature,
+                            dft=dft, backend=backend)
+        self.num_items = num_items
+
+    def forward(self, logits, target, token_weight=None, num_items=None):
+        items = self.num_items if num_items is None else num_items
+        return F.cross_entropy(logits, target, class_weight=self.weight, weight=token_weight,
+                               num_items=items, **self.options)
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """The fused-head cross-entropy: forward(hidden [..., H], head_weight
+    [V, H], labels [...], bias=None, token_weight=None, num_items=None) ->
+    loss, without materializing the logits. Keywords of
+    lmloss.torch.linear_cross_entropy (class_weight, ignore_index,
+    label_smoothing, z_loss, logit_scale, softcap, temperature, reduction,
+    dft, memory_budget) are fixed at construction."""
+
+    def __init__(self, *, class_weight=None, num_items=None, **options):
+        super().__init__()
+        self.register_buffer("class_weight", class_weight)
+        self.options, self.num_items = options, num_items
+
+    def forward(self, hidden, head_weight, labels, bias=None, token_weight=None,
+                num_items=None):
+        items = self.num_items if num_items is None else num_items
+        return F.linear_cross_entropy(hidden, head_weight, labels, bias=bias,
+                                      class_weight=self.class_weight, token_weight=token_weight,
+                                      num_items=items, **self.options)
+
+
+class LinearLogProbs(torch.nn.Module):
+    """Per-token log-probs of the fused head: forward(hidden [..., H],
+    head_weight [V, H], index [...] or [..., K], bias=None, mask=None) ->
+    float32 logp shaped like index (or (logp, entropy) with entropy=True).
+    Keywords of lmloss.torch.linear_log_probs are fixed at construction."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.options = options
+
+    def forward(self, hidden, head_weight, index, bias=None, mask=None):
+        return F.linear_log_probs(hidden, head_weight, index, bias=bias, mask=mask,
+                                  **self.options)

@@ -1,0 +1,266 @@
+"""torch.library custom ops over materialized logits [N, V] (2-D; the public
+functions in lmloss.torch flatten [..., V] and check the keywords).
+
+Each op has a fake (meta) impl written from symbolic shapes only, so
+torch.compile traces it without graph breaks and a new batch size does not
+recompile, and an autograd formula whose backward is another op calling the
+C backward (lmloss_cross_entropy_backward with dloss read on the device,
+lmloss_log_probs_backward, lmloss_softmax_backward). Outputs: per-row
+results float32; softmax outputs and every dlogits keep the logits' dtype.
+Absent outputs (extras not requested) are empty [0] tensors.
+
+Autocast: no autocast rule is registered, so under torch.autocast these
+ops take the logits in the dtype they arrive in (no fp32 upcast copy); the
+kernels accumulate in fp32 and return float32 losses.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _lib
+from .._ce import ce_options
+from . import _bridge as B
+
+EXTRA_LSE, EXTRA_ENTROPY, EXTRA_ARGMAX = 1, 2, 4
+F32 = torch.float32
+
+
+def _extras(like, n, extras):
+    """lse, entropy, argmax outputs: [n] when requested in `extras`, else [0]."""
+    return tuple(like.new_empty((n,) if extras & flag else (0,), dtype=dt)
+                 for flag, dt in ((EXTRA_LSE, F32), (EXTRA_ENTROPY, F32),
+                                  (EXTRA_ARGMAX, torch.int64)))
+
+
+def _loss(like, n, reduction):
+    return like.new_empty((n,) if reduction == "none" else (), dtype=F32)
+
+
+def _ce_opt(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
+            reduction, num_items, dft):
+    return ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
+                      reduction, num_items, dft)
+
+
+# ---------------------------------------------------------------- cross-entropy
+
+@torch.library.custom_op("lmloss::cross_entropy", mutates_args=())
+def cross_entropy(logits: Tensor, target: Tensor, token_weight: Optional[Tensor],
+                  class_weight: Optional[Tensor], ignore_index: int, label_smoothing: float,
+                  z_loss: float, logit_scale: float, softcap: float, temperature: float,
+                  reduction: str, num_items: Optional[float], dft: bool, backend: int,
+                  num_threads: int, extras: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    opt = _ce_opt(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
+                  reduction, num_items, dft)
+    n = logits.shape[0]
+    loss = _loss(logits, n, reduction)
+    lse, ent, amax = _extras(logits, n, extras)
+    keep = []
+    with B.context(logits, backend, num_threads) as ctx:
+        inputs = _lib.CEInputs(B.view(logits, keep), B.view(target, keep),
+                               B.view(token_weight, keep), B.view(class_weight, keep))
+        out = _lib.CEOutputs(loss=B.view(loss.reshape(-1), keep))
+        for name, t, flag in (("lse", lse, EXTRA_LSE), ("entropy", ent, EXTRA_ENTROPY),
+                              ("argmax", amax, EXTRA_ARGMAX)):
+            if extras & flag:
+                setattr(out, name, B.view(t, keep))
+        ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(n), logits.device)
+        _lib.check(_lib.cross_entropy(ctx, inputs, opt, out, addr, nbytes))
+    return loss, lse, ent, amax
+
+
+@cross_entropy.register_fake
+def _(logits, target, token_weight, class_weight, ignore_index, label_smoothing, z_loss,
+      logit_scale, softcap, temperature, reduction, num_items, dft, backend, num_threads,
+      extras):
+    n = logits.shape[0]
+    return (_loss(logits, n, reduction),) + _extras(logits, n, extras)
+
+
+@torch.library.custom_op("lmloss::cross_entropy_backward", mutates_args=())
+def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor,
+                           token_weight: Optional[Tensor], class_weight: Optional[Tensor],
+                           ignore_index: int, label_smoothing: float, z_loss: float,
+                           logit_scale: float, softcap: float, temperature: float,
+                           reduction: str, num_items: Optional[float], dft: bool, backend: int,
+                           num_threads: int) -> Tensor:
+    opt = _ce_opt(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
+                  reduction, num_items, dft)
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    keep = []
+    with B.context(logits, backend, num_threads) as ctx:
+        inputs = _lib.CEInputs(B.view(logits, keep), B.view(target, keep),
+                               B.view(token_weight, keep), B.view(class_weight, keep))
+        dl = B.view(dloss.reshape(-1).to(F32), keep)
+        ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(logits.shape[0]), logits.device)
+        _lib.check(B.ce_backward(ctx, inputs, opt, dl, B.view(dlogits, keep), addr, nbytes))
+    return dlogits
+
+
+@cross_entropy_backward.register_fake
+def _(dloss, logits, *rest):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, target, tw, cw = inputs[:4]
+    ctx.save_for_backward(logits, target, tw, cw)
+    ctx.opts = inputs[4:-1]  # every option but `extras`
+
+
+def _ce_backward(ctx, dloss, *_):
+    logits, target, tw, cw = ctx.saved_tensors
+    dlogits = cross_entropy_backward(dloss, logits, target, tw, cw, *ctx.opts)
+    return (dlogits,) + (None,) * 15
+
+
+cross_entropy.register_autograd(_ce_backward, setup_context=_ce_setup)
+
+
+# ---------------------------------------------------------------- log-probs, entropy
+
+@torch.library.custom_op("lmloss::log_probs", mutates_args=())
+def log_probs(logits: Tensor, index: Tensor, mask: Optional[Tensor], logit_scale: float,
+              softcap: float, temperature: float, want_entropy: bool, backend: int,
+              num_threads: int) -> tuple[Tensor, Tensor]:
+    n, k = index.shape
+    logp = logits.new_empty((n, k), dtype=F32)
+    ent = logits.new_empty((n,) if want_entropy else (0,), dtype=F32)
+    keep = []
+    with B.context(logits, backend, num_threads) as ctx:
+        ent_t = B.view(ent, keep) if want_entropy else None
+        _lib.check(_lib.log_probs(ctx, B.view(logits, keep), B.view(index, keep),
+                                  B.ptr(B.view(mask, keep) if mask is not None else None),
+                                  B.transform(logit_scale, softcap, temperature),
+                                  B.view(logp, keep), B.ptr(ent_t)))
+    return logp, ent
+
+
+@log_probs.register_fake
+def _(logits, index, mask, logit_scale, softcap, temperature, want_entropy, backend,
+      num_threads):
+    n, k = index.shape
+    return (logits.new_empty((n, k), dtype=F32),
+            logits.new_empty((n,) if want_entropy else (0,), dtype=F32))
+
+
+@torch.library.custom_op("lmloss::entropy", mutates_args=())
+def entropy(logits: Tensor, logit_scale: float, softcap: float, temperature: float,
+            backend: int, num_threads: int) -> Tensor:
+    ent = logits.new_empty((logits.shape[0],), dtype=F32)
+    keep = []
+    with B.context(logits, backend, num_threads) as ctx:
+        _lib.check(_lib.entropy(ctx, B.view(logits, keep),
+                                B.transform(logit_scale, softcap, temperature),
+                                B.view(ent, keep)))
+    return ent
+
+
+@entropy.register_fake
+def _(logits, logit_scale, softcap, temperature, backend, num_threads):
+    return logits.new_empty((logits.shape[0],), dtype=F32)
+
+
+@torch.library.custom_op("lmloss::log_probs_backward", mutates_args=())
+def log_probs_backward(logits: Tensor, index: Optional[Tensor], mask: Optional[Tensor],
+                       logit_scale: float, softcap: float, temperature: float,
+                       dlogp: Optional[Tensor], dentropy: Optional[Tensor], backend: int,
+                       num_threads: int) -> Tensor:
+    dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    keep = []
+
+    def opt(t, f32=False):
+        if t is None:
+            return None
+        return B.ptr(B.view(t.to(F32) if f32 else t, keep))
+
+    with B.context(logits, backend, num_threads) as ctx:
+        _lib.check(_lib.log_probs_backward(
+            ctx, B.view(logits, keep), opt(index), opt(mask),
+            B.transform(logit_scale, softcap, temperature), opt(dlogp, True),
+            opt(dentropy, True), B.view(dlogits, keep)))
+    return dlogits
+
+
+@log_probs_backward.register_fake
+def _(logits, *rest):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _lp_setup(ctx, inputs, output):
+    logits, index, mask = inputs[:3]
+    ctx.save_for_backward(logits, index, mask)
+    ctx.transform = inputs[3:6]
+    ctx.want_entropy = inputs[6]
+    ctx.run = inputs[7:]
+
+
+def _lp_backward(ctx, dlogp, dent):
+    logits, index, mask = ctx.saved_tensors
+    dent = dent if ctx.want_entropy else None
+    dlogits = log_probs_backward(logits, index, mask, *ctx.transform, dlogp, dent, *ctx.run)
+    return (dlogits,) + (None,) * 8
+
+
+log_probs.register_autograd(_lp_backward, setup_context=_lp_setup)
+
+
+def _ent_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.transform, ctx.run = inputs[1:4], inputs[4:]
+
+
+def _ent_backward(ctx, dent):
+    (logits,) = ctx.saved_tensors
+    dlogits = log_probs_backward(logits, None, None, *ctx.transform, None, dent, *ctx.run)
+    return (dlogits,) + (None,) * 5
+
+
+entropy.register_autograd(_ent_backward, setup_context=_ent_setup)
+
+
+# ---------------------------------------------------------------- softmax, log-softmax
+
+@torch.library.custom_op("lmloss::softmax", mutates_args=())
+def softmax(x: Tensor, log: bool, backend: int, num_threads: int) -> Tensor:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    keep = []
+    with B.context(x, backend, num_threads) as ctx:
+        _lib.check(_lib.softmax(ctx, B.view(x, keep), int(log), B.view(y, keep)))
+    return y
+
+
+@softmax.register_fake
+def _(x, log, backend, num_threads):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("lmloss::softmax_backward", mutates_args=())
+def softmax_backward(y: Tensor, dy: Tensor, log: bool, backend: int,
+                     num_threads: int) -> Tensor:
+    dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
+    keep = []
+    with B.context(y, backend, num_threads) as ctx:
+        _lib.check(_lib.softmax_backward(ctx, B.view(y, keep), B.view(dy, keep), int(log),
+                                         B.view(dx, keep)))
+    return dx
+
+
+@softmax_backward.register_fake
+def _(y, dy, log, backend, num_threads):
+    return torch.empty_like(dy, memory_format=torch.contiguous_format)
+
+
+def _sm_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.args = inputs[1:]
+
+
+def _sm_backward(ctx, dy):
+    (y,) = ctx.saved_tensors
+    return (softmax_backward(y, dy.to(y.dtype), *ctx.args),) + (None,) * 3
+
+
+softmax.register_autograd(_sm_backward, setup_context=_sm_setup)
