@@ -24,10 +24,12 @@ lmloss_status lmloss_cuda_softmax(const lmloss_context *, const lmloss_tensor *,
                                   const lmloss_tensor *);
 lmloss_status lmloss_cuda_softmax_backward(const lmloss_context *, const lmloss_tensor *,
                                            const lmloss_tensor *, int, const lmloss_tensor *);
+extern const lmloss_linear_prims lmloss_cuda_linear; /* fused_linear.cu */
 
 extern const lmloss_backend_ops lmloss_cuda_ops = {
     lmloss_cuda_cross_entropy, lmloss_cuda_cross_entropy_backward,
     lmloss_cuda_log_probs,     lmloss_cuda_log_probs_backward,
     lmloss_cuda_softmax,       lmloss_cuda_softmax_backward,
+    &lmloss_cuda_linear,
 };
 }
