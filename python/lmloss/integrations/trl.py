@@ -1,0 +1,117 @@
+"""lmloss in TRL (opt-in; TRL itself is optional).
+
+selective_log_softmax(logits, index, temperature=1.0, row_mask=None) and
+entropy_from_logits(logits, chunk_size=128) have the signatures and results
+of trl.trainer.utils' functions (the result in the logits' dtype; values
+from lmloss's fp32-accumulated, collapse-exact kernels, one C call for any
+[..., V], e.g. the padding-free packed GRPO logits [total_nnz, V]).
+ChunkedLogProbFunction stands in for TRL's fused LM head kernel behind
+add_fused_lm_head (SFT's and GRPO's loss): per-token log-probs, entropy and
+is_top1 from lmloss's fused head, never materializing the logits.
+
+enable(module=None) / disable(module=None): patch (and restore) those names
+in `module`, by default trl.trainer.utils together with every imported trl
+module that imported them by name (e.g. trl.trainer.grpo_trainer).
+"""
+
+import sys
+
+import torch
+
+from .. import torch as lt
+
+_saved = {}  # (module name, attribute) -> original
+
+
+def selective_log_softmax(logits, index, temperature=1.0, row_mask=None):
+    """gather(log_softmax(logits / temperature), index): index [...] or
+    [..., K]; row_mask (index's shape) zeroes entries (rows that are all
+    zero are not read). Result shaped like index, in the logits' dtype."""
+    if temperature <= 0:
+        raise ValueError("temperature must be positive")
+    squeeze = index.dim() == logits.dim() - 1
+    keep = None if row_mask is None else row_mask != 0
+    rows = keep if keep is None or squeeze else keep.any(-1)
+    logp = lt.log_probs(logits, index, temperature=temperature, mask=rows)
+    if keep is not None and not squeeze:
+        logp = logp.masked_fill(~keep, 0.0)
+    return logp.to(logits.dtype)
+
+
+def entropy_from_logits(logits, chunk_size=128):
+    """Entropy (nats) of softmax(logits) per row, shaped logits.shape[:-1], in
+    the logits' dtype. chunk_size is accepted for compatibility: the C
+    kernel streams rows and never holds a softmax copy."""
+    return lt.entropy(logits).to(logits.dtype)
+
+
+class ChunkedLogProbFunction:
+    """TRL's fused LM head (trl.kernels.ChunkedLogProbFunction) through lmloss:
+    apply(hidden [N, H], weight [V, H], bias, targets [N], temperature,
+    chunk_size, final_logit_softcapping=None, logit_scale=1.0, outputs=...)
+    -> (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1). lmloss
+    computes log_probs (differentiable), entropy (differentiable unless
+    is_top1 is also requested, then detached) and is_top1; a call asking for
+    log_sum_sq_probs or mean_logits goes to TRL's original."""
+
+    original = None
+
+    @classmethod
+    def apply(cls, hidden, weight, bias, targets, temperature, chunk_size,
+              final_logit_softcapping=None, logit_scale=1.0,
+              outputs=("log_probs", "entropy", "is_top1")):
+        if {"log_sum_sq_probs", "mean_logits"} & set(outputs) and cls.original is not None:
+            return cls.original.apply(hidden, weight, bias, targets, temperature, chunk_size,
+                                      final_logit_softcapping, logit_scale, outputs)
+        kw = dict(bias=bias, temperature=temperature, logit_scale=logit_scale,
+                  softcap=final_logit_softcapping or 0.0)
+        want_entropy = "entropy" in outputs
+        if "is_top1" in outputs:
+            r = lt.linear_cross_entropy(hidden, weight, targets, reduction="none",
+                                        return_entropy=want_entropy, return_argmax=True, **kw)
+            return -r.loss, r.entropy, None, None, r.argmax == targets
+        logp, ent = lt.linear_log_probs(hidden, weight, targets, entropy=True, **kw)
+        return logp, (ent if want_entropy else None), None, None, None
+
+
+_REPLACEMENTS = {"selective_log_softmax": selective_log_softmax,
+                 "entropy_from_logits": entropy_from_logits,
+                 "_ChunkedLogProbFunction": ChunkedLogProbFunction}
+
+
+def _targets(module):
+    if module is not None:
+        return [module]
+    import trl.trainer.utils as utils  # ImportError when TRL is absent
+    mods = [utils]
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("trl.") and mod is not None and mod is not utils:
+            if any(getattr(mod, a, None) is getattr(utils, a, None) for a in _REPLACEMENTS
+                   if hasattr(utils, a)):
+                mods.append(mod)
+    return mods
+
+
+def enable(module=None):
+    """Patch selective_log_softmax, entropy_from_logits and the fused-head
+    kernel (where present) in `module` (default: TRL). Returns the patched
+    modules."""
+    mods = _targets(module)
+    for mod in mods:
+        for attr, new in _REPLACEMENTS.items():
+            old = getattr(mod, attr, None)
+            if old is None or old is new:
+                continue
+            _saved[(mod.__name__, attr)] = (mod, old)
+            if attr == "_ChunkedLogProbFunction":
+                ChunkedLogProbFunction.original = old
+            setattr(mod, attr, new)
+    return mods
+
+
+def disable(module=None):
+    """Restore what enable() replaced (in `module` only, when given)."""
+    for key, (mod, old) in list(_saved.items()):
+        if module is None or mod is module:
+            setattr(mod, key[1], old)
+            del _saved[key]
