@@ -1,0 +1,320 @@
+"""lmloss.torch on the CPU against PyTorch reference forms run in float64.
+
+Inputs are made in float32 (or bf16/fp16); the reference computes on the
+same values in float64 with plain torch ops and autograd. Tolerance: fp32
+results rtol 2e-5, atol 1e-6 (fp32 accumulation of the C kernels); the
+fused head (fp32 GEMMs) rtol 1e-4; 16-bit gradients one unit of their
+dtype's roundoff. gradcheck runs on float32 inputs with eps = 1e-3 and
+atol/rtol suited to fp32 finite differences (the C library computes in
+fp32, so float64 gradcheck tolerances cannot hold); the exact check of
+every backward is the float64 parity here.
+"""
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import lmloss  # noqa: E402
+import lmloss.torch as lt  # noqa: E402
+from lmloss.torch import _bridge  # noqa: E402
+
+F64 = torch.float64
+
+
+def close(got, ref, rtol=2e-5, atol=1e-6):
+    torch.testing.assert_close(got.detach().to(F64), ref.detach().to(F64), rtol=rtol, atol=atol)
+
+
+def transform(x, logit_scale=1.0, softcap=0.0, temperature=1.0):
+    z = x * logit_scale
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
+
+
+def ref_ce(x, y, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale=1.0,
+           softcap=0.0, temperature=1.0, weight=None, class_weight=None, reduction="mean",
+           num_items=None, dft=False):
+    """The loss of include/lmloss.h in float64 torch ops, rows [N, V]."""
+    z = transform(x, logit_scale, softcap, temperature)
+    v = z.shape[-1]
+    lse = torch.logsumexp(z, -1)
+    logp = z - lse[:, None]
+    valid = y != ignore_index
+    yc = torch.where(valid, y, 0)
+    c = torch.ones(v, dtype=F64) if class_weight is None else class_weight.to(F64)
+    nll = -logp.gather(1, yc[:, None])[:, 0]
+    ce = c[yc] * (1 - label_smoothing) * nll + label_smoothing / v * (-(logp * c).sum(-1))
+    if dft:
+        ce = ce * (-nll).exp().detach()
+    loss = ce + z_loss * lse ** 2
+    if weight is not None:
+        loss = loss * weight.to(F64)
+    loss = torch.where(valid, loss, 0.0)
+    if reduction == "none":
+        return loss
+    if num_items is not None:
+        return loss.sum() / float(num_items)
+    if reduction == "sum":
+        return loss.sum()
+    den = (c[yc] * valid).sum()
+    return loss.sum() / den if den > 0 else loss.sum() * 0
+
+
+def data(n=12, v=37, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(n, v, generator=g) * 3).to(dtype)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[1] = -100
+    y[5] = -100
+    return x, y
+
+
+CE_CASES = [dict(), dict(reduction="sum"), dict(reduction="none"),
+            dict(label_smoothing=0.1), dict(z_loss=1e-3), dict(softcap=4.0, temperature=0.7),
+            dict(logit_scale=0.5), dict(dft=True), dict(ignore_index=3),
+            dict(reduction="sum", num_items=7), dict(class_weight="cw", label_smoothing=0.2),
+            dict(weight="tw", reduction="none")]
+
+
+@pytest.mark.parametrize("case", CE_CASES, ids=[str(c) for c in CE_CASES])
+def test_cross_entropy_matches_float64_reference(case):
+    x, y = data()
+    kw = dict(case)
+    if kw.get("class_weight") == "cw":
+        kw["class_weight"] = torch.rand(37, generator=torch.Generator().manual_seed(1)) + 0.5
+    if kw.get("weight") == "tw":
+        kw["weight"] = torch.rand(12, generator=torch.Generator().manual_seed(2))
+    if "ignore_index" in kw:
+        y = torch.where(y == -100, kw["ignore_index"], y)
+    xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+    got, ref = lt.cross_entropy(xg.view(3, 4, 37), y.view(3, 4), **kw), ref_ce(xr, y, **kw)
+    assert got.dtype == torch.float32
+    assert got.shape == ((3, 4) if kw.get("reduction") == "none" else ())
+    close(got.reshape(-1), ref.reshape(-1))
+    up = torch.rand(got.shape, dtype=torch.float32) if got.dim() else torch.tensor(1.7)
+    (got * up).sum().backward()
+    (ref * up.reshape(ref.shape).to(F64)).sum().backward()
+    close(xg.grad, xr.grad)
+
+
+def test_num_items_tensor_divides_on_device_and_gradscaler_scale():
+    x, y = data()
+    n = torch.tensor(9.0)
+    xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+    got = lt.cross_entropy(xg, y, reduction="sum", num_items=n)
+    ref = ref_ce(xr, y, reduction="sum", num_items=9.0)
+    close(got, ref)
+    (got * 65536.0).backward()  # GradScaler's scaled backward: dloss is a device tensor
+    (ref * 65536.0).backward()
+    close(xg.grad, xr.grad, atol=1e-2)
+
+
+def test_extras_and_collapse_exactness():
+    x, y = data()
+    y[1] = y[5] = 0
+    x[0] = 0.0
+    x[0, y[0]] = 25.0  # a collapsed row: fp32 log_softmax gives exactly 0 loss
+    r = lt.cross_entropy(x, y, reduction="none", return_lse=True, return_entropy=True,
+                         return_argmax=True)
+    x64 = x.to(F64)
+    close(r.loss[1:], ref_ce(x64, y, reduction="none")[1:], atol=0)
+    assert torch.nn.functional.cross_entropy(x[:1], y[:1]) == 0
+    close(r.loss[0], (36.0 * torch.exp(torch.tensor(-25.0, dtype=F64))).log1p(),
+          atol=0)
+    close(r.lse, torch.logsumexp(x64, -1), atol=0)
+    p = torch.softmax(x64, -1)
+    close(r.entropy, -(p * torch.log_softmax(x64, -1)).sum(-1), atol=1e-12)
+    assert torch.equal(r.argmax, x.argmax(-1))
+    assert r.dlogits is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_logits_accumulate_in_fp32(dtype):
+    x, y = data(dtype=dtype)
+    xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+    got, ref = lt.cross_entropy(xg, y), ref_ce(xr, y)
+    assert got.dtype == torch.float32
+    close(got, ref)
+    got.backward()
+    ref.backward()
+    assert xg.grad.dtype == dtype
+    eps = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    close(xg.grad, xr.grad, rtol=eps, atol=1e-5)
+
+
+def test_strided_rows_are_passed_without_copy():
+    big, y = data(v=50)
+    x = big[:, :37]
+    view, stride = _bridge.rows_view(x)
+    assert view.data_ptr() == x.data_ptr() and stride == 50
+    xg = x.clone().requires_grad_()
+    close(lt.cross_entropy(x, y.clamp(max=36)), lt.cross_entropy(xg, y.clamp(max=36)))
+    close(lt.log_probs(x, y.clamp(0, 36)), lt.log_probs(xg, y.clamp(0, 36)))
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_log_probs_and_entropy_match_reference(k):
+    x, _ = data()
+    g = torch.Generator().manual_seed(3)
+    idx = torch.randint(0, 37, (12,) if k is None else (12, k), generator=g)
+    mask = torch.ones(12, dtype=torch.bool)
+    mask[4] = False
+    xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+    logp, ent = lt.log_probs(xg, idx, temperature=0.8, mask=mask, entropy=True)
+    lp = torch.log_softmax(xr / 0.8, -1)
+    ridx = idx if k else idx[:, None]
+    rlogp = torch.where(mask[:, None], lp.gather(1, ridx), 0.0).reshape(idx.shape)
+    rent = torch.where(mask, -(lp.exp() * lp).sum(-1), 0.0)
+    close(logp, rlogp)
+    close(ent, rent)
+    a, b = torch.randn(idx.shape, generator=g), torch.randn(12, generator=g)
+    ((logp * a).sum() + (ent * b).sum()).backward()
+    ((rlogp * a.to(F64)).sum() + (rent * b.to(F64)).sum()).backward()
+    close(xg.grad, xr.grad)
+    assert lt.selective_log_softmax is lt.log_probs
+
+
+def test_entropy_softmax_log_softmax_match_reference():
+    x, _ = data()
+    g = torch.Generator().manual_seed(4)
+    for ours, ref in ((lambda t: lt.entropy(t, temperature=1.3),
+                       lambda t: -(torch.softmax(t / 1.3, -1) * torch.log_softmax(t / 1.3, -1)
+                                   ).sum(-1)),
+                      (lt.softmax, lambda t: torch.softmax(t, -1)),
+                      (lt.log_softmax, lambda t: torch.log_softmax(t, -1))):
+        xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+        got, want = ours(xg), ref(xr)
+        close(got, want)
+        up = torch.randn(got.shape, generator=g)
+        (got * up).sum().backward()
+        (want * up.to(F64)).sum().backward()
+        close(xg.grad, xr.grad)
+    assert lt.softmax(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+def head(n=10, h=16, v=37, bias=True, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    hs = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g) * 0.5
+    b = torch.randn(v, generator=g) if bias else None
+    y = torch.randint(0, v, (n,), generator=g)
+    y[2] = -100
+    return hs, w, b, y
+
+
+LIN_CASES = [dict(), dict(reduction="sum"), dict(reduction="none", token_weight="tw"),
+             dict(softcap=5.0, logit_scale=0.7, temperature=1.2, label_smoothing=0.1,
+                  z_loss=1e-3), dict(memory_budget=4096)]
+
+
+@pytest.mark.parametrize("case", LIN_CASES, ids=[str(c) for c in LIN_CASES])
+def test_linear_cross_entropy_matches_reference(case):
+    hs, w, b, y = head()
+    kw = dict(case)
+    if kw.get("token_weight") == "tw":
+        kw["token_weight"] = torch.rand(10)
+    params = [t.clone().requires_grad_() for t in (hs, w, b)]
+    ref_params = [t.to(F64).requires_grad_() for t in (hs, w, b)]
+    got = lt.linear_cross_entropy(params[0], params[1], y, bias=params[2], **kw)
+    rh, rw, rb = ref_params
+    rkw = {k: v for k, v in kw.items() if k != "memory_budget"}
+    if "token_weight" in rkw:
+        rkw["weight"] = rkw.pop("token_weight")
+    ref = ref_ce(rh @ rw.T + rb, y, **rkw)
+    close(got, ref, rtol=1e-4)
+    got.sum().backward()
+    ref.sum().backward()
+    for p, r in zip(params, ref_params):
+        close(p.grad, r.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_linear_log_probs_matches_reference_and_frozen_head():
+    hs, w, b, y = head()
+    idx = torch.stack([y.clamp(min=0), (y + 1).clamp(0, 36)], -1)
+    mask = y != -100
+    hg, wg = hs.clone().requires_grad_(), w.clone().requires_grad_()
+    hr, wr = hs.to(F64).requires_grad_(), w.to(F64).requires_grad_()
+    logp, ent = lt.linear_log_probs(hg, wg, idx, bias=b, mask=mask, softcap=3.0, entropy=True)
+    lp = torch.log_softmax(3.0 * torch.tanh((hr @ wr.T + b.to(F64)) / 3.0), -1)
+    rlogp = torch.where(mask[:, None], lp.gather(1, idx), 0.0)
+    rent = torch.where(mask, -(lp.exp() * lp).sum(-1), 0.0)
+    close(logp, rlogp, rtol=1e-4, atol=1e-5)
+    close(ent, rent, rtol=1e-4, atol=1e-5)
+    (logp.sum() + 0.5 * ent.sum()).backward()
+    (rlogp.sum() + 0.5 * rent.sum()).backward()
+    close(hg.grad, hr.grad, rtol=1e-4, atol=1e-5)
+    close(wg.grad, wr.grad, rtol=1e-4, atol=1e-5)
+    hf = hs.clone().requires_grad_()  # frozen head: only dhidden is asked for
+    lt.linear_cross_entropy(hf, w, y).backward()
+    assert hf.grad is not None and w.grad is None
+
+
+def test_linear_sixteen_bit_on_cpu_runs_in_fp32():
+    hs, w, b, y = head(bias=False)
+    hb, wb = hs.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    loss = lt.linear_cross_entropy(hb, wb, y)
+    close(loss, ref_ce(hb.detach().to(F64) @ wb.detach().to(F64).T, y), rtol=1e-4)
+    loss.backward()
+    assert hb.grad.dtype == wb.grad.dtype == torch.bfloat16
+
+
+def test_modules():
+    x, y = data()
+    cw = torch.rand(37) + 0.5
+    ours = lt.CrossEntropyLoss(weight=cw, label_smoothing=0.1)
+    theirs = torch.nn.CrossEntropyLoss(weight=cw.to(F64), label_smoothing=0.1)
+    close(ours(x, y), theirs(x.to(F64), y))
+    close(lt.CrossEntropyLoss(reduction="none", softcap=2.0)(x, y),
+          ref_ce(x.to(F64), y, reduction="none", softcap=2.0))
+    hs, w, b, y = head()
+    close(lt.LinearCrossEntropyLoss(label_smoothing=0.1)(hs, w, y, bias=b),
+          lt.linear_cross_entropy(hs, w, y, bias=b, label_smoothing=0.1), atol=0)
+    close(lt.LinearLogProbs(temperature=0.9)(hs, w, y.clamp(min=0)),
+          lt.linear_log_probs(hs, w, y.clamp(min=0), temperature=0.9), atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Input #:UserWarning")  # float32 inputs, on purpose
+def test_gradcheck_float32():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 5, generator=g, requires_grad=True)
+    y = torch.tensor([1, -100, 4])
+    hs = torch.randn(3, 4, generator=g, requires_grad=True)
+    w = torch.randn(5, 4, generator=g, requires_grad=True)
+    tol = dict(eps=1e-3, atol=2e-3, rtol=1e-2)
+    assert torch.autograd.gradcheck(lambda t: lt.cross_entropy(t, y, z_loss=0.1), (x,), **tol)
+    fns = [lambda t: lt.log_probs(t, y.clamp(min=0), entropy=True),
+           lambda t: lt.entropy(t, temperature=0.7), lt.softmax, lt.log_softmax]
+    for fn in fns:
+        assert torch.autograd.gradcheck(fn, (x,), **tol)
+    assert torch.autograd.gradcheck(
+        lambda a, b: lt.linear_cross_entropy(a, b, y, label_smoothing=0.1), (hs, w), **tol)
+    assert torch.autograd.gradcheck(
+        lambda a, b: lt.linear_log_probs(a, b, y.clamp(min=0), entropy=True), (hs, w), **tol)
+
+
+def test_errors():
+    x, y = data()
+    with pytest.raises(lmloss.Error) as e:
+        lt.cross_entropy(x, y, reduction="avg")
+    assert e.value.status == "LMLOSS_ERR_BAD_OPTION"
+    with pytest.raises(lmloss.Error) as e:
+        lt.cross_entropy(x, torch.full((12,), 99))
+    assert e.value.status == "LMLOSS_ERR_INDEX_OUT_OF_RANGE"
+    fake_cuda = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
+    if not lmloss.has_cuda():
+        with pytest.raises(lmloss.Error, match="built without CUDA") as e:
+            _bridge.check_device(fake_cuda)
+        assert e.value.status == "LMLOSS_ERR_UNSUPPORTED"
+
+
+def test_import_lmloss_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import lmloss\n"
+            "try:\n    import lmloss.torch\nexcept ImportError:\n    print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
