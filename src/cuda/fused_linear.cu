@@ -38,7 +38,7 @@ static lmloss_status handle_for(const lmloss_context *ctx, cublasHandle_t *out) 
 static lmloss_status gemm(const lmloss_context *ctx, int t_a, int t_b, float alpha,
                           const lmloss_tensor *a, const lmloss_tensor *b, float beta,
                           const lmloss_tensor *c) {
-  cublasHandle_t h;
+  cublasHandle_t h = nullptr;
   lmloss_status s = handle_for(ctx, &h);
   if (s != LMLOSS_OK) return s;
   const int64_t m = c->rows, n = c->cols, k = t_a ? a->rows : a->cols;
