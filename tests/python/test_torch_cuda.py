@@ -1,0 +1,130 @@
+"""lmloss.torch on CUDA tensors (marker `cuda`). These tests are skipped when
+torch.cuda.is_available() is False, or when the loaded library has no CUDA
+backend; that is the only skip of the torch suite. Results are compared with
+the CPU backend on the same values; calls run on a side stream and under
+torch.cuda.set_sync_debug_mode("error") (torch raises on any synchronizing
+torch op inside the forward and backward; the fused head's one count read
+is the C library's own)."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import lmloss  # noqa: E402
+import lmloss.torch as lt  # noqa: E402
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available() or not lmloss.has_cuda(),
+                                 reason="needs a CUDA GPU and a CUDA build of liblmloss")]
+
+
+def close(a, b, rtol=1e-5, atol=1e-6):
+    torch.testing.assert_close(a.detach().cpu().double(), b.detach().cpu().double(), rtol=rtol,
+                               atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_logits_ops_match_cpu_on_a_side_stream_without_host_sync(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 1003, generator=g) * 3).to(dtype)
+    y = torch.randint(0, 1003, (64,), generator=g)
+    y[3] = -100
+    xc, xg = x.clone().requires_grad_(), x.cuda().requires_grad_()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            lg = lt.cross_entropy(xg, y.cuda(), label_smoothing=0.1, z_loss=1e-4,
+                                  num_items=torch.tensor(50.0, device="cuda"))
+            lp, ent = lt.log_probs(xg, y.clamp(min=0).cuda(), entropy=True)
+            total = lg + lp.sum() * 1e-3 + lt.entropy(xg).sum() * 1e-3 + \
+                lt.log_softmax(xg)[:, 0].sum() + lt.softmax(xg)[:, 1].sum()
+            (total * 1024.0).backward()  # GradScaler-style scaled dloss, read on the device
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    s.synchronize()
+    lc = lt.cross_entropy(xc, y, label_smoothing=0.1, z_loss=1e-4, num_items=50.0)
+    lpc, entc = lt.log_probs(xc, y.clamp(min=0), entropy=True)
+    totc = lc + lpc.sum() * 1e-3 + lt.entropy(xc).sum() * 1e-3 + \
+        lt.log_softmax(xc)[:, 0].sum() + lt.softmax(xc)[:, 1].sum()
+    (totc * 1024.0).backward()
+    assert lg.device.type == "cuda" and xg.grad.dtype == dtype
+    close(lg, lc)
+    close(lp, lpc)
+    close(ent, entc)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    close(xg.grad, xc.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_head_on_cuda_and_under_autocast(dtype):
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(300, 64, generator=g)
+    w = torch.randn(5000, 64, generator=g) * 0.2
+    y = torch.randint(0, 5000, (300,), generator=g)
+    y[:20] = -100
+    hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
+    hg, wg = h.cuda().to(dtype).requires_grad_(), w.cuda().to(dtype).requires_grad_()
+    lg = lt.linear_cross_entropy(hg, wg, y.cuda(), softcap=30.0)
+    lg.backward()
+    lc = lt.linear_cross_entropy(hc, wc, y, softcap=30.0)
+    lc.backward()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    close(lg, lc, rtol=tol, atol=tol)
+    close(hg.grad, hc.grad, rtol=tol, atol=tol)
+    close(wg.grad, wc.grad, rtol=tol, atol=tol)
+    assert wg.grad.dtype == dtype
+    w32 = w.cuda().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32 master weight, bf16 head
+        la = lt.linear_cross_entropy(h.cuda(), w32, y.cuda())
+        lp = lt.linear_log_probs(h.cuda(), w32, y.clamp(min=0).cuda())
+    (la + lp.sum() * 1e-3).backward()
+    assert la.dtype == torch.float32 and w32.grad.dtype == torch.float32
+    close(la, lc, rtol=2e-2, atol=2e-2)
+
+
+def test_compile_on_cuda_without_graph_breaks():
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    head = torch.nn.Linear(32, 999, bias=False).cuda()
+
+    def step(h, y):
+        return lt.linear_cross_entropy(h, head.weight, y) + lt.cross_entropy(head(h), y)
+
+    f = torch.compile(step, fullgraph=True)
+    for n in (64, 96):
+        h = torch.randn(n, 32, device="cuda", requires_grad=True)
+        y = torch.randint(0, 999, (n,), device="cuda")
+        torch._dynamo.mark_dynamic(h, 0)
+        torch._dynamo.mark_dynamic(y, 0)
+        f(h, y).backward()
+        close(h.grad, torch.autograd.grad(step(h, y), h)[0], rtol=1e-4, atol=1e-5)
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_tiny_llama_fused_head_peak_memory_cuda():
+    import copy
+
+    import transformers
+    from lmloss.integrations import transformers as ltf
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    base = transformers.LlamaForCausalLM(cfg).cuda()
+    patched = ltf.patch_causal_lm(copy.deepcopy(base))
+    ids = torch.randint(0, 32000, (8, 512), device="cuda")
+    peaks, losses = {}, {}
+    for name, m in (("transformers", base), ("lmloss", patched)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() / 2 ** 20
+        losses[name] = out.loss.item()
+    print("\nCUDA peak MiB (B=8, T=512, V=32000):", peaks)
+    assert abs(losses["lmloss"] - losses["transformers"]) < 1e-3 * losses["transformers"]
+    assert peaks["lmloss"] < peaks["transformers"]
