@@ -16,7 +16,6 @@ module that imported them by name (e.g. trl.trainer.grpo_trainer).
 
 import sys
 
-import torch
 
 from .. import torch as lt
 
