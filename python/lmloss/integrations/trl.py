@@ -16,7 +16,6 @@ module that imported them by name (e.g. trl.trainer.grpo_trainer).
 
 import sys
 
-
 from .. import torch as lt
 
 _saved = {}  # (module name, attribute) -> original
