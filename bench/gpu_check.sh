@@ -1,32 +1,55 @@
 #!/bin/sh
-# gpu_check.sh - on a GPU machine: build (Release, sm_90), run the C test
-# suite against the CUDA backend, then the benchmark.
-#   bench/gpu_check.sh            build + ctest (LMLOSS_TEST_BACKEND=cuda) + bench_cuda
-#   bench/gpu_check.sh sanitize   build + every test executable under
+# gpu_check.sh - everything the GPU machine is needed for, in one call:
+# build (Release, sm_90), the C test suite against the CUDA backend,
+# `lmloss check` on CPU and CUDA, the issue's CUDA benchmark cases
+# (`lmloss bench`), the peer comparison and the collapse picture (Python,
+# with the peers' wheels installed from .whl/), and the GPU-only Python
+# tests. Logs and figures go to $OUT (or ./gpu-out).
+#   bench/gpu_check.sh            all of the above
+#   bench/gpu_check.sh sanitize   the CUDA test executables under
 #                                 compute-sanitizer memcheck and racecheck
-# BUILD (default build-gpu) names the build folder.
-set -eu
+set -u
 cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
 BUILD=${BUILD:-build-gpu}
+mkdir -p "$OUT"
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLMLOSS_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
-cmake --build "$BUILD" -j "$(nproc)"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv || true
+  -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null || exit 1
+cmake --build "$BUILD" -j "$(nproc)" 2>&1 | grep -E "error|warning: " ; [ -x "$BUILD/lmloss" ] || exit 1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 
 if [ "${1:-}" = "sanitize" ]; then
   status=0
   for t in "$BUILD"/test_*; do
-    [ -x "$t" ] || continue
     for tool in memcheck racecheck; do
       echo "== compute-sanitizer --tool $tool $t"
-      LMLOSS_TEST_BACKEND=cuda compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" ||
-        status=1
+      LMLOSS_TEST_BACKEND=cuda compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" \
+        >"$OUT/sanitize-$tool-$(basename "$t").log" 2>&1 || status=1
+      tail -3 "$OUT/sanitize-$tool-$(basename "$t").log"
     done
   done
   exit $status
 fi
 
 status=0
-LMLOSS_TEST_BACKEND=cuda ctest --test-dir "$BUILD" --output-on-failure || status=1
-"$BUILD"/bench_cuda || status=1
+LMLOSS_TEST_BACKEND=cuda ctest --test-dir "$BUILD" --output-on-failure >"$OUT/ctest-cuda.log" 2>&1 ||
+  status=1
+grep -E "tests passed|FAIL|Failed" "$OUT/ctest-cuda.log" | head -40
+"$BUILD/lmloss" check | tee "$OUT/check.log" | tail -3 || status=1
+L="$BUILD/lmloss"
+{
+  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 8192,152064
+  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 4096,32768
+  $L bench softmax --device cuda --dtype f32 --shape 4096,262144
+  $L bench linear-ce --device cuda --dtype bf16 --shape 8192,152064,4096 --reps 5
+} 2>/dev/null | tee "$OUT/bench-cuda.txt"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/python:${PYTHONPATH:-}" LMLOSS_LIBRARY="$PWD/$BUILD/liblmloss.so"
+python3 bench/collapse_plot.py --out "$OUT" || status=1
+python3 -m pytest -q -m cuda tests/python >"$OUT/pytest-cuda.log" 2>&1 || status=1
+tail -3 "$OUT/pytest-cuda.log"
+python3 bench/peers_gpu.py --out "$OUT" ${PEERS_ARGS:-} >"$OUT/peers.log" 2>&1 || status=1
+tail -25 "$OUT/peers.log"
 exit $status

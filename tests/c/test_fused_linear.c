@@ -13,10 +13,13 @@
  *     in fp32 into an fp32 slab); each gradient tensor g, Frobenius, within
  *     BF16_FACTOR times the error of rounding the exact gradient e to bf16:
  *     |g - e| <= BF16_FACTOR |bf16(e) - e|.
- *   Chunking: 1-row, 3-row and default chunks agree within CHUNK_TOL, on
- *     rows that are not peaked (the GEMM's rounding depends on the chunk's
- *     row count, and a peaked row turns one ulp of a large logit into ~1e-6
- *     relative on its tiny loss and entropy).
+ *   Chunking: 1-row, 3-row and default chunks agree within CHUNK_TOL (fp32
+ *     outputs) on rows that are not peaked: a GEMM's summation order (cuBLAS
+ *     picks its algorithm by the chunk's row count) moves a length-H dot
+ *     product by up to about H 2^-24 = 1e-5 at the H used here, and a peaked
+ *     row turns one ulp of a large logit into ~1e-6 relative on its tiny
+ *     loss and entropy. 16-bit outputs agree within two of their roundings
+ *     (CHUNK_TOL16).
  *   Rows the loss ignores (or masks) read exactly 0, gradients included.
  * Peaked rows are made exactly: row i owns hidden dimension H0 + i (h_i = 1
  * there, 0 in every other row) and W[y_i][H0 + i] is set so that logit y_i
@@ -25,7 +28,8 @@
 #include "support/testing.h"
 
 #define FL_TOL 1e-4
-#define CHUNK_TOL 1e-6
+#define CHUNK_TOL 1e-5
+#define CHUNK_TOL16 0x1p-7
 #define BF16_FACTOR 2.5
 #define ABS_FLOOR ((double)FLT_MIN)
 
@@ -234,10 +238,11 @@ static void runs_agree(tgroup *g, const lmloss_tensor *a, const lmloss_tensor *b
                        const char *what) {
   if (!a->data) return;
   double *r = to_f64(b);
+  const double tol = a->dtype == LMLOSS_F32 ? CHUNK_TOL : CHUNK_TOL16;
   if (whole)
-    tensor_close(g, a, r, CHUNK_TOL, 0, what);
+    tensor_close(g, a, r, tol, 0, what);
   else
-    rows_close(g, a, r, CHUNK_TOL, what);
+    rows_close(g, a, r, tol, what);
   free(r);
 }
 

@@ -1,0 +1,231 @@
+"""Peer benchmarks on one GPU, side by side in one run.
+
+lmloss against PyTorch eager, torch.compile (of the same fp32 formulas),
+Liger-Kernel and cut-cross-entropy, on three cases:
+
+  logprob    log-probs forward, K = 1 (TRL's selective_log_softmax), bf16 logits
+  ce         cross-entropy forward + backward on bf16 logits (dlogits produced)
+  linear-ce  fused-head cross-entropy forward + backward, bf16 hidden and head,
+             H = 4096 (dhidden and dW produced)
+
+over vocabulary sizes 32k-262k (N = 4096) and N from 1k to 32k (V = 152064).
+Time: median of CUDA-event timings after a warm-up; memory: peak allocated
+during one forward+backward beyond what was allocated before it (inputs).
+The hardware limit drawn with them: the copy time of the bytes the op must
+move (logits ops; device-to-device copy bandwidth measured in this run) or
+the time of the three GEMMs alone (fused head; torch.matmul in bf16).
+
+    python bench/peers_gpu.py --out DIR [--quick]
+
+writes DIR/peers.csv and DIR/peers_<case>.png (time and memory vs V and vs N).
+"""
+import argparse
+import csv
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import lmloss.torch as lt
+
+DEV = "cuda"
+H = 4096
+VOCABS = [32768, 65536, 131072, 152064, 262144]
+ROWS = [1024, 2048, 4096, 8192, 16384, 32768]
+
+
+def timed(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def peak_mib(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def copy_gbs():
+    a = torch.empty(2**31, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    ms = timed(lambda: b.copy_(a), 20)
+    return 2 * a.numel() / (ms * 1e6)
+
+
+# ---- implementations: each returns a zero-argument callable ----------------
+
+def logprob_impls():
+    def eager(x, y):
+        return lambda: x.float().log_softmax(-1).gather(-1, y[:, None])
+
+    comp = torch.compile(lambda x, y: x.float().log_softmax(-1).gather(-1, y[:, None]),
+                         dynamic=True)
+    impls = {"lmloss": lambda x, y: (lambda: lt.log_probs(x, y)),
+             "torch": eager, "torch.compile": lambda x, y: (lambda: comp(x, y))}
+    try:
+        from liger_kernel.ops.grpo_loss import fused_selective_log_softmax
+
+        def liger(x, y):
+            x3 = torch.cat([x, x[:1]])[None]  # Liger reads L + 1 positions
+            return lambda: fused_selective_log_softmax(x3, y[None], temperature=1.0)
+        impls["liger"] = liger
+    except ImportError:
+        pass
+    return impls
+
+
+def ce_impls():
+    def with_backward(loss_fn):
+        def make(x, y):
+            xg = x.detach().requires_grad_(True)
+
+            def run():
+                xg.grad = None
+                loss_fn(xg, y).backward()
+            return run
+        return make
+
+    comp = torch.compile(lambda x, y: F.cross_entropy(x.float(), y), dynamic=True)
+    impls = {"lmloss": with_backward(lambda x, y: lt.cross_entropy(x, y)),
+             "torch": with_backward(lambda x, y: F.cross_entropy(x.float(), y)),
+             "torch.compile": with_backward(comp)}
+    try:
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+        impls["liger"] = with_backward(LigerCrossEntropyLoss())
+    except ImportError:
+        pass
+    return impls
+
+
+def linear_impls():
+    def with_backward(loss_fn):
+        def make(h, w, y):
+            hg, wg = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+
+            def run():
+                hg.grad = wg.grad = None
+                loss_fn(hg, wg, y).backward()
+            return run
+        return make
+
+    eager = lambda h, w, y: F.cross_entropy((h @ w.T).float(), y)
+    comp = torch.compile(eager, dynamic=True)
+    impls = {"lmloss": with_backward(lambda h, w, y: lt.linear_cross_entropy(h, w, y)),
+             "torch": with_backward(eager), "torch.compile": with_backward(comp)}
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        flce = LigerFusedLinearCrossEntropyLoss()
+        impls["liger"] = with_backward(lambda h, w, y: flce(w, h, y))
+    except ImportError:
+        pass
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+        impls["cut-cross-entropy"] = with_backward(lambda h, w, y: linear_cross_entropy(h, w, y))
+    except ImportError:
+        pass
+    return impls
+
+
+def gemm_ms(h, w, reps):
+    dl = torch.randn(h.shape[0], w.shape[0], device=DEV, dtype=h.dtype)
+
+    def run():
+        (h @ w.T).float()
+        dl @ w
+        dl.T @ h
+    return timed(run, reps)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    reps = 5 if args.quick else 10
+    bw = copy_gbs()
+    print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw:.0f} GB/s", flush=True)
+    rows_out = []
+    cases = [("logprob", logprob_impls(), 1), ("ce", ce_impls(), 2),
+             ("linear-ce", linear_impls(), 0)]
+    for case, impls, passes in cases:
+        sweeps = [("V", v, 4096) for v in VOCABS] + [("N", 152064, n) for n in ROWS]
+        for sweep, V, N in sweeps:
+            if case == "linear-ce" and N > 16384:
+                continue
+            y = torch.randint(0, V, (N,), device=DEV)
+            if case == "linear-ce":
+                h = torch.randn(N, H, device=DEV, dtype=torch.bfloat16)
+                w = torch.randn(V, H, device=DEV, dtype=torch.bfloat16) * 0.02
+                limit = gemm_ms(h, w, reps)
+                args_ = (h, w, y)
+            else:
+                x = torch.randn(N, V, device=DEV, dtype=torch.bfloat16) * 2
+                limit = passes * x.numel() * 2 / (bw * 1e6)
+                args_ = (x, y)
+            for name, make in impls.items():
+                try:
+                    fn = make(*args_)
+                    ms = timed(fn, reps)
+                    mib = peak_mib(fn)
+                except Exception as e:  # a peer that cannot run this shape
+                    print(f"  {case} {name} V={V} N={N}: {type(e).__name__}: {str(e)[:80]}")
+                    ms = mib = float("nan")
+                rows_out.append(dict(case=case, sweep=sweep, impl=name, N=N, V=V, ms=ms,
+                                     peak_mib=mib, limit_ms=limit))
+                print(f"{case:9s} {sweep} N={N:6d} V={V:6d} {name:18s} {ms:9.3f} ms "
+                      f"{mib:9.1f} MiB  (limit {limit:.3f} ms)", flush=True)
+            del args_
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "peers.csv"), "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
+        wr.writeheader()
+        wr.writerows(rows_out)
+    plot(rows_out, args.out)
+
+
+def plot(rows, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    for case in sorted({r["case"] for r in rows}):
+        fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+        for col, (sweep, key) in enumerate([("V", "V"), ("N", "N")]):
+            sel = [r for r in rows if r["case"] == case and r["sweep"] == sweep]
+            for row, (metric, label) in enumerate([("ms", "time (ms)"),
+                                                   ("peak_mib", "peak memory (MiB)")]):
+                ax = axes[row][col]
+                for impl in dict.fromkeys(r["impl"] for r in sel):
+                    pts = [(r[key], r[metric]) for r in sel if r["impl"] == impl]
+                    ax.plot(*zip(*pts), marker="o", label=impl)
+                if metric == "ms":
+                    lim = sorted({(r[key], r["limit_ms"]) for r in sel})
+                    ax.plot(*zip(*lim), "k--", label="hardware limit")
+                ax.set_xscale("log", base=2)
+                ax.set_yscale("log")
+                ax.set_xlabel(key)
+                ax.set_ylabel(label)
+                ax.grid(True, which="both", alpha=0.3)
+                ax.legend(fontsize=7)
+        fig.suptitle(f"{case} on {torch.cuda.get_device_name()}, bf16")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out, f"peers_{case}.png"), dpi=110)
+        plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
