@@ -16,8 +16,10 @@ move (logits ops; device-to-device copy bandwidth measured in this run) or
 the time of the three GEMMs alone (fused head; torch.matmul in bf16).
 
     python bench/peers_gpu.py --out DIR [--quick]
+    python bench/peers_gpu.py --out DIR --plot-only DIR/peers.csv --device-name NAME
 
-writes DIR/peers.csv and DIR/peers_<case>.png (time and memory vs V and vs N).
+writes DIR/peers.csv and DIR/peers_<case>.png (time and memory vs V and vs N);
+--plot-only redraws the figures from a CSV (no GPU needed).
 """
 import argparse
 import csv
@@ -153,8 +155,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--plot-only", metavar="CSV")
+    ap.add_argument("--device-name", default="")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            rows = [{k: (v if k in ("case", "sweep", "impl") else float(v)) for k, v in r.items()}
+                    for r in csv.DictReader(f)]
+        return plot(rows, args.out, args.device_name)
     torch.manual_seed(0)
     reps = 5 if args.quick else 10
     bw = copy_gbs()
@@ -195,10 +204,10 @@ def main():
         wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
         wr.writeheader()
         wr.writerows(rows_out)
-    plot(rows_out, args.out)
+    plot(rows_out, args.out, torch.cuda.get_device_name())
 
 
-def plot(rows, out):
+def plot(rows, out, device_name):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -210,7 +219,10 @@ def plot(rows, out):
                                                    ("peak_mib", "peak memory (MiB)")]):
                 ax = axes[row][col]
                 for impl in dict.fromkeys(r["impl"] for r in sel):
-                    pts = [(r[key], r[metric]) for r in sel if r["impl"] == impl]
+                    pts = [(r[key], r[metric]) for r in sel if r["impl"] == impl
+                           and r[metric] == r[metric]]  # NaN: the peer could not run it
+                    if not pts:
+                        continue
                     ax.plot(*zip(*pts), marker="o", label=impl)
                 if metric == "ms":
                     lim = sorted({(r[key], r["limit_ms"]) for r in sel})
@@ -221,7 +233,7 @@ def plot(rows, out):
                 ax.set_ylabel(label)
                 ax.grid(True, which="both", alpha=0.3)
                 ax.legend(fontsize=7)
-        fig.suptitle(f"{case} on {torch.cuda.get_device_name()}, bf16")
+        fig.suptitle(f"{case} on {device_name}, bf16")
         fig.tight_layout()
         fig.savefig(os.path.join(out, f"peers_{case}.png"), dpi=110)
         plt.close(fig)

@@ -25,8 +25,7 @@ static float grad_entry(const ce_job *jb, const lmloss_xform *f, const lmloss_ro
                         const lmloss_ce_coef *q, int64_t j, int64_t y, float x, float fac,
                         float dftw, float lse) {
   const float *cw = lmloss_present(&jb->in->class_weight) ? jb->in->class_weight.data : NULL;
-  float w = lmloss_xform_w(f, x);
-  float p = expf((w - s->m) * f->k) / (1.0f + s->r);
+  float p = expf(lmloss_rowstat_dk(s, f->k, j, lmloss_xform_w(f, x))) / (1.0f + s->r);
   float gz = dftw * lmloss_ce_grad_z(q, s, p, cw ? cw[j] : 1.0f, j == y, j == s->a) +
              2.0f * jb->opt->z_loss * lse * p;
   return fac * gz * lmloss_xform_dzdx(f, x);
@@ -59,7 +58,7 @@ static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
   const float l1r = lmloss_rowstat_l1r(&s);
   const float lse = lmloss_rowstat_lse(&s, f.k);
   const float xy = lmloss_load(row, in->logits.dtype, y);
-  const float nll = (s.m - lmloss_xform_w(&f, xy)) * f.k + l1r;
+  const float nll = l1r - lmloss_rowstat_dk(&s, f.k, y, lmloss_xform_w(&f, xy));
   const float cy = cw ? cw[y] : 1.0f;
   const float C = (float)jb->class_sum;
   const float dftw = opt->dft ? expf(-nll) : 1.0f;

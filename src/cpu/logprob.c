@@ -31,8 +31,9 @@ lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tenso
     lmloss_cpu_row_stats(row, logits->dtype, V, &f, NULL, want_h, 0, &s, &bad);
     const int ok = !bad && lmloss_rowstat_finite(&s);
     for (int64_t k = 0; k < K; k++) {
-      float w = lmloss_xform_w(&f, lmloss_load(row, logits->dtype, lmloss_index_at(index, i, k)));
-      lmloss_store(lp, logp->dtype, k, ok ? lmloss_rowstat_logp(&s, f.k, w) : NAN);
+      const int64_t j = lmloss_index_at(index, i, k);
+      const float w = lmloss_xform_w(&f, lmloss_load(row, logits->dtype, j));
+      lmloss_store(lp, logp->dtype, k, ok ? lmloss_rowstat_logp(&s, f.k, j, w) : NAN);
     }
     if (want_h) *lmloss_cpu_f32_at(entropy, i) = ok ? lmloss_rowstat_entropy(&s) : NAN;
   }
@@ -84,7 +85,7 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
     for (int64_t k = 0; k < K; k++) { /* duplicated indices add their dlogp */
       int64_t j = lmloss_index_at(index, i, k);
       float x = lmloss_load(row, logits->dtype, j);
-      float dk = (lmloss_xform_w(&f, x) - s.m) * f.k;
+      float dk = lmloss_rowstat_dk(&s, f.k, j, lmloss_xform_w(&f, x));
       float p = expf(dk) * inv, gz = 0.0f;
       for (int64_t k2 = 0; k2 < K; k2++)
         if (lmloss_index_at(index, i, k2) == j) gz += dl[k2];

@@ -22,9 +22,9 @@ const char *lmloss_cpu_isa_name(void) {
 
 /* exp(hi + lo) for hi <= 0, down through the fp32 subnormals (a row sum
  * of many subnormal terms can be a normal number). Cody-Waite reduction,
- * degree-6 Taylor on |r| <= ln2/2 (error 1.7e-7), the scale 2^n applied in
- * two normal halves: pure arithmetic, so every loop that calls it
- * vectorizes. */
+ * degree-6 Taylor on |r| <= ln2/2 (error 1.7e-7); 2^n is applied as
+ * 2^(n+64) 2^-64, so the one rounding into the subnormals happens last.
+ * Pure arithmetic: every loop that calls it vectorizes. */
 static inline float exp_neg(float hi, float lo) {
   const float magic = 12582912.0f;       /* 1.5 * 2^23: round to nearest */
   float h = hi > -104.0f ? hi : -104.0f; /* -inf and NaN stay convertible */
@@ -38,20 +38,22 @@ static inline float exp_neg(float hi, float lo) {
   p = fmaf(p, r, 0.5f);
   p = fmaf(p, r, 1.0f);
   p = fmaf(p, r, 1.0f);
-  int32_t ni = (int32_t)n, n1 = ni >> 1, n2 = ni - n1;
-  float s1 = lmloss_bits_f32((uint32_t)(n1 + 127) << 23);
-  float s2 = lmloss_bits_f32((uint32_t)(n2 + 127) << 23);
-  return hi < -103.972f ? 0.0f : p * s1 * s2;
+  float scale = lmloss_bits_f32((uint32_t)((int32_t)n + 64 + 127) << 23);
+  return hi < -103.972f ? 0.0f : p * scale * 0x1p-64f;
 }
 
-/* The exponent (w - m) k and its rounding error: the error of the
- * subtraction (TwoSum) and of the product (fma) go into lo, so p_j keeps
- * fp32 accuracy however far w is from m. */
-static inline float exponent(float w, float m, float k, float *lo) {
-  float d = w - m, bb = d - w;
-  float derr = (w - (d - bb)) + (-m - bb);
+/* The exponent (w - m) k; lo carries the product's rounding error (fma),
+ * so a scale or temperature costs no accuracy. The subtraction's own
+ * rounding is at most |w - m| 2^-24: 5e-6 relative on p at the bottom of
+ * the normal range, inside the 1e-5 contract. */
+static inline float exponent(float w, float m, float k, int unit_k, float *lo) {
+  float d = w - m;
+  if (unit_k) {
+    *lo = -0.0f; /* x + -0 is x exactly: the compiler drops the add */
+    return d;
+  }
   float dk = d * k;
-  *lo = fmaf(d, k, -dk) + derr * k;
+  *lo = fmaf(d, k, -dk);
   return dk;
 }
 
@@ -88,6 +90,14 @@ static inline void store_block(void *out, lmloss_dtype odt, int64_t j0, int n, c
   }
 }
 
+/* w = softcap(x) of a block. Every pass forms w through this one loop, so
+ * a w recomputed by a later pass has the same rounding as the statistics
+ * saw. */
+static inline void softcap_block(const lmloss_xform *f, int n, const float *x, float *w) {
+  for (int i = 0; i < n; i++)
+    w[i] = lmloss_xform_w(f, x[i]);
+}
+
 /* The block's w values: the row itself for fp32 without softcap, else
  * converted (and softcapped) into buf. Softcap maps +-inf to +-cap, so the
  * non-finite policy is read off the raw x first: *bad for NaN or +inf,
@@ -108,27 +118,35 @@ static inline const float *block_w(const void *row, lmloss_dtype dt, int64_t j0,
     }
     *bad = nans || pinf;
     *all_ninf = ninf == n;
-    for (int i = 0; i < n; i++)
-      buf[i] = lmloss_xform_w(f, buf[i]);
+    softcap_block(f, n, buf, buf);
   }
   return buf;
 }
 
-/* The block's state relative to its max mb. Always inlined with constant
- * flags, so each call site is one branch-free vectorized loop. */
-static inline __attribute__((always_inline)) void block_sums(const float *restrict buf, int n,
-                                                             float mb, float k, const float *cw,
-                                                             int need_t, int need_u,
-                                                             lmloss_rowstat *b) {
-  float r = 0.0f, t = 0.0f, u = 0.0f, c = 0.0f;
-  int ties = 0;
-#pragma omp simd reduction(+ : r, t, u, c, ties)
+/* Sums of a block relative to a max m: with `careful`, m is the block's
+ * own max and the ties with it are left out of r and counted (the block's
+ * state for a merge); otherwise m is the row's running max from an earlier
+ * block, so every element here is "j != a" and simply adds (a tie adds its
+ * exp(0) = 1), and the loop also returns the block's max so the caller can
+ * check the assumption. Always inlined with constant flags: one
+ * branch-free vectorized loop per call site. */
+static inline __attribute__((always_inline)) void
+block_sums(const float *restrict buf, int n, float m, float k, int unit_k, const float *cw,
+           int need_t, int need_u, int careful, lmloss_rowstat *b, float *mb_out, int *nans) {
+  float r = 0.0f, t = 0.0f, u = 0.0f, c = 0.0f, mb = -INFINITY;
+  int ties = 0, nn = 0;
+#pragma omp simd reduction(+ : r, t, u, c, ties, nn) reduction(max : mb)
   for (int i = 0; i < n; i++) {
-    float lo, dk = exponent(buf[i], mb, k, &lo);
+    float lo, dk = exponent(buf[i], m, k, unit_k, &lo);
     float e = exp_neg(dk, lo);
-    int tie = buf[i] == mb;
-    e = tie ? 0.0f : e;
-    ties += tie;
+    if (careful) {
+      int tie = buf[i] == m;
+      e = tie ? 0.0f : e;
+      ties += tie;
+    } else {
+      mb = buf[i] > mb ? buf[i] : mb;
+      nn += buf[i] != buf[i];
+    }
     r += e;
     if (need_t) t -= e > 0.0f ? e * dk : 0.0f; /* -inf entries add 0, not NaN */
     if (need_u) {
@@ -137,11 +155,29 @@ static inline __attribute__((always_inline)) void block_sums(const float *restri
       c += cj;
     }
   }
-  b->m = mb;
-  b->r = r + (float)(ties - 1);
+  b->m = m;
+  b->r = careful ? r + (float)(ties - 1) : r;
   b->t = t;
   b->u = u;
   b->c = c;
+  if (!careful) *mb_out = mb, *nans = nn;
+}
+
+/* One call per option set, so each loop is compiled without the others'
+ * branches. */
+static inline __attribute__((always_inline)) void
+block_sums_for(const float *restrict w, int n, float m, float k, const float *cwb, int need_t,
+               int need_u, int careful, lmloss_rowstat *b, float *mb, int *nans) {
+  if (need_u && cwb)
+    block_sums(w, n, m, k, 0, cwb, need_t, 1, careful, b, mb, nans);
+  else if (need_u)
+    block_sums(w, n, m, k, 0, NULL, need_t, 1, careful, b, mb, nans);
+  else if (need_t)
+    block_sums(w, n, m, k, 0, NULL, 1, 0, careful, b, mb, nans);
+  else if (k == 1.0f) /* the common case */
+    block_sums(w, n, m, 1.0f, 1, NULL, 0, 0, careful, b, mb, nans);
+  else
+    block_sums(w, n, m, k, 0, NULL, 0, 0, careful, b, mb, nans);
 }
 
 LMLOSS_CPU_DISPATCH
@@ -158,8 +194,23 @@ void lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lml
     const float *w = block_w(row, dt, j0, n, f, buf, &raw_bad, &all_ninf);
     if (raw_bad) bad = 1;
     if (all_ninf) continue;
-    float mb = -INFINITY;
-    int nans = 0;
+    const float *cwb = cw ? cw + j0 : NULL;
+    lmloss_rowstat b;
+    float mb;
+    int nans;
+    if (s.a >= 0 && !bad) { /* the common block: below the running max */
+      block_sums_for(w, n, s.m, k, cwb, need_t, need_u, 0, &b, &mb, &nans);
+      if (nans || mb == INFINITY) {
+        bad = 1;
+        continue;
+      }
+      if (mb <= s.m) {
+        s.r += b.r, s.t += b.t, s.u += b.u, s.c += b.c;
+        continue;
+      }
+    }
+    mb = -INFINITY;
+    nans = 0;
 #pragma omp simd reduction(max : mb) reduction(+ : nans)
     for (int i = 0; i < n; i++) {
       mb = w[i] > mb ? w[i] : mb;
@@ -167,18 +218,7 @@ void lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lml
     }
     if (nans || mb == INFINITY) bad = 1;
     if (bad || mb == -INFINITY) continue; /* an all -inf block adds nothing */
-    const float *cwb = cw ? cw + j0 : NULL;
-    lmloss_rowstat b;
-    if (need_u && cwb)
-      block_sums(w, n, mb, k, cwb, need_t, 1, &b);
-    else if (need_u)
-      block_sums(w, n, mb, k, NULL, need_t, 1, &b);
-    else if (need_t)
-      block_sums(w, n, mb, k, NULL, 1, 0, &b);
-    else if (k == 1.0f) /* the common case: no compensation term needed */
-      block_sums(w, n, mb, 1.0f, NULL, 0, 0, &b);
-    else
-      block_sums(w, n, mb, k, NULL, 0, 0, &b);
+    block_sums_for(w, n, mb, k, cwb, need_t, need_u, 1, &b, NULL, NULL);
     b.a = j0;
     if (mb > s.m) /* only a new row max needs its exact first index */
       for (int i = 0; i < n; i++)
@@ -192,14 +232,21 @@ void lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lml
   *nonfinite = bad;
 }
 
-static inline __attribute__((always_inline)) void
-grad_block(float *buf, int n, float m, float k, const float *cw, float P, float P2, float Q) {
+/* out_j = (e_j (P + P2 dk_j) - Q c_j) k on a converted block, in place.
+ * Always inlined with constant flags (no P2 term: cross-entropy; no Q:
+ * no label smoothing; k = 1), so the common loops carry no dead work. */
+static inline __attribute__((always_inline)) void grad_block(float *restrict buf, int n, float m,
+                                                             float k, int unit_k, const float *cw,
+                                                             float P, float P2, float Q, int has_p2,
+                                                             int has_q) {
+  const float Pk = P * k, P2k = P2 * k, Qk = Q * k;
 #pragma omp simd
   for (int i = 0; i < n; i++) {
-    float lo, dk = exponent(buf[i], m, k, &lo);
+    float lo, dk = exponent(buf[i], m, k, unit_k, &lo);
     float e = exp_neg(dk, lo);
-    float cj = cw ? cw[i] : 1.0f;
-    buf[i] = ((e > 0.0f ? e * (P + P2 * dk) : 0.0f) - Q * cj) * k;
+    float g = has_p2 ? (e > 0.0f ? e * (Pk + P2k * dk) : 0.0f) : e * Pk;
+    if (has_q) g -= Qk * (cw ? cw[i] : 1.0f);
+    buf[i] = g;
   }
 }
 
@@ -207,25 +254,32 @@ LMLOSS_CPU_DISPATCH
 void lmloss_cpu_row_grad(const void *row, lmloss_dtype dt, int64_t V, const lmloss_xform *f,
                          const float *cw, float m, float P, float P2, float Q, void *out,
                          lmloss_dtype odt) {
-  float buf[LMLOSS_CPU_BLOCK];
+  float buf[LMLOSS_CPU_BLOCK], wbuf[LMLOSS_CPU_BLOCK];
   const float k = f->k;
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
     int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
     load_x(row, dt, j0, n, buf);
     if (f->cap > 0.0f) {
+      softcap_block(f, n, buf, wbuf);
       for (int i = 0; i < n; i++) {
-        float x = buf[i], w = lmloss_xform_w(f, x);
-        float lo, dk = exponent(w, m, k, &lo);
+        float x = buf[i], w = wbuf[i];
+        float lo, dk = exponent(w, m, k, 0, &lo);
         float e = exp_neg(dk, lo);
         float cj = cw ? cw[j0 + i] : 1.0f;
         buf[i] = ((e > 0.0f ? e * (P + P2 * dk) : 0.0f) - Q * cj) * lmloss_xform_dzdx(f, x);
       }
     } else {
       const float *cwb = cw ? cw + j0 : NULL;
-      if (cwb)
-        grad_block(buf, n, m, k, cwb, P, P2, Q);
+      if (P2 != 0.0f)
+        grad_block(buf, n, m, k, 0, NULL, P, P2, Q, 1, 0); /* log-probs: Q is 0 */
+      else if (Q != 0.0f && cwb)
+        grad_block(buf, n, m, k, 0, cwb, P, 0.0f, Q, 0, 1);
+      else if (Q != 0.0f) /* a constant NULL: no masked loads at address 0 */
+        grad_block(buf, n, m, k, 0, NULL, P, 0.0f, Q, 0, 1);
+      else if (k == 1.0f)
+        grad_block(buf, n, m, 1.0f, 1, NULL, P, 0.0f, 0.0f, 0, 0);
       else
-        grad_block(buf, n, m, k, NULL, P, P2, Q);
+        grad_block(buf, n, m, k, 0, NULL, P, 0.0f, 0.0f, 0, 0);
     }
     store_block(out, odt, j0, n, buf);
   }
@@ -245,7 +299,7 @@ void lmloss_cpu_row_softmax(const void *row, lmloss_dtype dt, int64_t V, float m
     } else {
 #pragma omp simd
       for (int i = 0; i < n; i++) {
-        float lo, d = exponent(buf[i], m, 1.0f, &lo);
+        float lo, d = exponent(buf[i], m, 1.0f, 1, &lo);
         buf[i] = exp_neg(d, lo) * P;
       }
     }

@@ -115,19 +115,22 @@ LMLOSS_HD float lmloss_rowstat_lse(const lmloss_rowstat *s, float k) {
   return s->m * k + log1pf(s->r);
 }
 
-/* log p_j from w_j: exact -log1p(R) at the max (ties included). */
-LMLOSS_HD float lmloss_rowstat_logp(const lmloss_rowstat *s, float k, float w) {
-  return (w - s->m) * k - log1pf(s->r);
+/* dk_j = (w_j - m) k, the gap below the max in z units; exactly 0 at the
+ * argmax a, whose w a second pass may recompute with another rounding
+ * (tanh of the softcap): one ulp there would be the whole loss of a
+ * confident row. */
+LMLOSS_HD float lmloss_rowstat_dk(const lmloss_rowstat *s, float k, int64_t j, float w) {
+  return j == s->a ? 0.0f : (w - s->m) * k;
+}
+
+/* log p_j = dk_j - log1p(R): exactly -log1p(R) at the argmax. */
+LMLOSS_HD float lmloss_rowstat_logp(const lmloss_rowstat *s, float k, int64_t j, float w) {
+  return lmloss_rowstat_dk(s, k, j, w) - log1pf(s->r);
 }
 
 /* Entropy H = t / (1 + R) + log1p(R): a sum of non-negative terms. */
 LMLOSS_HD float lmloss_rowstat_entropy(const lmloss_rowstat *s) {
   return s->t / (1.0f + s->r) + log1pf(s->r);
-}
-
-/* H_rest = sum_{j != a} p_j (lse - z_j) = (t + log1p(R) R) / (1 + R). */
-LMLOSS_HD float lmloss_rowstat_entropy_rest(const lmloss_rowstat *s) {
-  return (s->t + log1pf(s->r) * s->r) / (1.0f + s->r);
 }
 
 /* Per-row coefficients of the cross-entropy gradient in z units:

@@ -159,6 +159,7 @@ int main(void) {
   expect(lmloss_softmax_backward(&ctx, &X, NULL, 0, &D), LMLOSS_ERR_NULL_POINTER, "dy NULL");
   expect(lmloss_softmax_backward(&ctx, &X, &X, 1, NULL), LMLOSS_ERR_NULL_POINTER, "dx NULL");
   tg_end(&g);
+  host_free(&dl);
   free(ws);
   return test_finish();
 }
