@@ -30,13 +30,15 @@ def test_logits_ops_match_cpu_on_a_side_stream_without_host_sync(dtype):
     y = torch.randint(0, 1003, (64,), generator=g)
     y[3] = -100
     xc, xg = x.clone().requires_grad_(), x.cuda().requires_grad_()
+    # host-to-device copies happen before the no-sync region: only lmloss runs in it
+    yg, yg0, items = y.cuda(), y.clamp(min=0).cuda(), torch.tensor(50.0, device="cuda")
+    torch.cuda.synchronize()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            lg = lt.cross_entropy(xg, y.cuda(), label_smoothing=0.1, z_loss=1e-4,
-                                  num_items=torch.tensor(50.0, device="cuda"))
-            lp, ent = lt.log_probs(xg, y.clamp(min=0).cuda(), entropy=True)
+            lg = lt.cross_entropy(xg, yg, label_smoothing=0.1, z_loss=1e-4, num_items=items)
+            lp, ent = lt.log_probs(xg, yg0, entropy=True)
             total = lg + lp.sum() * 1e-3 + lt.entropy(xg).sum() * 1e-3 + \
                 lt.log_softmax(xg)[:, 0].sum() + lt.softmax(xg)[:, 1].sum()
             (total * 1024.0).backward()  # GradScaler-style scaled dloss, read on the device
