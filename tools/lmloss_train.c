@@ -23,6 +23,10 @@
 
 #include "lmloss.h"
 
+#ifdef LMLOSS_TOOLS_CUDA
+#include <cuda_runtime.h>
+#endif
+
 #ifndef LMLOSS_DATA_DIR
 #define LMLOSS_DATA_DIR "data"
 #endif
@@ -36,6 +40,7 @@
 typedef struct {
   long long steps, batch, vocab, seed, budget;
   const char *text;
+  int cuda; /* --device cuda: the head runs on the GPU */
 } config;
 
 static uint64_t rng_state;
@@ -149,9 +154,70 @@ typedef struct {
   int64_t *tgt;
   void *ws;
   size_t ws_bytes;
+  /* --device cuda: GPU copies of the head's tensors (the rest of the
+   * model stays on the CPU), refreshed around every loss call */
+  lmloss_head dhead;
+  lmloss_head_grads dgrads;
+  lmloss_tensor dtarget, dloss;
 } loss_step;
 
+#ifdef LMLOSS_TOOLS_CUDA
+static size_t span(const lmloss_tensor *t) {
+  return (size_t)(t->rows * t->cols) * (t->dtype == LMLOSS_I64 ? 8 : 4);
+}
+
+static lmloss_tensor gpu_twin(const lmloss_tensor *h) {
+  lmloss_tensor d = *h;
+  d.device = LMLOSS_CUDA;
+  if (cudaMalloc(&d.data, span(h)) != cudaSuccess)
+    die(1, "cudaMalloc of %zu bytes failed", span(h));
+  return d;
+}
+
+static void copy(const lmloss_tensor *dst, const lmloss_tensor *src, enum cudaMemcpyKind kind) {
+  if (cudaMemcpy(dst->data, src->data, span(src), kind) != cudaSuccess)
+    die(1, "cudaMemcpy failed: %s", cudaGetErrorString(cudaGetLastError()));
+}
+
+static void gpu_setup(loss_step *ls) {
+  ls->dhead = (lmloss_head){gpu_twin(&ls->head.hidden), gpu_twin(&ls->head.weight),
+                            gpu_twin(&ls->head.bias)};
+  ls->dgrads = (lmloss_head_grads){gpu_twin(&ls->grads.dhidden), gpu_twin(&ls->grads.dweight),
+                                   gpu_twin(&ls->grads.dbias)};
+  ls->dtarget = gpu_twin(&ls->target);
+  ls->dloss = gpu_twin(&(lmloss_tensor){NULL, LMLOSS_F32, LMLOSS_CPU, 1, 1, 1});
+  ls->ctx.backend = LMLOSS_BACKEND_CUDA;
+  free(ls->ws);
+  if (cudaMalloc(&ls->ws, ls->ws_bytes) != cudaSuccess)
+    die(1, "cudaMalloc of the workspace failed");
+}
+
+static float gpu_loss_call(loss_step *ls, int with_grads) {
+  float loss = 0;
+  copy(&ls->dhead.hidden, &ls->head.hidden, cudaMemcpyHostToDevice);
+  copy(&ls->dhead.weight, &ls->head.weight, cudaMemcpyHostToDevice);
+  copy(&ls->dhead.bias, &ls->head.bias, cudaMemcpyHostToDevice);
+  copy(&ls->dtarget, &ls->target, cudaMemcpyHostToDevice);
+  lmloss_ce_outputs out = {.loss = ls->dloss};
+  check(lmloss_linear_cross_entropy(&ls->ctx, &ls->dhead, &ls->dtarget, NULL, NULL, &ls->opt,
+                                    &ls->hopt, &out, with_grads ? &ls->dgrads : NULL, ls->ws,
+                                    ls->ws_bytes),
+        "lmloss_linear_cross_entropy");
+  if (with_grads) {
+    copy(&ls->grads.dhidden, &ls->dgrads.dhidden, cudaMemcpyDeviceToHost);
+    copy(&ls->grads.dweight, &ls->dgrads.dweight, cudaMemcpyDeviceToHost);
+    copy(&ls->grads.dbias, &ls->dgrads.dbias, cudaMemcpyDeviceToHost);
+  }
+  if (cudaMemcpy(&loss, ls->dloss.data, 4, cudaMemcpyDeviceToHost) != cudaSuccess)
+    die(1, "cudaMemcpy of the loss failed");
+  return loss;
+}
+#endif
+
 static float loss_call(loss_step *ls, int with_grads) {
+#ifdef LMLOSS_TOOLS_CUDA
+  if (ls->ctx.backend == LMLOSS_BACKEND_CUDA) return gpu_loss_call(ls, with_grads);
+#endif
   float loss = 0;
   lmloss_ce_outputs out = {.loss = {&loss, LMLOSS_F32, LMLOSS_CPU, 1, 1, 1}};
   check(lmloss_linear_cross_entropy(&ls->ctx, &ls->head, &ls->target, NULL, NULL, &ls->opt,
@@ -179,7 +245,7 @@ static void usage(FILE *f) {
 static void parse(int argc, char **argv, config *c) {
   /* A 1 MiB budget makes 128-row chunks at V = 256, far below the batch's
    * logits, yet GEMMs large enough to stay fast. */
-  *c = (config){600, 4096, NBYTE, 1, 1 << 20, LMLOSS_DATA_DIR "/genesis.txt"};
+  *c = (config){600, 4096, NBYTE, 1, 1 << 20, LMLOSS_DATA_DIR "/genesis.txt", 0};
   static const struct {
     const char *name;
     size_t off;
@@ -204,12 +270,16 @@ static void parse(int argc, char **argv, config *c) {
     }
     if (!strcmp(a, "--text") && *v) c->text = v, known = 1;
     if (!strcmp(a, "--device") && !strcmp(v, "cpu")) known = 1;
-    /* The GPU path (head tensors copied to the device each step) is not
-     * written yet; refusing beats silently training on the CPU. */
-    if (!strcmp(a, "--device") && !strcmp(v, "cuda"))
-      die(2, "--device cuda is not implemented in lmloss_train yet (%s); use --device cpu",
-          lmloss_has_cuda() ? "this lmloss build has a CUDA backend"
-                            : "this lmloss build has no CUDA backend either");
+    if (!strcmp(a, "--device") && !strcmp(v, "cuda")) {
+#ifdef LMLOSS_TOOLS_CUDA
+      int ndev = 0;
+      if (!lmloss_has_cuda() || cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1)
+        die(2, "--device cuda: no CUDA device here; use --device cpu");
+      c->cuda = known = 1;
+#else
+      die(2, "--device cuda: this build has no CUDA (configure where nvcc is); use --device cpu");
+#endif
+    }
     if (!known) {
       fprintf(stderr, "lmloss_train: bad option or value: %s %s\n\n", a, v);
       usage(stderr);
@@ -229,10 +299,6 @@ static void progress(int step, int steps, float loss, double tok_s) {
 int main(int argc, char **argv) {
   config cf;
   parse(argc, argv, &cf);
-  /* libgomp's workers spin between lmloss's OpenMP row passes and steal the
-   * cores from OpenBLAS's own threads (20x slower on 2 cores); one BLAS
-   * thread beside OpenMP measured fastest. */
-  openblas_set_num_threads(1);
   const int B = (int)cf.batch, V = (int)cf.vocab, steps = (int)cf.steps;
   size_t n;
   unsigned char *text = read_text(cf.text, &n);
@@ -268,14 +334,18 @@ int main(int argc, char **argv) {
   check(lmloss_linear_workspace_size(&ls.head, &ls.hopt, &ls.grads, 1, &ls.ws_bytes),
         "lmloss_linear_workspace_size");
   ls.ws = xcalloc(ls.ws_bytes, 1);
+#ifdef LMLOSS_TOOLS_CUDA
+  if (cf.cuda) gpu_setup(&ls);
+#endif
 
   /* Held-out positions, evenly spaced so every evaluation sees the same rows. */
   const int64_t n_val = (int64_t)n - n_train - CTX;
   for (int i = 0; i < B; i++)
     vpos[i] = n_train + CTX + (int64_t)i * n_val / B;
 
-  printf("lmloss_train: %s, %zu bytes (%lld train, %lld held out), CPU ISA %s\n", cf.text, n,
-         (long long)n_train, (long long)(n - n_train), lmloss_cpu_isa());
+  printf("lmloss_train: %s, %zu bytes (%lld train, %lld held out), head on the %s (CPU ISA %s)\n",
+         cf.text, n, (long long)n_train, (long long)(n - n_train), cf.cuda ? "GPU" : "CPU",
+         lmloss_cpu_isa());
   printf("model: %d context bytes x %d-dim embedding -> tanh(%d) -> head V = %d, %zu "
          "parameters; batch %d, %d steps, Adam, seed %lld\n\n",
          CTX, EMB, HID, V, md.n, B, steps, cf.seed);
@@ -376,7 +446,7 @@ int main(int argc, char **argv) {
     hidden_forward(&md, gen, &t, 1, x, h);
     memcpy(z, md.b, V * sizeof(float));
     cblas_sgemv(CblasRowMajor, CblasNoTrans, V, HID, 1 / 0.7f, md.w, HID, h, 1, 1 / 0.7f, z, 1);
-    check(lmloss_softmax(&ls.ctx, &zt, 0, &pt), "lmloss_softmax");
+    check(lmloss_softmax(NULL, &zt, 0, &pt), "lmloss_softmax");
     float mass = 0, acc = p[0];
     for (int k = 0; k < NBYTE; k++)
       mass += p[k];
