@@ -16,17 +16,6 @@
 #include <cuda_runtime.h>
 #endif
 
-static int cmp(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
-
 static double time_case_ms(cli_case *c, const lmloss_context *ctx, int reps) {
   double *t = malloc(sizeof(double) * (size_t)reps);
   for (int r = -2; r < reps; r++) {
@@ -47,9 +36,9 @@ static double time_case_ms(cli_case *c, const lmloss_context *ctx, int reps) {
     } else
 #endif
     {
-      double t0 = now_ms();
+      double t0 = cli_now_ms();
       s = cli_case_run(c, ctx);
-      ms = now_ms() - t0;
+      ms = cli_now_ms() - t0;
     }
     if (s != LMLOSS_OK) {
       fprintf(stderr, "lmloss bench: %s: %s (%s)\n", cli_op_name(c->op), lmloss_status_string(s),
@@ -58,8 +47,7 @@ static double time_case_ms(cli_case *c, const lmloss_context *ctx, int reps) {
     }
     if (r >= 0) t[r] = ms;
   }
-  qsort(t, (size_t)reps, sizeof t[0], cmp);
-  double m = t[reps / 2];
+  double m = cli_median(t, reps);
   free(t);
   return m;
 }

@@ -21,10 +21,8 @@ int cli_op_parse(const char *name, cli_op *op) {
 
 int cli_op_is_linear(cli_op op) { return op == OP_LINEAR_CE || op == OP_LINEAR_LP; }
 
-static size_t dsize(lmloss_dtype d) { return d == LMLOSS_F32 ? 4 : d == LMLOSS_I64 ? 8 : 2; }
-
 double cli_op_bytes(const cli_case *c) {
-  double x = (double)c->N * c->V * dsize(c->dt);
+  double x = (double)c->N * c->V * lmloss_dtype_size(c->dt);
   switch (c->op) {
   case OP_CE:
   case OP_LOGPROB:
@@ -49,7 +47,7 @@ static double urand(void) { /* in [0, 1) */
 static lmloss_tensor make(cli_case *c, lmloss_dtype dt, int64_t rows, int64_t cols,
                           const double *host) {
   lmloss_tensor t = {NULL, dt, c->dev, rows, cols, cols};
-  size_t n = (size_t)(rows * cols), bytes = n * dsize(dt);
+  size_t n = (size_t)(rows * cols), bytes = n * lmloss_dtype_size(dt);
   char *h = malloc(bytes ? bytes : 1);
   for (size_t i = 0; host && i < n; i++) {
     if (dt == LMLOSS_I64)
@@ -270,7 +268,7 @@ double *cli_case_fetch(const cli_case *c, int k, size_t *n, int64_t *cols) {
   const lmloss_tensor *t = &c->out[k];
   *n = (size_t)(t->rows * t->cols);
   *cols = t->cols;
-  size_t bytes = *n * dsize(t->dtype);
+  size_t bytes = *n * lmloss_dtype_size(t->dtype);
   char *h = malloc(bytes ? bytes : 1);
   cli_download(c->dev, h, t->data, bytes);
   double *d = malloc(sizeof(double) * (*n ? *n : 1));

@@ -11,8 +11,27 @@
 #define LMLOSS_CLI_H
 
 #include <stddef.h>
+#include <stdlib.h>
+#include <time.h>
 
 #include "lmloss.h"
+
+static inline double cli_now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
+
+static inline int cli_cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Median of n timings (sorts them). */
+static inline double cli_median(double *t, int n) {
+  qsort(t, (size_t)n, sizeof t[0], cli_cmp_double);
+  return t[n / 2];
+}
 
 typedef enum {
   OP_CE,          /* CE forward, mean, smoothing + z-loss, lse + entropy */

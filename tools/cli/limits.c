@@ -20,17 +20,6 @@
 #include <cuda_runtime.h>
 #endif
 
-static double now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
-}
-
-static int cmp(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
 __attribute__((target_clones("avx512f", "avx2,fma", "default"))) static float
 exp_pass(const float *x, int64_t n, int threads) {
   float total = 0.0f;
@@ -51,13 +40,12 @@ double cli_limit_exp_pass_ms(const float *x, int64_t n, int threads) {
   volatile float sink = 0;
   if (threads <= 0) threads = omp_get_max_threads();
   for (int r = -1; r < 7; r++) {
-    double t0 = now_ms();
+    double t0 = cli_now_ms();
     sink += exp_pass(x, n, threads);
-    if (r >= 0) t[r] = now_ms() - t0;
+    if (r >= 0) t[r] = cli_now_ms() - t0;
   }
   (void)sink;
-  qsort(t, 7, sizeof t[0], cmp);
-  return t[3];
+  return cli_median(t, 7);
 }
 
 double cli_limit_copy_gbs(lmloss_device dev, size_t bytes) {
@@ -76,7 +64,7 @@ double cli_limit_copy_gbs(lmloss_device dev, size_t bytes) {
   double d[20];
   for (int r = 0; r < 20; r++)
     d[r] = t[r];
-  qsort(d, 20, sizeof d[0], cmp);
+  cli_median(d, 20);
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cli_free(dev, a), cli_free(dev, b);
   return 2.0 * bytes / (d[10] * 1e6);
@@ -109,11 +97,11 @@ double cli_limit_gemm_ms(const cli_case *c, int reps) {
           *dw = malloc(sizeof(float) * (size_t)(V * H));
     const float *h = c->hidden.data, *w = c->weight.data;
     for (int r = -1; r < reps; r++) {
-      double t0 = now_ms();
+      double t0 = cli_now_ms();
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, V, H, 1, h, H, w, H, 0, logits, V);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, H, V, 1, logits, V, w, H, 0, dh, H);
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, H, N, 1, logits, V, h, H, 0, dw, H);
-      if (r >= 0) t[r] = now_ms() - t0;
+      if (r >= 0) t[r] = cli_now_ms() - t0;
     }
     free(logits), free(dh), free(dw);
   } else {
@@ -148,8 +136,7 @@ double cli_limit_gemm_ms(const cli_case *c, int reps) {
     cli_free(c->dev, logits), cli_free(c->dev, dl), cli_free(c->dev, dh), cli_free(c->dev, dw);
 #endif
   }
-  qsort(t, (size_t)reps, sizeof t[0], cmp);
-  ms = t[reps / 2];
+  ms = cli_median(t, reps);
   free(t);
   return ms;
 }
