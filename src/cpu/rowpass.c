@@ -232,21 +232,22 @@ void lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lml
   *nonfinite = bad;
 }
 
-/* out_j = (e_j (P + P2 dk_j) - Q c_j) k on a converted block, in place.
- * Always inlined with constant flags (no P2 term: cross-entropy; no Q:
- * no label smoothing; k = 1), so the common loops carry no dead work. */
-static inline __attribute__((always_inline)) void grad_block(float *restrict buf, int n, float m,
-                                                             float k, int unit_k, const float *cw,
-                                                             float P, float P2, float Q, int has_p2,
-                                                             int has_q) {
+/* dst_j = (e_j (P + P2 dk_j) - Q c_j) k from a block's w values (dst may
+ * be src: element for element). Always inlined with constant flags (no P2
+ * term: cross-entropy; no Q: no label smoothing; k = 1), so the common
+ * loops carry no dead work. */
+static inline __attribute__((always_inline)) void grad_block(const float *src, float *dst, int n,
+                                                             float m, float k, int unit_k,
+                                                             const float *cw, float P, float P2,
+                                                             float Q, int has_p2, int has_q) {
   const float Pk = P * k, P2k = P2 * k, Qk = Q * k;
 #pragma omp simd
   for (int i = 0; i < n; i++) {
-    float lo, dk = exponent(buf[i], m, k, unit_k, &lo);
+    float lo, dk = exponent(src[i], m, k, unit_k, &lo);
     float e = exp_neg(dk, lo);
     float g = has_p2 ? (e > 0.0f ? e * (Pk + P2k * dk) : 0.0f) : e * Pk;
     if (has_q) g -= Qk * (cw ? cw[i] : 1.0f);
-    buf[i] = g;
+    dst[i] = g;
   }
 }
 
@@ -258,8 +259,8 @@ void lmloss_cpu_row_grad(const void *row, lmloss_dtype dt, int64_t V, const lmlo
   const float k = f->k;
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
     int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
-    load_x(row, dt, j0, n, buf);
     if (f->cap > 0.0f) {
+      load_x(row, dt, j0, n, buf);
       softcap_block(f, n, buf, wbuf);
       for (int i = 0; i < n; i++) {
         float x = buf[i], w = wbuf[i];
@@ -269,17 +270,24 @@ void lmloss_cpu_row_grad(const void *row, lmloss_dtype dt, int64_t V, const lmlo
         buf[i] = ((e > 0.0f ? e * (P + P2 * dk) : 0.0f) - Q * cj) * lmloss_xform_dzdx(f, x);
       }
     } else {
+      /* fp32 in and out: straight from the row to the output (in place
+       * too: element for element), no copies through buf */
+      const int direct = dt == LMLOSS_F32 && odt == LMLOSS_F32;
+      const float *src = direct ? (const float *)row + j0 : buf;
+      float *dst = direct ? (float *)out + j0 : buf;
+      if (!direct) load_x(row, dt, j0, n, buf);
       const float *cwb = cw ? cw + j0 : NULL;
       if (P2 != 0.0f)
-        grad_block(buf, n, m, k, 0, NULL, P, P2, Q, 1, 0); /* log-probs: Q is 0 */
+        grad_block(src, dst, n, m, k, 0, NULL, P, P2, Q, 1, 0); /* log-probs: Q is 0 */
       else if (Q != 0.0f && cwb)
-        grad_block(buf, n, m, k, 0, cwb, P, 0.0f, Q, 0, 1);
+        grad_block(src, dst, n, m, k, 0, cwb, P, 0.0f, Q, 0, 1);
       else if (Q != 0.0f) /* a constant NULL: no masked loads at address 0 */
-        grad_block(buf, n, m, k, 0, NULL, P, 0.0f, Q, 0, 1);
+        grad_block(src, dst, n, m, k, 0, NULL, P, 0.0f, Q, 0, 1);
       else if (k == 1.0f)
-        grad_block(buf, n, m, 1.0f, 1, NULL, P, 0.0f, 0.0f, 0, 0);
+        grad_block(src, dst, n, m, 1.0f, 1, NULL, P, 0.0f, 0.0f, 0, 0);
       else
-        grad_block(buf, n, m, k, 0, NULL, P, 0.0f, 0.0f, 0, 0);
+        grad_block(src, dst, n, m, k, 0, NULL, P, 0.0f, 0.0f, 0, 0);
+      if (direct) continue;
     }
     store_block(out, odt, j0, n, buf);
   }
@@ -289,21 +297,24 @@ LMLOSS_CPU_DISPATCH
 void lmloss_cpu_row_softmax(const void *row, lmloss_dtype dt, int64_t V, float m, float P, int log,
                             void *out, lmloss_dtype odt) {
   float buf[LMLOSS_CPU_BLOCK];
+  const int direct = dt == LMLOSS_F32 && odt == LMLOSS_F32; /* as in lmloss_cpu_row_grad */
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
     int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
-    load_x(row, dt, j0, n, buf);
+    const float *src = direct ? (const float *)row + j0 : buf;
+    float *dst = direct ? (float *)out + j0 : buf;
+    if (!direct) load_x(row, dt, j0, n, buf);
     if (log) {
 #pragma omp simd
       for (int i = 0; i < n; i++)
-        buf[i] = (buf[i] - m) - P;
+        dst[i] = (src[i] - m) - P;
     } else {
 #pragma omp simd
       for (int i = 0; i < n; i++) {
-        float lo, d = exponent(buf[i], m, 1.0f, 1, &lo);
-        buf[i] = exp_neg(d, lo) * P;
+        float lo, d = exponent(src[i], m, 1.0f, 1, &lo);
+        dst[i] = exp_neg(d, lo) * P;
       }
     }
-    store_block(out, odt, j0, n, buf);
+    if (!direct) store_block(out, odt, j0, n, buf);
   }
 }
 
