@@ -15,6 +15,21 @@ entropy (float32, shaped like target) and argmax (int64, -1 on ignored
 rows), each None unless requested."""
 
 
+def ce_outputs(n, reduction, return_lse, return_entropy, return_argmax):
+    """(loss array, lmloss_ce_outputs over it, {name: array} of the requested
+    per-row extras), for n rows."""
+    loss, loss_t = out_vector(n if reduction == "none" else 1)
+    outputs = _lib.CEOutputs(loss=loss_t)
+    extra = {}
+    for name, flag, dtype in (("lse", return_lse, np.float32),
+                              ("entropy", return_entropy, np.float32),
+                              ("argmax", return_argmax, np.int64)):
+        if flag:
+            extra[name], t = out_vector(n, dtype)
+            setattr(outputs, name, t)
+    return loss, outputs, extra
+
+
 def ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
                reduction, num_items, dft):
     """lmloss_ce_options from cross_entropy's keywords (shared with the fused head)."""
@@ -78,15 +93,7 @@ def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_l
                            vec(weight, n, x.lead, "weight", "f32"),
                            vec(class_weight, x.v, (x.v,), "class_weight", "f32"))
 
-    loss, loss_t = out_vector(n if reduction == "none" else 1)
-    outputs = _lib.CEOutputs(loss=loss_t)
-    extra = {}
-    for name, flag, dtype in (("lse", return_lse, np.float32),
-                              ("entropy", return_entropy, np.float32),
-                              ("argmax", return_argmax, np.int64)):
-        if flag:
-            extra[name], t = out_vector(n, dtype)
-            setattr(outputs, name, t)
+    loss, outputs, extra = ce_outputs(n, reduction, return_lse, return_entropy, return_argmax)
     dlogits = None
     if grad:
         dlogits, outputs.dlogits = x.empty(x.out_dtype())

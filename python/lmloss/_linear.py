@@ -16,7 +16,7 @@ import ctypes
 import numpy as np
 
 from . import _lib
-from ._ce import ce_options
+from ._ce import ce_options, ce_outputs
 from ._tensor import Rows, _code, _rows, absent, index_shape, matrix, out_vector, shape_error
 from ._tensor import tensor, vector
 
@@ -117,15 +117,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
     target_t = vec(target, n, lead, "target", "index")
     tw_t = vec(token_weight, n, lead, "token_weight", "f32")
     cw_t = vec(class_weight, head.v, (head.v,), "class_weight", "f32")
-    loss, loss_t = out_vector(n if reduction == "none" else 1)
-    outputs = _lib.CEOutputs(loss=loss_t)
-    extra = {}
-    for name, flag, dtype in (("lse", return_lse, np.float32),
-                              ("entropy", return_entropy, np.float32),
-                              ("argmax", return_argmax, np.int64)):
-        if flag:
-            extra[name], t = out_vector(n, dtype)
-            setattr(outputs, name, t)
+    loss, outputs, extra = ce_outputs(n, reduction, return_lse, return_entropy, return_argmax)
     (dh, dw, db), grads = head.grads() if grad else ((None, None, None), None)
     ws, ws_ptr, ws_bytes = _workspace(head, hopt, grads, 1)
     _lib.check(_lib.linear_cross_entropy(ctx, head.t, target_t, tw_t, cw_t, opt, hopt, outputs,
