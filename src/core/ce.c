@@ -25,6 +25,14 @@ lmloss_status lmloss_check_ce_options(const lmloss_ce_options *o) {
   return LMLOSS_OK;
 }
 
+lmloss_status lmloss_check_ce_rows(const lmloss_ce_outputs *out, int64_t N, lmloss_reduction r) {
+  TRY(lmloss_check_tensor(&out->loss, "loss", LMLOSS_MASK(LMLOSS_F32),
+                          r == LMLOSS_REDUCE_NONE ? N : 1, 1));
+  TRY(lmloss_check_optional(&out->lse, "lse", LMLOSS_MASK(LMLOSS_F32), N, 1));
+  TRY(lmloss_check_optional(&out->entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), N, 1));
+  return lmloss_check_optional(&out->argmax, "argmax", LMLOSS_MASK(LMLOSS_I64), N, 1);
+}
+
 /* Everything the forward and the backward share. */
 static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                   const lmloss_ce_options *opt, void *ws, size_t ws_bytes,
@@ -54,11 +62,7 @@ lmloss_status lmloss_cross_entropy(const lmloss_context *ctx, const lmloss_ce_in
   if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
   TRY(check_inputs(ctx, in, opt, ws, ws_bytes, &ops));
   int64_t N = in->logits.rows, V = in->logits.cols;
-  TRY(lmloss_check_tensor(&out->loss, "loss", LMLOSS_MASK(LMLOSS_F32),
-                          opt->reduction == LMLOSS_REDUCE_NONE ? N : 1, 1));
-  TRY(lmloss_check_optional(&out->lse, "lse", LMLOSS_MASK(LMLOSS_F32), N, 1));
-  TRY(lmloss_check_optional(&out->entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), N, 1));
-  TRY(lmloss_check_optional(&out->argmax, "argmax", LMLOSS_MASK(LMLOSS_I64), N, 1));
+  TRY(lmloss_check_ce_rows(out, N, opt->reduction));
   TRY(lmloss_check_optional(&out->dlogits, "dlogits", LMLOSS_FLOATS, N, V));
   if (lmloss_present(&out->dlogits)) TRY(lmloss_check_alias(&in->logits, &out->dlogits, "dlogits"));
   const lmloss_tensor *ts[] = {&out->loss, &out->lse, &out->entropy, &out->argmax, &out->dlogits};

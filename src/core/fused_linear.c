@@ -372,11 +372,7 @@ lmloss_linear_cross_entropy(const lmloss_context *ctx, const lmloss_head *head,
   if (wants(&out->dlogits))
     return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dlogits must be absent: the fused head never "
                                              "materializes the logits");
-  TRY(lmloss_check_tensor(&out->loss, "loss", LMLOSS_MASK(LMLOSS_F32),
-                          opt->reduction == LMLOSS_REDUCE_NONE ? N : 1, 1));
-  TRY(lmloss_check_optional(&out->lse, "lse", LMLOSS_MASK(LMLOSS_F32), N, 1));
-  TRY(lmloss_check_optional(&out->entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), N, 1));
-  TRY(lmloss_check_optional(&out->argmax, "argmax", LMLOSS_MASK(LMLOSS_I64), N, 1));
+  TRY(lmloss_check_ce_rows(out, N, opt->reduction));
   linear_job j = {.kind = CE_FORWARD,
                   .ctx = ctx,
                   .head = head,

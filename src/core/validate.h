@@ -29,6 +29,9 @@ lmloss_status lmloss_check_optional(const lmloss_tensor *t, const char *name, un
 
 lmloss_status lmloss_check_transform(const lmloss_transform *t);
 
+/* The per-row outputs of a cross-entropy call (loss, lse, entropy, argmax). */
+lmloss_status lmloss_check_ce_rows(const lmloss_ce_outputs *out, int64_t N, lmloss_reduction r);
+
 /* Every cross-entropy option in range (also checks its transform). */
 lmloss_status lmloss_check_ce_options(const lmloss_ce_options *o);
 
