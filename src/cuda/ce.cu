@@ -182,17 +182,7 @@ __global__ void __launch_bounds__(512, 2) ce_rows(CeArgs a) {
         acc.xform<NV>(X, w);
         acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, U, a.cw, a.cws);
       };
-      int64_t v = threadIdx.x;
-      const int64_t B = blockDim.x;
-      for (; v + 3 * B < ch.nv; v += 4 * B) {
-        Raw<In> r0 = ld(v), r1 = ld(v + B), r2 = ld(v + 2 * B), r3 = ld(v + 3 * B);
-        step(v, r0);
-        step(v + B, r1);
-        step(v + 2 * B, r2);
-        step(v + 3 * B, r3);
-      }
-      for (; v < ch.nv; v += B)
-        step(v, ld(v));
+      first_pass(ch.nv, ld, step);
     }
     /* The target's logit, read before any CTA of the cluster writes (the
      * gradient may overwrite the logits in place). */
@@ -309,27 +299,10 @@ __global__ void __launch_bounds__(512, 2) ce_rows(CeArgs a) {
       store_vec<O, NV>(drow, j0, a.V, out_al, g);
     };
 
-    if (a.staged) {
-      for (int64_t v = threadIdx.x; v < ch.nv; v += blockDim.x) {
-        Raw<In> rv;
-        rv.u = stage[v];
-        body(v, rv); /* each thread reads back only the vectors it staged */
-      }
-    } else {
-      /* Second read from L2, newest lines first. */
-      const int64_t B = blockDim.x;
-      int64_t last = ch.nv - 1 - ((ch.nv - 1 - (int64_t)threadIdx.x) % B);
-      if (ch.nv <= (int64_t)threadIdx.x) last = -1;
-      int64_t v = last;
-      for (; v - B >= 0; v -= 2 * B) {
-        Raw<In> r0 = load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al);
-        Raw<In> r1 = load_vec<In, STREAM>(row, ch.jb + (v - B) * NV, a.V, in_al);
-        body(v, r0);
-        body(v - B, r1);
-      }
-      for (; v >= 0; v -= B)
-        body(v, load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al));
-    }
+    /* Second read from L2 (unstaged), newest lines first. */
+    second_pass<In>(
+        a.staged, stage, ch.nv,
+        [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al); }, body);
   }
   if (synced) cluster_exit(cs);
 }

@@ -456,6 +456,49 @@ static inline lmloss_status dev_info(DevInfo *d) {
   return LMLOSS_OK;
 }
 
+/* The two passes of a row kernel over a CTA's nv vectors. The first keeps
+ * four 16-byte loads in flight per thread and hands them to step(v, raw)
+ * in increasing v (a thread meets its first argmax first). The second
+ * takes each thread's vectors back from the shared-memory stage (the very
+ * vectors it staged itself, so no barrier is needed), or re-reads them
+ * (ld) from L2 newest lines first, two in flight. */
+template <typename Ld, typename Step>
+__device__ __forceinline__ void first_pass(int64_t nv, Ld ld, Step step) {
+  int64_t v = threadIdx.x;
+  const int64_t B = blockDim.x;
+  for (; v + 3 * B < nv; v += 4 * B) {
+    auto r0 = ld(v), r1 = ld(v + B), r2 = ld(v + 2 * B), r3 = ld(v + 3 * B);
+    step(v, r0);
+    step(v + B, r1);
+    step(v + 2 * B, r2);
+    step(v + 3 * B, r3);
+  }
+  for (; v < nv; v += B)
+    step(v, ld(v));
+}
+
+template <typename In, typename Ld, typename Body>
+__device__ __forceinline__ void second_pass(bool staged, const uint4 *stage, int64_t nv, Ld ld,
+                                            Body body) {
+  if (staged) {
+    for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+      Raw<In> rv;
+      rv.u = stage[v];
+      body(v, rv);
+    }
+    return;
+  }
+  const int64_t B = blockDim.x, t = threadIdx.x;
+  int64_t v = nv > t ? nv - 1 - ((nv - 1 - t) % B) : -1;
+  for (; v - B >= 0; v -= 2 * B) {
+    Raw<In> r0 = ld(v), r1 = ld(v - B);
+    body(v, r0);
+    body(v - B, r1);
+  }
+  for (; v >= 0; v -= B)
+    body(v, ld(v));
+}
+
 /* Launch plan of a two-pass row kernel: cluster size, threads, chunk,
  * whether the chunk is staged in shared memory (one HBM read), and the
  * persistent grid. */

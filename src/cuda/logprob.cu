@@ -69,20 +69,8 @@ template <typename In, typename O, bool T> __global__ void __launch_bounds__(512
       acc.xform<NV>(X, w);
       acc.vec<T, NV>(X, w, v * NV, a.V, false, nullptr, 0);
     };
-    int64_t v = threadIdx.x;
-    const int64_t B = blockDim.x;
-    for (; v + 3 * B < ch.nv; v += 4 * B) {
-      Raw<In> r0 = load_vec<In, STREAM>(row, v * NV, a.V, al);
-      Raw<In> r1 = load_vec<In, STREAM>(row, (v + B) * NV, a.V, al);
-      Raw<In> r2 = load_vec<In, STREAM>(row, (v + 2 * B) * NV, a.V, al);
-      Raw<In> r3 = load_vec<In, STREAM>(row, (v + 3 * B) * NV, a.V, al);
-      step(v, r0);
-      step(v + B, r1);
-      step(v + 2 * B, r2);
-      step(v + 3 * B, r3);
-    }
-    for (; v < ch.nv; v += B)
-      step(v, load_vec<In, STREAM>(row, v * NV, a.V, al));
+    first_pass(
+        ch.nv, [&](int64_t v) { return load_vec<In, STREAM>(row, v * NV, a.V, al); }, step);
 
     Part P = reduce_row(acc, k, T, false, &red, 1, 0);
     const lmloss_rowstat &s = P.s;
@@ -150,19 +138,7 @@ __global__ void __launch_bounds__(512, 2) lp_bwd(LpArgs a) {
       acc.xform<NV>(X, w);
       acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
-    {
-      int64_t v = threadIdx.x;
-      const int64_t B = blockDim.x;
-      for (; v + 3 * B < ch.nv; v += 4 * B) {
-        Raw<In> r0 = ld(v), r1 = ld(v + B), r2 = ld(v + 2 * B), r3 = ld(v + 3 * B);
-        step(v, r0);
-        step(v + B, r1);
-        step(v + 2 * B, r2);
-        step(v + 3 * B, r3);
-      }
-      for (; v < ch.nv; v += B)
-        step(v, ld(v));
-    }
+    { first_pass(ch.nv, ld, step); }
     /* Its barriers also order the previous row's bitmap reads before the clear. */
     Part P = reduce_row(acc, k, T, false, &red, cs, parity);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
@@ -254,24 +230,9 @@ __global__ void __launch_bounds__(512, 2) lp_bwd(LpArgs a) {
       store_vec<O, NV>(drow, j0, a.V, out_al, g);
     };
 
-    if (a.staged) {
-      for (int64_t v = threadIdx.x; v < ch.nv; v += blockDim.x) {
-        Raw<In> rv;
-        rv.u = stage[v];
-        body(v, rv);
-      }
-    } else {
-      const int64_t B = blockDim.x;
-      int64_t v = ch.nv > (int64_t)threadIdx.x ? ch.nv - 1 - ((ch.nv - 1 - threadIdx.x) % B) : -1;
-      for (; v - B >= 0; v -= 2 * B) {
-        Raw<In> r0 = load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al);
-        Raw<In> r1 = load_vec<In, STREAM>(row, ch.jb + (v - B) * NV, a.V, in_al);
-        body(v, r0);
-        body(v - B, r1);
-      }
-      for (; v >= 0; v -= B)
-        body(v, load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al));
-    }
+    second_pass<In>(
+        a.staged, stage, ch.nv,
+        [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al); }, body);
   }
   if (synced) cluster_exit(cs);
 }
