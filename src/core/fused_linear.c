@@ -57,7 +57,7 @@ static int has_grads(const lmloss_head_grads *g) {
   return g && (wants(&g->dhidden) || wants(&g->dweight) || wants(&g->dbias));
 }
 
-/* Bytes of small per-row buffers: labels, weights, per-row results. */
+/* Bytes of small per-row buffers (chunk_slots): K * 8 + 5 * 8 + K * 4. */
 static size_t aux_per_row(int64_t K) { return 64 + (size_t)K * 16; }
 
 static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_options *hopt,
@@ -107,13 +107,6 @@ static lmloss_tensor view(void *data, lmloss_dtype dt, lmloss_device dev, int64_
   return t;
 }
 
-static lmloss_tensor rows_of(const lmloss_tensor *t, int64_t first, int64_t n) {
-  lmloss_tensor v = *t;
-  v.data = (char *)t->data + (size_t)(first * t->row_stride) * lmloss_dtype_size(t->dtype);
-  v.rows = n;
-  return v;
-}
-
 static lmloss_status check_head(const lmloss_head *head, const lmloss_head_options *hopt) {
   if (!head || !hopt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "head or options is NULL");
   TRY(lmloss_check_tensor(&head->hidden, "hidden", LMLOSS_FLOATS, -1, -1));
@@ -154,6 +147,33 @@ lmloss_status lmloss_linear_workspace_size(const lmloss_head *head, const lmloss
   return LMLOSS_OK;
 }
 
+/* The per-row compact buffers of a chunk (n <= p->rows rows), each in a
+ * slot of the aux area: labels [rows, K] x 8 bytes, five scalar slots of
+ * 8 bytes a row, then [rows, K] floats; aux_per_row covers it. */
+typedef struct {
+  lmloss_tensor labels;  /* target or index, gathered */
+  lmloss_tensor row;     /* F32: loss (NONE), dloss, entropy (log-probs), dentropy */
+  lmloss_tensor lse;     /* F32 */
+  lmloss_tensor weight;  /* F32 token weights, gathered */
+  lmloss_tensor entropy; /* F32, cross-entropy's */
+  lmloss_tensor argmax;  /* I64 */
+  lmloss_tensor per_k;   /* F32 [n, K]: logp, dlogp */
+} chunk_slots;
+
+static chunk_slots slots(const linear_plan *p, char *aux, lmloss_device dev, int64_t n) {
+  const int64_t K = p->K > 0 ? p->K : 1;
+  const size_t R = (size_t)p->rows, scalars = R * (size_t)K * 8;
+  chunk_slots s;
+  s.labels = view(aux, LMLOSS_I64, dev, n, K);
+  s.row = view(aux + scalars, LMLOSS_F32, dev, n, 1);
+  s.lse = view(aux + scalars + R * 8, LMLOSS_F32, dev, n, 1);
+  s.weight = view(aux + scalars + 2 * R * 8, LMLOSS_F32, dev, n, 1);
+  s.entropy = view(aux + scalars + 3 * R * 8, LMLOSS_F32, dev, n, 1);
+  s.argmax = view(aux + scalars + 4 * R * 8, LMLOSS_I64, dev, n, 1);
+  s.per_k = view(aux + scalars + 5 * R * 8, LMLOSS_F32, dev, n, K);
+  return s;
+}
+
 /* The row op of one chunk on the slab; dl = where its gradient goes. */
 static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *ops,
                                 const linear_plan *p, char *ws, const int64_t *list, int64_t c,
@@ -162,17 +182,9 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
   const lmloss_linear_prims *L = ops->linear;
   const lmloss_device dev = j->head->hidden.device;
   const lmloss_context *ctx = j->ctx;
-  char *aux = ws + p->aux;
   const int64_t K = p->K;
-  /* per-row compact buffers, rows = n */
-  lmloss_tensor lab = view(aux, LMLOSS_I64, dev, n, K > 0 ? K : 1);
-  lmloss_tensor f1 =
-      view(aux + (size_t)p->rows * K * 8 + 0 * (size_t)p->rows * 8, LMLOSS_F32, dev, n, 1);
-  lmloss_tensor f2 = rows_of(&f1, p->rows, n), f3 = rows_of(&f1, 2 * p->rows, n);
-  lmloss_tensor i1 =
-      view(aux + (size_t)p->rows * K * 8 + 3 * (size_t)p->rows * 8, LMLOSS_I64, dev, n, 1);
-  lmloss_tensor f4 = view(aux + (size_t)p->rows * K * 8 + 4 * (size_t)p->rows * 8, LMLOSS_F32, dev,
-                          n, K > 0 ? K : 1);
+  const chunk_slots sl = slots(p, ws + p->aux, dev, n);
+  lmloss_tensor lab = sl.labels;
   if (j->labels && K > 0) {
     lab.dtype = j->labels->dtype;
     lab.row_stride = lab.cols;
@@ -188,15 +200,15 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
     }
     lmloss_ce_inputs in = {*slab, lab, {0}, *j->cw};
     if (wants(j->tw)) {
-      in.token_weight = f3;
-      TRY(L->gather_rows(ctx, j->tw, list, &f3));
+      in.token_weight = sl.weight;
+      TRY(L->gather_rows(ctx, j->tw, list, &sl.weight));
     }
     void *cws = ws + p->ce_ws;
     size_t cwb = lmloss_cross_entropy_workspace_size(n);
     if (j->kind == CE_BACKWARD) {
       lmloss_tensor d = *j->dloss;
       if (j->opt->reduction == LMLOSS_REDUCE_NONE) {
-        d = f1;
+        d = sl.row;
         TRY(L->gather_rows(ctx, j->dloss, list, &d));
       }
       return ops->cross_entropy_backward(ctx, &in, &o, &d, dl, cws, cwb);
@@ -205,30 +217,30 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
     lmloss_ce_outputs co;
     memset(&co, 0, sizeof co);
     co.loss = j->opt->reduction == LMLOSS_REDUCE_NONE
-                  ? f1
+                  ? sl.row
                   : view(ws + p->sums + (size_t)c * 4, LMLOSS_F32, dev, 1, 1);
-    if (wants(&out->lse)) co.lse = f2;
-    if (wants(&out->entropy)) co.entropy = rows_of(&f2, p->rows, n); /* f3's slot, after tw */
-    if (wants(&out->entropy) && wants(j->tw)) co.entropy = f4;
-    if (wants(&out->argmax)) co.argmax = i1;
+    if (wants(&out->lse)) co.lse = sl.lse;
+    if (wants(&out->entropy)) co.entropy = sl.entropy;
+    if (wants(&out->argmax)) co.argmax = sl.argmax;
     if (dl) co.dlogits = *dl;
     TRY(ops->cross_entropy(ctx, &in, &o, &co, cws, cwb));
-    if (j->opt->reduction == LMLOSS_REDUCE_NONE) TRY(L->scatter_rows(ctx, &f1, list, &out->loss));
-    if (wants(&out->lse)) TRY(L->scatter_rows(ctx, &co.lse, list, &out->lse));
-    if (wants(&out->entropy)) TRY(L->scatter_rows(ctx, &co.entropy, list, &out->entropy));
-    if (wants(&out->argmax)) TRY(L->scatter_rows(ctx, &i1, list, &out->argmax));
+    if (j->opt->reduction == LMLOSS_REDUCE_NONE)
+      TRY(L->scatter_rows(ctx, &sl.row, list, &out->loss));
+    if (wants(&out->lse)) TRY(L->scatter_rows(ctx, &sl.lse, list, &out->lse));
+    if (wants(&out->entropy)) TRY(L->scatter_rows(ctx, &sl.entropy, list, &out->entropy));
+    if (wants(&out->argmax)) TRY(L->scatter_rows(ctx, &sl.argmax, list, &out->argmax));
     return LMLOSS_OK;
   }
   const lmloss_tensor *idx = K > 0 ? &lab : NULL;
   if (j->kind == LP_FORWARD) {
-    lmloss_tensor lp = f4, *ent = wants(j->entropy) ? &f1 : NULL;
+    lmloss_tensor lp = sl.per_k, ent_t = sl.row, *ent = wants(j->entropy) ? &ent_t : NULL;
     if (j->logp) lp.dtype = j->logp->dtype, lp.row_stride = K;
     TRY(ops->log_probs(ctx, slab, idx, NULL, j->tr, j->logp ? &lp : NULL, ent));
     if (j->logp) TRY(L->scatter_rows(ctx, &lp, list, j->logp));
     if (ent) TRY(L->scatter_rows(ctx, ent, list, j->entropy));
     return LMLOSS_OK;
   }
-  lmloss_tensor dlp = f4, dent = f1;
+  lmloss_tensor dlp = sl.per_k, dent = sl.row;
   if (j->dlogp) TRY(L->gather_rows(ctx, j->dlogp, list, &dlp));
   if (j->dentropy) TRY(L->gather_rows(ctx, j->dentropy, list, &dent));
   return ops->log_probs_backward(ctx, slab, j->dlogp ? idx : NULL, NULL, j->tr,
