@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _lib
 from ._ce import ce_options, ce_outputs
+from ._logprob import backward_args
 from ._tensor import Rows, _code, _rows, absent, index_shape, matrix, out_vector, shape_error
 from ._tensor import tensor, vector
 
@@ -177,23 +178,7 @@ def linear_log_probs_backward(hidden, weight, index, dlogp, dentropy=None, *, bi
     """
     ctx = _lib.make_context(backend, num_threads)
     head, hopt = _Head(hidden, weight, bias), _options(memory_budget)
-    keep, idx_t, dlogp_t, k = [], None, None, 0
-    if index is not None:
-        kk, shape = index_shape(head.x, index)
-        idx, idx_t = matrix(index, head.n, kk, "index", "index")
-        keep.append(idx)
-        if dlogp is not None:
-            if np.shape(dlogp) != shape:
-                raise shape_error("dlogp has shape %s, expected %s" % (np.shape(dlogp), shape))
-            g, dlogp_t = matrix(dlogp, head.n, kk, "dlogp", "f32")
-            keep.append(g)
-            k = kk
-    elif dlogp is not None:
-        raise _lib.Error("LMLOSS_ERR_NULL_POINTER", "dlogp given without index")
-    dent_t = None
-    if dentropy is not None:
-        d, dent_t = vector(dentropy, head.n, head.x.lead, "dentropy", "f32")
-        keep.append(d)
+    keep, idx_t, dlogp_t, dent_t, k = backward_args(head.x, head.n, index, dlogp, dentropy)
     mask_t = _mask(mask, head, keep)
     tr = _lib.make_transform(logit_scale, softcap, temperature)
     (dh, dw, db), grads = head.grads()

@@ -55,27 +55,34 @@ def log_probs_backward(logits, index, dlogp, dentropy=None, *, temperature=1.0, 
     """
     ctx = _lib.make_context(backend, num_threads)
     x = Rows(logits, "logits")
-    keep, idx_t, dlogp_t = [], None, None
-    if index is not None:
-        k, shape = index_shape(x, index)
-        idx, idx_t = matrix(index, x.n, k, "index", "index")
-        keep.append(idx)
-        if dlogp is not None:
-            if np.shape(dlogp) != shape:
-                raise shape_error("dlogp has shape %s, expected %s" % (np.shape(dlogp), shape))
-            g, dlogp_t = matrix(dlogp, x.n, k, "dlogp", "f32")
-            keep.append(g)
-    elif dlogp is not None:
-        raise _lib.Error("LMLOSS_ERR_NULL_POINTER", "dlogp given without index")
-    dent_t = None
-    if dentropy is not None:
-        d, dent_t = vector(dentropy, x.n, x.lead, "dentropy", "f32")
-        keep.append(d)
+    keep, idx_t, dlogp_t, dent_t, _ = backward_args(x, x.n, index, dlogp, dentropy)
     mask_t = _mask(mask, x, keep)
     dx, dx_t = x.empty(x.out_dtype())
     tr = _lib.make_transform(temperature=temperature)
     _lib.check(_lib.log_probs_backward(ctx, x.t, idx_t, mask_t, tr, dlogp_t, dent_t, dx_t))
     return dx.reshape(x.lead + (x.v,))
+
+
+def backward_args(x, n, index, dlogp, dentropy):
+    """Views of a log-probs backward's index, dlogp and dentropy over n rows
+    of x: (arrays to keep alive, index, dlogp, dentropy, K of dlogp or 0)."""
+    keep, idx_t, dlogp_t, dent_t, k = [], None, None, None, 0
+    if index is not None:
+        kk, shape = index_shape(x, index)
+        idx, idx_t = matrix(index, n, kk, "index", "index")
+        keep.append(idx)
+        if dlogp is not None:
+            if np.shape(dlogp) != shape:
+                raise shape_error("dlogp has shape %s, expected %s" % (np.shape(dlogp), shape))
+            g, dlogp_t = matrix(dlogp, n, kk, "dlogp", "f32")
+            keep.append(g)
+            k = kk
+    elif dlogp is not None:
+        raise _lib.Error("LMLOSS_ERR_NULL_POINTER", "dlogp given without index")
+    if dentropy is not None:
+        d, dent_t = vector(dentropy, n, x.lead, "dentropy", "f32")
+        keep.append(d)
+    return keep, idx_t, dlogp_t, dent_t, k
 
 
 def entropy(logits, *, temperature=1.0, backend="auto", num_threads=0):

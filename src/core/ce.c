@@ -41,10 +41,7 @@ static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_ce_inp
   TRY(lmloss_check_tensor(&in->logits, "logits", LMLOSS_FLOATS, -1, -1));
   int64_t N = in->logits.rows, V = in->logits.cols;
   if (V < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "logits: V must be >= 1");
-  TRY(lmloss_check_tensor(&in->target, "target", LMLOSS_INDICES, N, 1));
-  TRY(lmloss_check_optional(&in->token_weight, "token_weight", LMLOSS_MASK(LMLOSS_F32), N, 1));
-  TRY(lmloss_check_optional(&in->class_weight, "class_weight", LMLOSS_MASK(LMLOSS_F32), V, 1));
-  TRY(lmloss_check_ce_options(opt));
+  TRY(lmloss_check_ce_labels(&in->target, &in->token_weight, &in->class_weight, opt, N, V));
   if (!ws && N > 0) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
   if (ws_bytes < lmloss_cross_entropy_workspace_size(N))
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",

@@ -354,12 +354,8 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
 static lmloss_status check_ce(const lmloss_head *head, const lmloss_tensor *target,
                               const lmloss_tensor *tw, const lmloss_tensor *cw,
                               const lmloss_ce_options *opt) {
-  if (!opt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "options is NULL");
   const int64_t N = head->hidden.rows, V = head->weight.rows;
-  TRY(lmloss_check_tensor(target, "target", LMLOSS_INDICES, N, 1));
-  TRY(lmloss_check_optional(tw, "token_weight", LMLOSS_MASK(LMLOSS_F32), N, 1));
-  TRY(lmloss_check_optional(cw, "class_weight", LMLOSS_MASK(LMLOSS_F32), V, 1));
-  TRY(lmloss_check_ce_options(opt));
+  TRY(lmloss_check_ce_labels(target, tw, cw, opt, N, V));
   const lmloss_tensor *ts[] = {&head->hidden, &head->weight, &head->bias, target, tw, cw};
   TRY(lmloss_check_device(ts, 6, head->hidden.device));
   return lmloss_check_indices(target, NULL, V, 1, opt->ignore_index, "target");
@@ -424,13 +420,8 @@ lmloss_status lmloss_linear_cross_entropy_backward(
 
 static lmloss_status check_lp(const lmloss_head *head, const lmloss_tensor *index,
                               const lmloss_tensor *mask, const lmloss_transform *tr) {
-  const int64_t N = head->hidden.rows, V = head->weight.rows;
-  TRY(lmloss_check_optional(index, "index", LMLOSS_INDICES, N, -1));
-  if (wants(index) && index->cols > V)
-    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: K = %lld exceeds V = %lld",
-                       (long long)index->cols, (long long)V);
-  TRY(lmloss_check_optional(mask, "mask", LMLOSS_MASK(LMLOSS_BOOL), N, 1));
-  TRY(lmloss_check_transform(tr));
+  const int64_t V = head->weight.rows;
+  TRY(lmloss_check_lp_labels(index, mask, tr, head->hidden.rows, V));
   const lmloss_tensor *ts[] = {&head->hidden, &head->weight, &head->bias, index, mask};
   TRY(lmloss_check_device(ts, 5, head->hidden.device));
   return wants(index) ? lmloss_check_indices(index, mask, V, 0, 0, "index") : LMLOSS_OK;
@@ -470,13 +461,7 @@ lmloss_linear_log_probs_backward(const lmloss_context *ctx, const lmloss_head *h
   TRY(check_lp(head, index, mask, tr));
   const int64_t N = head->hidden.rows;
   if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
-  if (!wants(dlogp) && !wants(dentropy))
-    return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "dlogp and dentropy are both absent");
-  if (wants(dlogp)) {
-    if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "dlogp given without index");
-    TRY(lmloss_check_tensor(dlogp, "dlogp", LMLOSS_MASK(LMLOSS_F32), N, index->cols));
-  }
-  TRY(lmloss_check_optional(dentropy, "dentropy", LMLOSS_MASK(LMLOSS_F32), N, 1));
+  TRY(lmloss_check_lp_upstream(index, dlogp, dentropy, N));
   linear_job j = {.kind = LP_BACKWARD,
                   .ctx = ctx,
                   .head = head,

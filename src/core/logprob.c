@@ -8,12 +8,7 @@ static lmloss_status check_common(const lmloss_context *ctx, const lmloss_tensor
   TRY(lmloss_check_tensor(logits, "logits", LMLOSS_FLOATS, -1, -1));
   int64_t N = logits->rows, V = logits->cols;
   if (V < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "logits: V must be >= 1");
-  TRY(lmloss_check_optional(index, "index", LMLOSS_INDICES, N, -1));
-  if (lmloss_present(index) && index->cols > V)
-    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: K = %lld exceeds V = %lld",
-                       (long long)index->cols, (long long)V);
-  TRY(lmloss_check_optional(mask, "mask", LMLOSS_MASK(LMLOSS_BOOL), N, 1));
-  TRY(lmloss_check_transform(tr));
+  TRY(lmloss_check_lp_labels(index, mask, tr, N, V));
   const lmloss_tensor *ts[] = {logits, index, mask};
   TRY(lmloss_check_device(ts, 3, logits->device));
   TRY(lmloss_pick_backend(ctx, logits->device, ops));
@@ -54,14 +49,7 @@ lmloss_status lmloss_log_probs_backward(const lmloss_context *ctx, const lmloss_
   const lmloss_backend_ops *ops;
   TRY(check_common(ctx, logits, index, mask, tr, &ops));
   int64_t N = logits->rows;
-  if (!lmloss_present(dlogp) && !lmloss_present(dentropy))
-    return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "dlogp and dentropy are both absent");
-  if (lmloss_present(dlogp)) {
-    if (!lmloss_present(index))
-      return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "dlogp given without index");
-    TRY(lmloss_check_tensor(dlogp, "dlogp", LMLOSS_MASK(LMLOSS_F32), N, index->cols));
-  }
-  TRY(lmloss_check_optional(dentropy, "dentropy", LMLOSS_MASK(LMLOSS_F32), N, 1));
+  TRY(lmloss_check_lp_upstream(index, dlogp, dentropy, N));
   TRY(lmloss_check_tensor(dlogits, "dlogits", LMLOSS_FLOATS, N, logits->cols));
   TRY(lmloss_check_alias(logits, dlogits, "dlogits"));
   const lmloss_tensor *ts[] = {dlogp, dentropy, dlogits};

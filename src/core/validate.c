@@ -120,3 +120,35 @@ lmloss_status lmloss_pick_backend(const lmloss_context *ctx, lmloss_device devic
   }
   return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown backend %d", (int)b);
 }
+
+lmloss_status lmloss_check_ce_labels(const lmloss_tensor *target, const lmloss_tensor *tw,
+                                     const lmloss_tensor *cw, const lmloss_ce_options *opt,
+                                     int64_t N, int64_t V) {
+  if (!opt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "options is NULL");
+  TRY(lmloss_check_tensor(target, "target", LMLOSS_INDICES, N, 1));
+  TRY(lmloss_check_optional(tw, "token_weight", LMLOSS_MASK(LMLOSS_F32), N, 1));
+  TRY(lmloss_check_optional(cw, "class_weight", LMLOSS_MASK(LMLOSS_F32), V, 1));
+  return lmloss_check_ce_options(opt);
+}
+
+lmloss_status lmloss_check_lp_labels(const lmloss_tensor *index, const lmloss_tensor *mask,
+                                     const lmloss_transform *tr, int64_t N, int64_t V) {
+  TRY(lmloss_check_optional(index, "index", LMLOSS_INDICES, N, -1));
+  if (lmloss_present(index) && index->cols > V)
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: K = %lld exceeds V = %lld",
+                       (long long)index->cols, (long long)V);
+  TRY(lmloss_check_optional(mask, "mask", LMLOSS_MASK(LMLOSS_BOOL), N, 1));
+  return lmloss_check_transform(tr);
+}
+
+lmloss_status lmloss_check_lp_upstream(const lmloss_tensor *index, const lmloss_tensor *dlogp,
+                                       const lmloss_tensor *dentropy, int64_t N) {
+  if (!lmloss_present(dlogp) && !lmloss_present(dentropy))
+    return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "dlogp and dentropy are both absent");
+  if (lmloss_present(dlogp)) {
+    if (!lmloss_present(index))
+      return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "dlogp given without index");
+    TRY(lmloss_check_tensor(dlogp, "dlogp", LMLOSS_MASK(LMLOSS_F32), N, index->cols));
+  }
+  return lmloss_check_optional(dentropy, "dentropy", LMLOSS_MASK(LMLOSS_F32), N, 1);
+}

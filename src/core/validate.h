@@ -29,6 +29,23 @@ lmloss_status lmloss_check_optional(const lmloss_tensor *t, const char *name, un
 
 lmloss_status lmloss_check_transform(const lmloss_transform *t);
 
+/* The labels of a cross-entropy call over [N, V] (target [N]; optional
+ * token weights [N] and class weights [V]) and its options. Devices and
+ * the range of the targets are the caller's, once its backend is known. */
+lmloss_status lmloss_check_ce_labels(const lmloss_tensor *target, const lmloss_tensor *tw,
+                                     const lmloss_tensor *cw, const lmloss_ce_options *opt,
+                                     int64_t N, int64_t V);
+
+/* The labels of a log-probs call over [N, V]: optional index [N, K <= V],
+ * optional mask [N], the transform. */
+lmloss_status lmloss_check_lp_labels(const lmloss_tensor *index, const lmloss_tensor *mask,
+                                     const lmloss_transform *tr, int64_t N, int64_t V);
+
+/* The upstream gradients of a log-probs backward: dlogp [N, K] (with the
+ * index) and/or dentropy [N], at least one. */
+lmloss_status lmloss_check_lp_upstream(const lmloss_tensor *index, const lmloss_tensor *dlogp,
+                                       const lmloss_tensor *dentropy, int64_t N);
+
 /* The per-row outputs of a cross-entropy call (loss, lse, entropy, argmax). */
 lmloss_status lmloss_check_ce_rows(const lmloss_ce_outputs *out, int64_t N, lmloss_reduction r);
 

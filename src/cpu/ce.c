@@ -83,9 +83,9 @@ static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
   q.smooth = e / (float)V;
   q.a_coef = q.hot + e * C / (float)V;
   /* Exact entries first: the pass below may overwrite the logits. */
-  const float xa = lmloss_load(row, in->logits.dtype, s.a);
+  const float xa = s.a == y ? xy : lmloss_load(row, in->logits.dtype, s.a);
   const float gy = grad_entry(jb, &f, &s, &q, y, y, xy, fac, dftw, lse);
-  const float ga = grad_entry(jb, &f, &s, &q, s.a, y, xa, fac, dftw, lse);
+  const float ga = s.a == y ? gy : grad_entry(jb, &f, &s, &q, s.a, y, xa, fac, dftw, lse);
   const float P = fac * (dftw * q.a_coef + 2.0f * opt->z_loss * lse) / (1.0f + s.r);
   void *g = lmloss_cpu_row_mut(jb->dlogits, i);
   lmloss_cpu_row_grad(row, in->logits.dtype, V, &f, cw, s.m, P, 0.0f, fac * dftw * q.smooth, g,
