@@ -86,6 +86,8 @@ double rng_normal(void) {
 
 int64_t rng_int(int64_t n) { return (int64_t)(rng_next() % (uint64_t)n); }
 
+/* Not lmloss_dtype_size: the bad-input tests build tensors of unknown
+ * dtypes (42), which still need a byte of storage to poison and compare. */
 static size_t dsize(lmloss_dtype d) {
   switch (d) {
   case LMLOSS_F64:
