@@ -120,17 +120,14 @@ __device__ __forceinline__ void zero_chunk(O *row, const Chunk &c, int64_t V, bo
   }
 }
 
-/* One row per CTA cluster, persistent over rows. Why this shape: the
- * gradient needs the row statistics before its first write, so the row is
- * read twice; staging each CTA's chunk (<= ~100 KB, so two 512-thread CTAs
- * share an SM) in shared memory makes the second read free, and a cluster
- * of up to 8 CTAs (one DSMEM exchange of the state per row) splits rows
- * too wide for one SM (152064 bf16 = 304 KB -> 4 x 76 KB). Loads are
- * 16 bytes, 4 in flight per thread; the state is per thread and online
- * (rescaled only when the max grows). Forward-only runs the same kernel
- * without staging (single pass, streaming loads). O = void: no gradient. */
+/* One row per CTA cluster, shaped as make_plan (common.cuh) says: the
+ * gradient needs the row statistics before its first write, so each CTA
+ * stages its chunk and writes the gradient from shared memory after the
+ * cluster has merged the row state. The state is per thread and online
+ * (rescaled only when the max grows). Forward-only is the same kernel
+ * without the second pass. */
 template <typename In, typename O, bool T>
-__global__ void __launch_bounds__(512, 2) ce_rows(CeArgs a) {
+__global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -166,24 +163,21 @@ __global__ void __launch_bounds__(512, 2) ce_rows(CeArgs a) {
     }
     const bool in_al = is_aligned16(row);
 
-    /* Pass 1: statistics of this CTA's chunk (staged when asked). */
+    /* Pass 1: statistics of this CTA's chunk (staged, or kept in L2 for
+     * a second read when the row is too wide to stage). */
     Acc acc;
     acc.init(X);
-    const bool keep = grad && !a.staged; /* second read from L2 */
     auto ld = [&](int64_t v) {
-      return keep ? load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al)
+      return grad ? load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al)
                   : load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al);
     };
-    {
-      auto step = [&](int64_t v, const Raw<In> &rv) {
-        if (a.staged) stage[v] = rv.u;
-        float w[NV];
-        unpack<In, NV>(rv, w);
-        acc.xform<NV>(X, w);
-        acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, U, a.cw, a.cws);
-      };
-      first_pass(ch.nv, ld, step);
-    }
+    auto step = [&](int64_t v, const Raw<In> &rv) {
+      float w[NV];
+      unpack<In, NV>(rv, w);
+      acc.xform<NV>(X, w);
+      acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, U, a.cw, a.cws);
+    };
+    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, ld, step);
     /* The target's logit, read before any CTA of the cluster writes (the
      * gradient may overwrite the logits in place). */
     const bool y_ok = y >= 0 && y < a.V;
@@ -309,20 +303,8 @@ __global__ void __launch_bounds__(512, 2) ce_rows(CeArgs a) {
 
 template <typename In, typename O>
 static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
-  Plan p = make_plan(d, a.V, elt<In>::NV, a.mode != CE_FWD, 0);
-  if (a.mode == CE_FWD) {
-    /* single pass: one CTA per row, no cluster */
-    p.cs = 1;
-    p.staged = 0;
-    p.chunk = ((a.V + elt<In>::NV - 1) / elt<In>::NV) * elt<In>::NV;
-    p.bs = pick_bs(p.chunk / elt<In>::NV);
-    p.smem = 0;
-  }
-  a.cs = p.cs;
-  a.chunk = p.chunk;
-  a.staged = p.staged;
-  if (T) return launch_rows(ce_rows<In, O, true>, p, d, a.N, st, a, "cross_entropy");
-  return launch_rows(ce_rows<In, O, false>, p, d, a.N, st, a, "cross_entropy");
+  if (T) return launch_rows(ce_rows<In, O, true>, d, elt<In>::NV, 0, st, a, "cross_entropy");
+  return launch_rows(ce_rows<In, O, false>, d, elt<In>::NV, 0, st, a, "cross_entropy");
 }
 
 template <typename In>

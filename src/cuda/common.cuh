@@ -456,16 +456,56 @@ static inline lmloss_status dev_info(DevInfo *d) {
   return LMLOSS_OK;
 }
 
-/* The two passes of a row kernel over a CTA's nv vectors. The first keeps
- * four 16-byte loads in flight per thread and hands them to step(v, raw)
- * in increasing v (a thread meets its first argmax first). The second
- * takes each thread's vectors back from the shared-memory stage (the very
- * vectors it staged itself, so no barrier is needed), or re-reads them
- * (ld) from L2 newest lines first, two in flight. */
-template <typename Ld, typename Step>
-__device__ __forceinline__ void first_pass(int64_t nv, Ld ld, Step step) {
-  int64_t v = threadIdx.x;
-  const int64_t B = blockDim.x;
+/* 16-byte asynchronous copies global -> shared (sm_80+): the bytes land
+ * in shared memory without passing through registers, so a thread can
+ * have all of its chunk in flight at once. */
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+/* The first pass of a row kernel over a CTA's nv vectors, handing each to
+ * step(v, raw) in increasing v per thread (a thread meets its first argmax
+ * first).
+ * Staged: every vector of the chunk is copied into the stage at once
+ * (asynchronously where 16-byte aligned and complete, else element loads
+ * padded with -inf), in two commit groups so the thread starts on its
+ * first half while the second is still in flight. A thread only ever reads
+ * back the vectors it copied itself, so no barrier is needed.
+ * Unstaged: register loads, four in flight per thread, through ld(v). */
+template <typename In, typename Ld, typename Step>
+__device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *row, int64_t jb,
+                                           int64_t V, bool aligned, int64_t nv, Ld ld, Step step) {
+  constexpr int NV = elt<In>::NV;
+  const int64_t B = blockDim.x, t = threadIdx.x;
+  if (staged) {
+    const int64_t n = nv > t ? (nv - 1 - t) / B + 1 : 0, half = (n + 1) / 2;
+    for (int64_t q = 0; q < n; q++) {
+      const int64_t v = t + q * B, j0 = jb + v * NV;
+      if (aligned && j0 + NV <= V)
+        cp_async16(&stage[v], row + j0);
+      else
+        stage[v] = load_vec<In, STREAM>(row, j0, V, aligned).u;
+      if (q + 1 == half) cp_async_commit();
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    for (int64_t q = 0; q < n; q++) {
+      if (q == half) cp_async_wait<0>();
+      const int64_t v = t + q * B;
+      Raw<In> r;
+      r.u = stage[v];
+      step(v, r);
+    }
+    return;
+  }
+  int64_t v = t;
   for (; v + 3 * B < nv; v += 4 * B) {
     auto r0 = ld(v), r1 = ld(v + B), r2 = ld(v + 2 * B), r3 = ld(v + 3 * B);
     step(v, r0);
@@ -477,6 +517,9 @@ __device__ __forceinline__ void first_pass(int64_t nv, Ld ld, Step step) {
     step(v, ld(v));
 }
 
+/* The second pass takes each thread's vectors back from the stage (the
+ * very vectors it staged itself), or re-reads them (ld) from L2 newest
+ * lines first, two in flight. */
 template <typename In, typename Ld, typename Body>
 __device__ __forceinline__ void second_pass(bool staged, const uint4 *stage, int64_t nv, Ld ld,
                                             Body body) {
@@ -499,91 +542,94 @@ __device__ __forceinline__ void second_pass(bool staged, const uint4 *stage, int
     body(v, ld(v));
 }
 
-/* Launch plan of a two-pass row kernel: cluster size, threads, chunk,
- * whether the chunk is staged in shared memory (one HBM read), and the
- * persistent grid. */
+/* Launch plan of a row kernel: cluster size, threads, chunk (elements per
+ * CTA) and whether the chunk is staged in shared memory. */
 struct Plan {
   int cs, bs, staged;
-  int64_t chunk; /* elements per CTA, a multiple of NV */
+  int64_t chunk; /* a multiple of NV */
   size_t smem;   /* dynamic shared memory bytes */
-  int grid;
 };
 
-/* Threads per CTA from the vectors it owns: at least ~8 vectors (128
- * bytes) per thread keeps several 16-byte loads in flight each. */
-static inline int pick_bs(int64_t nv) { return nv >= 4096 ? 512 : nv >= 1024 ? 256 : 128; }
-
-/* Staging budget per CTA: two CTAs per SM fit below ~100 KB. */
-static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int want_stage,
-                             size_t extra_per_vector_bits) {
-  Plan p;
-  int64_t nvec = (V + NV - 1) / NV;
-  const int64_t budget_small = 100 * 1024, budget_big = d.smem_optin - 8 * 1024;
-  int maxcs = d.cc_major >= 9 ? 8 : 1;
-  p.cs = 0;
-  p.staged = 0;
-  if (want_stage) {
-    for (int64_t budget : {budget_small, budget_big}) {
-      for (int cs = 1; cs <= maxcs && !p.cs; cs *= 2) {
-        int64_t v = (nvec + cs - 1) / cs;
-        if (v * 16 + (v + 31) / 32 * 4 * (int64_t)extra_per_vector_bits <= budget) p.cs = cs;
-      }
-      if (p.cs) break;
-    }
-    p.staged = p.cs != 0;
-  }
-  if (!p.cs) {
-    /* Too wide to stage: re-read from L2; spread each row over a cluster
-     * so fewer rows (less L2) are in flight. */
+/* Why this shape: a row is read from HBM once, into shared memory, by a
+ * cluster of cs CTAs, each staging <= 48 KB so four or more CTAs share an
+ * SM. Each CTA has its whole chunk in flight at once (cp.async), the
+ * cluster swaps its partial states through distributed shared memory, and
+ * the CTAs at different stages of their rows (loading, reducing, writing)
+ * keep HBM busy. Only rows too wide for 16 x (the opt-in limit) are read
+ * twice, the second time from L2. Threads: 256 (128 for narrow chunks),
+ * so each owns several 16-byte vectors. */
+static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, size_t extra_per_vector_bits,
+                             int maxcs) {
+  Plan p = {};
+  const int64_t nvec = (V + NV - 1) / NV;
+  auto bytes = [&](int cs) {
+    int64_t v = (nvec + cs - 1) / cs;
+    return v * 16 + (v + 31) / 32 * 4 * (int64_t)extra_per_vector_bits;
+  };
+  const int64_t budgets[2] = {48 * 1024, d.smem_optin - 8 * 1024};
+  for (int b = 0; b < 2 && !p.cs; b++)
+    for (int cs = 1; cs <= maxcs && !p.cs; cs *= 2)
+      if (bytes(cs) <= budgets[b]) p.cs = cs;
+  p.staged = p.cs != 0;
+  if (!p.staged) {
+    /* spread the row over a cluster so fewer rows (less L2) are in flight */
     p.cs = 1;
-    while (p.cs < maxcs && (nvec + p.cs - 1) / p.cs > 8192)
+    while (p.cs < maxcs && p.cs < 8 && (nvec + p.cs - 1) / p.cs > 8192)
       p.cs *= 2;
   }
-  int64_t nvc = (nvec + p.cs - 1) / p.cs;
+  const int64_t nvc = (nvec + p.cs - 1) / p.cs;
   p.chunk = nvc * NV;
-  p.bs = pick_bs(nvc);
-  p.smem =
-      (p.staged ? (size_t)nvc * 16 : 0) + (size_t)((nvc + 31) / 32) * 4 * extra_per_vector_bits;
-  p.grid = 0;
+  p.bs = nvc >= 1024 ? 256 : 128;
+  p.smem = (p.staged ? (size_t)nvc * 16 : 0) + (size_t)((nvc + 31) / 32) * 4 * extra_per_vector_bits;
   return p;
 }
 
-/* Set the shared memory limit, size the persistent grid from occupancy
- * and launch with the cluster dimension. */
+/* Plan, set the kernel's shared-memory and cluster attributes, and launch
+ * one cluster per row (rows beyond 2^31 / cs are looped over). Clusters of
+ * 16 are non-portable: where the device cannot schedule one, the plan
+ * falls back to 8. Sets the args' cs, chunk and staged. */
 template <typename K, typename A>
-static lmloss_status launch_rows(K kernel, Plan &p, const DevInfo &d, int64_t rows, cudaStream_t st,
-                                 const A &args, const char *what) {
-  if (rows <= 0) return LMLOSS_OK;
-  cudaError_t e = cudaSuccess;
-  if (p.smem > 48 * 1024)
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
-  if (e != cudaSuccess)
-    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA %s: shared memory %zu: %s", what, p.smem,
-                       cudaGetErrorString(e));
-  int per_sm = 0;
-  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, p.bs, p.smem);
-  if (e != cudaSuccess || per_sm < 1) per_sm = 1;
-  int64_t clusters = (int64_t)per_sm * d.sms / p.cs;
-  if (clusters < 1) clusters = 1;
-  if (clusters > rows) clusters = rows;
-  p.grid = (int)(clusters * p.cs);
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  cfg.gridDim = dim3(p.grid);
-  cfg.blockDim = dim3(p.bs);
-  cfg.dynamicSmemBytes = p.smem;
-  cfg.stream = st;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = p.cs;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.cs > 1 ? 1 : 0;
-  e = cudaLaunchKernelEx(&cfg, kernel, args);
-  if (e != cudaSuccess)
-    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA %s launch: %s", what,
-                       cudaGetErrorString(e));
-  return check_launch(what);
+static lmloss_status launch_rows(K kernel, const DevInfo &d, int NV, size_t extra_per_vector_bits,
+                                 cudaStream_t st, A &args, const char *what) {
+  if (args.N <= 0) return LMLOSS_OK;
+  for (int maxcs = d.cc_major >= 9 ? 16 : 1;; maxcs /= 2) {
+    Plan p = make_plan(d, args.V, NV, extra_per_vector_bits, maxcs);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)p.smem);
+    if (e == cudaSuccess && p.cs > 8)
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess)
+      return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA %s: attributes (shared memory %zu): %s",
+                         what, p.smem, cudaGetErrorString(e));
+    const int64_t maxrows = (int64_t)0x7fffffff / p.cs;
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cfg.gridDim = dim3((unsigned)((args.N < maxrows ? args.N : maxrows) * p.cs));
+    cfg.blockDim = dim3(p.bs);
+    cfg.dynamicSmemBytes = p.smem;
+    cfg.stream = st;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = p.cs;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = p.cs > 1 ? 1 : 0;
+    if (p.cs > 8) {
+      int clusters = 0;
+      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess || clusters < 1) {
+        (void)cudaGetLastError(); /* not sticky: try clusters of 8 */
+        continue;
+      }
+    }
+    args.cs = p.cs;
+    args.chunk = p.chunk;
+    args.staged = p.staged;
+    e = cudaLaunchKernelEx(&cfg, kernel, args);
+    if (e != cudaSuccess)
+      return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA %s launch: %s", what,
+                         cudaGetErrorString(e));
+    return check_launch(what);
+  }
 }
 
 } // namespace lmc

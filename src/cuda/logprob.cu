@@ -39,24 +39,28 @@ struct LpArgs {
   int staged;
 };
 
-/* One CTA per row, one pass, no staging. Why: the forward reads each logit
- * exactly once, so all that matters is keeping enough 16-byte loads in
- * flight (4 per thread, evict-first) with the fewest instructions per
- * element (online max-split, compensated ex2); 512 threads for wide rows
- * (~37 vectors each at V = 152064), 256/128 for narrow ones so every
- * thread still owns >= 8 vectors and 2-4 rows share an SM. */
-template <typename In, typename O, bool T> __global__ void __launch_bounds__(512) lp_fwd(LpArgs a) {
+/* One pass, shaped as make_plan (common.cuh) says: a cluster per row, each
+ * CTA staging its chunk (all of it in flight at once), one DSMEM merge of
+ * the row state; rank 0 then gathers the K log-probs. */
+template <typename In, typename O, bool T>
+__global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
+  extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
+  const int cs = a.cs, rank = (int)(blockIdx.x % cs);
+  const int64_t nclusters = gridDim.x / cs;
   const Xf &X = a.X;
   const float k = X.f.k;
-  const Chunk ch = my_chunk<NV>(a.V, a.chunk, 0);
-  for (int64_t i = blockIdx.x; i < a.N; i += gridDim.x) {
+  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rank);
+  int parity = 0, synced = 0;
+  for (int64_t i = blockIdx.x / cs; i < a.N; i += nclusters) {
     O *lrow = (O *)a.logp + i * a.lps;
     if (a.mask && !a.mask[i * a.ms]) {
-      for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x)
-        lrow[q] = fromf<O>(0.0f);
-      if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = 0.0f;
+      if (rank == 0) {
+        for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x)
+          lrow[q] = fromf<O>(0.0f);
+        if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = 0.0f;
+      }
       continue;
     }
     const In *row = (const In *)a.x + i * a.xs;
@@ -67,12 +71,16 @@ template <typename In, typename O, bool T> __global__ void __launch_bounds__(512
       float w[NV];
       unpack<In, NV>(rv, w);
       acc.xform<NV>(X, w);
-      acc.vec<T, NV>(X, w, v * NV, a.V, false, nullptr, 0);
+      acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
     first_pass(
-        ch.nv, [&](int64_t v) { return load_vec<In, STREAM>(row, v * NV, a.V, al); }, step);
+        a.staged, stage, row, ch.jb, a.V, al, ch.nv,
+        [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, al); }, step);
 
-    Part P = reduce_row(acc, k, T, false, &red, 1, 0);
+    Part P = reduce_row(acc, k, T, false, &red, cs, parity);
+    parity ^= 1;
+    synced = 1;
+    if (rank != 0) continue;
     const lmloss_rowstat &s = P.s;
     const bool ok = !P.bad && lmloss_rowstat_finite(&s);
     const float l1r = log1pf(s.r);
@@ -87,16 +95,14 @@ template <typename In, typename O, bool T> __global__ void __launch_bounds__(512
     }
     if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = ok ? lmloss_rowstat_entropy(&s) : NAN;
   }
+  if (synced) cluster_exit(cs);
 }
 
-/* Same shape as the cross-entropy gradient (see ce_rows): one row per
- * cluster of up to 8 CTAs, each staging its chunk (<= ~100 KB) in shared
- * memory so the logits are read from HBM once, persistent over rows.
- * Positions that need the exact formula (the argmax, the K indices) are
+/* Same shape as the cross-entropy gradient (see ce_rows). Positions that need the exact formula (the argmax, the K indices) are
  * flagged in a per-vector bitmap in shared memory, so the hot loop pays
  * one shared load per 16 bytes whatever K is. */
 template <typename In, typename O, bool T>
-__global__ void __launch_bounds__(512, 2) lp_bwd(LpArgs a) {
+__global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -124,21 +130,17 @@ __global__ void __launch_bounds__(512, 2) lp_bwd(LpArgs a) {
       continue;
     }
     const bool in_al = is_aligned16(row);
-    const bool keep = !a.staged;
-    auto ld = [&](int64_t v) {
-      return keep ? load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al)
-                  : load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al);
-    };
+    /* unstaged only: kept in L2 for the second read */
+    auto ld = [&](int64_t v) { return load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al); };
     Acc acc;
     acc.init(X);
     auto step = [&](int64_t v, const Raw<In> &rv) {
-      if (a.staged) stage[v] = rv.u;
       float w[NV];
       unpack<In, NV>(rv, w);
       acc.xform<NV>(X, w);
       acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
-    { first_pass(ch.nv, ld, step); }
+    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, ld, step);
     /* Its barriers also order the previous row's bitmap reads before the clear. */
     Part P = reduce_row(acc, k, T, false, &red, cs, parity);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
@@ -239,29 +241,14 @@ __global__ void __launch_bounds__(512, 2) lp_bwd(LpArgs a) {
 
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  (void)d;
-  constexpr int NV = elt<In>::NV;
-  int64_t nv = (a.V + NV - 1) / NV;
-  a.chunk = nv * NV;
-  a.cs = 1;
-  int bs = pick_bs(nv);
-  int64_t grid = a.N < (1 << 30) ? a.N : (1 << 30);
-  if (grid <= 0) return LMLOSS_OK;
-  if (T)
-    lp_fwd<In, O, true><<<(unsigned)grid, bs, 0, st>>>(a);
-  else
-    lp_fwd<In, O, false><<<(unsigned)grid, bs, 0, st>>>(a);
-  return check_launch("log_probs");
+  if (T) return launch_rows(lp_fwd<In, O, true>, d, elt<In>::NV, 0, st, a, "log_probs");
+  return launch_rows(lp_fwd<In, O, false>, d, elt<In>::NV, 0, st, a, "log_probs");
 }
 
 template <typename In, typename O>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  Plan p = make_plan(d, a.V, elt<In>::NV, 1, 1);
-  a.cs = p.cs;
-  a.chunk = p.chunk;
-  a.staged = p.staged;
-  if (T) return launch_rows(lp_bwd<In, O, true>, p, d, a.N, st, a, "log_probs_backward");
-  return launch_rows(lp_bwd<In, O, false>, p, d, a.N, st, a, "log_probs_backward");
+  if (T) return launch_rows(lp_bwd<In, O, true>, d, elt<In>::NV, 1, st, a, "log_probs_backward");
+  return launch_rows(lp_bwd<In, O, false>, d, elt<In>::NV, 1, st, a, "log_probs_backward");
 }
 
 template <typename In>

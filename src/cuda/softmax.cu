@@ -29,11 +29,9 @@ struct SmArgs {
   int staged;
 };
 
-/* Same shape as the other gradient-writing kernels (see ce_rows): one row
- * per cluster of up to 8 CTAs, chunks staged in shared memory (fp32 V =
- * 262144 is 1 MB: 8 CTAs x 128 KB, one CTA per SM), so x is read once and
- * y written once; rows too wide to stage are re-read from L2. */
-template <typename In, typename O> __global__ void __launch_bounds__(512) sm_fwd(SmArgs a) {
+/* Same shape as the other two-pass kernels (see ce_rows, make_plan): x is
+ * read once and y written once (fp32 V = 262144 is 1 MB: 16 CTAs x 64 KB). */
+template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_fwd(SmArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -46,19 +44,15 @@ template <typename In, typename O> __global__ void __launch_bounds__(512) sm_fwd
     const In *row = (const In *)a.x + i * a.xs;
     O *yrow = (O *)a.y + i * a.ys;
     const bool in_al = is_aligned16(row), out_al = is_aligned16(yrow);
-    auto ld = [&](int64_t v) {
-      return a.staged ? load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al)
-                      : load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al);
-    };
+    auto ld = [&](int64_t v) { return load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al); };
     Acc acc;
     acc.init(X);
     auto step = [&](int64_t v, const Raw<In> &rv) {
-      if (a.staged) stage[v] = rv.u;
       float w[NV];
       unpack<In, NV>(rv, w);
       acc.vec<false, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
-    { first_pass(ch.nv, ld, step); }
+    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, ld, step);
     Part P = reduce_row(acc, 1.0f, false, false, &red, cs, parity);
     parity ^= 1;
     synced = 1;
@@ -187,11 +181,7 @@ __global__ void __launch_bounds__(512) sm_bwd(SbArgs a) {
 
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, SmArgs &a, cudaStream_t st) {
-  Plan p = make_plan(d, a.V, elt<In>::NV, 1, 0);
-  a.cs = p.cs;
-  a.chunk = p.chunk;
-  a.staged = p.staged;
-  return launch_rows(sm_fwd<In, O>, p, d, a.N, st, a, "softmax");
+  return launch_rows(sm_fwd<In, O>, d, elt<In>::NV, 0, st, a, "softmax");
 }
 
 template <typename In>
