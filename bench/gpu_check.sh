@@ -8,6 +8,9 @@
 #   bench/gpu_check.sh            all of the above
 #   bench/gpu_check.sh sanitize   the CUDA test executables under
 #                                 compute-sanitizer memcheck and racecheck
+#   bench/gpu_check.sh kernels    the row kernels alone: their C tests,
+#                                 `lmloss check`, the issue's bandwidth
+#                                 cases and an ncu summary of each kernel
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -31,16 +34,38 @@ if [ "${1:-}" = "sanitize" ]; then
   exit $status
 fi
 
+L="$BUILD/lmloss"
+bench_rows() {
+  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 8192,152064
+  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 4096,32768
+  $L bench softmax --device cuda --dtype f32 --shape 4096,262144
+}
+if [ "${1:-}" = "kernels" ]; then
+  status=0
+  for t in test_ce test_logprob test_softmax; do
+    LMLOSS_TEST_BACKEND=cuda "$BUILD/$t" >"$OUT/$t.log" 2>&1 || status=1
+    echo "$t: $(grep -c '^ok' "$OUT/$t.log") ok, $(grep -c '^FAIL' "$OUT/$t.log") failed"
+    grep -A2 -m3 "failed" "$OUT/$t.log"
+  done
+  $L check | tail -2 || status=1
+  bench_rows 2>/dev/null | tee "$OUT/bench-rows.txt"
+  for op in logprob ce-grad logprob-bwd; do
+    ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+      -k regex:'lp_|ce_rows' -c 1 "$L" bench $op --device cuda --dtype bf16 --shape 8192,152064 \
+      --reps 1 >"$OUT/ncu-$op.txt" 2>&1
+  done
+  grep -hE "^  [a-z_]+<|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Cluster Size|Grid Size" \
+    "$OUT"/ncu-*.txt
+  exit $status
+fi
+
 status=0
 LMLOSS_TEST_BACKEND=cuda ctest --test-dir "$BUILD" --output-on-failure >"$OUT/ctest-cuda.log" 2>&1 ||
   status=1
 grep -E "tests passed|FAIL|Failed" "$OUT/ctest-cuda.log" | head -40
 "$BUILD/lmloss" check | tee "$OUT/check.log" | tail -3 || status=1
-L="$BUILD/lmloss"
 {
-  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 8192,152064
-  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 4096,32768
-  $L bench softmax --device cuda --dtype f32 --shape 4096,262144
+  bench_rows
   $L bench linear-ce --device cuda --dtype bf16 --shape 8192,152064,4096 --reps 5
 } 2>/dev/null | tee "$OUT/bench-cuda.txt"
 if [ -d .whl ]; then

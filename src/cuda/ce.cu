@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
       acc.xform<NV>(X, w);
       acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, U, a.cw, a.cws);
     };
-    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, ld, step);
+    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, ld, step);
     /* The target's logit, read before any CTA of the cluster writes (the
      * gradient may overwrite the logits in place). */
     const bool y_ok = y >= 0 && y < a.V;

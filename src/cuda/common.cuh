@@ -133,13 +133,13 @@ __device__ __forceinline__ bool is_aligned16(const void *p) { return ((uintptr_t
 /* Transform and exponentials                                          */
 /* ------------------------------------------------------------------ */
 
-/* The transform with k * log2(e) as a hi/lo pair, and the clamp dmin of
- * the max difference below which exp underflows to 0 (keeps -inf logits
- * from turning the compensation into NaN). */
+/* The transform with k * log2(e), and the clamp dmin of the max
+ * difference below which exp underflows to 0 (keeps -inf logits out of
+ * the arithmetic). */
 struct Xf {
   lmloss_xform f;
-  float kh, kl; /* kh + kl = k log2(e) to ~2^-48 */
-  float dmin;   /* (w - m) below this gives exp = 0 */
+  float kh;   /* k log2(e) */
+  float dmin; /* (w - m) below this gives exp = 0 */
 };
 
 static inline Xf make_xf(lmloss_transform t) {
@@ -147,7 +147,6 @@ static inline Xf make_xf(lmloss_transform t) {
   x.f = lmloss_xform_make(t);
   double kk = (double)x.f.k * LOG2E;
   x.kh = (float)kk;
-  x.kl = (float)(kk - (double)x.kh);
   x.dmin = (float)(-250.0 / kk);
   return x;
 }
@@ -166,16 +165,17 @@ __device__ __forceinline__ float max_nan(float a, float b) {
   return y;
 }
 
-/* exp(d k) for d = w - m <= 0 (already clamped to >= dmin), with the
- * rounding of the product d * k log2(e) compensated: p + lo is the exact
- * exponent to ~2^-48 relative, and 2^(p + lo) = 2^p (1 + lo ln 2). Sets
- * *p2 = p (the base-2 exponent) for the entropy sums. */
+/* exp(d k) for d = w - m <= 0 (already clamped to >= dmin), as one
+ * multiply and ex2. The rounding of p = d k log2(e) perturbs each term by
+ * at most |p| 2^-24 relative (5e-6 at the underflow edge, p = -126), well
+ * inside the 1e-5 the suite holds every backend to; a compensated product
+ * cost four more instructions per element, a third of the budget of a
+ * bandwidth-bound pass. Sets *p2 = p (the base-2 exponent) for the entropy
+ * sums. */
 __device__ __forceinline__ float cexp(const Xf &X, float d, float *p2) {
   float p = d * X.kh;
-  float lo = fmaf(d, X.kl, fmaf(d, X.kh, -p));
-  float e = ex2(p);
   *p2 = p;
-  return fmaf(e, lo * LN2, e);
+  return ex2(p);
 }
 
 template <int NV> __device__ __forceinline__ void xform_vec(const Xf &X, float *x) {
@@ -228,12 +228,12 @@ struct Acc {
     }
   }
 
-  /* A vector whose max vm beats the running max (rare per thread, but
-   * frequent per warp early in a row, so it is kept short and branch-free
-   * inside): rescale the state to the new max once, make the vector's
-   * first occurrence of vm the argmax and take it out of the vector (-inf),
-   * so the common loop below adds the rest, ties included. NaNs are
-   * flagged here (max_nan sends their vector here) and then contribute 0. */
+  /* A vector whose max vm beats the running max, or first reaches a seeded
+   * max (see seed): rescale the state to the new max once (nothing to
+   * rescale when seeded), make the vector's first occurrence of vm the
+   * argmax and take it out of the vector (-inf), so the common loop below
+   * adds the rest, ties included. NaNs are flagged here (max_nan sends
+   * their vector here) and then contribute 0. */
   template <bool T, int NV>
   __device__ __forceinline__ void new_max(const Xf &X, float *w, int64_t j0, bool U) {
     float vm = -INFINITY;
@@ -242,7 +242,7 @@ struct Acc {
       if (w[i] != w[i]) bad = 1;
       vm = fmaxf(vm, w[i]);
     }
-    if (!(vm > m)) return;
+    if (!(vm > m) && !(vm == m && a < 0 && vm > -INFINITY)) return;
     if (a >= 0) {
       float dd = m - vm, p;
       float sc = cexp(X, fmaxf(dd, X.dmin), &p);
@@ -283,7 +283,7 @@ struct Acc {
         }
       }
     }
-    if (!(vm <= m)) new_max<T, NV>(X, w, j0, false);
+    if (!(vm < m)) new_max<T, NV>(X, w, j0, false);
 #pragma unroll
     for (int i = 0; i < NV; i++) {
       float p;
@@ -291,6 +291,14 @@ struct Acc {
       r += e;
       if (T) tn = fmaf(e, p, tn);
     }
+  }
+
+  /* Start from this thread's max M, known from a first sweep over its
+   * staged vectors: no vector then raises the max, so the hot loop never
+   * rescales (online, a thread with ~10 vectors would take the slow path
+   * for a third of them, and its whole warp with it). */
+  __device__ __forceinline__ void seed(float M) {
+    if (M > -INFINITY) m = mref = M;
   }
 
   __device__ __forceinline__ lmloss_rowstat state() const {
@@ -475,13 +483,16 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
  * first).
  * Staged: every vector of the chunk is copied into the stage at once
  * (asynchronously where 16-byte aligned and complete, else element loads
- * padded with -inf), in two commit groups so the thread starts on its
- * first half while the second is still in flight. A thread only ever reads
- * back the vectors it copied itself, so no barrier is needed.
- * Unstaged: register loads, four in flight per thread, through ld(v). */
+ * padded with -inf), in two commit groups so the thread sweeps its first
+ * half for the max while the second is still in flight; acc is seeded
+ * with that max before the steps. A thread only ever reads back the
+ * vectors it copied itself, so no barrier is needed.
+ * Unstaged: register loads, four in flight per thread, through ld(v); acc
+ * finds the max online. */
 template <typename In, typename Ld, typename Step>
 __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *row, int64_t jb,
-                                           int64_t V, bool aligned, int64_t nv, Ld ld, Step step) {
+                                           int64_t V, bool aligned, int64_t nv, const Xf &X,
+                                           Acc &acc, Ld ld, Step step) {
   constexpr int NV = elt<In>::NV;
   const int64_t B = blockDim.x, t = threadIdx.x;
   if (staged) {
@@ -496,8 +507,20 @@ __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *
     }
     cp_async_commit();
     cp_async_wait<1>();
+    float M = -INFINITY;
     for (int64_t q = 0; q < n; q++) {
       if (q == half) cp_async_wait<0>();
+      Raw<In> r;
+      r.u = stage[t + q * B];
+      float w[NV];
+      unpack<In, NV>(r, w);
+      xform_vec<NV>(X, w);
+#pragma unroll
+      for (int i = 0; i < NV; i++)
+        M = max_nan(M, w[i]);
+    }
+    acc.seed(M);
+    for (int64_t q = 0; q < n; q++) {
       const int64_t v = t + q * B;
       Raw<In> r;
       r.u = stage[v];

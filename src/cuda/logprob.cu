@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
       acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
     first_pass(
-        a.staged, stage, row, ch.jb, a.V, al, ch.nv,
+        a.staged, stage, row, ch.jb, a.V, al, ch.nv, X, acc,
         [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, al); }, step);
 
     Part P = reduce_row(acc, k, T, false, &red, cs, parity);
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
       acc.xform<NV>(X, w);
       acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
-    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, ld, step);
+    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, ld, step);
     /* Its barriers also order the previous row's bitmap reads before the clear. */
     Part P = reduce_row(acc, k, T, false, &red, cs, parity);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)

@@ -52,7 +52,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
       unpack<In, NV>(rv, w);
       acc.vec<false, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
-    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, ld, step);
+    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, ld, step);
     Part P = reduce_row(acc, 1.0f, false, false, &red, cs, parity);
     parity ^= 1;
     synced = 1;
