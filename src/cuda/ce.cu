@@ -177,14 +177,14 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
       acc.xform<NV>(X, w);
       acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, U, a.cw, a.cws);
     };
-    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, ld, step);
+    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, &red, ld, step);
     /* The target's logit, read before any CTA of the cluster writes (the
      * gradient may overwrite the logits in place). */
     const bool y_ok = y >= 0 && y < a.V;
     const float wy = y_ok ? lmloss_xform_w(&X.f, tof(row[y])) : 0.0f;
     const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
 
-    Part P = reduce_row(acc, k, T, U, &red, cs, parity);
+    Part P = reduce_row(acc, k, T, U, &red, cs, parity, a.staged);
     parity ^= 1;
     synced = 1;
     lmloss_rowstat s = P.s;

@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <float.h>
+#include <limits.h>
 #include <stdint.h>
 
 extern "C" {
@@ -338,69 +339,148 @@ __device__ __forceinline__ lmloss_rowstat shfl_state(lmloss_rowstat s, int off, 
 }
 
 /* Shared memory of the reductions: one slot per warp, the block result,
- * and two cluster slots (double-buffered by row parity, so one cluster
- * barrier per row suffices). */
+ * two cluster slots (double-buffered by row parity, so one cluster
+ * barrier per row suffices), and the warp maxima and block max of a
+ * staged chunk. */
 struct RedSmem {
   Part warp[32];
   Part block;
   Part cluster[2];
+  float wmax[32];
+  float bmax;
 };
+
+/* The block max of the staged sweep (NaN if any thread saw one). Contains
+ * __syncthreads: call uniformly. */
+__device__ __forceinline__ float block_max(float M, RedSmem *sm) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    M = max_nan(M, __shfl_xor_sync(0xffffffffu, M, off));
+  if ((threadIdx.x & 31) == 0) sm->wmax[threadIdx.x >> 5] = M;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float b = sm->wmax[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++)
+      b = max_nan(b, sm->wmax[w]);
+    sm->bmax = b;
+  }
+  __syncthreads();
+  return sm->bmax;
+}
+
+/* The CTA's state when every thread accumulated against the same finite
+ * max M (seeded from block_max): the sums simply add; each thread holding
+ * an occurrence of M took its first one out of r, so all but the first
+ * (lowest index) come back as 1 each. No exponentials, no branches. */
+__device__ __forceinline__ Part reduce_shared_max(const Acc &acc, bool T, bool U, RedSmem *sm) {
+  lmloss_rowstat s = acc.state();
+  s.u = U ? acc.u : 0.0f; /* state() keeps u, c only with an argmax */
+  s.c = U ? acc.c : 0.0f;
+  float cnt = acc.a >= 0 ? 1.0f : 0.0f;
+  long long a = acc.a >= 0 ? acc.a : LLONG_MAX;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    s.r += __shfl_xor_sync(0xffffffffu, s.r, off);
+    cnt += __shfl_xor_sync(0xffffffffu, cnt, off);
+    a = min(a, __shfl_xor_sync(0xffffffffu, a, off));
+    if (T) s.t += __shfl_xor_sync(0xffffffffu, s.t, off);
+    if (U) {
+      s.u += __shfl_xor_sync(0xffffffffu, s.u, off);
+      s.c += __shfl_xor_sync(0xffffffffu, s.c, off);
+    }
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+    sm->warp[warp].s = s;
+    sm->warp[warp].s.a = a;
+    sm->warp[warp].ue = cnt; /* the warp's count of occurrences, until merged */
+  }
+  __syncthreads();
+  Part b = sm->warp[0];
+  for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
+    const Part &o = sm->warp[w];
+    b.s.r += o.s.r;
+    b.s.t += o.s.t;
+    b.s.u += o.s.u;
+    b.s.c += o.s.c;
+    b.s.a = min(b.s.a, o.s.a);
+    b.ue += o.ue;
+  }
+  b.s.r += b.ue - 1.0f;
+  b.ue = b.ce = 0.0f;
+  return b;
+}
 
 /* Merge in a fixed order (xor butterfly within warps, warp slots in
  * order, cluster ranks in order): bit-reproducible. Every thread of
- * every CTA of the cluster returns the same row state. Contains
+ * every CTA of the cluster returns the same row state. A staged chunk
+ * whose block max is finite takes the cheap path above. Contains
  * __syncthreads (and a cluster barrier when cs > 1): call uniformly. */
 __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool U, RedSmem *sm,
-                                           int cs, int parity) {
+                                           int cs, int parity, bool staged) {
   Part p;
-  p.s = acc.state();
-  p.ue = (U && acc.a < 0) ? acc.u : 0.0f;
-  p.ce = (U && acc.a < 0) ? acc.c : 0.0f;
-  p.bad = __syncthreads_or(acc.bad) | !__syncthreads_or(acc.fin);
+  const int bad = __syncthreads_or(acc.bad) | !__syncthreads_or(acc.fin);
+  if (staged && sm->bmax > -INFINITY) {
+    p = reduce_shared_max(acc, T, U, sm);
+  } else {
+    p.s = acc.state();
+    p.ue = (U && acc.a < 0) ? acc.u : 0.0f;
+    p.ce = (U && acc.a < 0) ? acc.c : 0.0f;
 #pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    lmloss_rowstat o = shfl_state(p.s, off, T, U);
-    /* Lane order: the lower lane's state is the left operand. */
-    bool lower = (threadIdx.x & off) == 0;
-    p.s = lower ? lmloss_rowstat_merge(p.s, o, k) : lmloss_rowstat_merge(o, p.s, k);
-    if (U) {
-      p.ue += __shfl_xor_sync(0xffffffffu, p.ue, off);
-      p.ce += __shfl_xor_sync(0xffffffffu, p.ce, off);
+    for (int off = 1; off < 32; off <<= 1) {
+      lmloss_rowstat o = shfl_state(p.s, off, T, U);
+      /* Lane order: the lower lane's state is the left operand. */
+      bool lower = (threadIdx.x & off) == 0;
+      p.s = lower ? lmloss_rowstat_merge(p.s, o, k) : lmloss_rowstat_merge(o, p.s, k);
+      if (U) {
+        p.ue += __shfl_xor_sync(0xffffffffu, p.ue, off);
+        p.ce += __shfl_xor_sync(0xffffffffu, p.ce, off);
+      }
     }
-  }
-  int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  if ((threadIdx.x & 31) == 0) sm->warp[warp] = p;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    Part b = sm->warp[0];
-    for (int w = 1; w < nwarps; w++) {
-      b.s = lmloss_rowstat_merge(b.s, sm->warp[w].s, k);
-      b.ue += sm->warp[w].ue;
-      b.ce += sm->warp[w].ce;
-    }
-    if (cs > 1)
-      sm->cluster[parity] = b;
-    else
-      sm->block = b;
-  }
-  if (cs == 1) {
+    int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if ((threadIdx.x & 31) == 0) sm->warp[warp] = p;
     __syncthreads();
-    return sm->block;
+    p = sm->warp[0];
+    for (int w = 1; w < nwarps; w++) {
+      p.s = lmloss_rowstat_merge(p.s, sm->warp[w].s, k);
+      p.ue += sm->warp[w].ue;
+      p.ce += sm->warp[w].ce;
+    }
   }
+  p.bad = bad;
+  if (cs == 1) return p;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  /* Thread 0 publishes the CTA's part; after the barrier, warp 0 fetches
+   * the cs parts (one remote load per lane) and merges them in rank order;
+   * the others wait at the block barrier for the result. */
   cg::cluster_group cl = cg::this_cluster();
+  if (threadIdx.x == 0) sm->cluster[parity] = p;
   cl.sync();
-  Part b = *cl.map_shared_rank(&sm->cluster[parity], 0);
-  for (int q = 1; q < cs; q++) {
-    Part o = *cl.map_shared_rank(&sm->cluster[parity], q);
-    b.s = lmloss_rowstat_merge(b.s, o.s, k);
-    b.ue += o.ue;
-    b.ce += o.ce;
-    b.bad |= o.bad;
+  if (threadIdx.x < 32) {
+    const Part o = *cl.map_shared_rank(&sm->cluster[parity], (int)threadIdx.x < cs ? threadIdx.x : 0);
+    Part b = o; /* lane 0's: rank 0's part */
+    for (int q = 1; q < cs; q++) {
+      Part r;
+      r.s.m = __shfl_sync(0xffffffffu, o.s.m, q);
+      r.s.r = __shfl_sync(0xffffffffu, o.s.r, q);
+      r.s.t = __shfl_sync(0xffffffffu, o.s.t, q);
+      r.s.u = __shfl_sync(0xffffffffu, o.s.u, q);
+      r.s.c = __shfl_sync(0xffffffffu, o.s.c, q);
+      r.s.a = __shfl_sync(0xffffffffu, (long long)o.s.a, q);
+      r.ue = __shfl_sync(0xffffffffu, o.ue, q);
+      r.ce = __shfl_sync(0xffffffffu, o.ce, q);
+      r.bad = __shfl_sync(0xffffffffu, o.bad, q);
+      b.s = lmloss_rowstat_merge(b.s, r.s, k);
+      b.ue += r.ue;
+      b.ce += r.ce;
+      b.bad |= r.bad;
+    }
+    if (threadIdx.x == 0) sm->block = b;
   }
-  return b;
+  __syncthreads();
+  return sm->block;
 #else
-  return sm->block; /* unreachable: the host never clusters below sm_90 */
+  return p; /* unreachable: the host never clusters below sm_90 */
 #endif
 }
 
@@ -485,14 +565,14 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
  * (asynchronously where 16-byte aligned and complete, else element loads
  * padded with -inf), in two commit groups so the thread sweeps its first
  * half for the max while the second is still in flight; acc is seeded
- * with that max before the steps. A thread only ever reads back the
+ * with the CTA's max before the steps (so reduce_row can just add). A thread only ever reads back the
  * vectors it copied itself, so no barrier is needed.
  * Unstaged: register loads, four in flight per thread, through ld(v); acc
  * finds the max online. */
 template <typename In, typename Ld, typename Step>
 __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *row, int64_t jb,
                                            int64_t V, bool aligned, int64_t nv, const Xf &X,
-                                           Acc &acc, Ld ld, Step step) {
+                                           Acc &acc, RedSmem *red, Ld ld, Step step) {
   constexpr int NV = elt<In>::NV;
   const int64_t B = blockDim.x, t = threadIdx.x;
   if (staged) {
@@ -519,7 +599,7 @@ __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *
       for (int i = 0; i < NV; i++)
         M = max_nan(M, w[i]);
     }
-    acc.seed(M);
+    acc.seed(block_max(M, red));
     for (int64_t q = 0; q < n; q++) {
       const int64_t v = t + q * B;
       Raw<In> r;

@@ -74,10 +74,10 @@ __global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
       acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
     first_pass(
-        a.staged, stage, row, ch.jb, a.V, al, ch.nv, X, acc,
+        a.staged, stage, row, ch.jb, a.V, al, ch.nv, X, acc, &red,
         [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, al); }, step);
 
-    Part P = reduce_row(acc, k, T, false, &red, cs, parity);
+    Part P = reduce_row(acc, k, T, false, &red, cs, parity, a.staged);
     parity ^= 1;
     synced = 1;
     if (rank != 0) continue;
@@ -140,9 +140,9 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
       acc.xform<NV>(X, w);
       acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
-    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, ld, step);
+    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, &red, ld, step);
     /* Its barriers also order the previous row's bitmap reads before the clear. */
-    Part P = reduce_row(acc, k, T, false, &red, cs, parity);
+    Part P = reduce_row(acc, k, T, false, &red, cs, parity, a.staged);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
       bm[q] = 0u;
     parity ^= 1;

@@ -52,8 +52,8 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
       unpack<In, NV>(rv, w);
       acc.vec<false, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
-    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, ld, step);
-    Part P = reduce_row(acc, 1.0f, false, false, &red, cs, parity);
+    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, &red, ld, step);
+    Part P = reduce_row(acc, 1.0f, false, false, &red, cs, parity, a.staged);
     parity ^= 1;
     synced = 1;
     const bool ok = !P.bad && lmloss_rowstat_finite(&P.s);
