@@ -303,8 +303,8 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
 
 template <typename In, typename O>
 static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
-  if (T) return launch_rows(ce_rows<In, O, true>, d, elt<In>::NV, 0, st, a, "cross_entropy");
-  return launch_rows(ce_rows<In, O, false>, d, elt<In>::NV, 0, st, a, "cross_entropy");
+  if (T) return launch_rows(ce_rows<In, O, true>, d, elt<In>::NV, a.mode != CE_FWD, 0, st, a, "cross_entropy");
+  return launch_rows(ce_rows<In, O, false>, d, elt<In>::NV, a.mode != CE_FWD, 0, st, a, "cross_entropy");
 }
 
 template <typename In>

@@ -653,24 +653,29 @@ struct Plan {
   size_t smem;   /* dynamic shared memory bytes */
 };
 
-/* Why this shape: a row is read from HBM once, into shared memory, by a
- * cluster of cs CTAs, each staging <= 48 KB so four or more CTAs share an
- * SM. Each CTA has its whole chunk in flight at once (cp.async), the
- * cluster swaps its partial states through distributed shared memory, and
- * the CTAs at different stages of their rows (loading, reducing, writing)
- * keep HBM busy. Only rows too wide for 16 x (the opt-in limit) are read
- * twice, the second time from L2. Threads: 256 (128 for narrow chunks),
- * so each owns several 16-byte vectors. */
-static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, size_t extra_per_vector_bits,
-                             int maxcs) {
+/* Why this shape: a two-pass row (anything that writes a gradient or a
+ * softmax) is read from HBM once, into shared memory, by a cluster of cs
+ * CTAs, each staging <= 48 KB so three or more CTAs share an SM. Each CTA
+ * has its whole chunk in flight at once (cp.async), the cluster swaps its
+ * partial states through distributed shared memory, and the CTAs at
+ * different stages of their rows (loading, reducing, writing) keep HBM
+ * busy. Only rows too wide for 16 x (the opt-in limit) are read twice,
+ * the second time from L2. A one-pass row (forward only) is streamed
+ * through registers by one CTA: measured on the H200, staging it in a
+ * cluster cost more in barriers than it saved (1.9 ms against 1.1 ms at
+ * bf16 8192 x 152064). Threads: 256 (128 for narrow chunks), so each owns
+ * several 16-byte vectors. */
+static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
+                             size_t extra_per_vector_bits, int maxcs) {
   Plan p = {};
+  if (!two_pass) maxcs = 1;
   const int64_t nvec = (V + NV - 1) / NV;
   auto bytes = [&](int cs) {
     int64_t v = (nvec + cs - 1) / cs;
     return v * 16 + (v + 31) / 32 * 4 * (int64_t)extra_per_vector_bits;
   };
   const int64_t budgets[2] = {48 * 1024, d.smem_optin - 8 * 1024};
-  for (int b = 0; b < 2 && !p.cs; b++)
+  for (int b = 0; b < 2 && two_pass && !p.cs; b++)
     for (int cs = 1; cs <= maxcs && !p.cs; cs *= 2)
       if (bytes(cs) <= budgets[b]) p.cs = cs;
   p.staged = p.cs != 0;
@@ -692,11 +697,12 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, size_t extra_p
  * 16 are non-portable: where the device cannot schedule one, the plan
  * falls back to 8. Sets the args' cs, chunk and staged. */
 template <typename K, typename A>
-static lmloss_status launch_rows(K kernel, const DevInfo &d, int NV, size_t extra_per_vector_bits,
-                                 cudaStream_t st, A &args, const char *what) {
+static lmloss_status launch_rows(K kernel, const DevInfo &d, int NV, int two_pass,
+                                 size_t extra_per_vector_bits, cudaStream_t st, A &args,
+                                 const char *what) {
   if (args.N <= 0) return LMLOSS_OK;
   for (int maxcs = d.cc_major >= 9 ? 16 : 1;; maxcs /= 2) {
-    Plan p = make_plan(d, args.V, NV, extra_per_vector_bits, maxcs);
+    Plan p = make_plan(d, args.V, NV, two_pass, extra_per_vector_bits, maxcs);
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          (int)p.smem);
     if (e == cudaSuccess && p.cs > 8)

@@ -241,14 +241,16 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
 
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  if (T) return launch_rows(lp_fwd<In, O, true>, d, elt<In>::NV, 0, st, a, "log_probs");
-  return launch_rows(lp_fwd<In, O, false>, d, elt<In>::NV, 0, st, a, "log_probs");
+  if (T) return launch_rows(lp_fwd<In, O, true>, d, elt<In>::NV, 0, 0, st, a, "log_probs");
+  return launch_rows(lp_fwd<In, O, false>, d, elt<In>::NV, 0, 0, st, a, "log_probs");
 }
 
 template <typename In, typename O>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  if (T) return launch_rows(lp_bwd<In, O, true>, d, elt<In>::NV, 1, st, a, "log_probs_backward");
-  return launch_rows(lp_bwd<In, O, false>, d, elt<In>::NV, 1, st, a, "log_probs_backward");
+  if (T) return launch_rows(lp_bwd<In, O, true>, d, elt<In>::NV, 1, 1, st, a,
+                                  "log_probs_backward");
+  return launch_rows(lp_bwd<In, O, false>, d, elt<In>::NV, 1, 1, st, a,
+                                  "log_probs_backward");
 }
 
 template <typename In>
