@@ -5,13 +5,20 @@
  * a GEMM). Then, per chunk of at most `rows` of them:
  *   gather hidden rows -> slab = hidden_c W^T (+ bias)           (GEMM 1)
  *   the backend's own row op on the slab (CE or log-probs, forward and/or
- *   gradient, in place when the weight is F32)
+ *   gradient, in place or into 16-bit dlogits: below)
  *   dhidden_c = dlogits W -> scattered back                      (GEMM 2)
  *   dW += dlogits^T hidden_c, dbias += column sums               (GEMM 3)
  * so the numerics are exactly those of the logits ops, and memory beyond
  * inputs and outputs is the chunk buffers (sized from the budget) plus,
  * on request, fp32 accumulators for 16-bit dW / dbias. This file holds no
  * math: it sequences the backend's primitives.
+ *
+ * A 16-bit weight gets dlogits in its dtype, so that GEMMs 2 and 3 run on
+ * tensor cores. Rounded to bf16 once, dlogits would cost dhidden more than
+ * twice the error of rounding dhidden itself; so when dhidden is wanted
+ * the row op writes the fp32 gradient in place, dbias sums it, and it is
+ * split into 16-bit hi + lo: dhidden = hi W + lo W summed in fp32, dW from
+ * hi alone (within its bound).
  */
 #include <string.h>
 
@@ -44,8 +51,9 @@ typedef struct {
 /* Where everything lives in the workspace; rows = rows per chunk. */
 typedef struct {
   int64_t rows, K;
-  size_t list, slab, dl, hid, dh, aux, ce_ws, acc_w, acc_b, sums, total;
+  size_t list, slab, dl, hid, dh, dh_acc, aux, ce_ws, acc_w, acc_b, sums, total;
   int dl_separate; /* dlogits in the weight's 16-bit dtype, beside the fp32 slab */
+  int split_dl;    /* and dhidden from their hi + lo halves, summed in fp32 at dh_acc */
   int acc_w_f32, acc_b_f32;
 } linear_plan;
 
@@ -68,8 +76,12 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   memset(p, 0, sizeof *p);
   p->K = K;
   p->dl_separate = has_grads(grads) && head->weight.dtype != LMLOSS_F32;
+  p->split_dl = p->dl_separate && wants(&grads->dhidden);
+  /* A row of the chunk: fp32 logits (the split's lo overlays them), 16-bit
+   * dlogits (hi), hidden and dhidden, dhidden's fp32 sum when split, the
+   * small buffers and the CE workspace's three doubles. */
   size_t per_row = (size_t)V * 4 + (p->dl_separate ? (size_t)V * hs : 0) + 2 * (size_t)H * hs +
-                   aux_per_row(K) + 3 * sizeof(double);
+                   (p->split_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
   int64_t rows = (int64_t)(budget / per_row);
   if (rows < 1)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
@@ -85,6 +97,7 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   p->dl = off, off += p->dl_separate ? up((size_t)rows * V * hs) : 0;
   p->hid = off, off += up((size_t)rows * H * hs);
   p->dh = off, off += up((size_t)rows * H * hs);
+  p->dh_acc = off, off += p->split_dl ? up((size_t)rows * H * 4) : 0;
   p->aux = off, off += up((size_t)rows * aux_per_row(K));
   p->ce_ws = off, off += up(lmloss_cross_entropy_workspace_size(rows));
   p->sums = off, off += up((size_t)(N / rows + 2) * 4);
@@ -247,6 +260,30 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
                                  j->dlogp ? &dlp : NULL, j->dentropy ? &dent : NULL, dl);
 }
 
+/* dhidden of a chunk = dl W, scattered back. split_dl: the slab holds the
+ * fp32 gradient; hi goes to dl (which dW reads next) and lo over the slab's
+ * own bytes (row i's lo at the start of row i), and dhidden = hi W + lo W
+ * sums in fp32. */
+static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prims *L,
+                                   const linear_plan *p, char *w, const int64_t *list,
+                                   const lmloss_tensor *slab, const lmloss_tensor *dl) {
+  const lmloss_head *h = j->head;
+  const lmloss_device dev = h->hidden.device;
+  const int64_t n = dl->rows, H = h->hidden.cols;
+  lmloss_tensor dh = view(w + p->dh, h->hidden.dtype, dev, n, H);
+  if (p->split_dl) {
+    lmloss_tensor lo = *dl, acc = view(w + p->dh_acc, LMLOSS_F32, dev, n, H);
+    lo.data = slab->data, lo.row_stride = 2 * slab->row_stride;
+    TRY(L->split_hi_lo(j->ctx, slab, dl, &lo));
+    TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &acc));
+    TRY(L->gemm(j->ctx, 0, 0, 1.0f, &lo, &h->weight, 1.0f, &acc));
+    TRY(L->cast(j->ctx, &acc, &dh));
+  } else {
+    TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &dh));
+  }
+  return L->scatter_rows(j->ctx, &dh, list, &j->grads->dhidden);
+}
+
 /* Outputs of the rows that no chunk visits. */
 static lmloss_status fill_unvisited(const linear_job *j, const lmloss_linear_prims *L) {
   const lmloss_context *ctx = j->ctx;
@@ -321,16 +358,14 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     if (wants(&h->bias)) TRY(L->broadcast_row(j->ctx, &h->bias, &slab));
     TRY(L->gemm(j->ctx, 0, 1, 1.0f, &hc, &h->weight, wants(&h->bias) ? 1.0f : 0.0f, &slab));
     lmloss_tensor dl = p.dl_separate ? view(w + p.dl, h->weight.dtype, dev, n, V) : slab;
-    TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &dl : NULL, scale));
+    lmloss_tensor grad = p.split_dl ? slab : dl; /* where the row op writes the gradient */
+    TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &grad : NULL, scale));
     if (!want_grad) continue;
     const float beta = c == 0 ? 0.0f : 1.0f;
-    if (wants(&g->dhidden)) {
-      lmloss_tensor dh = view(w + p.dh, h->hidden.dtype, dev, n, H);
-      TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dl, &h->weight, 0.0f, &dh));
-      TRY(L->scatter_rows(j->ctx, &dh, lc, &g->dhidden));
-    }
+    /* in this order: dbias reads grad before the split overwrites it, dW its hi */
+    if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &grad, beta, &accb));
+    if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, &slab, &dl));
     if (wants(&g->dweight)) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &accw));
-    if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &dl, beta, &accb));
   }
   if (want_grad || (g && j->kind == CE_FORWARD)) {
     if (g && wants(&g->dweight)) {

@@ -257,9 +257,49 @@ static lmloss_status sum(const lmloss_context *ctx, const lmloss_tensor *src,
   return check_launch("sum");
 }
 
+/* One CTA per row walks it in segments of SPLIT_PER_THREAD x blockDim
+ * elements: every thread loads its part of the segment, one barrier, then
+ * the stores. lo may overlay src: lo of element j lands in the bytes of
+ * src element j / 2, inside this segment or an earlier one, so the barrier
+ * orders it after every load of the segment, and no later load reads it. */
+constexpr int SPLIT_PER_THREAD = 8;
+
+__global__ void split_hi_lo_kernel(const float *src, int64_t sstride, uint16_t *hi, int64_t hstride,
+                                   uint16_t *lo, int64_t lstride, lmloss_dtype dt, int64_t rows,
+                                   int64_t cols) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const float *s = src + r * sstride;
+    uint16_t *h = hi + r * hstride, *l = lo + r * lstride;
+    for (int64_t j0 = 0; j0 < cols; j0 += (int64_t)SPLIT_PER_THREAD * blockDim.x) {
+      float x[SPLIT_PER_THREAD];
+#pragma unroll
+      for (int k = 0; k < SPLIT_PER_THREAD; k++) {
+        const int64_t j = j0 + (int64_t)k * blockDim.x + threadIdx.x;
+        x[k] = j < cols ? s[j] : 0.0f;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < SPLIT_PER_THREAD; k++) {
+        const int64_t j = j0 + (int64_t)k * blockDim.x + threadIdx.x;
+        if (j < cols) lmloss_split_hi_lo(x[k], dt, h + j, l + j);
+      }
+    }
+  }
+}
+
+static lmloss_status split_hi_lo(const lmloss_context *ctx, const lmloss_tensor *src,
+                                 const lmloss_tensor *hi, const lmloss_tensor *lo) {
+  if (src->rows == 0 || src->cols == 0) return LMLOSS_OK;
+  const unsigned grid = (unsigned)(src->rows < 65535 ? src->rows : 65535);
+  split_hi_lo_kernel<<<grid, 256, 0, stream_of(ctx)>>>(
+      (const float *)src->data, src->row_stride, (uint16_t *)hi->data, hi->row_stride,
+      (uint16_t *)lo->data, lo->row_stride, hi->dtype, src->rows, src->cols);
+  return check_launch("split_hi_lo");
+}
+
 } // namespace lmc
 
 extern "C" const lmloss_linear_prims lmloss_cuda_linear = {
     lmc::gemm,          lmc::select_rows, lmc::gather_rows, lmc::scatter_rows, lmc::fill,
-    lmc::broadcast_row, lmc::colsum,      lmc::sum,         lmc::cast,
+    lmc::broadcast_row, lmc::colsum,      lmc::sum,         lmc::cast,         lmc::split_hi_lo,
 };

@@ -186,6 +186,16 @@ static void rows_close(tgroup *g, const lmloss_tensor *got, const double *ref, d
   }
 }
 
+/* Worst err / (bf16 rounding error) of each 16-bit gradient, over the run. */
+static const char *bf16_names[] = {"dhidden", "dweight", "dbias"};
+static double bf16_worst[3];
+
+static void note_bf16(const char *what, double err, double rnd) {
+  for (int i = 0; i < 3; i++)
+    if (!strcmp(what, bf16_names[i]) && rnd > 0 && err / rnd > bf16_worst[i])
+      bf16_worst[i] = err / rnd;
+}
+
 /* Whole tensor, Frobenius: within tol relative, or (bf16 > 0) within
  * BF16_FACTOR times the error of rounding ref to bf16. */
 static void tensor_close(tgroup *g, const lmloss_tensor *got, const double *ref, double tol,
@@ -200,6 +210,7 @@ static void tensor_close(tgroup *g, const lmloss_tensor *got, const double *ref,
     }
   num = sqrt(num), den = sqrt(den), rnd = sqrt(rnd);
   note(g, num, den);
+  if (bf16) note_bf16(what, num, rnd);
   double bound = (bf16 ? BF16_FACTOR * rnd : tol * den) + ABS_FLOOR;
   tg_true(g, finite && num <= bound, "%s: err %.3g > bound %.3g (|ref| %.3g, bf16 rounding %.3g)",
           what, num, bound, den, rnd);
@@ -960,6 +971,9 @@ int main(void) {
   if (tb_is_cuda()) {
     ce_suite(LMLOSS_BF16);
     lp_suite(LMLOSS_BF16);
+    printf("bf16 gradients, worst err / bf16 rounding (bound %g): dhidden %.3g dweight %.3g "
+           "dbias %.3g\n",
+           BF16_FACTOR, bf16_worst[0], bf16_worst[1], bf16_worst[2]);
   }
   return test_finish();
 }
