@@ -42,6 +42,31 @@ bench_rows() {
 }
 if [ "${1:-}" = "kernels" ]; then
   status=0
+  for t in test_ce test_logprob test_softmax test_fused_linear; do
+    LMLOSS_TEST_BACKEND=cuda "$BUILD/$t" >"$OUT/$t.log" 2>&1 || status=1
+    echo "$t: $(grep -c '^ok' "$OUT/$t.log") ok, $(grep -c '^FAIL' "$OUT/$t.log") failed"
+    grep -A2 -m3 "failed" "$OUT/$t.log"
+  done
+  $L check | tail -2 || status=1
+  bench_rows 2>/dev/null | tee "$OUT/bench-rows.txt"
+  for op in logprob ce-grad; do
+    ncu --clock-control none --section SpeedOfLight --section Occupancy --section SchedulerStats \
+      --section WarpStateStats --section ComputeWorkloadAnalysis -k regex:'lp_|ce_rows' -c 1 \
+      "$L" bench $op --device cuda --dtype bf16 --shape 8192,152064 --reps 1 >"$OUT/ncu-$op.txt" 2>&1
+  done
+  grep -hE "^  [a-z_]+<|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Cluster Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A" \
+    "$OUT"/ncu-*.txt
+  exit $status
+fi
+
+L="$BUILD/lmloss"
+bench_rows() {
+  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 8192,152064
+  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 4096,32768
+  $L bench softmax --device cuda --dtype f32 --shape 4096,262144
+}
+if [ "${1:-}" = "kernels" ]; then
+  status=0
   for t in test_ce test_logprob test_softmax; do
     LMLOSS_TEST_BACKEND=cuda "$BUILD/$t" >"$OUT/$t.log" 2>&1 || status=1
     echo "$t: $(grep -c '^ok' "$OUT/$t.log") ok, $(grep -c '^FAIL' "$OUT/$t.log") failed"

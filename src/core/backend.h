@@ -46,7 +46,8 @@ typedef struct {
   /* dst = src, converted, same shape */
   lmloss_status (*cast)(const lmloss_context *, const lmloss_tensor *src, const lmloss_tensor *dst);
   /* hi + lo = src (F32) in the 16-bit dtype of hi and lo (lmloss_split_hi_lo).
-   * lo may overlay src's own bytes, row i's lo at the start of row i. */
+   * lo may overlay src's own bytes, row i's lo at the start of row i. NULL
+   * in a backend without 16-bit heads. */
   lmloss_status (*split_hi_lo)(const lmloss_context *, const lmloss_tensor *src,
                                const lmloss_tensor *hi, const lmloss_tensor *lo);
 } lmloss_linear_prims;

@@ -133,28 +133,7 @@ static lmloss_status cast(const lmloss_context *ctx, const lmloss_tensor *src,
   return LMLOSS_OK;
 }
 
-/* A row in order, through memcpy: lo may overlay src (element j's lo lands
- * in the bytes of src element j / 2, already read), which typed pointers
- * to the same bytes would not allow. */
-static lmloss_status split_hi_lo(const lmloss_context *ctx, const lmloss_tensor *src,
-                                 const lmloss_tensor *hi, const lmloss_tensor *lo) {
-#pragma omp parallel for num_threads(lmloss_cpu_threads(ctx))
-  for (int64_t r = 0; r < src->rows; r++) {
-    const char *s = lmloss_cpu_row(src, r);
-    char *h = lmloss_cpu_row_mut(hi, r), *l = lmloss_cpu_row_mut(lo, r);
-    for (int64_t j = 0; j < src->cols; j++) {
-      float x;
-      uint16_t xh, xl;
-      memcpy(&x, s + 4 * j, 4);
-      lmloss_split_hi_lo(x, hi->dtype, &xh, &xl);
-      memcpy(h + 2 * j, &xh, 2);
-      memcpy(l + 2 * j, &xl, 2);
-    }
-  }
-  return LMLOSS_OK;
-}
-
 const lmloss_linear_prims lmloss_cpu_linear = {
     gemm,          select_rows, gather_rows, scatter_rows, fill,
-    broadcast_row, colsum,      sum,         cast,         split_hi_lo,
+    broadcast_row, colsum,      sum,         cast,         NULL, /* F32 heads only */
 };

@@ -244,8 +244,10 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     G *= tw;
     const float Gce = a.dft ? G * py : G;
     const float Gz = G * 2.0f * a.zl * (float)lse;
-    /* dz_j = e_j F1 - F0 c_j away from the target and the argmax. */
-    float F1 = (Gce * q.a_coef + Gz) * inv, F0 = Gce * q.smooth;
+    /* dz_j = e_j F1 - F0 c_j away from the target and the argmax; without
+     * softcap dx = k dz, folded into the coefficients (kx). */
+    const float kx = X.f.cap > 0.0f ? 1.0f : k;
+    float F1 = (Gce * q.a_coef + Gz) * inv * kx, F0 = Gce * q.smooth * kx;
     if (!ok) F1 = F0 = NAN;
     const float m = s.m;
     const long long am = s.a;
@@ -264,7 +266,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
 #pragma unroll
       for (int e = 0; e < NV; e++) {
         float p2;
-        float ej = cexp(X, fmaxf(w[e] - m, X.dmin), &p2);
+        float ej = cexp(X, w[e] - m, &p2); /* -inf logits: ex2(-inf) = 0 */
         float cj = (a.cw && j0 + e < a.V) ? a.cw[(j0 + e) * a.cws] : 1.0f;
         g[e] = fmaf(ej, F1, -F0 * cj);
       }
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
             float p2;
             float pj = cexp(X, fmaxf(w[e] - m, X.dmin), &p2) * inv;
             float gz = Gce * lmloss_ce_grad_z(&q, &s, pj, cj, j == y, j == am) + Gz * pj;
-            g[e] = ok ? gz : NAN;
+            g[e] = ok ? gz * kx : NAN;
           }
         }
       }
@@ -285,10 +287,6 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
 #pragma unroll
         for (int e = 0; e < NV; e++)
           g[e] *= dzdx(X, x[e]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < NV; e++)
-          g[e] *= k;
       }
       store_vec<O, NV>(drow, j0, a.V, out_al, g);
     };

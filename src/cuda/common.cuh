@@ -99,6 +99,16 @@ template <typename T, int NV> __device__ __forceinline__ void unpack(const Raw<T
     x[i] = tof(r.e[i]);
 }
 
+/* bf16 is the top half of an fp32: one shift or mask per element. */
+template <> __device__ __forceinline__ void unpack<bf16, 8>(const Raw<bf16> &r, float *x) {
+  const unsigned q[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    x[2 * i] = __uint_as_float(q[i] << 16);
+    x[2 * i + 1] = __uint_as_float(q[i] & 0xffff0000u);
+  }
+}
+
 /* Store NV values at j0 (only those < V): vector stores (8, 16 or 32
  * bytes) when the output row is 16-byte aligned and the vector complete. */
 template <typename O, int NV>
@@ -203,6 +213,8 @@ struct Acc {
   float m, mref, r, tn, u, c;
   long long a;
   int bad, fin; /* fin: saw a logit > -inf (tracked under softcap only) */
+  bool seeded;  /* m is the CTA's max, fixed (see seed) */
+  bool look;    /* vectors may still raise m or hold the argmax */
 
   __device__ __forceinline__ void init(const Xf &X) {
     m = -INFINITY;
@@ -211,6 +223,8 @@ struct Acc {
     a = -1;
     bad = 0;
     fin = X.f.cap > 0.0f ? 0 : 1;
+    seeded = false;
+    look = true;
   }
 
   /* One element that may raise the max (slow path). */
@@ -266,10 +280,13 @@ struct Acc {
   template <bool T, int NV>
   __device__ __forceinline__ void vec(const Xf &X, float *w, int64_t j0, int64_t V, bool U,
                                       const float *cw, int64_t cw_stride) {
-    float vm = w[0];
+    float vm = m;
+    if (look) {
+      vm = w[0];
 #pragma unroll
-    for (int i = 1; i < NV; i++)
-      vm = max_nan(vm, w[i]);
+      for (int i = 1; i < NV; i++)
+        vm = max_nan(vm, w[i]);
+    }
     if (U) {
       /* smoothing sums against the max after this vector, before the
        * argmax entry is taken out (its own term is 0) */
@@ -284,22 +301,30 @@ struct Acc {
         }
       }
     }
-    if (!(vm < m)) new_max<T, NV>(X, w, j0, false);
+    if (look && !(vm < m)) {
+      new_max<T, NV>(X, w, j0, false);
+      if (seeded && a >= 0) look = false;
+    }
+    /* A -inf logit gives ex2(-inf) = 0; only the entropy term, 0 * p,
+     * needs the clamp. */
 #pragma unroll
     for (int i = 0; i < NV; i++) {
       float p;
-      float e = cexp(X, fmaxf(w[i] - mref, X.dmin), &p);
+      float e = cexp(X, T ? fmaxf(w[i] - mref, X.dmin) : w[i] - mref, &p);
       r += e;
       if (T) tn = fmaf(e, p, tn);
     }
   }
 
-  /* Start from this thread's max M, known from a first sweep over its
-   * staged vectors: no vector then raises the max, so the hot loop never
-   * rescales (online, a thread with ~10 vectors would take the slow path
-   * for a third of them, and its whole warp with it). */
-  __device__ __forceinline__ void seed(float M) {
-    if (M > -INFINITY) m = mref = M;
+  /* Start from the CTA's max M (finite), known from a first sweep over the
+   * staged chunk (Mt: this thread's part of it): no vector then raises the
+   * max, so the hot loop never rescales, and only a thread that holds M
+   * looks for its first occurrence (the argmax). */
+  __device__ __forceinline__ void seed(float Mt, float M) {
+    if (!(M > -INFINITY)) return; /* NaN or all -inf: stay online */
+    m = mref = M;
+    seeded = true;
+    look = Mt == M;
   }
 
   __device__ __forceinline__ lmloss_rowstat state() const {
@@ -544,6 +569,38 @@ static inline lmloss_status dev_info(DevInfo *d) {
   return LMLOSS_OK;
 }
 
+/* The max of a vector's w (NaN if it holds one): in the input's own
+ * packed type where w = x, else through the transform. */
+__device__ __forceinline__ float max4(float a, float b, float c, float d) {
+  return max_nan(max_nan(a, b), max_nan(c, d));
+}
+template <typename H2> __device__ __forceinline__ float packed_max(const uint4 &u) {
+  H2 q[4];
+  memcpy(q, &u, sizeof q);
+  H2 x = __hmax2_nan(__hmax2_nan(q[0], q[1]), __hmax2_nan(q[2], q[3]));
+  return max_nan(tof(x.x), tof(x.y));
+}
+__device__ __forceinline__ float raw_max(const Raw<float> &r) {
+  return max4(r.e[0], r.e[1], r.e[2], r.e[3]);
+}
+__device__ __forceinline__ float raw_max(const Raw<bf16> &r) {
+  return packed_max<__nv_bfloat162>(r.u);
+}
+__device__ __forceinline__ float raw_max(const Raw<f16> &r) { return packed_max<__half2>(r.u); }
+
+template <typename In> __device__ __forceinline__ float vec_max(const Xf &X, const Raw<In> &r) {
+  if (X.f.cap == 0.0f) return raw_max(r);
+  constexpr int NV = elt<In>::NV;
+  float w[NV];
+  unpack<In, NV>(r, w);
+  xform_vec<NV>(X, w);
+  float m = w[0];
+#pragma unroll
+  for (int i = 1; i < NV; i++)
+    m = max_nan(m, w[i]);
+  return m;
+}
+
 /* 16-byte asynchronous copies global -> shared (sm_80+): the bytes land
  * in shared memory without passing through registers, so a thread can
  * have all of its chunk in flight at once. */
@@ -592,14 +649,9 @@ __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *
       if (q == half) cp_async_wait<0>();
       Raw<In> r;
       r.u = stage[t + q * B];
-      float w[NV];
-      unpack<In, NV>(r, w);
-      xform_vec<NV>(X, w);
-#pragma unroll
-      for (int i = 0; i < NV; i++)
-        M = max_nan(M, w[i]);
+      M = max_nan(M, vec_max<In>(X, r));
     }
-    acc.seed(block_max(M, red));
+    acc.seed(M, block_max(M, red));
     for (int64_t q = 0; q < n; q++) {
       const int64_t v = t + q * B;
       Raw<In> r;

@@ -162,7 +162,9 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     const float dH = a.dent ? a.dent[i * a.dents] : 0.0f;
     const float inv = 1.0f / (1.0f + s.r);
     const float tinv = T ? s.t * inv : 0.0f;
-    float c0 = -inv * (D + dH * tinv), c1 = -inv * dH * k;
+    /* without softcap dx = k dz, folded into the coefficients (kx) */
+    const float kx = X.f.cap > 0.0f ? 1.0f : k;
+    float c0 = -inv * (D + dH * tinv) * kx, c1 = -inv * dH * k * kx;
     if (!ok) c0 = c1 = NAN;
     const float m = s.m;
     const long long am = s.a;
@@ -217,17 +219,13 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
           float pj = cexp(X, d, &p2) * inv;
           float dl = j == am ? Dj * (s.r * inv) - (D - Dj) * pj : Dj - D * pj;
           float gz = dl - dH * pj * fmaf(d, k, tinv);
-          g[e] = ok ? gz : NAN;
+          g[e] = ok ? gz * kx : NAN;
         }
       }
       if (X.f.cap > 0.0f) {
 #pragma unroll
         for (int e = 0; e < NV; e++)
           g[e] *= dzdx(X, x[e]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < NV; e++)
-          g[e] *= k;
       }
       store_vec<O, NV>(drow, j0, a.V, out_al, g);
     };

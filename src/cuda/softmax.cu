@@ -71,7 +71,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
 #pragma unroll
         for (int e = 0; e < NV; e++) {
           float p2;
-          x[e] = cexp(X, fmaxf(x[e] - m, X.dmin), &p2) * inv;
+          x[e] = cexp(X, x[e] - m, &p2) * inv; /* -inf: ex2(-inf) = 0 */
         }
       }
       store_vec<O, NV>(yrow, ch.jb + v * NV, a.V, out_al, x);
