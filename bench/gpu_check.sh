@@ -8,6 +8,8 @@
 #   bench/gpu_check.sh            all of the above
 #   bench/gpu_check.sh sanitize   the CUDA test executables under
 #                                 compute-sanitizer memcheck and racecheck
+#   bench/gpu_check.sh final      tests, check, the issue's benchmarks and
+#                                 peers, sanitizer samples; time-boxed
 #   bench/gpu_check.sh kernels    the row kernels alone: their C tests,
 #                                 `lmloss check`, the issue's bandwidth
 #                                 cases and an ncu summary of each kernel
@@ -35,11 +37,43 @@ if [ "${1:-}" = "sanitize" ]; then
 fi
 
 L="$BUILD/lmloss"
-bench_rows() {
-  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 8192,152064
-  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 4096,32768
+bench_rows() { # the issue's cases (--plain: bare CE and log-probs backward), then with options
+  for shape in 8192,152064 4096,32768; do
+    $L bench logprob logprob-entropy ce-grad logprob-bwd --plain --device cuda --dtype bf16 \
+      --shape $shape
+    $L bench ce-grad logprob-bwd --device cuda --dtype bf16 --shape $shape
+  done
   $L bench softmax --device cuda --dtype f32 --shape 4096,262144
 }
+if [ "${1:-}" = "final" ]; then # all of the issue's GPU evidence, each step time-boxed
+  status=0
+  for t in "$BUILD"/test_*; do
+    LMLOSS_TEST_BACKEND=cuda timeout 120 "$t" >>"$OUT/tests.log" 2>&1 || status=1
+    echo "$(basename "$t"): $(grep -c '^ok' "$OUT/tests.log") ok so far, $(grep -c '^FAIL' "$OUT/tests.log") failed"
+  done
+  grep -A2 "failed" "$OUT/tests.log" | head -20
+  $L check | tail -2 || status=1
+  { bench_rows; $L bench linear-ce --device cuda --dtype bf16 --reps 5; } 2>/dev/null |
+    tee "$OUT/bench.txt"
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+      export PYTHONPATH=/tmp/site
+  fi
+  PYTHONPATH="$PWD/python:${PYTHONPATH:-}" LMLOSS_LIBRARY="$PWD/$BUILD/liblmloss.so" \
+    timeout 150 python3 bench/peers_gpu.py --issue --out "$OUT" >"$OUT/peers.log" 2>&1 || status=1
+  cat "$OUT/peers.log"
+  for run in "racecheck test_ce" "racecheck test_logprob" "racecheck test_softmax" \
+    "memcheck test_ce"; do
+    set -- $run
+    echo "== compute-sanitizer --tool $1 $2" >>"$OUT/sanitize.log"
+    LMLOSS_TEST_BACKEND=cuda timeout 45 compute-sanitizer --tool "$1" --error-exitcode 99 \
+      "$BUILD/$2" 2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL|^ok" | tail -4 \
+      >>"$OUT/sanitize.log"
+  done
+  cat "$OUT/sanitize.log"
+  exit $status
+fi
+
 if [ "${1:-}" = "kernels" ]; then
   status=0
   for t in test_ce test_logprob test_softmax test_fused_linear; do
@@ -60,11 +94,43 @@ if [ "${1:-}" = "kernels" ]; then
 fi
 
 L="$BUILD/lmloss"
-bench_rows() {
-  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 8192,152064
-  $L bench logprob logprob-entropy ce-grad logprob-bwd --device cuda --dtype bf16 --shape 4096,32768
+bench_rows() { # the issue's cases (--plain: bare CE and log-probs backward), then with options
+  for shape in 8192,152064 4096,32768; do
+    $L bench logprob logprob-entropy ce-grad logprob-bwd --plain --device cuda --dtype bf16 \
+      --shape $shape
+    $L bench ce-grad logprob-bwd --device cuda --dtype bf16 --shape $shape
+  done
   $L bench softmax --device cuda --dtype f32 --shape 4096,262144
 }
+if [ "${1:-}" = "final" ]; then # all of the issue's GPU evidence, each step time-boxed
+  status=0
+  for t in "$BUILD"/test_*; do
+    LMLOSS_TEST_BACKEND=cuda timeout 120 "$t" >>"$OUT/tests.log" 2>&1 || status=1
+    echo "$(basename "$t"): $(grep -c '^ok' "$OUT/tests.log") ok so far, $(grep -c '^FAIL' "$OUT/tests.log") failed"
+  done
+  grep -A2 "failed" "$OUT/tests.log" | head -20
+  $L check | tail -2 || status=1
+  { bench_rows; $L bench linear-ce --device cuda --dtype bf16 --reps 5; } 2>/dev/null |
+    tee "$OUT/bench.txt"
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+      export PYTHONPATH=/tmp/site
+  fi
+  PYTHONPATH="$PWD/python:${PYTHONPATH:-}" LMLOSS_LIBRARY="$PWD/$BUILD/liblmloss.so" \
+    timeout 150 python3 bench/peers_gpu.py --issue --out "$OUT" >"$OUT/peers.log" 2>&1 || status=1
+  cat "$OUT/peers.log"
+  for run in "racecheck test_ce" "racecheck test_logprob" "racecheck test_softmax" \
+    "memcheck test_ce"; do
+    set -- $run
+    echo "== compute-sanitizer --tool $1 $2" >>"$OUT/sanitize.log"
+    LMLOSS_TEST_BACKEND=cuda timeout 45 compute-sanitizer --tool "$1" --error-exitcode 99 \
+      "$BUILD/$2" 2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL|^ok" | tail -4 \
+      >>"$OUT/sanitize.log"
+  done
+  cat "$OUT/sanitize.log"
+  exit $status
+fi
+
 if [ "${1:-}" = "kernels" ]; then
   status=0
   for t in test_ce test_logprob test_softmax; do

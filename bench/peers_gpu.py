@@ -155,6 +155,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--issue", action="store_true",
+                    help="only the CUDA issue's shapes (8192x152064, 4096x32768), no fused head, "
+                         "into peers-issue.csv, no plots")
     ap.add_argument("--plot-only", metavar="CSV")
     ap.add_argument("--device-name", default="")
     args = ap.parse_args()
@@ -169,10 +172,13 @@ def main():
     bw = copy_gbs()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw:.0f} GB/s", flush=True)
     rows_out = []
-    cases = [("logprob", logprob_impls(), 1), ("ce", ce_impls(), 2),
-             ("linear-ce", linear_impls(), 0)]
+    cases = [("logprob", logprob_impls(), 1), ("ce", ce_impls(), 2)]
+    if not args.issue:
+        cases.append(("linear-ce", linear_impls(), 0))
     for case, impls, passes in cases:
         sweeps = [("V", v, 4096) for v in VOCABS] + [("N", 152064, n) for n in ROWS]
+        if args.issue:
+            sweeps = [("N", 152064, 8192), ("V", 32768, 4096)]
         for sweep, V, N in sweeps:
             if case == "linear-ce" and N > 16384:
                 continue
@@ -200,11 +206,13 @@ def main():
                       f"{mib:9.1f} MiB  (limit {limit:.3f} ms)", flush=True)
             del args_
             torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "peers.csv"), "w", newline="") as f:
+    name = "peers-issue.csv" if args.issue else "peers.csv"
+    with open(os.path.join(args.out, name), "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
         wr.writeheader()
         wr.writerows(rows_out)
-    plot(rows_out, args.out, torch.cuda.get_device_name())
+    if not args.issue:
+        plot(rows_out, args.out, torch.cuda.get_device_name())
 
 
 def plot(rows, out, device_name):

@@ -292,12 +292,21 @@ struct Acc {
        * argmax entry is taken out (its own term is 0) */
       float mn = vm > m ? vm : mref;
       if (vm > m && a >= 0) u = fmaf((vm - m) * X.f.k, c, u);
+      if (!cw && j0 + NV <= V) { /* the common case: unit weights, a whole vector */
+        float d = 0.0f;
 #pragma unroll
-      for (int i = 0; i < NV; i++) {
-        if (j0 + i < V) {
-          float cj = cw ? cw[(j0 + i) * cw_stride] : 1.0f;
-          u = fmaf(cj, (mn - w[i]) * X.f.k, u);
-          c += cj;
+        for (int i = 0; i < NV; i++)
+          d += mn - w[i];
+        u = fmaf(d, X.f.k, u);
+        c += (float)NV;
+      } else {
+#pragma unroll
+        for (int i = 0; i < NV; i++) {
+          if (j0 + i < V) {
+            float cj = cw ? cw[(j0 + i) * cw_stride] : 1.0f;
+            u = fmaf(cj, (mn - w[i]) * X.f.k, u);
+            c += cj;
+          }
         }
       }
     }

@@ -63,7 +63,7 @@ static int parse_shape(const char *s, int64_t *N, int64_t *V, int64_t *H) {
 
 int cmd_bench(int argc, char **argv) {
   cli_op ops[OP_COUNT];
-  int nops = 0, csv = 0, reps = 10, threads = 0;
+  int nops = 0, csv = 0, reps = 10, threads = 0, plain = 0;
   lmloss_device dev = LMLOSS_CPU;
   lmloss_dtype dt = LMLOSS_F32;
   int64_t N = 0, V = 0, H = 0;
@@ -72,6 +72,8 @@ int cmd_bench(int argc, char **argv) {
     const char *v = a + 1 < argc ? argv[a + 1] : "";
     if (!strcmp(argv[a], "--csv"))
       csv = 1;
+    else if (!strcmp(argv[a], "--plain"))
+      plain = 1;
     else if (!strcmp(argv[a], "--device") && ++a) {
       if (!strcmp(v, "cuda"))
         dev = LMLOSS_CUDA;
@@ -120,7 +122,7 @@ int cmd_bench(int argc, char **argv) {
     fprintf(stderr, "[%d/%d] %s %lldx%lld%s ...\n", k + 1, nops, cli_op_name(ops[k]), (long long)n,
             (long long)v, lin ? "" : "");
     cli_case c;
-    if (!cli_case_init(&c, ops[k], n, v, lin ? h : 0, dt, dev, 0.0, 11))
+    if (!cli_case_init(&c, ops[k], n, v, lin ? h : 0, dt, dev, 0.0, plain, 11))
       return fprintf(stderr, "lmloss bench: bad shape for %s\n", cli_op_name(ops[k])), 2;
     double ms = time_case_ms(&c, &ctx, reps), bytes = cli_op_bytes(&c), fl = cli_op_flops(&c);
     double limit_ms = 0, frac = 0;

@@ -67,10 +67,11 @@ static void release(cli_case *c, lmloss_tensor *t) {
 }
 
 int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmloss_dtype dt,
-                  lmloss_device dev, double margin, unsigned seed) {
+                  lmloss_device dev, double margin, int plain, unsigned seed) {
   memset(c, 0, sizeof *c);
-  c->op = op, c->N = N, c->V = V, c->H = H, c->K = 2, c->dt = dt, c->dev = dev;
+  c->op = op, c->N = N, c->V = V, c->H = H, c->K = plain ? 1 : 2, c->dt = dt, c->dev = dev;
   c->margin = margin;
+  c->plain = plain;
   if (V < 3 || N < 1 || (cli_op_is_linear(op) && H < 1)) return 0;
   rng_state = seed;
   const int64_t K = c->K;
@@ -142,7 +143,7 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
   }
   if (op == OP_CE || op == OP_CE_GRAD || op == OP_CE_BWD || op == OP_LINEAR_CE) {
     for (int64_t i = 0; i < N; i++)
-      if (i % 5 == 3) tgt[i] = -100; /* ignored rows */
+      if (i % 5 == 3 && !plain) tgt[i] = -100; /* ignored rows */
     c->idx = make(c, LMLOSS_I64, N, 1, tgt);
   } else {
     double *t2 = malloc(sizeof(double) * (size_t)N * K);
@@ -157,7 +158,7 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
   if (op == OP_CE_BWD) c->dloss = make(c, LMLOSS_F32, 1, 1, (double[]){0.75});
   if (op == OP_LOGPROB_BWD || op == OP_LINEAR_LP) {
     c->dlogp = make(c, LMLOSS_F32, N, K, d);
-    c->dent = make(c, LMLOSS_F32, N, 1, d);
+    if (!plain) c->dent = make(c, LMLOSS_F32, N, 1, d);
   }
   free(d), free(tgt);
 
@@ -207,10 +208,12 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
   return 1;
 }
 
-static lmloss_ce_options ce_options(void) {
+static lmloss_ce_options ce_options(const cli_case *c) {
   lmloss_ce_options o = lmloss_ce_options_default();
-  o.label_smoothing = 0.1f;
-  o.z_loss = 1e-4f;
+  if (!c->plain) {
+    o.label_smoothing = 0.1f;
+    o.z_loss = 1e-4f;
+  }
   return o;
 }
 
@@ -220,7 +223,7 @@ static lmloss_status linear_reference(cli_case *c, const lmloss_context *ctx);
 
 lmloss_status cli_case_run(cli_case *c, const lmloss_context *ctx) {
   lmloss_transform tr = lmloss_transform_default();
-  lmloss_ce_options o = ce_options();
+  lmloss_ce_options o = ce_options(c);
   lmloss_ce_inputs in = {c->x, c->idx, {0}, {0}};
   lmloss_ce_outputs out;
   memset(&out, 0, sizeof out);
@@ -320,7 +323,7 @@ static lmloss_status linear_reference(cli_case *c, const lmloss_context *ctx) {
   lmloss_transform tr = lmloss_transform_default();
   lmloss_status s;
   if (with_bias) {
-    lmloss_ce_options o = ce_options();
+    lmloss_ce_options o = ce_options(c);
     lmloss_ce_inputs in = {xt, c->idx, {0}, {0}};
     lmloss_ce_outputs out;
     memset(&out, 0, sizeof out);

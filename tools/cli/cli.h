@@ -54,6 +54,7 @@ typedef struct {
   lmloss_dtype dt;
   lmloss_device dev;
   double margin; /* 0: plain random rows */
+  int plain;     /* no ignored rows, no CE options, no dentropy (the bare ops) */
   /* tensors of the case, on dev; outputs listed in out[] */
   lmloss_tensor x, idx, dloss, dlogp, dent, hidden, weight, bias, y;
   lmloss_tensor out[5];
@@ -71,7 +72,7 @@ double cli_op_flops(const cli_case *c);
 
 /* Inputs from `seed` (identical on every device), outputs allocated. */
 int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmloss_dtype dt,
-                  lmloss_device dev, double margin, unsigned seed);
+                  lmloss_device dev, double margin, int plain, unsigned seed);
 lmloss_status cli_case_run(cli_case *c, const lmloss_context *ctx);
 /* Output k as doubles on the host (malloc'd, *n elements, *cols per row). */
 double *cli_case_fetch(const cli_case *c, int k, size_t *n, int64_t *cols);
