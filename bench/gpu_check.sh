@@ -45,6 +45,13 @@ bench_rows() { # the issue's cases (--plain: bare CE and log-probs backward), th
   done
   $L bench softmax --device cuda --dtype f32 --shape 4096,262144
 }
+python_env() { # lmloss from this build, the peers' wheels from .whl/
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+      export PYTHONPATH=/tmp/site
+  fi
+  export PYTHONPATH="$PWD/python:${PYTHONPATH:-}" LMLOSS_LIBRARY="$PWD/$BUILD/liblmloss.so"
+}
 if [ "${1:-}" = "final" ]; then # all of the issue's GPU evidence, each step time-boxed
   status=0
   for t in "$BUILD"/test_*; do
@@ -55,12 +62,8 @@ if [ "${1:-}" = "final" ]; then # all of the issue's GPU evidence, each step tim
   $L check | tail -2 || status=1
   { bench_rows; $L bench linear-ce --device cuda --dtype bf16 --reps 5; } 2>/dev/null |
     tee "$OUT/bench.txt"
-  if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-      export PYTHONPATH=/tmp/site
-  fi
-  PYTHONPATH="$PWD/python:${PYTHONPATH:-}" LMLOSS_LIBRARY="$PWD/$BUILD/liblmloss.so" \
-    timeout 150 python3 bench/peers_gpu.py --issue --out "$OUT" >"$OUT/peers.log" 2>&1 || status=1
+  python_env
+  timeout 150 python3 bench/peers_gpu.py --issue --out "$OUT" >"$OUT/peers.log" 2>&1 || status=1
   cat "$OUT/peers.log"
   for run in "racecheck test_ce" "racecheck test_logprob" "racecheck test_softmax" \
     "memcheck test_ce"; do
@@ -93,63 +96,6 @@ if [ "${1:-}" = "kernels" ]; then
   exit $status
 fi
 
-L="$BUILD/lmloss"
-bench_rows() { # the issue's cases (--plain: bare CE and log-probs backward), then with options
-  for shape in 8192,152064 4096,32768; do
-    $L bench logprob logprob-entropy ce-grad logprob-bwd --plain --device cuda --dtype bf16 \
-      --shape $shape
-    $L bench ce-grad logprob-bwd --device cuda --dtype bf16 --shape $shape
-  done
-  $L bench softmax --device cuda --dtype f32 --shape 4096,262144
-}
-if [ "${1:-}" = "final" ]; then # all of the issue's GPU evidence, each step time-boxed
-  status=0
-  for t in "$BUILD"/test_*; do
-    LMLOSS_TEST_BACKEND=cuda timeout 120 "$t" >>"$OUT/tests.log" 2>&1 || status=1
-    echo "$(basename "$t"): $(grep -c '^ok' "$OUT/tests.log") ok so far, $(grep -c '^FAIL' "$OUT/tests.log") failed"
-  done
-  grep -A2 "failed" "$OUT/tests.log" | head -20
-  $L check | tail -2 || status=1
-  { bench_rows; $L bench linear-ce --device cuda --dtype bf16 --reps 5; } 2>/dev/null |
-    tee "$OUT/bench.txt"
-  if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-      export PYTHONPATH=/tmp/site
-  fi
-  PYTHONPATH="$PWD/python:${PYTHONPATH:-}" LMLOSS_LIBRARY="$PWD/$BUILD/liblmloss.so" \
-    timeout 150 python3 bench/peers_gpu.py --issue --out "$OUT" >"$OUT/peers.log" 2>&1 || status=1
-  cat "$OUT/peers.log"
-  for run in "racecheck test_ce" "racecheck test_logprob" "racecheck test_softmax" \
-    "memcheck test_ce"; do
-    set -- $run
-    echo "== compute-sanitizer --tool $1 $2" >>"$OUT/sanitize.log"
-    LMLOSS_TEST_BACKEND=cuda timeout 45 compute-sanitizer --tool "$1" --error-exitcode 99 \
-      "$BUILD/$2" 2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL|^ok" | tail -4 \
-      >>"$OUT/sanitize.log"
-  done
-  cat "$OUT/sanitize.log"
-  exit $status
-fi
-
-if [ "${1:-}" = "kernels" ]; then
-  status=0
-  for t in test_ce test_logprob test_softmax; do
-    LMLOSS_TEST_BACKEND=cuda "$BUILD/$t" >"$OUT/$t.log" 2>&1 || status=1
-    echo "$t: $(grep -c '^ok' "$OUT/$t.log") ok, $(grep -c '^FAIL' "$OUT/$t.log") failed"
-    grep -A2 -m3 "failed" "$OUT/$t.log"
-  done
-  $L check | tail -2 || status=1
-  bench_rows 2>/dev/null | tee "$OUT/bench-rows.txt"
-  for op in logprob ce-grad logprob-bwd; do
-    ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
-      -k regex:'lp_|ce_rows' -c 1 "$L" bench $op --device cuda --dtype bf16 --shape 8192,152064 \
-      --reps 1 >"$OUT/ncu-$op.txt" 2>&1
-  done
-  grep -hE "^  [a-z_]+<|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Registers Per|Cluster Size|Grid Size" \
-    "$OUT"/ncu-*.txt
-  exit $status
-fi
-
 status=0
 LMLOSS_TEST_BACKEND=cuda ctest --test-dir "$BUILD" --output-on-failure >"$OUT/ctest-cuda.log" 2>&1 ||
   status=1
@@ -159,10 +105,7 @@ grep -E "tests passed|FAIL|Failed" "$OUT/ctest-cuda.log" | head -40
   bench_rows
   $L bench linear-ce --device cuda --dtype bf16 --shape 8192,152064,4096 --reps 5
 } 2>/dev/null | tee "$OUT/bench-cuda.txt"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$PWD/python:${PYTHONPATH:-}" LMLOSS_LIBRARY="$PWD/$BUILD/liblmloss.so"
+python_env
 python3 bench/collapse_plot.py --out "$OUT" || status=1
 python3 -m pytest -q -m cuda tests/python >"$OUT/pytest-cuda.log" 2>&1 || status=1
 tail -3 "$OUT/pytest-cuda.log"
