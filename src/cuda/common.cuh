@@ -1,8 +1,8 @@
 /*
  * common.cuh - shared pieces of the CUDA backend: 16-byte vector loads and
- * stores of F32/BF16/F16 rows, the compensated exp, the per-thread online
- * max-split accumulator, its block and cluster reductions (through
- * lmloss_rowstat_merge), launch planning and error mapping.
+ * stores of F32/BF16/F16 rows, cp.async staging, the exp, the per-thread
+ * max-split accumulator (online, or seeded with the CTA's max), its block
+ * and cluster reductions, launch planning and error mapping.
  *
  * Row layout seen by every kernel: a row is cut into `cs` chunks (one per
  * CTA of a thread-block cluster, cs = 1 without clusters), each a multiple
@@ -202,13 +202,14 @@ __device__ __forceinline__ float dzdx(const Xf &X, float x) {
 }
 
 /* ------------------------------------------------------------------ */
-/* Per-thread online max-split accumulator                             */
+/* Per-thread max-split accumulator                                    */
 /* ------------------------------------------------------------------ */
 
 /* State in w units for the max, r as in rowstats.h, tn = sum e_j p_j with
  * p_j = (w_j - m) k log2(e) <= 0 (so t = -tn ln 2), u and c for label
  * smoothing (only when U). The vector fast path (no new max, no NaN) costs
- * one subtract, clamp, compensated exp and add per element. */
+ * one subtract, multiply, ex2 and add per element (and the max of the
+ * vector while the thread may still meet a new max or its argmax). */
 struct Acc {
   float m, mref, r, tn, u, c;
   long long a;
