@@ -120,12 +120,11 @@ __device__ __forceinline__ void zero_chunk(O *row, const Chunk &c, int64_t V, bo
   }
 }
 
-/* One row per CTA cluster, shaped as make_plan (common.cuh) says: the
- * gradient needs the row statistics before its first write, so each CTA
- * stages its chunk and writes the gradient from shared memory after the
- * cluster has merged the row state. The state is per thread and online
- * (rescaled only when the max grows). Forward-only is the same kernel
- * without the second pass. */
+/* Shaped as make_plan (common.cuh) says. With a gradient: one row per
+ * cluster; the gradient needs the row statistics before its first write,
+ * so each CTA stages its chunk and writes the gradient from shared memory
+ * after the cluster has merged the row state. Forward only: the same
+ * kernel, one CTA per row streaming it once, the state online. */
 template <typename In, typename O, bool T>
 __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
@@ -301,8 +300,11 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
 
 template <typename In, typename O>
 static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
-  if (T) return launch_rows(ce_rows<In, O, true>, d, elt<In>::NV, a.mode != CE_FWD, 0, st, a, "cross_entropy");
-  return launch_rows(ce_rows<In, O, false>, d, elt<In>::NV, a.mode != CE_FWD, 0, st, a, "cross_entropy");
+  if (T)
+    return launch_rows(ce_rows<In, O, true>, d, elt<In>::NV, a.mode != CE_FWD, 0, st, a,
+                       "cross_entropy");
+  return launch_rows(ce_rows<In, O, false>, d, elt<In>::NV, a.mode != CE_FWD, 0, st, a,
+                     "cross_entropy");
 }
 
 template <typename In>

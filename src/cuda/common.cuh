@@ -492,7 +492,8 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
   if (threadIdx.x == 0) sm->cluster[parity] = p;
   cl.sync();
   if (threadIdx.x < 32) {
-    const Part o = *cl.map_shared_rank(&sm->cluster[parity], (int)threadIdx.x < cs ? threadIdx.x : 0);
+    const Part o =
+        *cl.map_shared_rank(&sm->cluster[parity], (int)threadIdx.x < cs ? threadIdx.x : 0);
     Part b = o; /* lane 0's: rank 0's part */
     for (int q = 1; q < cs; q++) {
       Part r;
@@ -632,10 +633,9 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
  * (asynchronously where 16-byte aligned and complete, else element loads
  * padded with -inf), in two commit groups so the thread sweeps its first
  * half for the max while the second is still in flight; acc is seeded
- * with the CTA's max before the steps (so reduce_row can just add). A thread only ever reads back the
- * vectors it copied itself, so no barrier is needed.
- * Unstaged: register loads, four in flight per thread, through ld(v); acc
- * finds the max online. */
+ * with the CTA's max before the steps (so reduce_row can just add). A thread only ever reads back
+ * the vectors it copied itself, so no barrier is needed. Unstaged: register loads, four in flight
+ * per thread, through ld(v); acc finds the max online. */
 template <typename In, typename Ld, typename Step>
 __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *row, int64_t jb,
                                            int64_t V, bool aligned, int64_t nv, const Xf &X,
@@ -750,7 +750,8 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
   const int64_t nvc = (nvec + p.cs - 1) / p.cs;
   p.chunk = nvc * NV;
   p.bs = nvc >= 1024 ? 256 : 128;
-  p.smem = (p.staged ? (size_t)nvc * 16 : 0) + (size_t)((nvc + 31) / 32) * 4 * extra_per_vector_bits;
+  p.smem =
+      (p.staged ? (size_t)nvc * 16 : 0) + (size_t)((nvc + 31) / 32) * 4 * extra_per_vector_bits;
   return p;
 }
 
@@ -765,8 +766,8 @@ static lmloss_status launch_rows(K kernel, const DevInfo &d, int NV, int two_pas
   if (args.N <= 0) return LMLOSS_OK;
   for (int maxcs = d.cc_major >= 9 ? 16 : 1;; maxcs /= 2) {
     Plan p = make_plan(d, args.V, NV, two_pass, extra_per_vector_bits, maxcs);
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)p.smem);
+    cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
     if (e == cudaSuccess && p.cs > 8)
       e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess)

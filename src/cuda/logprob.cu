@@ -39,9 +39,10 @@ struct LpArgs {
   int staged;
 };
 
-/* One pass, shaped as make_plan (common.cuh) says: a cluster per row, each
- * CTA staging its chunk (all of it in flight at once), one DSMEM merge of
- * the row state; rank 0 then gathers the K log-probs. */
+/* One pass over the row, launched as make_plan (common.cuh) plans a
+ * one-pass row: one CTA streaming it through registers, the state online.
+ * The chunk, cluster and stage parameters are the shared row machinery's
+ * (rank 0 gathers the K log-probs after the merge). */
 template <typename In, typename O, bool T>
 __global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
@@ -98,9 +99,10 @@ __global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
   if (synced) cluster_exit(cs);
 }
 
-/* Same shape as the cross-entropy gradient (see ce_rows). Positions that need the exact formula (the argmax, the K indices) are
- * flagged in a per-vector bitmap in shared memory, so the hot loop pays
- * one shared load per 16 bytes whatever K is. */
+/* Same shape as the cross-entropy gradient (see ce_rows). Positions that
+ * need the exact formula (the argmax, the K indices) are flagged in a
+ * per-vector bitmap in shared memory, so the hot loop pays one shared load
+ * per 16 bytes whatever K is. */
 template <typename In, typename O, bool T>
 __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
@@ -245,10 +247,8 @@ static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_
 
 template <typename In, typename O>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  if (T) return launch_rows(lp_bwd<In, O, true>, d, elt<In>::NV, 1, 1, st, a,
-                                  "log_probs_backward");
-  return launch_rows(lp_bwd<In, O, false>, d, elt<In>::NV, 1, 1, st, a,
-                                  "log_probs_backward");
+  if (T) return launch_rows(lp_bwd<In, O, true>, d, elt<In>::NV, 1, 1, st, a, "log_probs_backward");
+  return launch_rows(lp_bwd<In, O, false>, d, elt<In>::NV, 1, 1, st, a, "log_probs_backward");
 }
 
 template <typename In>
