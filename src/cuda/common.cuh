@@ -214,8 +214,7 @@ struct Acc {
   float m, mref, r, tn, u, c;
   long long a;
   int bad, fin; /* fin: saw a logit > -inf (tracked under softcap only) */
-  bool seeded;  /* m is the CTA's max, fixed (see seed) */
-  bool look;    /* vectors may still raise m or hold the argmax */
+  bool look;    /* this thread holds m and has not met its first occurrence */
 
   __device__ __forceinline__ void init(const Xf &X) {
     m = -INFINITY;
@@ -224,11 +223,9 @@ struct Acc {
     a = -1;
     bad = 0;
     fin = X.f.cap > 0.0f ? 0 : 1;
-    seeded = false;
-    look = true;
+    look = false;
   }
 
-  /* One element that may raise the max (slow path). */
   /* The transform of a loaded vector, checking the raw logits: NaN and
    * +inf make the row non-finite even where softcap would map them to a
    * finite w; -inf is legal (softcap maps it to -cap), but a row of only
@@ -244,60 +241,49 @@ struct Acc {
     }
   }
 
-  /* A vector whose max vm beats the running max, or first reaches a seeded
-   * max (see seed): rescale the state to the new max once (nothing to
-   * rescale when seeded), make the vector's first occurrence of vm the
-   * argmax and take it out of the vector (-inf), so the common loop below
-   * adds the rest, ties included. NaNs are flagged here (max_nan sends
-   * their vector here) and then contribute 0. */
-  template <bool T, int NV>
-  __device__ __forceinline__ void new_max(const Xf &X, float *w, int64_t j0, bool U) {
-    float vm = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < NV; i++) {
-      if (w[i] != w[i]) bad = 1;
-      vm = fmaxf(vm, w[i]);
-    }
-    if (!(vm > m) && !(vm == m && a < 0 && vm > -INFINITY)) return;
-    if (a >= 0) {
-      float dd = m - vm, p;
-      float sc = cexp(X, fmaxf(dd, X.dmin), &p);
-      if (T) tn = sc * (tn + p * (1.0f + r));
-      r = (1.0f + r) * sc;
-      if (U) u = fmaf(-dd * X.f.k, c, u);
-    }
-    int im = NV;
-#pragma unroll
-    for (int i = NV - 1; i >= 0; i--)
-      if (w[i] == vm) im = i;
-#pragma unroll
-    for (int i = 0; i < NV; i++)
-      if (i == im) w[i] = -INFINITY;
-    m = vm;
-    mref = vm;
-    a = j0 + im;
+  /* The max is never found element by element: it is set from outside,
+   * before the vectors that hold it are added (see first_pass), either
+   * once (seed: the CTA's max over a staged chunk) or per batch (raise: a
+   * warp's max over its next vectors, the same for every lane). Mt is this
+   * thread's own max over the same vectors: a thread holding the new max
+   * looks for its first occurrence, the argmax. */
+  __device__ __forceinline__ void seed(float Mt, float M) {
+    if (M != M) bad = 1; /* a NaN in the chunk: the row is NaN */
+    if (!(M > -INFINITY)) return;
+    m = mref = M;
+    look = Mt == M;
   }
 
+  /* Rescale the sums to a larger max M once. A thread that holds no
+   * argmax yet (its sums are against m, the warp's) has no 1 to carry. */
+  __device__ __forceinline__ void raise(const Xf &X, float M, float Mt) {
+    if (Mt != Mt) bad = 1;
+    if (!(M > m)) return;
+    if (m > -INFINITY) {
+      const float base = a >= 0 ? 1.0f + r : r;
+      float p;
+      const float sc = cexp(X, fmaxf(m - M, X.dmin), &p);
+      tn = sc * (tn + p * base);
+      r = base * sc;
+      u = fmaf((M - m) * X.f.k, c, u);
+    }
+    m = mref = M;
+    a = -1;
+    look = Mt == M;
+  }
+
+  /* Add a vector (w, already transformed) against m. The argmax entry is
+   * taken out (-inf) so that the exp loop adds everything else, ties
+   * included (a tie adds its 1 to r). */
   template <bool T, int NV>
   __device__ __forceinline__ void vec(const Xf &X, float *w, int64_t j0, int64_t V, bool U,
                                       const float *cw, int64_t cw_stride) {
-    float vm = m;
-    if (look) {
-      vm = w[0];
-#pragma unroll
-      for (int i = 1; i < NV; i++)
-        vm = max_nan(vm, w[i]);
-    }
-    if (U) {
-      /* smoothing sums against the max after this vector, before the
-       * argmax entry is taken out (its own term is 0) */
-      float mn = vm > m ? vm : mref;
-      if (vm > m && a >= 0) u = fmaf((vm - m) * X.f.k, c, u);
+    if (U) {                     /* smoothing sums, the argmax's own term is 0 */
       if (!cw && j0 + NV <= V) { /* the common case: unit weights, a whole vector */
         float d = 0.0f;
 #pragma unroll
         for (int i = 0; i < NV; i++)
-          d += mn - w[i];
+          d += mref - w[i];
         u = fmaf(d, X.f.k, u);
         c += (float)NV;
       } else {
@@ -305,15 +291,24 @@ struct Acc {
         for (int i = 0; i < NV; i++) {
           if (j0 + i < V) {
             float cj = cw ? cw[(j0 + i) * cw_stride] : 1.0f;
-            u = fmaf(cj, (mn - w[i]) * X.f.k, u);
+            u = fmaf(cj, (mref - w[i]) * X.f.k, u);
             c += cj;
           }
         }
       }
     }
-    if (look && !(vm < m)) {
-      new_max<T, NV>(X, w, j0, false);
-      if (seeded && a >= 0) look = false;
+    if (look) {
+      int im = NV;
+#pragma unroll
+      for (int i = NV - 1; i >= 0; i--)
+        if (w[i] == m) im = i;
+      if (im < NV) {
+#pragma unroll
+        for (int i = 0; i < NV; i++)
+          if (i == im) w[i] = -INFINITY;
+        a = j0 + im;
+        look = false;
+      }
     }
     /* A -inf logit gives ex2(-inf) = 0; only the entropy term, 0 * p,
      * needs the clamp. */
@@ -324,28 +319,6 @@ struct Acc {
       r += e;
       if (T) tn = fmaf(e, p, tn);
     }
-  }
-
-  /* Start from the CTA's max M (finite), known from a first sweep over the
-   * staged chunk (Mt: this thread's part of it): no vector then raises the
-   * max, so the hot loop never rescales, and only a thread that holds M
-   * looks for its first occurrence (the argmax). */
-  __device__ __forceinline__ void seed(float Mt, float M) {
-    if (!(M > -INFINITY)) return; /* NaN or all -inf: stay online */
-    m = mref = M;
-    seeded = true;
-    look = Mt == M;
-  }
-
-  __device__ __forceinline__ lmloss_rowstat state() const {
-    lmloss_rowstat s;
-    s.m = m;
-    s.r = r;
-    s.t = -tn * LN2;
-    s.u = a >= 0 ? u : 0.0f;
-    s.c = a >= 0 ? c : 0.0f;
-    s.a = a;
-    return s;
   }
 };
 
@@ -361,17 +334,6 @@ struct Part {
   float ue, ce;
   int bad;
 };
-
-__device__ __forceinline__ lmloss_rowstat shfl_state(lmloss_rowstat s, int off, bool T, bool U) {
-  lmloss_rowstat o;
-  o.m = __shfl_xor_sync(0xffffffffu, s.m, off);
-  o.r = __shfl_xor_sync(0xffffffffu, s.r, off);
-  o.t = T ? __shfl_xor_sync(0xffffffffu, s.t, off) : 0.0f;
-  o.u = U ? __shfl_xor_sync(0xffffffffu, s.u, off) : 0.0f;
-  o.c = U ? __shfl_xor_sync(0xffffffffu, s.c, off) : 0.0f;
-  o.a = __shfl_xor_sync(0xffffffffu, (long long)s.a, off);
-  return o;
-}
 
 /* Shared memory of the reductions: one slot per warp, the block result,
  * two cluster slots (double-buffered by row parity, so one cluster
@@ -403,84 +365,63 @@ __device__ __forceinline__ float block_max(float M, RedSmem *sm) {
   return sm->bmax;
 }
 
-/* The CTA's state when every thread accumulated against the same finite
- * max M (seeded from block_max): the sums simply add; each thread holding
- * an occurrence of M took its first one out of r, so all but the first
- * (lowest index) come back as 1 each. No exponentials, no branches. */
-__device__ __forceinline__ Part reduce_shared_max(const Acc &acc, bool T, bool U, RedSmem *sm) {
-  lmloss_rowstat s = acc.state();
-  s.u = U ? acc.u : 0.0f; /* state() keeps u, c only with an argmax */
-  s.c = U ? acc.c : 0.0f;
+/* Merge in a fixed order (xor butterfly within warps, warp slots in
+ * order, cluster ranks in order): bit-reproducible. Every thread of
+ * every CTA of the cluster returns the same row state. The lanes of a warp
+ * share their max (seed or raise), so a warp's state is plain sums; each
+ * lane holding an occurrence of the max took its first one out of r, so
+ * all but the first (the lowest index) come back as 1 each. A staged CTA
+ * shares one max in all its warps and adds them up the same way; else the
+ * warps' states merge (lmloss_rowstat_merge). Contains __syncthreads (and
+ * a cluster barrier when cs > 1): call uniformly. */
+__device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool U, RedSmem *sm,
+                                           int cs, int parity, bool staged) {
+  const int bad = __syncthreads_or(acc.bad) | !__syncthreads_or(acc.fin);
+  float r = acc.r, t = T ? -acc.tn * LN2 : 0.0f, u = U ? acc.u : 0.0f, c = U ? acc.c : 0.0f;
   float cnt = acc.a >= 0 ? 1.0f : 0.0f;
   long long a = acc.a >= 0 ? acc.a : LLONG_MAX;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
-    s.r += __shfl_xor_sync(0xffffffffu, s.r, off);
+    r += __shfl_xor_sync(0xffffffffu, r, off);
     cnt += __shfl_xor_sync(0xffffffffu, cnt, off);
     a = min(a, __shfl_xor_sync(0xffffffffu, a, off));
-    if (T) s.t += __shfl_xor_sync(0xffffffffu, s.t, off);
+    if (T) t += __shfl_xor_sync(0xffffffffu, t, off);
     if (U) {
-      s.u += __shfl_xor_sync(0xffffffffu, s.u, off);
-      s.c += __shfl_xor_sync(0xffffffffu, s.c, off);
+      u += __shfl_xor_sync(0xffffffffu, u, off);
+      c += __shfl_xor_sync(0xffffffffu, c, off);
     }
   }
-  const int warp = threadIdx.x >> 5;
+  const bool one_max = staged && sm->bmax > -INFINITY;
+  const int nwarps = blockDim.x >> 5;
   if ((threadIdx.x & 31) == 0) {
-    sm->warp[warp].s = s;
-    sm->warp[warp].s.a = a;
-    sm->warp[warp].ue = cnt; /* the warp's count of occurrences, until merged */
-  }
-  __syncthreads();
-  Part b = sm->warp[0];
-  for (int w = 1; w < (int)(blockDim.x >> 5); w++) {
-    const Part &o = sm->warp[w];
-    b.s.r += o.s.r;
-    b.s.t += o.s.t;
-    b.s.u += o.s.u;
-    b.s.c += o.s.c;
-    b.s.a = min(b.s.a, o.s.a);
-    b.ue += o.ue;
-  }
-  b.s.r += b.ue - 1.0f;
-  b.ue = b.ce = 0.0f;
-  return b;
-}
-
-/* Merge in a fixed order (xor butterfly within warps, warp slots in
- * order, cluster ranks in order): bit-reproducible. Every thread of
- * every CTA of the cluster returns the same row state. A staged chunk
- * whose block max is finite takes the cheap path above. Contains
- * __syncthreads (and a cluster barrier when cs > 1): call uniformly. */
-__device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool U, RedSmem *sm,
-                                           int cs, int parity, bool staged) {
-  Part p;
-  const int bad = __syncthreads_or(acc.bad) | !__syncthreads_or(acc.fin);
-  if (staged && sm->bmax > -INFINITY) {
-    p = reduce_shared_max(acc, T, U, sm);
-  } else {
-    p.s = acc.state();
-    p.ue = (U && acc.a < 0) ? acc.u : 0.0f;
-    p.ce = (U && acc.a < 0) ? acc.c : 0.0f;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      lmloss_rowstat o = shfl_state(p.s, off, T, U);
-      /* Lane order: the lower lane's state is the left operand. */
-      bool lower = (threadIdx.x & off) == 0;
-      p.s = lower ? lmloss_rowstat_merge(p.s, o, k) : lmloss_rowstat_merge(o, p.s, k);
-      if (U) {
-        p.ue += __shfl_xor_sync(0xffffffffu, p.ue, off);
-        p.ce += __shfl_xor_sync(0xffffffffu, p.ce, off);
+    Part &w = sm->warp[threadIdx.x >> 5];
+    w.s.m = acc.m, w.s.r = r, w.s.t = t, w.s.u = u, w.s.c = c, w.s.a = a;
+    w.ue = cnt, w.ce = 0.0f; /* one_max: the count of occurrences, until added up */
+    if (!one_max) {
+      if (cnt > 0.0f) {
+        w.s.r = r + (cnt - 1.0f);
+        w.ue = 0.0f;
+      } else { /* only -inf (or NaN): empty, but smoothing still sees it */
+        w.s = lmloss_rowstat_empty();
+        w.ue = u, w.ce = c;
       }
     }
-    int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    if ((threadIdx.x & 31) == 0) sm->warp[warp] = p;
-    __syncthreads();
-    p = sm->warp[0];
-    for (int w = 1; w < nwarps; w++) {
-      p.s = lmloss_rowstat_merge(p.s, sm->warp[w].s, k);
-      p.ue += sm->warp[w].ue;
-      p.ce += sm->warp[w].ce;
+  }
+  __syncthreads();
+  Part p = sm->warp[0];
+  for (int w = 1; w < nwarps; w++) {
+    const Part &o = sm->warp[w];
+    if (one_max) {
+      p.s.r += o.s.r, p.s.t += o.s.t, p.s.u += o.s.u, p.s.c += o.s.c;
+      p.s.a = min(p.s.a, o.s.a);
+    } else {
+      p.s = lmloss_rowstat_merge(p.s, o.s, k);
     }
+    p.ue += o.ue, p.ce += o.ce;
+  }
+  if (one_max) {
+    p.s.r += p.ue - 1.0f;
+    p.ue = p.ce = 0.0f;
   }
   p.bad = bad;
   if (cs == 1) return p;
@@ -670,16 +611,36 @@ __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *
     }
     return;
   }
-  int64_t v = t;
-  for (; v + 3 * B < nv; v += 4 * B) {
-    auto r0 = ld(v), r1 = ld(v + B), r2 = ld(v + 2 * B), r3 = ld(v + 3 * B);
-    step(v, r0);
-    step(v + B, r1);
-    step(v + 2 * B, r2);
-    step(v + 3 * B, r3);
+  /* Batches of four vectors per lane, the warp in step: the warp's max
+   * over the batch is raised once for every lane before the batch is
+   * added. */
+  const int64_t t0 = t & ~(int64_t)31;
+  for (int64_t v0 = 0; t0 + v0 < nv; v0 += 4 * B) {
+    Raw<In> r[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) { /* all four loads in flight before any use */
+      const int64_t v = t + v0 + q * B;
+      if (v < nv) {
+        r[q] = ld(v);
+      } else {
+#pragma unroll
+        for (int i = 0; i < NV; i++)
+          r[q].e[i] = neg_inf<In>();
+      }
+    }
+    float Mt = -INFINITY;
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+      Mt = max_nan(Mt, vec_max<In>(X, r[q]));
+    float M = Mt;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+      M = max_nan(M, __shfl_xor_sync(0xffffffffu, M, off));
+    acc.raise(X, M, Mt);
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+      if (t + v0 + q * B < nv) step(t + v0 + q * B, r[q]);
   }
-  for (; v < nv; v += B)
-    step(v, ld(v));
 }
 
 /* The second pass takes each thread's vectors back from the stage (the
