@@ -124,7 +124,7 @@ __device__ __forceinline__ void zero_chunk(O *row, const Chunk &c, int64_t V, bo
  * cluster; the gradient needs the row statistics before its first write,
  * so each CTA stages its chunk and writes the gradient from shared memory
  * after the cluster has merged the row state. Forward only: the same
- * kernel, one CTA per row streaming it once, the state online. */
+ * kernel, one CTA per row streaming it once (see first_pass). */
 template <typename In, typename O, bool T>
 __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;

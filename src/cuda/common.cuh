@@ -1,8 +1,8 @@
 /*
  * common.cuh - shared pieces of the CUDA backend: 16-byte vector loads and
  * stores of F32/BF16/F16 rows, cp.async staging, the exp, the per-thread
- * max-split accumulator (online, or seeded with the CTA's max), its block
- * and cluster reductions, launch planning and error mapping.
+ * max-split accumulator (its max set per staged CTA or per warp batch),
+ * its block and cluster reductions, launch planning and error mapping.
  *
  * Row layout seen by every kernel: a row is cut into `cs` chunks (one per
  * CTA of a thread-block cluster, cs = 1 without clusters), each a multiple
@@ -574,9 +574,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
  * (asynchronously where 16-byte aligned and complete, else element loads
  * padded with -inf), in two commit groups so the thread sweeps its first
  * half for the max while the second is still in flight; acc is seeded
- * with the CTA's max before the steps (so reduce_row can just add). A thread only ever reads back
- * the vectors it copied itself, so no barrier is needed. Unstaged: register loads, four in flight
- * per thread, through ld(v); acc finds the max online. */
+ * with the CTA's max before the steps (so reduce_row can just add). A
+ * thread only ever reads back the vectors it copied itself, so no barrier
+ * is needed.
+ * Unstaged: register loads, four in flight per thread, through ld(v); acc
+ * is raised to the warp's max before each batch of four. */
 template <typename In, typename Ld, typename Step>
 __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *row, int64_t jb,
                                            int64_t V, bool aligned, int64_t nv, const Xf &X,

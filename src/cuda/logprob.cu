@@ -40,7 +40,7 @@ struct LpArgs {
 };
 
 /* One pass over the row, launched as make_plan (common.cuh) plans a
- * one-pass row: one CTA streaming it through registers, the state online.
+ * one-pass row: one CTA streaming it through registers (see first_pass).
  * The chunk, cluster and stage parameters are the shared row machinery's
  * (rank 0 gathers the K log-probs after the merge). */
 template <typename In, typename O, bool T>
