@@ -5,7 +5,7 @@ import collections
 import numpy as np
 
 from . import _lib
-from ._tensor import Rows, absent, out_vector, vector
+from ._tensor import Rows, optional_vector, out_vector
 
 CrossEntropyResult = collections.namedtuple("CrossEntropyResult",
                                             "loss dlogits lse entropy argmax")
@@ -81,17 +81,10 @@ def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_l
     ctx = _lib.make_context(backend, num_threads)
     x = Rows(logits, "logits")
     n, keep = x.n, []
-
-    def vec(v, length, lead, name, kind):
-        if v is None:
-            return absent()
-        a, t = vector(v, length, lead, name, kind)
-        keep.append(a)
-        return t
-
-    inputs = _lib.CEInputs(x.t, vec(target, n, x.lead, "target", "index"),
-                           vec(weight, n, x.lead, "weight", "f32"),
-                           vec(class_weight, x.v, (x.v,), "class_weight", "f32"))
+    inputs = _lib.CEInputs(x.t, optional_vector(target, n, x.lead, "target", "index", keep),
+                           optional_vector(weight, n, x.lead, "weight", "f32", keep),
+                           optional_vector(class_weight, x.v, (x.v,), "class_weight", "f32",
+                                           keep))
 
     loss, outputs, extra = ce_outputs(n, reduction, return_lse, return_entropy, return_argmax)
     dlogits = None

@@ -19,7 +19,7 @@ from . import _lib
 from ._ce import ce_options, ce_outputs
 from ._logprob import backward_args
 from ._tensor import Rows, _code, _rows, absent, index_shape, matrix, out_vector, shape_error
-from ._tensor import tensor, vector
+from ._tensor import optional_vector, tensor
 
 LinearCrossEntropyResult = collections.namedtuple(
     "LinearCrossEntropyResult", "loss dhidden dweight dbias lse entropy argmax")
@@ -107,17 +107,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
     ctx = _lib.make_context(backend, num_threads)
     head, hopt = _Head(hidden, weight, bias), _options(memory_budget)
     n, lead, keep = head.n, head.x.lead, []
-
-    def vec(v, length, shape, name, kind):
-        if v is None:
-            return absent()
-        a, t = vector(v, length, shape, name, kind)
-        keep.append(a)
-        return t
-
-    target_t = vec(target, n, lead, "target", "index")
-    tw_t = vec(token_weight, n, lead, "token_weight", "f32")
-    cw_t = vec(class_weight, head.v, (head.v,), "class_weight", "f32")
+    target_t = optional_vector(target, n, lead, "target", "index", keep)
+    tw_t = optional_vector(token_weight, n, lead, "token_weight", "f32", keep)
+    cw_t = optional_vector(class_weight, head.v, (head.v,), "class_weight", "f32", keep)
     loss, outputs, extra = ce_outputs(n, reduction, return_lse, return_entropy, return_argmax)
     (dh, dw, db), grads = head.grads() if grad else ((None, None, None), None)
     ws, ws_ptr, ws_bytes = _workspace(head, hopt, grads, 1)
@@ -129,14 +121,6 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
         return LinearCrossEntropyResult(loss, dh, dw, db, extra.get("lse"),
                                         extra.get("entropy"), extra.get("argmax"))
     return (loss, dh, dw, db) if grad else loss
-
-
-def _mask(mask, head, keep):
-    if mask is None:
-        return None
-    a, t = vector(mask, head.n, head.x.lead, "mask", "mask")
-    keep.append(a)
-    return t
 
 
 def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit_scale=1.0,
@@ -156,7 +140,7 @@ def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit
     k, shape = index_shape(head.x, index)
     idx, idx_t = matrix(index, head.n, k, "index", "index")
     keep = [idx]
-    mask_t = _mask(mask, head, keep)
+    mask_t = optional_vector(mask, head.n, head.x.lead, "mask", "mask", keep)
     logp = np.empty((head.n, k), dtype=np.float32)
     logp_t = tensor(logp, _lib.F32, head.n, k, k)
     ent, ent_t = out_vector(head.n) if entropy else (None, None)
@@ -179,7 +163,7 @@ def linear_log_probs_backward(hidden, weight, index, dlogp, dentropy=None, *, bi
     ctx = _lib.make_context(backend, num_threads)
     head, hopt = _Head(hidden, weight, bias), _options(memory_budget)
     keep, idx_t, dlogp_t, dent_t, k = backward_args(head.x, head.n, index, dlogp, dentropy)
-    mask_t = _mask(mask, head, keep)
+    mask_t = optional_vector(mask, head.n, head.x.lead, "mask", "mask", keep)
     tr = _lib.make_transform(logit_scale, softcap, temperature)
     (dh, dw, db), grads = head.grads()
     ws, ws_ptr, ws_bytes = _workspace(head, hopt, grads, k)

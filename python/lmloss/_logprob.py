@@ -3,15 +3,7 @@
 import numpy as np
 
 from . import _lib
-from ._tensor import Rows, index_shape, matrix, out_vector, shape_error, vector
-
-
-def _mask(mask, x, keep):
-    if mask is None:
-        return None  # a NULL pointer: absent
-    a, t = vector(mask, x.n, x.lead, "mask", "mask")
-    keep.append(a)
-    return t
+from ._tensor import Rows, index_shape, matrix, optional_vector, out_vector, shape_error, vector
 
 
 def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backend="auto",
@@ -31,7 +23,7 @@ def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backe
     k, shape = index_shape(x, index)
     idx, idx_t = matrix(index, x.n, k, "index", "index")
     keep = [idx]
-    mask_t = _mask(mask, x, keep)
+    mask_t = optional_vector(mask, x.n, x.lead, "mask", "mask", keep)
     logp = np.empty((x.n, k), dtype=np.float32)
     logp_t = _lib.Tensor(logp.ctypes.data, _lib.F32, _lib.CPU_DEVICE, x.n, k, k)
     ent, ent_t = out_vector(x.n) if entropy else (None, None)
@@ -56,7 +48,7 @@ def log_probs_backward(logits, index, dlogp, dentropy=None, *, temperature=1.0, 
     ctx = _lib.make_context(backend, num_threads)
     x = Rows(logits, "logits")
     keep, idx_t, dlogp_t, dent_t, _ = backward_args(x, x.n, index, dlogp, dentropy)
-    mask_t = _mask(mask, x, keep)
+    mask_t = optional_vector(mask, x.n, x.lead, "mask", "mask", keep)
     dx, dx_t = x.empty(x.out_dtype())
     tr = _lib.make_transform(temperature=temperature)
     _lib.check(_lib.log_probs_backward(ctx, x.t, idx_t, mask_t, tr, dlogp_t, dent_t, dx_t))

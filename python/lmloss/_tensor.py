@@ -94,6 +94,15 @@ def vector(v, n, lead, name, kind):
     return a, tensor(a, code, n, 1, stride)
 
 
+def optional_vector(v, n, lead, name, kind, keep):
+    """vector(), or the absent tensor for v = None; the array goes to keep."""
+    if v is None:
+        return absent()
+    a, t = vector(v, n, lead, name, kind)
+    keep.append(a)
+    return t
+
+
 def matrix(m, n, k, name, kind):
     """An [n, k] input (index or dlogp), as (array, tensor)."""
     m = _convert(np.asarray(m), kind)
