@@ -321,6 +321,34 @@ typedef struct {
   int64_t k;
 } call_spec;
 
+static lmloss_status call(const call_spec *s, how hw, outs *o);
+
+/* The chunking does not change the results: run a against run b. */
+static void outs_agree(tgroup *g, const outs *a, const outs *b) {
+  runs_agree(g, &a->loss, &b->loss, 0, "chunks: loss");
+  runs_agree(g, &a->lse, &b->lse, 0, "chunks: lse");
+  runs_agree(g, &a->logp, &b->logp, 0, "chunks: logp");
+  runs_agree(g, &a->ent, &b->ent, 0, "chunks: entropy");
+  runs_agree(g, &a->dh, &b->dh, 0, "chunks: dhidden");
+  runs_agree(g, &a->dw, &b->dw, 1, "chunks: dweight");
+  runs_agree(g, &a->db, &b->db, 1, "chunks: dbias");
+  if (a->amax.data) tg_true(g, same_bytes(&a->amax, &b->amax), "chunks: argmax differs");
+}
+
+/* Too small a budget or workspace (bad[]): the status, outputs (fresh
+ * copies of proto) untouched. */
+static void too_small(tgroup *g, const call_spec *s, const how *bad, int nbad, const outs *proto) {
+  for (int b = 0; b < nbad; b++) {
+    outs p = outs_clone(proto), q = outs_clone(proto);
+    lmloss_status st = call(s, bad[b], &p);
+    tg_true(g, st == LMLOSS_ERR_WORKSPACE_TOO_SMALL && outs_same(&p, &q),
+            "budget %zu%s: got %s, outputs untouched %d", bad[b].budget,
+            bad[b].ws_short ? " with a workspace 1 byte short" : "", lmloss_status_string(st),
+            outs_same(&p, &q));
+    outs_free(&p), outs_free(&q);
+  }
+}
+
 static lmloss_status call(const call_spec *s, how hw, outs *o) {
   lmloss_context ctx = tb_ctx();
   const head_data *hd = s->hd;
@@ -542,28 +570,13 @@ static void lc_run(tgroup *g, const lc_case *c) {
       for (int64_t i = 0; o[r].amax.data && i < N; i++)
         tg_true(g, tget(&o[r].amax, i, 0) == -1.0, "all-ignored argmax[%lld] != -1", (long long)i);
     }
-    if (r > 0) { /* the chunking does not change the results */
-      runs_agree(g, &o[r].loss, &o[0].loss, 0, "chunks: loss");
-      runs_agree(g, &o[r].lse, &o[0].lse, 0, "chunks: lse");
-      runs_agree(g, &o[r].ent, &o[0].ent, 0, "chunks: entropy");
-      runs_agree(g, &o[r].dh, &o[0].dh, 0, "chunks: dhidden");
-      runs_agree(g, &o[r].dw, &o[0].dw, 1, "chunks: dweight");
-      runs_agree(g, &o[r].db, &o[0].db, 1, "chunks: dbias");
-      if (o[r].amax.data) tg_true(g, same_bytes(&o[r].amax, &o[0].amax), "chunks: argmax differs");
-    }
+    if (r > 0) outs_agree(g, &o[r], &o[0]);
   }
   if (c->chunks) {
-    /* too small a budget, too small a workspace: the status, outputs untouched */
-    how bad[] = {{b1 - 1, 0}, {b1, 1}, {0, 1}};
-    for (int b = 0; b < 3; b++) {
-      outs p = lc_outs(c, &hd), q = outs_clone(&p);
-      lmloss_status st = call(&s, bad[b], &p);
-      tg_true(g, st == LMLOSS_ERR_WORKSPACE_TOO_SMALL && outs_same(&p, &q),
-              "budget %zu%s: got %s, outputs untouched %d", bad[b].budget,
-              bad[b].ws_short ? " with a workspace 1 byte short" : "", lmloss_status_string(st),
-              outs_same(&p, &q));
-      outs_free(&p), outs_free(&q);
-    }
+    const how bad[] = {{b1 - 1, 0}, {b1, 1}, {0, 1}};
+    outs proto = lc_outs(c, &hd);
+    too_small(g, &s, bad, (int)(sizeof bad / sizeof bad[0]), &proto);
+    outs_free(&proto);
   }
   if ((int)g->fails > before && before == 0) lc_print(c);
   for (int r = 0; r < nrun; r++)
@@ -685,25 +698,13 @@ static void lp_run(tgroup *g, const lp_case *c) {
     } else {
       grads_close(g, &hd, &o[r].dh, &o[r].dw, &o[r].db, &rdl);
     }
-    if (r > 0) {
-      runs_agree(g, &o[r].logp, &o[0].logp, 0, "chunks: logp");
-      runs_agree(g, &o[r].ent, &o[0].ent, 0, "chunks: entropy");
-      runs_agree(g, &o[r].dh, &o[0].dh, 0, "chunks: dhidden");
-      runs_agree(g, &o[r].dw, &o[0].dw, 1, "chunks: dweight");
-      runs_agree(g, &o[r].db, &o[0].db, 1, "chunks: dbias");
-    }
+    if (r > 0) outs_agree(g, &o[r], &o[0]);
   }
   if (c->chunks) {
-    how bad[] = {{b1 - 1, 0}, {0, 1}};
-    for (int b = 0; b < 2; b++) {
-      outs p = lp_outs(c, &hd), q = outs_clone(&p);
-      lmloss_status st = call(&s, bad[b], &p);
-      tg_true(g, st == LMLOSS_ERR_WORKSPACE_TOO_SMALL && outs_same(&p, &q),
-              "budget %zu%s: got %s, outputs untouched %d", bad[b].budget,
-              bad[b].ws_short ? " with a workspace 1 byte short" : "", lmloss_status_string(st),
-              outs_same(&p, &q));
-      outs_free(&p), outs_free(&q);
-    }
+    const how bad[] = {{b1 - 1, 0}, {0, 1}};
+    outs proto = lp_outs(c, &hd);
+    too_small(g, &s, bad, (int)(sizeof bad / sizeof bad[0]), &proto);
+    outs_free(&proto);
   }
   if ((int)g->fails > before && before == 0) lp_print(c);
   for (int r = 0; r < nrun; r++)
