@@ -254,40 +254,30 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
 
     auto body = [&](int64_t v, const Raw<In> &rv) {
       const int64_t j0 = ch.jb + v * NV;
-      float x[NV], w[NV], g[NV];
-      unpack<In, NV>(rv, x);
-#pragma unroll
-      for (int e = 0; e < NV; e++)
-        w[e] = x[e];
-      xform_vec<NV>(X, w);
-      const bool special = (unsigned long long)(y - j0) < (unsigned long long)NV ||
-                           (unsigned long long)(am - j0) < (unsigned long long)NV;
-#pragma unroll
-      for (int e = 0; e < NV; e++) {
-        float p2;
-        float ej = cexp(X, w[e] - m, &p2); /* -inf logits: ex2(-inf) = 0 */
-        float cj = (a.cw && j0 + e < a.V) ? a.cw[(j0 + e) * a.cws] : 1.0f;
-        g[e] = fmaf(ej, F1, -F0 * cj);
-      }
-      if (special) {
+      write_grad(X, rv, drow, j0, a.V, out_al, [&](const float *w, float *g) {
+        const bool special = (unsigned long long)(y - j0) < (unsigned long long)NV ||
+                             (unsigned long long)(am - j0) < (unsigned long long)NV;
 #pragma unroll
         for (int e = 0; e < NV; e++) {
-          long long j = j0 + e;
-          if (j == y || j == am) {
-            float cj = a.cw ? a.cw[j * a.cws] : 1.0f;
-            float p2;
-            float pj = cexp(X, fmaxf(w[e] - m, X.dmin), &p2) * inv;
-            float gz = Gce * lmloss_ce_grad_z(&q, &s, pj, cj, j == y, j == am) + Gz * pj;
-            g[e] = ok ? gz * kx : NAN;
+          float p2;
+          float ej = cexp(X, w[e] - m, &p2); /* -inf logits: ex2(-inf) = 0 */
+          float cj = (a.cw && j0 + e < a.V) ? a.cw[(j0 + e) * a.cws] : 1.0f;
+          g[e] = fmaf(ej, F1, -F0 * cj);
+        }
+        if (special) {
+#pragma unroll
+          for (int e = 0; e < NV; e++) {
+            long long j = j0 + e;
+            if (j == y || j == am) {
+              float cj = a.cw ? a.cw[j * a.cws] : 1.0f;
+              float p2;
+              float pj = cexp(X, fmaxf(w[e] - m, X.dmin), &p2) * inv;
+              float gz = Gce * lmloss_ce_grad_z(&q, &s, pj, cj, j == y, j == am) + Gz * pj;
+              g[e] = ok ? gz * kx : NAN;
+            }
           }
         }
-      }
-      if (X.f.cap > 0.0f) {
-#pragma unroll
-        for (int e = 0; e < NV; e++)
-          g[e] *= dzdx(X, x[e]);
-      }
-      store_vec<O, NV>(drow, j0, a.V, out_al, g);
+      });
     };
 
     /* Second read from L2 (unstaged), newest lines first. */

@@ -197,8 +197,27 @@ template <int NV> __device__ __forceinline__ void xform_vec(const Xf &X, float *
   }
 }
 
-__device__ __forceinline__ float dzdx(const Xf &X, float x) {
-  return X.f.cap > 0.0f ? lmloss_xform_dzdx(&X.f, x) : X.f.k;
+/* One vector of a gradient row: w = the transform of the logits x, then
+ * fill(w, g) gives the gradient in z units (times k where there is no
+ * softcap: the kernels fold k into their coefficients), then the
+ * softcap's chain rule and the store. */
+template <typename In, typename O, typename Fill>
+__device__ __forceinline__ void write_grad(const Xf &X, const Raw<In> &rv, O *drow, int64_t j0,
+                                           int64_t V, bool aligned, Fill fill) {
+  constexpr int NV = elt<In>::NV;
+  float x[NV], w[NV], g[NV];
+  unpack<In, NV>(rv, x);
+#pragma unroll
+  for (int e = 0; e < NV; e++)
+    w[e] = x[e];
+  xform_vec<NV>(X, w);
+  fill(w, g);
+  if (X.f.cap > 0.0f) {
+#pragma unroll
+    for (int e = 0; e < NV; e++)
+      g[e] *= lmloss_xform_dzdx(&X.f, x[e]);
+  }
+  store_vec<O, NV>(drow, j0, V, aligned, g);
 }
 
 /* ------------------------------------------------------------------ */

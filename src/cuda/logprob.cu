@@ -190,46 +190,36 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
 
     auto body = [&](int64_t v, const Raw<In> &rv) {
       const int64_t j0 = ch.jb + v * NV;
-      float x[NV], w[NV], g[NV];
-      unpack<In, NV>(rv, x);
-#pragma unroll
-      for (int e = 0; e < NV; e++)
-        w[e] = x[e];
-      xform_vec<NV>(X, w);
-#pragma unroll
-      for (int e = 0; e < NV; e++) {
-        float p2, d = fmaxf(w[e] - m, X.dmin);
-        float ej = cexp(X, d, &p2);
-        g[e] = ej * fmaf(c1, d, c0);
-      }
-      if ((bm[v >> 5] >> (v & 31)) & 1u) {
+      write_grad(X, rv, drow, j0, a.V, out_al, [&](const float *w, float *g) {
 #pragma unroll
         for (int e = 0; e < NV; e++) {
-          const long long j = j0 + e;
-          float Dj = 0.0f;
-          bool hit = j == am;
-          if (a.dlogp) {
-            for (int64_t q = 0; q < a.K; q++) {
-              if (ld_index(a.idx, a.idx64, i * a.is + q) == j) {
-                Dj += a.dlogp[i * a.dlps + q];
-                hit = true;
+          float p2, d = fmaxf(w[e] - m, X.dmin);
+          float ej = cexp(X, d, &p2);
+          g[e] = ej * fmaf(c1, d, c0);
+        }
+        if ((bm[v >> 5] >> (v & 31)) & 1u) {
+#pragma unroll
+          for (int e = 0; e < NV; e++) {
+            const long long j = j0 + e;
+            float Dj = 0.0f;
+            bool hit = j == am;
+            if (a.dlogp) {
+              for (int64_t q = 0; q < a.K; q++) {
+                if (ld_index(a.idx, a.idx64, i * a.is + q) == j) {
+                  Dj += a.dlogp[i * a.dlps + q];
+                  hit = true;
+                }
               }
             }
+            if (!hit) continue;
+            float p2, d = fmaxf(w[e] - m, X.dmin);
+            float pj = cexp(X, d, &p2) * inv;
+            float dl = j == am ? Dj * (s.r * inv) - (D - Dj) * pj : Dj - D * pj;
+            float gz = dl - dH * pj * fmaf(d, k, tinv);
+            g[e] = ok ? gz * kx : NAN;
           }
-          if (!hit) continue;
-          float p2, d = fmaxf(w[e] - m, X.dmin);
-          float pj = cexp(X, d, &p2) * inv;
-          float dl = j == am ? Dj * (s.r * inv) - (D - Dj) * pj : Dj - D * pj;
-          float gz = dl - dH * pj * fmaf(d, k, tinv);
-          g[e] = ok ? gz * kx : NAN;
         }
-      }
-      if (X.f.cap > 0.0f) {
-#pragma unroll
-        for (int e = 0; e < NV; e++)
-          g[e] *= dzdx(X, x[e]);
-      }
-      store_vec<O, NV>(drow, j0, a.V, out_al, g);
+      });
     };
 
     second_pass<In>(
