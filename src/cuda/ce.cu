@@ -130,21 +130,19 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
-  const int cs = a.cs, rank = (int)(blockIdx.x % cs);
-  const int64_t nclusters = gridDim.x / cs;
+  RowWalk rw(a.cs);
   const Xf &X = a.X;
   const float k = X.f.k;
   const bool U = a.eps > 0.0f;
-  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rank);
-  int parity = 0, synced = 0;
+  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
 
-  for (int64_t i = blockIdx.x / cs; i < a.N; i += nclusters) {
+  for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
     const long long y = ld_index(a.tgt, a.tgt64, i * a.ts);
     O *drow = (O *)a.dx + i * a.dxs;
     const bool grad = a.mode != CE_FWD;
     if (y == a.ignore) {
-      if (rank == 0 && threadIdx.x == 0) {
+      if (rw.rank == 0 && threadIdx.x == 0) {
         if (a.mode == CE_FWD || a.mode == CE_FUSED) {
           if (a.reduction == LMLOSS_REDUCE_NONE)
             a.loss[i * a.ls] = 0.0f;
@@ -183,9 +181,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     const float wy = y_ok ? lmloss_xform_w(&X.f, tof(row[y])) : 0.0f;
     const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
 
-    Part P = reduce_row(acc, k, T, U, &red, cs, parity, a.staged);
-    parity ^= 1;
-    synced = 1;
+    Part P = reduce_row(acc, k, T, U, &red, rw, a.staged);
     lmloss_rowstat s = P.s;
     s.u += P.ue;
     s.c += P.ce;
@@ -213,7 +209,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     double li = (double)tw * (ce + (double)a.zl * lse * lse);
     if (!ok) li = NAN;
 
-    if (rank == 0 && threadIdx.x == 0 && a.mode != CE_BWD) {
+    if (rw.rank == 0 && threadIdx.x == 0 && a.mode != CE_BWD) {
       if (a.reduction == LMLOSS_REDUCE_NONE)
         a.loss[i * a.ls] = (float)li;
       else {
@@ -285,7 +281,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
         a.staged, stage, ch.nv,
         [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al); }, body);
   }
-  if (synced) cluster_exit(cs);
+  rw.finish();
 }
 
 template <typename In, typename O>

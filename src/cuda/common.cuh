@@ -384,6 +384,26 @@ __device__ __forceinline__ float block_max(float M, RedSmem *sm) {
   return sm->bmax;
 }
 
+/* A CTA's walk over the rows: its rank in the row's cluster, the rows it
+ * visits (one cluster per row; it loops only past 2^31 / cs rows), and
+ * the parity of the cluster slot the next reduce_row uses. finish() is
+ * the final cluster barrier: no CTA leaves while a peer may still read
+ * its shared memory. */
+struct RowWalk {
+  int cs, rank, parity, synced;
+  int64_t first, step;
+
+  __device__ explicit RowWalk(int cs_)
+      : cs(cs_), rank((int)(blockIdx.x % cs_)), parity(0), synced(0), first(blockIdx.x / cs_),
+        step(gridDim.x / cs_) {}
+
+  __device__ __forceinline__ void finish() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (synced && cs > 1) cg::this_cluster().sync();
+#endif
+  }
+};
+
 /* Merge in a fixed order (xor butterfly within warps, warp slots in
  * order, cluster ranks in order): bit-reproducible. Every thread of
  * every CTA of the cluster returns the same row state. The lanes of a warp
@@ -394,8 +414,11 @@ __device__ __forceinline__ float block_max(float M, RedSmem *sm) {
  * warps' states merge (lmloss_rowstat_merge). Contains __syncthreads (and
  * a cluster barrier when cs > 1): call uniformly. */
 __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool U, RedSmem *sm,
-                                           int cs, int parity, bool staged) {
+                                           RowWalk &walk, bool staged) {
   const int bad = __syncthreads_or(acc.bad) | !__syncthreads_or(acc.fin);
+  const int cs = walk.cs, parity = walk.parity;
+  walk.parity ^= 1;
+  walk.synced = 1;
   float r = acc.r, t = T ? -acc.tn * LN2 : 0.0f, u = U ? acc.u : 0.0f, c = U ? acc.c : 0.0f;
   float cnt = acc.a >= 0 ? 1.0f : 0.0f;
   long long a = acc.a >= 0 ? acc.a : LLONG_MAX;
@@ -476,15 +499,8 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
   __syncthreads();
   return sm->block;
 #else
+  (void)parity;
   return p; /* unreachable: the host never clusters below sm_90 */
-#endif
-}
-
-/* Final barrier of a clustered kernel: no CTA leaves while a peer may
- * still read its shared memory. */
-__device__ __forceinline__ void cluster_exit(int cs) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (cs > 1) cg::this_cluster().sync();
 #endif
 }
 

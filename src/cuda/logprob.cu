@@ -48,16 +48,14 @@ __global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
-  const int cs = a.cs, rank = (int)(blockIdx.x % cs);
-  const int64_t nclusters = gridDim.x / cs;
+  RowWalk rw(a.cs);
   const Xf &X = a.X;
   const float k = X.f.k;
-  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rank);
-  int parity = 0, synced = 0;
-  for (int64_t i = blockIdx.x / cs; i < a.N; i += nclusters) {
+  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
+  for (int64_t i = rw.first; i < a.N; i += rw.step) {
     O *lrow = (O *)a.logp + i * a.lps;
     if (a.mask && !a.mask[i * a.ms]) {
-      if (rank == 0) {
+      if (rw.rank == 0) {
         for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x)
           lrow[q] = fromf<O>(0.0f);
         if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = 0.0f;
@@ -78,10 +76,8 @@ __global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
         a.staged, stage, row, ch.jb, a.V, al, ch.nv, X, acc, &red,
         [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, al); }, step);
 
-    Part P = reduce_row(acc, k, T, false, &red, cs, parity, a.staged);
-    parity ^= 1;
-    synced = 1;
-    if (rank != 0) continue;
+    Part P = reduce_row(acc, k, T, false, &red, rw, a.staged);
+    if (rw.rank != 0) continue;
     const lmloss_rowstat &s = P.s;
     const bool ok = !P.bad && lmloss_rowstat_finite(&s);
     const float l1r = log1pf(s.r);
@@ -96,7 +92,7 @@ __global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
     }
     if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = ok ? lmloss_rowstat_entropy(&s) : NAN;
   }
-  if (synced) cluster_exit(cs);
+  rw.finish();
 }
 
 /* Same shape as the cross-entropy gradient (see ce_rows). Positions that
@@ -108,17 +104,15 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
-  const int cs = a.cs, rank = (int)(blockIdx.x % cs);
-  const int64_t nclusters = gridDim.x / cs;
+  RowWalk rw(a.cs);
   const Xf &X = a.X;
   const float k = X.f.k;
-  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rank);
+  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
   const int64_t nvmax = a.chunk / NV;
   unsigned *bm = (unsigned *)(stage + (a.staged ? nvmax : 0));
   const int64_t nwords = (nvmax + 31) / 32;
-  int parity = 0, synced = 0;
 
-  for (int64_t i = blockIdx.x / cs; i < a.N; i += nclusters) {
+  for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
     O *drow = (O *)a.dx + i * a.dxs;
     const bool out_al = is_aligned16(drow);
@@ -144,11 +138,9 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     };
     first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, &red, ld, step);
     /* Its barriers also order the previous row's bitmap reads before the clear. */
-    Part P = reduce_row(acc, k, T, false, &red, cs, parity, a.staged);
+    Part P = reduce_row(acc, k, T, false, &red, rw, a.staged);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
       bm[q] = 0u;
-    parity ^= 1;
-    synced = 1;
     const lmloss_rowstat s = P.s;
     bool ok = !P.bad && lmloss_rowstat_finite(&s);
 
@@ -226,7 +218,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
         a.staged, stage, ch.nv,
         [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al); }, body);
   }
-  if (synced) cluster_exit(cs);
+  rw.finish();
 }
 
 template <typename In, typename O>

@@ -35,12 +35,10 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
-  const int cs = a.cs, rank = (int)(blockIdx.x % cs);
-  const int64_t nclusters = gridDim.x / cs;
+  RowWalk rw(a.cs);
   const Xf &X = a.X;
-  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rank);
-  int parity = 0, synced = 0;
-  for (int64_t i = blockIdx.x / cs; i < a.N; i += nclusters) {
+  const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
+  for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
     O *yrow = (O *)a.y + i * a.ys;
     const bool in_al = is_aligned16(row), out_al = is_aligned16(yrow);
@@ -53,9 +51,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
       acc.vec<false, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
     };
     first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, &red, ld, step);
-    Part P = reduce_row(acc, 1.0f, false, false, &red, cs, parity, a.staged);
-    parity ^= 1;
-    synced = 1;
+    Part P = reduce_row(acc, 1.0f, false, false, &red, rw, a.staged);
     const bool ok = !P.bad && lmloss_rowstat_finite(&P.s);
     const float m = P.s.m;
     float inv = 1.0f / (1.0f + P.s.r), l1r = log1pf(P.s.r);
@@ -80,7 +76,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
         a.staged, stage, ch.nv,
         [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al); }, body);
   }
-  if (synced) cluster_exit(cs);
+  rw.finish();
 }
 
 /* Backward state of a partial row: first argmax a of y with y_a, dy_a, and
