@@ -162,19 +162,10 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
 
     /* Pass 1: statistics of this CTA's chunk (staged, or kept in L2 for
      * a second read when the row is too wide to stage). */
+    const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    auto ld = [&](int64_t v) {
-      return grad ? load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al)
-                  : load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al);
-    };
-    auto step = [&](int64_t v, const Raw<In> &rv) {
-      float w[NV];
-      unpack<In, NV>(rv, w);
-      acc.xform<NV>(X, w);
-      acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, U, a.cw, a.cws);
-    };
-    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, &red, ld, step);
+    first_pass<T>(a.staged, stage, part, grad, X, Smooth{U, a.cw, a.cws}, acc, &red);
     /* The target's logit, read before any CTA of the cluster writes (the
      * gradient may overwrite the logits in place). */
     const bool y_ok = y >= 0 && y < a.V;
@@ -277,9 +268,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     };
 
     /* Second read from L2 (unstaged), newest lines first. */
-    second_pass<In>(
-        a.staged, stage, ch.nv,
-        [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al); }, body);
+    second_pass(a.staged, stage, part, body);
   }
   rw.finish();
 }

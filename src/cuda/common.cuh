@@ -519,6 +519,28 @@ template <int NV> __device__ __forceinline__ Chunk my_chunk(int64_t V, int64_t c
   return c;
 }
 
+/* The CTA's part of one row: the logits, its chunk, and whether 16-byte
+ * loads apply. keep: a load that will be read again (from L2). */
+template <typename In> struct RowPart {
+  const In *row;
+  Chunk ch;
+  int64_t V;
+  bool aligned;
+
+  __device__ __forceinline__ Raw<In> load(int64_t v, bool keep) const {
+    const int64_t j0 = ch.jb + v * elt<In>::NV;
+    return keep ? load_vec<In, KEEP>(row, j0, V, aligned)
+                : load_vec<In, STREAM>(row, j0, V, aligned);
+  }
+};
+
+/* Label smoothing's sums in the first pass (on), with class weights cw. */
+struct Smooth {
+  bool on;
+  const float *cw;
+  int64_t cws;
+};
+
 /* Read a target / index of dtype I32 or I64. */
 __device__ __forceinline__ long long ld_index(const void *p, int is64, int64_t i) {
   return is64 ? ((const long long *)p)[i] : (long long)((const int *)p)[i];
@@ -602,9 +624,8 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-/* The first pass of a row kernel over a CTA's nv vectors, handing each to
- * step(v, raw) in increasing v per thread (a thread meets its first argmax
- * first).
+/* The first pass of a row kernel over a CTA's vectors, adding each to acc
+ * in increasing v per thread (a thread meets its first argmax first).
  * Staged: every vector of the chunk is copied into the stage at once
  * (asynchronously where 16-byte aligned and complete, else element loads
  * padded with -inf), in two commit groups so the thread sweeps its first
@@ -612,22 +633,30 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
  * with the CTA's max before the steps (so reduce_row can just add). A
  * thread only ever reads back the vectors it copied itself, so no barrier
  * is needed.
- * Unstaged: register loads, four in flight per thread, through ld(v); acc
- * is raised to the warp's max before each batch of four. */
-template <typename In, typename Ld, typename Step>
-__device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *row, int64_t jb,
-                                           int64_t V, bool aligned, int64_t nv, const Xf &X,
-                                           Acc &acc, RedSmem *red, Ld ld, Step step) {
+ * Unstaged: register loads, four in flight per thread (keep: held in L2
+ * for the second pass); acc is raised to the warp's max before each batch
+ * of four. Each vector is transformed and added to acc (with label
+ * smoothing's sums where sm.on). */
+template <bool T, typename In>
+__device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const RowPart<In> &p,
+                                           bool keep, const Xf &X, Smooth sm, Acc &acc,
+                                           RedSmem *red) {
   constexpr int NV = elt<In>::NV;
-  const int64_t B = blockDim.x, t = threadIdx.x;
+  const int64_t B = blockDim.x, t = threadIdx.x, nv = p.ch.nv;
+  auto step = [&](int64_t v, const Raw<In> &rv) {
+    float w[NV];
+    unpack<In, NV>(rv, w);
+    acc.xform<NV>(X, w);
+    acc.vec<T, NV>(X, w, p.ch.jb + v * NV, p.V, sm.on, sm.cw, sm.cws);
+  };
   if (staged) {
     const int64_t n = nv > t ? (nv - 1 - t) / B + 1 : 0, half = (n + 1) / 2;
     for (int64_t q = 0; q < n; q++) {
-      const int64_t v = t + q * B, j0 = jb + v * NV;
-      if (aligned && j0 + NV <= V)
-        cp_async16(&stage[v], row + j0);
+      const int64_t v = t + q * B, j0 = p.ch.jb + v * NV;
+      if (p.aligned && j0 + NV <= p.V)
+        cp_async16(&stage[v], p.row + j0);
       else
-        stage[v] = load_vec<In, STREAM>(row, j0, V, aligned).u;
+        stage[v] = p.load(v, false).u;
       if (q + 1 == half) cp_async_commit();
     }
     cp_async_commit();
@@ -658,7 +687,7 @@ __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *
     for (int q = 0; q < 4; q++) { /* all four loads in flight before any use */
       const int64_t v = t + v0 + q * B;
       if (v < nv) {
-        r[q] = ld(v);
+        r[q] = p.load(v, keep);
       } else {
 #pragma unroll
         for (int i = 0; i < NV; i++)
@@ -683,9 +712,11 @@ __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const In *
 /* The second pass takes each thread's vectors back from the stage (the
  * very vectors it staged itself), or re-reads them (ld) from L2 newest
  * lines first, two in flight. */
-template <typename In, typename Ld, typename Body>
-__device__ __forceinline__ void second_pass(bool staged, const uint4 *stage, int64_t nv, Ld ld,
+template <typename In, typename Body>
+__device__ __forceinline__ void second_pass(bool staged, const uint4 *stage, const RowPart<In> &p,
                                             Body body) {
+  const int64_t nv = p.ch.nv;
+  auto ld = [&](int64_t v) { return p.load(v, false); };
   if (staged) {
     for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
       Raw<In> rv;

@@ -66,15 +66,7 @@ __global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
     const bool al = is_aligned16(row);
     Acc acc;
     acc.init(X);
-    auto step = [&](int64_t v, const Raw<In> &rv) {
-      float w[NV];
-      unpack<In, NV>(rv, w);
-      acc.xform<NV>(X, w);
-      acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
-    };
-    first_pass(
-        a.staged, stage, row, ch.jb, a.V, al, ch.nv, X, acc, &red,
-        [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, al); }, step);
+    first_pass<T>(a.staged, stage, RowPart<In>{row, ch, a.V, al}, false, X, Smooth{}, acc, &red);
 
     Part P = reduce_row(acc, k, T, false, &red, rw, a.staged);
     if (rw.rank != 0) continue;
@@ -126,17 +118,10 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
       continue;
     }
     const bool in_al = is_aligned16(row);
-    /* unstaged only: kept in L2 for the second read */
-    auto ld = [&](int64_t v) { return load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al); };
+    const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    auto step = [&](int64_t v, const Raw<In> &rv) {
-      float w[NV];
-      unpack<In, NV>(rv, w);
-      acc.xform<NV>(X, w);
-      acc.vec<T, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
-    };
-    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, &red, ld, step);
+    first_pass<T>(a.staged, stage, part, true, X, Smooth{}, acc, &red);
     /* Its barriers also order the previous row's bitmap reads before the clear. */
     Part P = reduce_row(acc, k, T, false, &red, rw, a.staged);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
@@ -214,9 +199,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
       });
     };
 
-    second_pass<In>(
-        a.staged, stage, ch.nv,
-        [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al); }, body);
+    second_pass(a.staged, stage, part, body);
   }
   rw.finish();
 }

@@ -42,15 +42,10 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     const In *row = (const In *)a.x + i * a.xs;
     O *yrow = (O *)a.y + i * a.ys;
     const bool in_al = is_aligned16(row), out_al = is_aligned16(yrow);
-    auto ld = [&](int64_t v) { return load_vec<In, KEEP>(row, ch.jb + v * NV, a.V, in_al); };
+    const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    auto step = [&](int64_t v, const Raw<In> &rv) {
-      float w[NV];
-      unpack<In, NV>(rv, w);
-      acc.vec<false, NV>(X, w, ch.jb + v * NV, a.V, false, nullptr, 0);
-    };
-    first_pass(a.staged, stage, row, ch.jb, a.V, in_al, ch.nv, X, acc, &red, ld, step);
+    first_pass<false>(a.staged, stage, part, true, X, Smooth{}, acc, &red);
     Part P = reduce_row(acc, 1.0f, false, false, &red, rw, a.staged);
     const bool ok = !P.bad && lmloss_rowstat_finite(&P.s);
     const float m = P.s.m;
@@ -72,9 +67,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
       }
       store_vec<O, NV>(yrow, ch.jb + v * NV, a.V, out_al, x);
     };
-    second_pass<In>(
-        a.staged, stage, ch.nv,
-        [&](int64_t v) { return load_vec<In, STREAM>(row, ch.jb + v * NV, a.V, in_al); }, body);
+    second_pass(a.staged, stage, part, body);
   }
   rw.finish();
 }
