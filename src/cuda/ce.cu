@@ -165,14 +165,15 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    first_pass<T>(a.staged, stage, part, grad, X, Smooth{U, a.cw, a.cws}, acc, &red);
+    const bool one_max =
+        first_pass<T>(a.staged, stage, part, grad, X, Smooth{U, a.cw, a.cws}, acc, &red);
     /* The target's logit, read before any CTA of the cluster writes (the
      * gradient may overwrite the logits in place). */
     const bool y_ok = y >= 0 && y < a.V;
     const float wy = y_ok ? lmloss_xform_w(&X.f, tof(row[y])) : 0.0f;
     const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
 
-    Part P = reduce_row(acc, k, T, U, &red, rw, a.staged);
+    Part P = reduce_row(acc, k, T, U, &red, rw, one_max);
     lmloss_rowstat s = P.s;
     s.u += P.ue;
     s.c += P.ce;

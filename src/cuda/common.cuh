@@ -356,8 +356,7 @@ struct Part {
 
 /* Shared memory of the reductions: one slot per warp, the block result,
  * two cluster slots (double-buffered by row parity, so one cluster
- * barrier per row suffices), and the warp maxima and block max of a
- * staged chunk. */
+ * barrier per row suffices), and block_max's warp maxima and result. */
 struct RedSmem {
   Part warp[32];
   Part block;
@@ -409,12 +408,12 @@ struct RowWalk {
  * every CTA of the cluster returns the same row state. The lanes of a warp
  * share their max (seed or raise), so a warp's state is plain sums; each
  * lane holding an occurrence of the max took its first one out of r, so
- * all but the first (the lowest index) come back as 1 each. A staged CTA
- * shares one max in all its warps and adds them up the same way; else the
- * warps' states merge (lmloss_rowstat_merge). Contains __syncthreads (and
- * a cluster barrier when cs > 1): call uniformly. */
+ * all but the first (the lowest index) come back as 1 each. one_max (from
+ * first_pass): all the CTA's warps share one finite max and add up the
+ * same way; else the warps' states merge (lmloss_rowstat_merge). Contains
+ * __syncthreads (and a cluster barrier when cs > 1): call uniformly. */
 __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool U, RedSmem *sm,
-                                           RowWalk &walk, bool staged) {
+                                           RowWalk &walk, bool one_max) {
   const int bad = __syncthreads_or(acc.bad) | !__syncthreads_or(acc.fin);
   const int cs = walk.cs, parity = walk.parity;
   walk.parity ^= 1;
@@ -433,7 +432,6 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
       c += __shfl_xor_sync(0xffffffffu, c, off);
     }
   }
-  const bool one_max = staged && sm->bmax > -INFINITY;
   const int nwarps = blockDim.x >> 5;
   if ((threadIdx.x & 31) == 0) {
     Part &w = sm->warp[threadIdx.x >> 5];
@@ -630,15 +628,15 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
  * (asynchronously where 16-byte aligned and complete, else element loads
  * padded with -inf), in two commit groups so the thread sweeps its first
  * half for the max while the second is still in flight; acc is seeded
- * with the CTA's max before the steps (so reduce_row can just add). A
- * thread only ever reads back the vectors it copied itself, so no barrier
- * is needed.
+ * with the CTA's max before the steps, and the return value says whether
+ * that max is finite (then reduce_row can just add). A thread only ever
+ * reads back the vectors it copied itself, so no barrier is needed.
  * Unstaged: register loads, four in flight per thread (keep: held in L2
  * for the second pass); acc is raised to the warp's max before each batch
  * of four. Each vector is transformed and added to acc (with label
  * smoothing's sums where sm.on). */
 template <bool T, typename In>
-__device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const RowPart<In> &p,
+__device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowPart<In> &p,
                                            bool keep, const Xf &X, Smooth sm, Acc &acc,
                                            RedSmem *red) {
   constexpr int NV = elt<In>::NV;
@@ -668,14 +666,15 @@ __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const RowP
       r.u = stage[t + q * B];
       M = max_nan(M, vec_max<In>(X, r));
     }
-    acc.seed(M, block_max(M, red));
+    const float Mb = block_max(M, red);
+    acc.seed(M, Mb);
     for (int64_t q = 0; q < n; q++) {
       const int64_t v = t + q * B;
       Raw<In> r;
       r.u = stage[v];
       step(v, r);
     }
-    return;
+    return Mb > -INFINITY;
   }
   /* Batches of four vectors per lane, the warp in step: the warp's max
    * over the batch is raised once for every lane before the batch is
@@ -707,6 +706,7 @@ __device__ __forceinline__ void first_pass(bool staged, uint4 *stage, const RowP
     for (int q = 0; q < 4; q++)
       if (t + v0 + q * B < nv) step(t + v0 + q * B, r[q]);
   }
+  return false;
 }
 
 /* The second pass takes each thread's vectors back from the stage (the

@@ -66,9 +66,10 @@ __global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
     const bool al = is_aligned16(row);
     Acc acc;
     acc.init(X);
-    first_pass<T>(a.staged, stage, RowPart<In>{row, ch, a.V, al}, false, X, Smooth{}, acc, &red);
+    const bool one_max = first_pass<T>(a.staged, stage, RowPart<In>{row, ch, a.V, al}, false, X,
+                                       Smooth{}, acc, &red);
 
-    Part P = reduce_row(acc, k, T, false, &red, rw, a.staged);
+    Part P = reduce_row(acc, k, T, false, &red, rw, one_max);
     if (rw.rank != 0) continue;
     const lmloss_rowstat &s = P.s;
     const bool ok = !P.bad && lmloss_rowstat_finite(&s);
@@ -121,9 +122,9 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    first_pass<T>(a.staged, stage, part, true, X, Smooth{}, acc, &red);
+    const bool one_max = first_pass<T>(a.staged, stage, part, true, X, Smooth{}, acc, &red);
     /* Its barriers also order the previous row's bitmap reads before the clear. */
-    Part P = reduce_row(acc, k, T, false, &red, rw, a.staged);
+    Part P = reduce_row(acc, k, T, false, &red, rw, one_max);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
       bm[q] = 0u;
     const lmloss_rowstat s = P.s;
