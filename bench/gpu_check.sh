@@ -88,7 +88,8 @@ if [ "${1:-}" = "kernels" ]; then
   bench_rows 2>/dev/null | tee "$OUT/bench-rows.txt"
   for op in logprob ce-grad; do
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section SchedulerStats \
-      --section WarpStateStats --section ComputeWorkloadAnalysis -k regex:'lp_|ce_rows' -c 1 \
+      --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats \
+      --section SourceCounters --section MemoryWorkloadAnalysis -k regex:'lp_|ce_rows' -c 1 \
       "$L" bench $op --device cuda --dtype bf16 --shape 8192,152064 --reps 1 >"$OUT/ncu-$op.txt" 2>&1
   done
   grep -hE "^  [a-z_]+<|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Cluster Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A" \

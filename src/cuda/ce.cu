@@ -238,6 +238,9 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     if (!ok) F1 = F0 = NAN;
     const float m = s.m;
     const long long am = s.a;
+    Ref ref;
+    ref.set(X, m);
+    const float F1s = F1 * ref.s();
     const bool out_al = is_aligned16(drow);
 
     auto body = [&](int64_t v, const Raw<In> &rv) {
@@ -247,10 +250,9 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
                              (unsigned long long)(am - j0) < (unsigned long long)NV;
 #pragma unroll
         for (int e = 0; e < NV; e++) {
-          float p2;
-          float ej = cexp(X, w[e] - m, &p2); /* -inf logits: ex2(-inf) = 0 */
-          float cj = (a.cw && j0 + e < a.V) ? a.cw[(j0 + e) * a.cws] : 1.0f;
-          g[e] = fmaf(ej, F1, -F0 * cj);
+          const float ej = ex2(ref.p(X, w[e])); /* -inf logits: ex2(-inf) = 0 */
+          const float cj = (a.cw && j0 + e < a.V) ? a.cw[(j0 + e) * a.cws] : 1.0f;
+          g[e] = fmaf(ej, F1s, -F0 * cj);
         }
         if (special) {
 #pragma unroll

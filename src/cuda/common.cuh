@@ -151,6 +151,7 @@ struct Xf {
   lmloss_xform f;
   float kh;   /* k log2(e) */
   float dmin; /* (w - m) below this gives exp = 0 */
+  float pmin; /* the same bound on the base-2 exponent */
 };
 
 static inline Xf make_xf(lmloss_transform t) {
@@ -159,6 +160,7 @@ static inline Xf make_xf(lmloss_transform t) {
   double kk = (double)x.f.k * LOG2E;
   x.kh = (float)kk;
   x.dmin = (float)(-250.0 / kk);
+  x.pmin = -250.0f;
   return x;
 }
 
@@ -177,7 +179,7 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 }
 
 /* exp(d k) for d = w - m <= 0 (already clamped to >= dmin), as one
- * multiply and ex2. The rounding of p = d k log2(e) perturbs each term by
+ * multiply and ex2 (the scalar form; the per-element loops use Ref). The rounding of p = d k log2(e) perturbs each term by
  * at most |p| 2^-24 relative (5e-6 at the underflow edge, p = -126), well
  * inside the 1e-5 the suite holds every backend to; a compensated product
  * cost four more instructions per element, a third of the budget of a
@@ -188,6 +190,22 @@ __device__ __forceinline__ float cexp(const Xf &X, float d, float *p2) {
   *p2 = p;
   return ex2(p);
 }
+
+/* The reference max of a row's exponentials, for one FMA per element:
+ * m k log2(e) = mh + ml exactly (ml the FMA's residual, |ml| <= 2^-24
+ * |mh|), so exp(k (w - m)) = ex2(fma(w, kh, -mh)) * 2^-ml. The per-element
+ * exponent p' = fma(w, kh, -mh) is rounded once, relative to itself, as
+ * good as (w - m) * kh; the common factor 2^-ml = 1 - ml ln 2 to within
+ * (ml ln 2)^2 < 1e-8 is applied once per row (s), not per element. */
+struct Ref {
+  float mh, ml;
+  __device__ __forceinline__ void set(const Xf &X, float m) {
+    mh = m * X.kh;
+    ml = fmaf(m, X.kh, -mh);
+  }
+  __device__ __forceinline__ float p(const Xf &X, float w) const { return fmaf(w, X.kh, -mh); }
+  __device__ __forceinline__ float s() const { return fmaf(-ml, LN2, 1.0f); }
+};
 
 template <int NV> __device__ __forceinline__ void xform_vec(const Xf &X, float *x) {
   if (X.f.cap > 0.0f) {
@@ -226,11 +244,14 @@ __device__ __forceinline__ void write_grad(const Xf &X, const Raw<In> &rv, O *dr
 
 /* State in w units for the max, r as in rowstats.h, tn = sum e_j p_j with
  * p_j = (w_j - m) k log2(e) <= 0 (so t = -tn ln 2), u and c for label
- * smoothing (only when U). The vector fast path (no new max, no NaN) costs
- * one subtract, multiply, ex2 and add per element (and the max of the
- * vector while the thread may still meet a new max or its argmax). */
+ * smoothing (only when U). r and tn are summed against ref (each term off
+ * by the common factor 2^ml, see Ref): true_r() and true_tn() give the
+ * sums against m. The vector fast path (no new max, no NaN) costs one FMA,
+ * ex2 and add per element (and the max of the vector while the thread may
+ * still meet a new max or its argmax). */
 struct Acc {
   float m, mref, r, tn, u, c;
+  Ref ref;
   long long a;
   int bad, fin; /* fin: saw a logit > -inf (tracked under softcap only) */
   bool look;    /* this thread holds m and has not met its first occurrence */
@@ -238,6 +259,8 @@ struct Acc {
   __device__ __forceinline__ void init(const Xf &X) {
     m = -INFINITY;
     mref = -FLT_MAX;
+    ref.mh = -FLT_MAX; /* -inf logits give ex2(-inf) = 0 before any max is set */
+    ref.ml = 0.0f;
     r = tn = u = c = 0.0f;
     a = -1;
     bad = 0;
@@ -266,12 +289,16 @@ struct Acc {
    * warp's max over its next vectors, the same for every lane). Mt is this
    * thread's own max over the same vectors: a thread holding the new max
    * looks for its first occurrence, the argmax. */
-  __device__ __forceinline__ void seed(float Mt, float M) {
+  __device__ __forceinline__ void seed(const Xf &X, float Mt, float M) {
     if (M != M) bad = 1; /* a NaN in the chunk: the row is NaN */
     if (!(M > -INFINITY)) return;
     m = mref = M;
+    ref.set(X, M);
     look = Mt == M;
   }
+
+  __device__ __forceinline__ float true_r() const { return r * ref.s(); }
+  __device__ __forceinline__ float true_tn() const { return fmaf(-ref.ml, r, tn) * ref.s(); }
 
   /* Rescale the sums to a larger max M once. A thread that holds no
    * argmax yet (its sums are against m, the warp's) has no 1 to carry. */
@@ -279,14 +306,18 @@ struct Acc {
     if (Mt != Mt) bad = 1;
     if (!(M > m)) return;
     if (m > -INFINITY) {
-      const float base = a >= 0 ? 1.0f + r : r;
+      const float rt = true_r(), base = a >= 0 ? 1.0f + rt : rt;
       float p;
       const float sc = cexp(X, fmaxf(m - M, X.dmin), &p);
-      tn = sc * (tn + p * base);
+      tn = sc * (true_tn() + p * base);
       r = base * sc;
       u = fmaf((M - m) * X.f.k, c, u);
     }
     m = mref = M;
+    ref.set(X, M);
+    const float s = fmaf(ref.ml, LN2, 1.0f); /* back to sums against ref */
+    tn = fmaf(ref.ml, r, tn) * s;
+    r *= s;
     a = -1;
     look = Mt == M;
   }
@@ -333,8 +364,8 @@ struct Acc {
      * needs the clamp. */
 #pragma unroll
     for (int i = 0; i < NV; i++) {
-      float p;
-      float e = cexp(X, T ? fmaxf(w[i] - mref, X.dmin) : w[i] - mref, &p);
+      const float p = T ? fmaxf(ref.p(X, w[i]), X.pmin) : ref.p(X, w[i]);
+      const float e = ex2(p);
       r += e;
       if (T) tn = fmaf(e, p, tn);
     }
@@ -418,7 +449,7 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
   const int cs = walk.cs, parity = walk.parity;
   walk.parity ^= 1;
   walk.synced = 1;
-  float r = acc.r, t = T ? -acc.tn * LN2 : 0.0f, u = U ? acc.u : 0.0f, c = U ? acc.c : 0.0f;
+  float r = acc.true_r(), t = T ? -acc.true_tn() * LN2 : 0.0f, u = U ? acc.u : 0.0f, c = U ? acc.c : 0.0f;
   float cnt = acc.a >= 0 ? 1.0f : 0.0f;
   long long a = acc.a >= 0 ? acc.a : LLONG_MAX;
 #pragma unroll
@@ -667,7 +698,7 @@ __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowP
       M = max_nan(M, vec_max<In>(X, r));
     }
     const float Mb = block_max(M, red);
-    acc.seed(M, Mb);
+    acc.seed(X, M, Mb);
     for (int64_t q = 0; q < n; q++) {
       const int64_t v = t + q * B;
       Raw<In> r;
@@ -679,20 +710,7 @@ __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowP
   /* Batches of four vectors per lane, the warp in step: the warp's max
    * over the batch is raised once for every lane before the batch is
    * added. */
-  const int64_t t0 = t & ~(int64_t)31;
-  for (int64_t v0 = 0; t0 + v0 < nv; v0 += 4 * B) {
-    Raw<In> r[4];
-#pragma unroll
-    for (int q = 0; q < 4; q++) { /* all four loads in flight before any use */
-      const int64_t v = t + v0 + q * B;
-      if (v < nv) {
-        r[q] = p.load(v, keep);
-      } else {
-#pragma unroll
-        for (int i = 0; i < NV; i++)
-          r[q].e[i] = neg_inf<In>();
-      }
-    }
+  auto batch = [&](int64_t v0, Raw<In>(&r)[4], bool check) {
     float Mt = -INFINITY;
 #pragma unroll
     for (int q = 0; q < 4; q++)
@@ -704,7 +722,35 @@ __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowP
     acc.raise(X, M, Mt);
 #pragma unroll
     for (int q = 0; q < 4; q++)
-      if (t + v0 + q * B < nv) step(t + v0 + q * B, r[q]);
+      if (!check || t + v0 + q * B < nv) step(t + v0 + q * B, r[q]);
+  };
+  const int64_t t0 = t & ~(int64_t)31;
+  int64_t v0 = 0;
+  if (p.aligned && !keep) { /* whole batches of complete vectors: one base, no checks */
+    const int64_t whole = (p.ch.je - p.ch.jb) / NV;
+    const uint4 *base = (const uint4 *)(p.row + p.ch.jb) + t;
+    for (; t0 + 31 + v0 + 3 * B < whole; v0 += 4 * B) {
+      Raw<In> r[4];
+#pragma unroll
+      for (int q = 0; q < 4; q++) /* all four loads in flight before any use */
+        r[q].u = keep ? ld16<KEEP>(base + v0 + q * B) : ld16<STREAM>(base + v0 + q * B);
+      batch(v0, r, false);
+    }
+  }
+  for (; t0 + v0 < nv; v0 += 4 * B) { /* the rest: padded with -inf past the chunk */
+    Raw<In> r[4];
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+      const int64_t v = t + v0 + q * B;
+      if (v < nv) {
+        r[q] = p.load(v, keep);
+      } else {
+#pragma unroll
+        for (int i = 0; i < NV; i++)
+          r[q].e[i] = neg_inf<In>();
+      }
+    }
+    batch(v0, r, true);
   }
   return false;
 }

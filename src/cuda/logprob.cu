@@ -148,6 +148,10 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     if (!ok) c0 = c1 = NAN;
     const float m = s.m;
     const long long am = s.a;
+    /* g = e_j (c1 d_j + c0) with d_j = w_j - m = (p'_j - ml) / kh (Ref) */
+    Ref ref;
+    ref.set(X, m);
+    const float C1 = c1 * ref.s() / X.kh, C0 = (c0 - c1 * ref.ml / X.kh) * ref.s();
 
     /* Flag the vectors holding the argmax or an index. */
     __syncthreads();
@@ -171,9 +175,8 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
       write_grad(X, rv, drow, j0, a.V, out_al, [&](const float *w, float *g) {
 #pragma unroll
         for (int e = 0; e < NV; e++) {
-          float p2, d = fmaxf(w[e] - m, X.dmin);
-          float ej = cexp(X, d, &p2);
-          g[e] = ej * fmaf(c1, d, c0);
+          const float p = fmaxf(ref.p(X, w[e]), X.pmin);
+          g[e] = ex2(p) * fmaf(C1, p, C0);
         }
         if ((bm[v >> 5] >> (v & 31)) & 1u) {
 #pragma unroll

@@ -51,6 +51,9 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     const float m = P.s.m;
     float inv = 1.0f / (1.0f + P.s.r), l1r = log1pf(P.s.r);
     if (!ok) inv = l1r = NAN;
+    Ref ref;
+    ref.set(X, m);
+    const float invs = inv * ref.s();
     auto body = [&](int64_t v, const Raw<In> &rv) {
       float x[NV];
       unpack<In, NV>(rv, x);
@@ -60,10 +63,8 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
           x[e] = (x[e] - m) - l1r;
       } else {
 #pragma unroll
-        for (int e = 0; e < NV; e++) {
-          float p2;
-          x[e] = cexp(X, x[e] - m, &p2) * inv; /* -inf: ex2(-inf) = 0 */
-        }
+        for (int e = 0; e < NV; e++)
+          x[e] = ex2(ref.p(X, x[e])) * invs; /* -inf: ex2(-inf) = 0 */
       }
       store_vec<O, NV>(yrow, ch.jb + v * NV, a.V, out_al, x);
     };
