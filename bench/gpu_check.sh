@@ -86,12 +86,17 @@ if [ "${1:-}" = "kernels" ]; then
   done
   $L check | tail -2 || status=1
   bench_rows 2>/dev/null | tee "$OUT/bench-rows.txt"
-  for op in logprob ce-grad; do
+  for op in logprob ce-grad logprob-bwd; do
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section SchedulerStats \
       --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats \
       --section SourceCounters --section MemoryWorkloadAnalysis -k regex:'lp_|ce_rows' -c 1 \
-      "$L" bench $op --device cuda --dtype bf16 --shape 8192,152064 --reps 1 >"$OUT/ncu-$op.txt" 2>&1
+      "$L" bench $op --plain --device cuda --dtype bf16 --shape 8192,152064 --reps 1 \
+      >"$OUT/ncu-$op.txt" 2>&1
   done
+  # executed instructions per SASS line of the CE gradient kernel (where the issue slots go)
+  ncu --clock-control none --section SourceCounters -k regex:ce_rows -c 1 --page source \
+    --print-source sass --csv "$L" bench ce-grad --plain --device cuda --dtype bf16 \
+    --shape 8192,152064 --reps 1 2>&1 | gzip >"$OUT/ncu-ce-grad-sass.csv.gz"
   grep -hE "^  [a-z_]+<|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Cluster Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A" \
     "$OUT"/ncu-*.txt
   exit $status

@@ -248,11 +248,16 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
       write_grad(X, rv, drow, j0, a.V, out_al, [&](const float *w, float *g) {
         const bool special = (unsigned long long)(y - j0) < (unsigned long long)NV ||
                              (unsigned long long)(am - j0) < (unsigned long long)NV;
+        if (a.cw) { /* a uniform branch: predicated weight loads cost every row */
 #pragma unroll
-        for (int e = 0; e < NV; e++) {
-          const float ej = ex2(ref.p(X, w[e])); /* -inf logits: ex2(-inf) = 0 */
-          const float cj = (a.cw && j0 + e < a.V) ? a.cw[(j0 + e) * a.cws] : 1.0f;
-          g[e] = fmaf(ej, F1s, -F0 * cj);
+          for (int e = 0; e < NV; e++) {
+            const float cj = j0 + e < a.V ? a.cw[(j0 + e) * a.cws] : 1.0f;
+            g[e] = fmaf(ex2(ref.p(X, w[e])), F1s, -F0 * cj);
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < NV; e++) /* -inf logits: ex2(-inf) = 0 */
+            g[e] = fmaf(ex2(ref.p(X, w[e])), F1s, -F0);
         }
         if (special) {
 #pragma unroll

@@ -322,6 +322,16 @@ struct Acc {
     look = Mt == M;
   }
 
+  /* Whether any of the vector's w equals v (one predicate chain: the
+   * index search below runs only on the vector that holds it). */
+  template <int NV> __device__ __forceinline__ static bool hit(const float *w, float v) {
+    bool h = false;
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+      h |= w[i] == v;
+    return h;
+  }
+
   /* Add a vector (w, already transformed) against m. The argmax entry is
    * taken out (-inf) so that the exp loop adds everything else, ties
    * included (a tie adds its 1 to r). */
@@ -347,7 +357,7 @@ struct Acc {
         }
       }
     }
-    if (look) {
+    if (look && hit<NV>(w, m)) {
       int im = NV;
 #pragma unroll
       for (int i = NV - 1; i >= 0; i--)
@@ -678,32 +688,38 @@ __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowP
     acc.xform<NV>(X, w);
     acc.vec<T, NV>(X, w, p.ch.jb + v * NV, p.V, sm.on, sm.cw, sm.cws);
   };
-  if (staged) {
-    const int64_t n = nv > t ? (nv - 1 - t) / B + 1 : 0, half = (n + 1) / 2;
-    for (int64_t q = 0; q < n; q++) {
-      const int64_t v = t + q * B, j0 = p.ch.jb + v * NV;
-      if (p.aligned && j0 + NV <= p.V)
-        cp_async16(&stage[v], p.row + j0);
+  if (staged) { /* a chunk holds < 2^31 vectors: 32-bit counters, one base each */
+    const int Bi = (int)B, n = nv > t ? (int)((nv - 1 - t) / B) + 1 : 0, half = (n + 1) / 2;
+    const int64_t whole = p.aligned ? (p.ch.je - p.ch.jb) / NV : 0; /* complete vectors */
+    const int nw = whole > t ? min(n, (int)((whole - 1 - t) / B) + 1) : 0;
+    const uint4 *src = (const uint4 *)(p.row + p.ch.jb) + t; /* read only where aligned */
+    uint4 *mine = stage + t;
+    auto copy = [&](int q) {
+      if (q < nw)
+        cp_async16(mine + q * Bi, src + q * Bi);
       else
-        stage[v] = p.load(v, false).u;
-      if (q + 1 == half) cp_async_commit();
-    }
+        mine[q * Bi] = p.load(t + (int64_t)q * B, false).u;
+    };
+    for (int q = 0; q < half; q++)
+      copy(q);
+    cp_async_commit();
+    for (int q = half; q < n; q++)
+      copy(q);
     cp_async_commit();
     cp_async_wait<1>();
     float M = -INFINITY;
-    for (int64_t q = 0; q < n; q++) {
+    for (int q = 0; q < n; q++) {
       if (q == half) cp_async_wait<0>();
       Raw<In> r;
-      r.u = stage[t + q * B];
+      r.u = mine[q * Bi];
       M = max_nan(M, vec_max<In>(X, r));
     }
     const float Mb = block_max(M, red);
     acc.seed(X, M, Mb);
-    for (int64_t q = 0; q < n; q++) {
-      const int64_t v = t + q * B;
+    for (int q = 0; q < n; q++) {
       Raw<In> r;
-      r.u = stage[v];
-      step(v, r);
+      r.u = mine[q * Bi];
+      step(t + (int64_t)q * B, r);
     }
     return Mb > -INFINITY;
   }
@@ -764,7 +780,7 @@ __device__ __forceinline__ void second_pass(bool staged, const uint4 *stage, con
   const int64_t nv = p.ch.nv;
   auto ld = [&](int64_t v) { return p.load(v, false); };
   if (staged) {
-    for (int64_t v = threadIdx.x; v < nv; v += blockDim.x) {
+    for (int v = threadIdx.x; v < (int)nv; v += blockDim.x) {
       Raw<In> rv;
       rv.u = stage[v];
       body(v, rv);
