@@ -179,12 +179,12 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 }
 
 /* exp(d k) for d = w - m <= 0 (already clamped to >= dmin), as one
- * multiply and ex2 (the scalar form; the per-element loops use Ref). The rounding of p = d k log2(e) perturbs each term by
- * at most |p| 2^-24 relative (5e-6 at the underflow edge, p = -126), well
- * inside the 1e-5 the suite holds every backend to; a compensated product
- * cost four more instructions per element, a third of the budget of a
- * bandwidth-bound pass. Sets *p2 = p (the base-2 exponent) for the entropy
- * sums. */
+ * multiply and ex2: the scalar form (the per-element loops use Ref). The
+ * rounding of p = d k log2(e) perturbs each term by at most |p| 2^-24
+ * relative (5e-6 at the underflow edge, p = -126), well inside the 1e-5
+ * the suite holds every backend to; a compensated product cost four more
+ * instructions per element, a third of the budget of a bandwidth-bound
+ * pass. Sets *p2 = p (the base-2 exponent) for the entropy sums. */
 __device__ __forceinline__ float cexp(const Xf &X, float d, float *p2) {
   float p = d * X.kh;
   *p2 = p;
@@ -223,17 +223,20 @@ template <typename In, typename O, typename Fill>
 __device__ __forceinline__ void write_grad(const Xf &X, const Raw<In> &rv, O *drow, int64_t j0,
                                            int64_t V, bool aligned, Fill fill) {
   constexpr int NV = elt<In>::NV;
-  float x[NV], w[NV], g[NV];
+  float x[NV], g[NV];
   unpack<In, NV>(rv, x);
+  if (X.f.cap > 0.0f) { /* a uniform branch: without softcap w = x, nothing to keep */
+    float w[NV];
 #pragma unroll
-  for (int e = 0; e < NV; e++)
-    w[e] = x[e];
-  xform_vec<NV>(X, w);
-  fill(w, g);
-  if (X.f.cap > 0.0f) {
+    for (int e = 0; e < NV; e++)
+      w[e] = x[e];
+    xform_vec<NV>(X, w);
+    fill(w, g);
 #pragma unroll
     for (int e = 0; e < NV; e++)
       g[e] *= lmloss_xform_dzdx(&X.f, x[e]);
+  } else {
+    fill(x, g);
   }
   store_vec<O, NV>(drow, j0, V, aligned, g);
 }
@@ -459,7 +462,8 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
   const int cs = walk.cs, parity = walk.parity;
   walk.parity ^= 1;
   walk.synced = 1;
-  float r = acc.true_r(), t = T ? -acc.true_tn() * LN2 : 0.0f, u = U ? acc.u : 0.0f, c = U ? acc.c : 0.0f;
+  float r = acc.true_r(), t = T ? -acc.true_tn() * LN2 : 0.0f;
+  float u = U ? acc.u : 0.0f, c = U ? acc.c : 0.0f;
   float cnt = acc.a >= 0 ? 1.0f : 0.0f;
   long long a = acc.a >= 0 ? acc.a : LLONG_MAX;
 #pragma unroll
@@ -489,29 +493,34 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
     }
   }
   __syncthreads();
-  Part p = sm->warp[0];
-  for (int w = 1; w < nwarps; w++) {
-    const Part &o = sm->warp[w];
-    if (one_max) {
-      p.s.r += o.s.r, p.s.t += o.s.t, p.s.u += o.s.u, p.s.c += o.s.c;
-      p.s.a = min(p.s.a, o.s.a);
-    } else {
-      p.s = lmloss_rowstat_merge(p.s, o.s, k);
+  if (threadIdx.x < 32) { /* warp 0 merges the warps' parts, the others wait */
+    Part p = sm->warp[0];
+    for (int w = 1; w < nwarps; w++) {
+      const Part &o = sm->warp[w];
+      if (one_max) {
+        p.s.r += o.s.r, p.s.t += o.s.t, p.s.u += o.s.u, p.s.c += o.s.c;
+        p.s.a = min(p.s.a, o.s.a);
+      } else {
+        p.s = lmloss_rowstat_merge(p.s, o.s, k);
+      }
+      p.ue += o.ue, p.ce += o.ce;
     }
-    p.ue += o.ue, p.ce += o.ce;
+    if (one_max) {
+      p.s.r += p.ue - 1.0f;
+      p.ue = p.ce = 0.0f;
+    }
+    p.bad = bad;
+    if (threadIdx.x == 0) (cs == 1 ? sm->block : sm->cluster[parity]) = p;
   }
-  if (one_max) {
-    p.s.r += p.ue - 1.0f;
-    p.ue = p.ce = 0.0f;
+  if (cs == 1) {
+    __syncthreads();
+    return sm->block;
   }
-  p.bad = bad;
-  if (cs == 1) return p;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  /* Thread 0 publishes the CTA's part; after the barrier, warp 0 fetches
-   * the cs parts (one remote load per lane) and merges them in rank order;
-   * the others wait at the block barrier for the result. */
+  /* After the barrier, warp 0 fetches the cs parts (one remote load per
+   * lane) and merges them in rank order; the others wait at the block
+   * barrier for the result. */
   cg::cluster_group cl = cg::this_cluster();
-  if (threadIdx.x == 0) sm->cluster[parity] = p;
   cl.sync();
   if (threadIdx.x < 32) {
     const Part o =
@@ -538,8 +547,7 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
   __syncthreads();
   return sm->block;
 #else
-  (void)parity;
-  return p; /* unreachable: the host never clusters below sm_90 */
+  return sm->block; /* unreachable: the host never clusters below sm_90 */
 #endif
 }
 
