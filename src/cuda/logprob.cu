@@ -42,9 +42,11 @@ struct LpArgs {
 /* One pass over the row, launched as make_plan (common.cuh) plans a
  * one-pass row: one CTA streaming it through registers (see first_pass).
  * The chunk, cluster and stage parameters are the shared row machinery's
- * (rank 0 gathers the K log-probs after the merge). */
+ * (rank 0 gathers the K log-probs after the merge). Four CTAs per SM (64
+ * registers, no spills): more loads in flight; measured on the H200, bf16
+ * 8192 x 152064, 0.655 ms at three CTAs, 0.611 ms at four. */
 template <typename In, typename O, bool T>
-__global__ void __launch_bounds__(256, 3) lp_fwd(LpArgs a) {
+__global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
