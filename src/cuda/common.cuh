@@ -682,8 +682,10 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
  * reads back the vectors it copied itself, so no barrier is needed.
  * Unstaged: register loads, four in flight per thread (keep: held in L2
  * for the second pass); acc is raised to the warp's max before each batch
- * of four. Each vector is transformed and added to acc (with label
- * smoothing's sums where sm.on). */
+ * of four. A one-pass row (!keep, aligned) takes its whole batches without
+ * bounds checks from one base (in the two-pass kernels, where unstaged
+ * rows are rare, that second loop would cost registers). Each vector is
+ * transformed and added to acc (with label smoothing's sums where sm.on). */
 template <bool T, typename In>
 __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowPart<In> &p,
                                            bool keep, const Xf &X, Smooth sm, Acc &acc,
@@ -757,7 +759,7 @@ __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowP
       Raw<In> r[4];
 #pragma unroll
       for (int q = 0; q < 4; q++) /* all four loads in flight before any use */
-        r[q].u = keep ? ld16<KEEP>(base + v0 + q * B) : ld16<STREAM>(base + v0 + q * B);
+        r[q].u = ld16<STREAM>(base + v0 + q * B);
       batch(v0, r, false);
     }
   }
