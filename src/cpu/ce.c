@@ -123,7 +123,7 @@ static lmloss_status ce_run(const lmloss_context *ctx, ce_job *jb, void *ws) {
   default: jb->scale = 1.0;
   }
 
-  const int nt = lmloss_cpu_threads(ctx);
+  const int nt = lmloss_cpu_row_threads(ctx, N * V);
 #pragma omp parallel num_threads(nt)
   {
 #pragma omp for schedule(dynamic, 4) nowait

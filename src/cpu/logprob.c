@@ -16,7 +16,7 @@ lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tenso
   const int64_t N = logits->rows, V = logits->cols, K = index ? index->cols : 0;
   const lmloss_xform f = lmloss_xform_make(*tr);
   const int want_h = lmloss_present(entropy);
-#pragma omp parallel for schedule(dynamic, 4) num_threads(lmloss_cpu_threads(ctx))
+#pragma omp parallel for schedule(dynamic, 4) num_threads(lmloss_cpu_row_threads(ctx, N * V))
   for (int64_t i = 0; i < N; i++) {
     void *lp = logp ? lmloss_cpu_row_mut(logp, i) : NULL;
     if (lmloss_cpu_masked_out(mask, i)) {
@@ -51,7 +51,7 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
                                             const lmloss_tensor *dlogits) {
   const int64_t N = logits->rows, V = logits->cols, K = dlogp ? index->cols : 0;
   const lmloss_xform f = lmloss_xform_make(*tr);
-  const int nt = lmloss_cpu_threads(ctx);
+  const int nt = lmloss_cpu_row_threads(ctx, N * V);
   /* Exact values of the indexed entries, K per thread, computed before the
    * row pass may overwrite the logits (in place). */
   float *fix_all = malloc(sizeof(float) * (size_t)(K > 0 ? K : 1) * (size_t)nt);
