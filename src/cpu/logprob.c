@@ -15,8 +15,8 @@ lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tenso
                                    const lmloss_tensor *entropy) {
   const int64_t N = logits->rows, V = logits->cols, K = index ? index->cols : 0;
   const lmloss_xform f = lmloss_xform_make(*tr);
-  const int want_h = lmloss_present(entropy);
-#pragma omp parallel for schedule(dynamic, 4) num_threads(lmloss_cpu_row_threads(ctx, N * V))
+  const int want_h = lmloss_present(entropy), nt = lmloss_cpu_row_threads(ctx, N * V);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
   for (int64_t i = 0; i < N; i++) {
     void *lp = logp ? lmloss_cpu_row_mut(logp, i) : NULL;
     if (lmloss_cpu_masked_out(mask, i)) {

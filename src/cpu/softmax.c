@@ -11,7 +11,8 @@ lmloss_status lmloss_cpu_softmax(const lmloss_context *ctx, const lmloss_tensor 
                                  const lmloss_tensor *out) {
   const int64_t N = x->rows, V = x->cols;
   const lmloss_xform f = lmloss_xform_make(lmloss_transform_default());
-#pragma omp parallel for schedule(dynamic, 4) num_threads(lmloss_cpu_row_threads(ctx, N * V))
+  const int nt = lmloss_cpu_row_threads(ctx, N * V);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
   for (int64_t i = 0; i < N; i++) {
     const void *row = lmloss_cpu_row(x, i);
     void *o = lmloss_cpu_row_mut(out, i);
@@ -36,7 +37,8 @@ lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *ctx, const lmlos
                                           const lmloss_tensor *dy, int log,
                                           const lmloss_tensor *dx) {
   const int64_t N = y->rows, V = y->cols;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(lmloss_cpu_row_threads(ctx, N * V))
+  const int nt = lmloss_cpu_row_threads(ctx, N * V);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
   for (int64_t i = 0; i < N; i++) {
     const void *yr = lmloss_cpu_row(y, i), *dr = lmloss_cpu_row(dy, i);
     void *o = lmloss_cpu_row_mut(dx, i);

@@ -104,22 +104,6 @@ __global__ void ce_finalize(CeArgs a, float *loss) {
   }
 }
 
-template <typename In, typename O>
-__device__ __forceinline__ void zero_chunk(O *row, const Chunk &c, int64_t V, bool al) {
-  constexpr int NV = elt<In>::NV; /* chunks are multiples of the input's vector */
-  float z[NV];
-#pragma unroll
-  for (int i = 0; i < NV; i++)
-    z[i] = 0.0f;
-  for (int64_t j = c.jb + (int64_t)threadIdx.x * NV; j < c.je; j += (int64_t)blockDim.x * NV) {
-    if (j + NV <= c.je)
-      store_vec<O, NV>(row, j, V, al, z);
-    else
-      for (int64_t q = j; q < c.je; q++)
-        row[q] = fromf<O>(0.0f);
-  }
-}
-
 /* Shaped as make_plan (common.cuh) says. With a gradient: one row per
  * cluster; the gradient needs the row statistics before its first write,
  * so each CTA stages its chunk and writes the gradient from shared memory
@@ -191,11 +175,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     q.a_coef = q.hot + q.smooth * C;
     double ce = q.hot * ly;
     if (U) ce += (double)q.smooth * ((double)C * l1r + s.u);
-    float py = 0.0f;
-    {
-      float p2;
-      py = cexp(X, fmaxf(wy - s.m, X.dmin), &p2) * inv;
-    }
+    const float py = cexp(X, fmaxf(wy - s.m, X.dmin)) * inv;
     if (a.dft) ce *= py;
     const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
     double li = (double)tw * (ce + (double)a.zl * lse * lse);
@@ -265,8 +245,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
             long long j = j0 + e;
             if (j == y || j == am) {
               float cj = a.cw ? a.cw[j * a.cws] : 1.0f;
-              float p2;
-              float pj = cexp(X, fmaxf(w[e] - m, X.dmin), &p2) * inv;
+              float pj = cexp(X, fmaxf(w[e] - m, X.dmin)) * inv;
               float gz = Gce * lmloss_ce_grad_z(&q, &s, pj, cj, j == y, j == am) + Gz * pj;
               g[e] = ok ? gz * kx : NAN;
             }

@@ -184,12 +184,8 @@ __device__ __forceinline__ float max_nan(float a, float b) {
  * relative (5e-6 at the underflow edge, p = -126), well inside the 1e-5
  * the suite holds every backend to; a compensated product cost four more
  * instructions per element, a third of the budget of a bandwidth-bound
- * pass. Sets *p2 = p (the base-2 exponent) for the entropy sums. */
-__device__ __forceinline__ float cexp(const Xf &X, float d, float *p2) {
-  float p = d * X.kh;
-  *p2 = p;
-  return ex2(p);
-}
+ * pass. */
+__device__ __forceinline__ float cexp(const Xf &X, float d) { return ex2(d * X.kh); }
 
 /* The reference max of a row's exponentials, for one FMA per element:
  * m k log2(e) = mh + ml exactly (ml the FMA's residual, |ml| <= 2^-24
@@ -310,8 +306,7 @@ struct Acc {
     if (!(M > m)) return;
     if (m > -INFINITY) {
       const float rt = true_r(), base = a >= 0 ? 1.0f + rt : rt;
-      float p;
-      const float sc = cexp(X, fmaxf(m - M, X.dmin), &p);
+      const float p = fmaxf(m - M, X.dmin) * X.kh, sc = ex2(p); /* cexp, keeping p */
       tn = sc * (true_tn() + p * base);
       r = base * sc;
       u = fmaf((M - m) * X.f.k, c, u);
@@ -587,6 +582,19 @@ struct Smooth {
   const float *cw;
   int64_t cws;
 };
+
+/* Zeros over the CTA's chunk of an output row (the gradient of an ignored
+ * or masked row); store_vec leaves out the padding past V. */
+template <typename In, typename O>
+__device__ __forceinline__ void zero_chunk(O *row, const Chunk &c, int64_t V, bool aligned) {
+  constexpr int NV = elt<In>::NV;
+  float z[NV];
+#pragma unroll
+  for (int e = 0; e < NV; e++)
+    z[e] = 0.0f;
+  for (int64_t v = threadIdx.x; v < c.nv; v += blockDim.x)
+    store_vec<O, NV>(row, c.jb + v * NV, V, aligned, z);
+}
 
 /* Read a target / index of dtype I32 or I64. */
 __device__ __forceinline__ long long ld_index(const void *p, int is64, int64_t i) {

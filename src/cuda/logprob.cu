@@ -112,12 +112,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     O *drow = (O *)a.dx + i * a.dxs;
     const bool out_al = is_aligned16(drow);
     if (a.mask && !a.mask[i * a.ms]) {
-      float z[NV];
-#pragma unroll
-      for (int e = 0; e < NV; e++)
-        z[e] = 0.0f;
-      for (int64_t v = threadIdx.x; v < ch.nv; v += blockDim.x)
-        store_vec<O, NV>(drow, ch.jb + v * NV, a.V, out_al, z);
+      zero_chunk<In, O>(drow, ch, a.V, out_al);
       continue;
     }
     const bool in_al = is_aligned16(row);
@@ -195,8 +190,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
               }
             }
             if (!hit) continue;
-            float p2, d = fmaxf(w[e] - m, X.dmin);
-            float pj = cexp(X, d, &p2) * inv;
+            const float d = fmaxf(w[e] - m, X.dmin), pj = cexp(X, d) * inv;
             float dl = j == am ? Dj * (s.r * inv) - (D - Dj) * pj : Dj - D * pj;
             float gz = dl - dH * pj * fmaf(d, k, tinv);
             g[e] = ok ? gz * kx : NAN;
