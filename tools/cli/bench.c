@@ -64,6 +64,7 @@ static int parse_shape(const char *s, int64_t *N, int64_t *V, int64_t *H) {
 int cmd_bench(int argc, char **argv) {
   cli_op ops[OP_COUNT];
   int nops = 0, csv = 0, reps = 10, threads = 0, plain = 0;
+  double supervised = 1.0;
   lmloss_device dev = LMLOSS_CPU;
   lmloss_dtype dt = LMLOSS_F32;
   int64_t N = 0, V = 0, H = 0;
@@ -91,6 +92,10 @@ int cmd_bench(int argc, char **argv) {
     } else if (!strcmp(argv[a], "--reps") && ++a) {
       reps = atoi(v);
       if (reps < 1) return fprintf(stderr, "lmloss bench: --reps >= 1\n"), 2;
+    } else if (!strcmp(argv[a], "--supervised") && ++a) {
+      supervised = atof(v);
+      if (!(supervised > 0.0 && supervised <= 1.0))
+        return fprintf(stderr, "lmloss bench: --supervised in (0, 1]\n"), 2;
     } else if (!strcmp(argv[a], "--threads") && ++a) {
       threads = atoi(v);
     } else if (cli_op_parse(argv[a], &op)) {
@@ -122,7 +127,7 @@ int cmd_bench(int argc, char **argv) {
     fprintf(stderr, "[%d/%d] %s %lldx%lld%s ...\n", k + 1, nops, cli_op_name(ops[k]), (long long)n,
             (long long)v, lin ? "" : "");
     cli_case c;
-    if (!cli_case_init(&c, ops[k], n, v, lin ? h : 0, dt, dev, 0.0, plain, 11))
+    if (!cli_case_init(&c, ops[k], n, v, lin ? h : 0, dt, dev, 0.0, plain, supervised, 11))
       return fprintf(stderr, "lmloss bench: bad shape for %s\n", cli_op_name(ops[k])), 2;
     double ms = time_case_ms(&c, &ctx, reps), bytes = cli_op_bytes(&c), fl = cli_op_flops(&c);
     double limit_ms = 0, frac = 0;
@@ -145,8 +150,9 @@ int cmd_bench(int argc, char **argv) {
       snprintf(limit, sizeof limit, "%.1f%% of copy bandwidth (%.0f GB/s)", 100 * frac, copy_gbs);
     }
     char shape[48];
-    snprintf(shape, sizeof shape, lin ? "%lldx%lldx%lld" : "%lldx%lld", (long long)n, (long long)v,
-             (long long)h);
+    int at = snprintf(shape, sizeof shape, lin ? "%lldx%lldx%lld" : "%lldx%lld", (long long)n,
+                      (long long)v, (long long)h);
+    if (supervised < 1.0) snprintf(shape + at, sizeof shape - at, "@%g%%", 100 * supervised);
     const char *dn = dt == LMLOSS_F32 ? "f32" : dt == LMLOSS_BF16 ? "bf16" : "f16";
     double gbs = bytes / (ms * 1e6), tf = fl / (ms * 1e9);
     if (csv)

@@ -67,7 +67,7 @@ static void release(cli_case *c, lmloss_tensor *t) {
 }
 
 int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmloss_dtype dt,
-                  lmloss_device dev, double margin, int plain, unsigned seed) {
+                  lmloss_device dev, double margin, int plain, double supervised, unsigned seed) {
   memset(c, 0, sizeof *c);
   c->op = op, c->N = N, c->V = V, c->H = H, c->K = plain ? 1 : 2, c->dt = dt, c->dev = dev;
   c->margin = margin;
@@ -142,8 +142,10 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
     free(h), free(w), free(b);
   }
   if (op == OP_CE || op == OP_CE_GRAD || op == OP_CE_BWD || op == OP_LINEAR_CE) {
-    for (int64_t i = 0; i < N; i++)
+    for (int64_t i = 0; i < N; i++) {
       if (i % 5 == 3 && !plain) tgt[i] = -100; /* ignored rows */
+      if (floor((i + 1) * supervised) == floor(i * supervised)) tgt[i] = -100; /* spread evenly */
+    }
     c->idx = make(c, LMLOSS_I64, N, 1, tgt);
   } else {
     double *t2 = malloc(sizeof(double) * (size_t)N * K);

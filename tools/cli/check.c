@@ -49,8 +49,8 @@ static int check_case(cli_op op, lmloss_device dev, lmloss_backend be, lmloss_dt
   const int lin = cli_op_is_linear(op);
   const int64_t N = 48, V = lin ? 1003 : 4099, H = lin ? 96 : 0;
   cli_case got, ref;
-  if (!cli_case_init(&got, op, N, V, H, dt, dev, margin, 0, 7) ||
-      !cli_case_init(&ref, op, N, V, H, dt, LMLOSS_CPU, margin, 0, 7))
+  if (!cli_case_init(&got, op, N, V, H, dt, dev, margin, 0, 1.0, 7) ||
+      !cli_case_init(&ref, op, N, V, H, dt, LMLOSS_CPU, margin, 0, 1.0, 7))
     return 0;
   lmloss_context cg = lmloss_context_default(), cr = lmloss_context_default();
   cg.backend = be;

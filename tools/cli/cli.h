@@ -70,9 +70,11 @@ int cli_op_is_linear(cli_op op);
 double cli_op_bytes(const cli_case *c);
 double cli_op_flops(const cli_case *c);
 
-/* Inputs from `seed` (identical on every device), outputs allocated. */
+/* Inputs from `seed` (identical on every device), outputs allocated; the
+ * CE ops supervise a `supervised` fraction of the rows (1: all), spread
+ * evenly, and ignore the rest. */
 int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmloss_dtype dt,
-                  lmloss_device dev, double margin, int plain, unsigned seed);
+                  lmloss_device dev, double margin, int plain, double supervised, unsigned seed);
 lmloss_status cli_case_run(cli_case *c, const lmloss_context *ctx);
 /* Output k as doubles on the host (malloc'd, *n elements, *cols per row). */
 double *cli_case_fetch(const cli_case *c, int k, size_t *n, int64_t *cols);
