@@ -143,7 +143,7 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
   }
   if (op == OP_CE || op == OP_CE_GRAD || op == OP_CE_BWD || op == OP_LINEAR_CE) {
     for (int64_t i = 0; i < N; i++) {
-      if (i % 5 == 3 && !plain) tgt[i] = -100; /* ignored rows */
+      if (i % 5 == 3 && !plain) tgt[i] = -100;                                 /* ignored rows */
       if (floor((i + 1) * supervised) == floor(i * supervised)) tgt[i] = -100; /* spread evenly */
     }
     c->idx = make(c, LMLOSS_I64, N, 1, tgt);
