@@ -82,17 +82,21 @@ void dev_free_bytes(void *p) {
     free(p);
 }
 
+void dev_put(void *dev_dst, const void *host_src, size_t n) {
+  if (use_cuda == 1) {
+    if (n && cu_memcpy(dev_dst, host_src, n, 1) != 0) die("cudaMemcpy to device failed");
+  } else if (n) {
+    memcpy(dev_dst, host_src, n);
+  }
+}
+
 lmloss_tensor dev_clone(const lmloss_tensor *host) {
   lmloss_tensor d = *host;
   if (!host->data) return d;
   size_t n = tensor_bytes(host);
   d.data = dev_alloc_bytes(n);
   d.device = use_cuda == 1 ? LMLOSS_CUDA : LMLOSS_CPU;
-  if (use_cuda == 1) {
-    if (n && cu_memcpy(d.data, host->data, n, 1) != 0) die("cudaMemcpy to device failed");
-  } else if (n) {
-    memcpy(d.data, host->data, n);
-  }
+  dev_put(d.data, host->data, n);
   return d;
 }
 

@@ -95,6 +95,7 @@ const char *tb_name(void);
  * stays absent), back to the host, and release. */
 lmloss_tensor dev_clone(const lmloss_tensor *host);
 void dev_fetch(lmloss_tensor *host, const lmloss_tensor *dev);
+void dev_put(void *dev_dst, const void *host_src, size_t n); /* n bytes, host to device */
 void dev_free(lmloss_tensor *dev);
 void *dev_alloc_bytes(size_t n);
 void dev_free_bytes(void *p);
