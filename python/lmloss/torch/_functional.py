@@ -90,10 +90,10 @@ def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_l
     x = _rows(logits, "logits")
     lead = logits.shape[:-1]
     extras = _extras_flags(return_lse, return_entropy, return_argmax)
-    out = O.cross_entropy(x, _index(target).reshape(-1), _f32(weight), _f32(class_weight),
-                          int(ignore_index), float(label_smoothing), float(z_loss),
-                          float(logit_scale), float(softcap), float(temperature), red, items,
-                          bool(dft), backend_code(backend), int(num_threads), extras)
+    fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap,
+                             temperature, red, items, dft, backend_code(backend), num_threads)
+    out = O.cross_entropy(x, _index(target).reshape(-1), _f32(weight), _f32(class_weight), fopts,
+                          iopts, extras)
     loss, pick = _finish(*out, lead, red, divisor, extras)
     return loss if pick is None else CrossEntropyResult(loss, None, *pick)
 
@@ -199,12 +199,10 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
     h, w, b = _head(hidden, weight, bias)
     lead = hidden.shape[:-1]
     extras = _extras_flags(return_lse, return_entropy, return_argmax)
+    fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap,
+                             temperature, red, items, dft, backend_code(backend), num_threads)
     out = L.linear_cross_entropy(h, w, b, _index(target).reshape(-1), _f32(token_weight),
-                                 _f32(class_weight), int(ignore_index), float(label_smoothing),
-                                 float(z_loss), float(logit_scale), float(softcap),
-                                 float(temperature), red, items, bool(dft),
-                                 _budget(memory_budget), backend_code(backend),
-                                 int(num_threads), extras)
+                                 _f32(class_weight), fopts, iopts, _budget(memory_budget), extras)
     loss, pick = _finish(*out, lead, red, divisor, extras)
     return loss if pick is None else LinearCrossEntropyResult(loss, None, None, None, *pick)
 

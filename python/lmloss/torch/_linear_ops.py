@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .. import _lib
 from . import _bridge as B
-from ._ops import F32, _ce_opt, _extras, _loss
+from ._ops import F32, _ce_opt, _extras, _loss, _reduction, run_args
 
 NEED_DH, NEED_DW, NEED_DB = 1, 2, 4
 
@@ -72,17 +72,14 @@ def _back(grads, need, n_opts):
 @torch.library.custom_op("lmloss::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                          token_weight: Optional[Tensor], class_weight: Optional[Tensor],
-                         ignore_index: int, label_smoothing: float, z_loss: float,
-                         logit_scale: float, softcap: float, temperature: float, reduction: str,
-                         num_items: Optional[float], dft: bool, memory_budget: int, backend: int,
-                         num_threads: int, extras: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    opt = _ce_opt(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
-                  reduction, num_items, dft)
+                         fopts: list[float], iopts: list[int], memory_budget: int,
+                         extras: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    opt = _ce_opt(fopts, iopts)
     n = hidden.shape[0]
-    loss = _loss(hidden, n, reduction)
+    loss = _loss(hidden, n, _reduction(iopts))
     lse, ent, amax = _extras(hidden, n, extras)
     keep, hopt = [], _hopt(memory_budget)
-    with B.context(hidden, backend, num_threads) as ctx:
+    with B.context(hidden, *run_args(iopts)) as ctx:
         head = _head(hidden, weight, bias, keep)
         out = _lib.CEOutputs(loss=B.view(loss.reshape(-1), keep))
         for name, t in (("lse", lse), ("entropy", ent), ("argmax", amax)):
@@ -97,26 +94,21 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
 
 
 @linear_cross_entropy.register_fake
-def _(hidden, weight, bias, target, token_weight, class_weight, ignore_index, label_smoothing,
-      z_loss, logit_scale, softcap, temperature, reduction, num_items, dft, memory_budget,
-      backend, num_threads, extras):
+def _(hidden, weight, bias, target, token_weight, class_weight, fopts, iopts, memory_budget,
+      extras):
     n = hidden.shape[0]
-    return (_loss(hidden, n, reduction),) + _extras(hidden, n, extras)
+    return (_loss(hidden, n, _reduction(iopts)),) + _extras(hidden, n, extras)
 
 
 @torch.library.custom_op("lmloss::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward(
         dloss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-        token_weight: Optional[Tensor], class_weight: Optional[Tensor], ignore_index: int,
-        label_smoothing: float, z_loss: float, logit_scale: float, softcap: float,
-        temperature: float, reduction: str, num_items: Optional[float], dft: bool,
-        memory_budget: int, backend: int, num_threads: int,
-        need: int) -> tuple[Tensor, Tensor, Tensor]:
-    opt = _ce_opt(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
-                  reduction, num_items, dft)
+        token_weight: Optional[Tensor], class_weight: Optional[Tensor], fopts: list[float],
+        iopts: list[int], memory_budget: int, need: int) -> tuple[Tensor, Tensor, Tensor]:
+    opt = _ce_opt(fopts, iopts)
     grads = _grads(hidden, weight, bias, need)
     keep, hopt = [], _hopt(memory_budget)
-    with B.context(hidden, backend, num_threads) as ctx:
+    with B.context(hidden, *run_args(iopts)) as ctx:
         head, gs = _head(hidden, weight, bias, keep), _grads_struct(grads, keep)
         ws, addr, nbytes = _workspace(head, hopt, gs, 1, hidden.device)
         _lib.check(_lib.linear_cross_entropy_backward(
@@ -140,7 +132,7 @@ def _lce_backward(ctx, dloss, *_):
     saved = ctx.saved_tensors
     need = _need(ctx, saved[2])
     grads = linear_cross_entropy_backward(dloss, *saved, *ctx.opts, need)
-    return _back(grads, need, 16)
+    return _back(grads, need, 7)
 
 
 linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
