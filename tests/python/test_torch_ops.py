@@ -318,3 +318,23 @@ def test_import_lmloss_without_torch():
             "try:\n    import lmloss.torch\nexcept ImportError:\n    print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_eager_calls_skip_torch_library_dispatch_with_the_same_results():
+    """Eagerly, the op bodies run from a torch.autograd.Function (torch.library's
+    dispatch cost 0.38 ms of host time per op call on the GPU machine); the
+    custom op itself, which torch.compile traces, gives the same loss and
+    gradient bit for bit."""
+    from lmloss.torch import _ops
+    torch.manual_seed(0)
+    x = torch.randn(6, 50, requires_grad=True)
+    y = torch.randint(0, 50, (6,))
+    loss = lt.cross_entropy(x, y, label_smoothing=0.1)
+    assert type(loss.grad_fn).__name__ == "_EagerBackward"
+    loss.backward()
+    grad, x.grad = x.grad, None
+    fopts, iopts = _ops.ce_args(-100, 0.1, 0.0, 1.0, 0.0, 1.0, "mean", None, False, 0, 0)
+    op_loss = torch.ops.lmloss.cross_entropy(x, y, None, None, fopts, iopts, 0)[0]
+    assert type(op_loss.grad_fn).__name__ != "_EagerBackward"
+    op_loss.backward()
+    assert torch.equal(loss, op_loss) and torch.equal(grad, x.grad)

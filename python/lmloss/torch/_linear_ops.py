@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .. import _lib
 from . import _bridge as B
+from ._dispatch import Differentiable, call, custom_op
 from ._ops import F32, _ce_opt, _extras, _loss, _reduction, run_args
 
 NEED_DH, NEED_DW, NEED_DB = 1, 2, 4
@@ -69,7 +70,7 @@ def _back(grads, need, n_opts):
 
 # ---------------------------------------------------------------- cross-entropy
 
-@torch.library.custom_op("lmloss::linear_cross_entropy", mutates_args=())
+@custom_op("lmloss::linear_cross_entropy")
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                          token_weight: Optional[Tensor], class_weight: Optional[Tensor],
                          fopts: list[float], iopts: list[int], memory_budget: int,
@@ -100,7 +101,7 @@ def _(hidden, weight, bias, target, token_weight, class_weight, fopts, iopts, me
     return (_loss(hidden, n, _reduction(iopts)),) + _extras(hidden, n, extras)
 
 
-@torch.library.custom_op("lmloss::linear_cross_entropy_backward", mutates_args=())
+@custom_op("lmloss::linear_cross_entropy_backward")
 def linear_cross_entropy_backward(
         dloss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
         token_weight: Optional[Tensor], class_weight: Optional[Tensor], fopts: list[float],
@@ -131,16 +132,16 @@ def _lce_setup(ctx, inputs, output):
 def _lce_backward(ctx, dloss, *_):
     saved = ctx.saved_tensors
     need = _need(ctx, saved[2])
-    grads = linear_cross_entropy_backward(dloss, *saved, *ctx.opts, need)
+    grads = call(ctx, linear_cross_entropy_backward, dloss, *saved, *ctx.opts, need)
     return _back(grads, need, 7)
 
 
-linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
+linear_cross_entropy = Differentiable(linear_cross_entropy, _lce_setup, _lce_backward)
 
 
 # ---------------------------------------------------------------- log-probs, entropy
 
-@torch.library.custom_op("lmloss::linear_log_probs", mutates_args=())
+@custom_op("lmloss::linear_log_probs")
 def linear_log_probs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor,
                      mask: Optional[Tensor], logit_scale: float, softcap: float,
                      temperature: float, want_entropy: bool, memory_budget: int, backend: int,
@@ -167,7 +168,7 @@ def _(hidden, weight, bias, index, mask, logit_scale, softcap, temperature, want
             hidden.new_empty((n,) if want_entropy else (0,), dtype=F32))
 
 
-@torch.library.custom_op("lmloss::linear_log_probs_backward", mutates_args=())
+@custom_op("lmloss::linear_log_probs_backward")
 def linear_log_probs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                               index: Tensor, mask: Optional[Tensor], logit_scale: float,
                               softcap: float, temperature: float, dlogp: Tensor,
@@ -199,9 +200,9 @@ def _llp_setup(ctx, inputs, output):
 def _llp_backward(ctx, dlogp, dent):
     saved = ctx.saved_tensors
     need = _need(ctx, saved[2])
-    grads = linear_log_probs_backward(*saved, *ctx.transform, dlogp,
+    grads = call(ctx, linear_log_probs_backward, *saved, *ctx.transform, dlogp,
                                       dent if ctx.want_entropy else None, *ctx.run, need)
     return _back(grads, need, 9)
 
 
-linear_log_probs.register_autograd(_llp_backward, setup_context=_llp_setup)
+linear_log_probs = Differentiable(linear_log_probs, _llp_setup, _llp_backward)

@@ -1,5 +1,7 @@
 """torch.library custom ops over materialized logits [N, V] (2-D; the public
-functions in lmloss.torch flatten [..., V] and check the keywords).
+functions in lmloss.torch flatten [..., V] and check the keywords). The
+names the public functions call are Differentiable (_dispatch.py): the
+custom op under torch.compile, its body and formula eagerly.
 
 Each op has a fake (meta) impl written from symbolic shapes only, so
 torch.compile traces it without graph breaks and a new batch size does not
@@ -22,6 +24,7 @@ from torch import Tensor
 from .. import _lib
 from .._ce import ce_options
 from . import _bridge as B
+from ._dispatch import Differentiable, call, custom_op
 
 EXTRA_LSE, EXTRA_ENTROPY, EXTRA_ARGMAX = 1, 2, 4
 F32 = torch.float32
@@ -71,7 +74,7 @@ def run_args(iopts):
 
 # ---------------------------------------------------------------- cross-entropy
 
-@torch.library.custom_op("lmloss::cross_entropy", mutates_args=())
+@custom_op("lmloss::cross_entropy")
 def cross_entropy(logits: Tensor, target: Tensor, token_weight: Optional[Tensor],
                   class_weight: Optional[Tensor], fopts: list[float], iopts: list[int],
                   extras: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -99,7 +102,7 @@ def _(logits, target, token_weight, class_weight, fopts, iopts, extras):
     return (_loss(logits, n, _reduction(iopts)),) + _extras(logits, n, extras)
 
 
-@torch.library.custom_op("lmloss::cross_entropy_backward", mutates_args=())
+@custom_op("lmloss::cross_entropy_backward")
 def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor,
                            token_weight: Optional[Tensor], class_weight: Optional[Tensor],
                            fopts: list[float], iopts: list[int]) -> Tensor:
@@ -128,16 +131,16 @@ def _ce_setup(ctx, inputs, output):
 
 def _ce_backward(ctx, dloss, *_):
     logits, target, tw, cw = ctx.saved_tensors
-    dlogits = cross_entropy_backward(dloss, logits, target, tw, cw, *ctx.opts)
+    dlogits = call(ctx, cross_entropy_backward, dloss, logits, target, tw, cw, *ctx.opts)
     return (dlogits,) + (None,) * 6
 
 
-cross_entropy.register_autograd(_ce_backward, setup_context=_ce_setup)
+cross_entropy = Differentiable(cross_entropy, _ce_setup, _ce_backward)
 
 
 # ---------------------------------------------------------------- log-probs, entropy
 
-@torch.library.custom_op("lmloss::log_probs", mutates_args=())
+@custom_op("lmloss::log_probs")
 def log_probs(logits: Tensor, index: Tensor, mask: Optional[Tensor], logit_scale: float,
               softcap: float, temperature: float, want_entropy: bool, backend: int,
               num_threads: int) -> tuple[Tensor, Tensor]:
@@ -162,7 +165,7 @@ def _(logits, index, mask, logit_scale, softcap, temperature, want_entropy, back
             logits.new_empty((n,) if want_entropy else (0,), dtype=F32))
 
 
-@torch.library.custom_op("lmloss::entropy", mutates_args=())
+@custom_op("lmloss::entropy")
 def entropy(logits: Tensor, logit_scale: float, softcap: float, temperature: float,
             backend: int, num_threads: int) -> Tensor:
     ent = logits.new_empty((logits.shape[0],), dtype=F32)
@@ -179,7 +182,7 @@ def _(logits, logit_scale, softcap, temperature, backend, num_threads):
     return logits.new_empty((logits.shape[0],), dtype=F32)
 
 
-@torch.library.custom_op("lmloss::log_probs_backward", mutates_args=())
+@custom_op("lmloss::log_probs_backward")
 def log_probs_backward(logits: Tensor, index: Optional[Tensor], mask: Optional[Tensor],
                        logit_scale: float, softcap: float, temperature: float,
                        dlogp: Optional[Tensor], dentropy: Optional[Tensor], backend: int,
@@ -216,11 +219,12 @@ def _lp_setup(ctx, inputs, output):
 def _lp_backward(ctx, dlogp, dent):
     logits, index, mask = ctx.saved_tensors
     dent = dent if ctx.want_entropy else None
-    dlogits = log_probs_backward(logits, index, mask, *ctx.transform, dlogp, dent, *ctx.run)
+    dlogits = call(ctx, log_probs_backward, logits, index, mask, *ctx.transform, dlogp, dent,
+                   *ctx.run)
     return (dlogits,) + (None,) * 8
 
 
-log_probs.register_autograd(_lp_backward, setup_context=_lp_setup)
+log_probs = Differentiable(log_probs, _lp_setup, _lp_backward)
 
 
 def _ent_setup(ctx, inputs, output):
@@ -230,16 +234,17 @@ def _ent_setup(ctx, inputs, output):
 
 def _ent_backward(ctx, dent):
     (logits,) = ctx.saved_tensors
-    dlogits = log_probs_backward(logits, None, None, *ctx.transform, None, dent, *ctx.run)
+    dlogits = call(ctx, log_probs_backward, logits, None, None, *ctx.transform, None, dent,
+                   *ctx.run)
     return (dlogits,) + (None,) * 5
 
 
-entropy.register_autograd(_ent_backward, setup_context=_ent_setup)
+entropy = Differentiable(entropy, _ent_setup, _ent_backward)
 
 
 # ---------------------------------------------------------------- softmax, log-softmax
 
-@torch.library.custom_op("lmloss::softmax", mutates_args=())
+@custom_op("lmloss::softmax")
 def softmax(x: Tensor, log: bool, backend: int, num_threads: int) -> Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     keep = []
@@ -253,7 +258,7 @@ def _(x, log, backend, num_threads):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("lmloss::softmax_backward", mutates_args=())
+@custom_op("lmloss::softmax_backward")
 def softmax_backward(y: Tensor, dy: Tensor, log: bool, backend: int,
                      num_threads: int) -> Tensor:
     dx = torch.empty(dy.shape, dtype=dy.dtype, device=dy.device)
@@ -276,7 +281,7 @@ def _sm_setup(ctx, inputs, output):
 
 def _sm_backward(ctx, dy):
     (y,) = ctx.saved_tensors
-    return (softmax_backward(y, dy.to(y.dtype), *ctx.args),) + (None,) * 3
+    return (call(ctx, softmax_backward, y, dy.to(y.dtype), *ctx.args),) + (None,) * 3
 
 
-softmax.register_autograd(_sm_backward, setup_context=_sm_setup)
+softmax = Differentiable(softmax, _sm_setup, _sm_backward)
