@@ -11,8 +11,6 @@ from . import _linear_ops as L
 from . import _ops as O
 from ._bridge import backend_code
 
-_REDUCTIONS = ("none", "sum", "mean")
-
 
 def _bad(msg):
     return _lib.Error("LMLOSS_ERR_BAD_OPTION", msg)
@@ -43,7 +41,7 @@ def _f32(t):
 
 def _reduction(reduction, num_items):
     """(C reduction, C num_items or None, tensor to divide the sum by or None)."""
-    if reduction not in _REDUCTIONS:
+    if reduction not in O.REDUCTION_NAMES:
         raise _bad("reduction must be 'none', 'sum' or 'mean', got %r" % (reduction,))
     if num_items is None:
         return reduction, None, None

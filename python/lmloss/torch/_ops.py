@@ -41,7 +41,7 @@ def _loss(like, n, reduction):
     return like.new_empty((n,) if reduction == "none" else (), dtype=F32)
 
 
-REDUCTION_NAMES = ("none", "sum", "mean")
+REDUCTION_NAMES = tuple(_lib.REDUCTIONS)  # "none", "sum", "mean": index = C code
 
 
 def ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
