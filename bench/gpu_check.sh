@@ -4,12 +4,15 @@
 # `lmloss check` on CPU and CUDA, the issue's CUDA benchmark cases
 # (`lmloss bench`), the peer comparison and the collapse picture (Python,
 # with the peers' wheels installed from .whl/), and the GPU-only Python
-# tests. Logs and figures go to $OUT (or ./gpu-out).
+# tests. Logs and figures go to $OUT (or ./gpu-out); every step writes its
+# file as it goes, so a time-out keeps what ran. The peers need the `run`
+# call to carry .whl/.
 #   bench/gpu_check.sh            all of the above
 #   bench/gpu_check.sh sanitize   the CUDA test executables under
 #                                 compute-sanitizer memcheck and racecheck
-#   bench/gpu_check.sh final      tests, check, the issue's benchmarks and
-#                                 peers, sanitizer samples; time-boxed
+#   bench/gpu_check.sh final      tests (C and the CUDA pytest), check, the
+#                                 issues' benchmarks, the torch-layer host
+#                                 time, peers, sanitizer samples; time-boxed
 #   bench/gpu_check.sh kernels    the row kernels alone: their C tests,
 #                                 `lmloss check`, the issue's bandwidth
 #                                 cases and an ncu summary of each kernel
@@ -60,10 +63,17 @@ if [ "${1:-}" = "final" ]; then # all of the issue's GPU evidence, each step tim
   done
   grep -A2 "failed" "$OUT/tests.log" | head -20
   $L check | tail -2 || status=1
-  { bench_rows; $L bench linear-ce --device cuda --dtype bf16 --reps 5; } 2>/dev/null |
-    tee "$OUT/bench.txt"
+  { # the fused head: the issue's dense case, 25% supervised, log-probs + entropy
+    bench_rows
+    $L bench linear-ce linear-logprob --plain --device cuda --dtype bf16 --reps 3
+    $L bench linear-ce --plain --supervised 0.25 --device cuda --dtype bf16 --reps 3
+  } 2>/dev/null | tee "$OUT/bench.txt"
   python_env
-  timeout 120 python3 bench/peers_gpu.py --issue --out "$OUT" >"$OUT/peers.log" 2>&1 || status=1
+  timeout 120 python3 -m pytest -q -m cuda tests/python >"$OUT/pytest-cuda.log" 2>&1 || status=1
+  tail -2 "$OUT/pytest-cuda.log"
+  timeout 60 python3 bench/torch_overhead.py >"$OUT/torch_overhead.txt" 2>&1 || status=1
+  head -6 "$OUT/torch_overhead.txt"
+  timeout 240 python3 bench/peers_gpu.py --issue --out "$OUT" >"$OUT/peers.log" 2>&1 || status=1
   cat "$OUT/peers.log"
   for run in "racecheck test_ce" "memcheck test_ce" "memcheck test_fused_linear"; do
     set -- $run
