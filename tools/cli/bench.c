@@ -104,6 +104,13 @@ int cmd_bench(int argc, char **argv) {
       return fprintf(stderr, "lmloss bench: unknown argument %s (lmloss --help)\n", argv[a]), 2;
     }
   }
+  for (int k = 0; k < nops && supervised < 1.0; k++)
+    if (!cli_op_is_ce(ops[k]))
+      return fprintf(stderr,
+                     "lmloss bench: --supervised applies to ce, ce-grad, ce-bwd and "
+                     "linear-ce, not %s\n",
+                     cli_op_name(ops[k])),
+             2;
   if (dev == LMLOSS_CUDA && !cli_cuda_available())
     return fprintf(stderr, "lmloss bench: no CUDA device (or lmloss built without CUDA)\n"), 2;
   if (!nops) /* the default set */

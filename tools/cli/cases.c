@@ -21,6 +21,10 @@ int cli_op_parse(const char *name, cli_op *op) {
 
 int cli_op_is_linear(cli_op op) { return op == OP_LINEAR_CE || op == OP_LINEAR_LP; }
 
+int cli_op_is_ce(cli_op op) {
+  return op == OP_CE || op == OP_CE_GRAD || op == OP_CE_BWD || op == OP_LINEAR_CE;
+}
+
 double cli_op_bytes(const cli_case *c) {
   double x = (double)c->N * c->V * lmloss_dtype_size(c->dt);
   switch (c->op) {
@@ -141,7 +145,7 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
     c->bias = make(c, dt, V, 1, b);
     free(h), free(w), free(b);
   }
-  if (op == OP_CE || op == OP_CE_GRAD || op == OP_CE_BWD || op == OP_LINEAR_CE) {
+  if (cli_op_is_ce(op)) {
     for (int64_t i = 0; i < N; i++) {
       if (i % 5 == 3 && !plain) tgt[i] = -100;                                 /* ignored rows */
       if (floor((i + 1) * supervised) == floor(i * supervised)) tgt[i] = -100; /* spread evenly */

@@ -66,6 +66,7 @@ typedef struct {
 const char *cli_op_name(cli_op op);
 int cli_op_parse(const char *name, cli_op *op);
 int cli_op_is_linear(cli_op op);
+int cli_op_is_ce(cli_op op); /* the ops with targets (and ignored rows) */
 /* Minimum bytes the op must move (bandwidth ops) and its GEMM flops. */
 double cli_op_bytes(const cli_case *c);
 double cli_op_flops(const cli_case *c);
