@@ -1,37 +1,5 @@
 /* ce.c - cross-entropy entry points: validate, then dispatch. */
-#include <math.h>
-
 #include "validate.h"
-
-lmloss_status lmloss_check_ce_options(const lmloss_ce_options *o) {
-  TRY(lmloss_check_transform(&o->transform));
-  if (!(o->label_smoothing >= 0.0f && o->label_smoothing <= 1.0f))
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "label_smoothing must be in [0, 1], got %g",
-                       (double)o->label_smoothing);
-  if (!(isfinite(o->z_loss) && o->z_loss >= 0.0f))
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "z_loss must be finite and >= 0, got %g",
-                       (double)o->z_loss);
-  if ((unsigned)o->reduction > LMLOSS_REDUCE_SUM_OVER_ITEMS)
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown reduction %d", (int)o->reduction);
-  if (o->reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS && !(isfinite(o->num_items) && o->num_items > 0))
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "num_items must be finite and > 0, got %g",
-                       o->num_items);
-  if (o->dft != 0 && o->dft != 1)
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "dft must be 0 or 1, got %d", o->dft);
-  if (!isfinite(o->grad_output))
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "grad_output must be finite");
-  if (o->zero_ignored_rows != 0 && o->zero_ignored_rows != 1)
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "zero_ignored_rows must be 0 or 1");
-  return LMLOSS_OK;
-}
-
-lmloss_status lmloss_check_ce_rows(const lmloss_ce_outputs *out, int64_t N, lmloss_reduction r) {
-  TRY(lmloss_check_tensor(&out->loss, "loss", LMLOSS_MASK(LMLOSS_F32),
-                          r == LMLOSS_REDUCE_NONE ? N : 1, 1));
-  TRY(lmloss_check_optional(&out->lse, "lse", LMLOSS_MASK(LMLOSS_F32), N, 1));
-  TRY(lmloss_check_optional(&out->entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), N, 1));
-  return lmloss_check_optional(&out->argmax, "argmax", LMLOSS_MASK(LMLOSS_I64), N, 1);
-}
 
 /* Everything the forward and the backward share. */
 static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_ce_inputs *in,
