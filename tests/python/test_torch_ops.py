@@ -338,3 +338,14 @@ def test_eager_calls_skip_torch_library_dispatch_with_the_same_results():
     assert type(op_loss.grad_fn).__name__ != "_EagerBackward"
     op_loss.backward()
     assert torch.equal(loss, op_loss) and torch.equal(grad, x.grad)
+
+
+@pytest.mark.parametrize("mode", ["real", "fake"])
+def test_tracing_records_the_custom_ops(mode):
+    """make_fx (real or fake tensors, as non-strict export uses) records the
+    custom ops, not the eager path that reads data pointers."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    x, y = torch.randn(4, 10), torch.randint(0, 10, (4,))
+    g = make_fx(lambda a, b: lt.cross_entropy(a, b) + lt.log_probs(a, b).sum(),
+                tracing_mode=mode)(x, y)
+    assert "lmloss.cross_entropy" in str(g.graph) and "lmloss.log_probs" in str(g.graph)
