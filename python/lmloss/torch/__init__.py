@@ -15,9 +15,10 @@ with a library built without CUDA raises lmloss.Error (LMLOSS_ERR_UNSUPPORTED).
 The ops are registered with torch.library (namespace ``lmloss``: see
 _ops.py and _linear_ops.py) with fake impls from symbolic shapes, so
 torch.compile(fullgraph=True) traces them without graph breaks, and a new
-batch size under dynamic shapes does not recompile. Eager calls skip
-torch.library's dispatch (its host cost per call; _dispatch.py): the same
-op bodies and autograd formulas run from a torch.autograd.Function.
+batch size under dynamic shapes does not recompile. Calls made outside
+any tracing skip torch.library's dispatch (its host cost per call;
+_dispatch.py): the same op bodies and autograd formulas run from a
+torch.autograd.Function.
 """
 
 from ._functional import (cross_entropy, entropy, linear_cross_entropy, linear_log_probs,
