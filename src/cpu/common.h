@@ -19,8 +19,8 @@ static inline int lmloss_cpu_threads(const lmloss_context *ctx) {
  * far more when the cores are busy (7.8 ms against 36 us at 512 logits,
  * measured while a build ran). Results never depend on the thread count. */
 static inline int lmloss_cpu_row_threads(const lmloss_context *ctx, int64_t logits) {
-  if (ctx && ctx->num_threads > 0) return ctx->num_threads;
-  return logits < (1 << 15) ? 1 : omp_get_max_threads();
+  const int asked = ctx && ctx->num_threads > 0;
+  return asked || logits >= (1 << 15) ? lmloss_cpu_threads(ctx) : 1;
 }
 
 static inline const void *lmloss_cpu_row(const lmloss_tensor *t, int64_t i) {

@@ -19,7 +19,7 @@ from torch import Tensor
 from .. import _lib
 from . import _bridge as B
 from ._dispatch import Differentiable, call, custom_op
-from ._ops import F32, _ce_opt, _extras, _loss, _reduction, run_args
+from ._ops import F32, _ce_opt, _extras, _loss, _reduction_name, run_args
 
 NEED_DH, NEED_DW, NEED_DB = 1, 2, 4
 
@@ -77,7 +77,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                          extras: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     opt = _ce_opt(fopts, iopts)
     n = hidden.shape[0]
-    loss = _loss(hidden, n, _reduction(iopts))
+    loss = _loss(hidden, n, _reduction_name(iopts))
     lse, ent, amax = _extras(hidden, n, extras)
     keep, hopt = [], _hopt(memory_budget)
     with B.context(hidden, *run_args(iopts)) as ctx:
@@ -98,7 +98,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
 def _(hidden, weight, bias, target, token_weight, class_weight, fopts, iopts, memory_budget,
       extras):
     n = hidden.shape[0]
-    return (_loss(hidden, n, _reduction(iopts)),) + _extras(hidden, n, extras)
+    return (_loss(hidden, n, _reduction_name(iopts)),) + _extras(hidden, n, extras)
 
 
 @custom_op("lmloss::linear_cross_entropy_backward")

@@ -60,10 +60,10 @@ def ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap, tempera
 def _ce_opt(fopts, iopts):
     label_smoothing, z_loss, logit_scale, softcap, temperature, num_items = fopts
     return ce_options(iopts[0], label_smoothing, z_loss, logit_scale, softcap, temperature,
-                      _reduction(iopts), num_items if iopts[5] else None, iopts[1])
+                      _reduction_name(iopts), num_items if iopts[5] else None, iopts[1])
 
 
-def _reduction(iopts):
+def _reduction_name(iopts):
     return REDUCTION_NAMES[iopts[4]]
 
 
@@ -80,7 +80,7 @@ def cross_entropy(logits: Tensor, target: Tensor, token_weight: Optional[Tensor]
                   extras: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     opt = _ce_opt(fopts, iopts)
     n = logits.shape[0]
-    loss = _loss(logits, n, _reduction(iopts))
+    loss = _loss(logits, n, _reduction_name(iopts))
     lse, ent, amax = _extras(logits, n, extras)
     keep = []
     with B.context(logits, *run_args(iopts)) as ctx:
@@ -99,7 +99,7 @@ def cross_entropy(logits: Tensor, target: Tensor, token_weight: Optional[Tensor]
 @cross_entropy.register_fake
 def _(logits, target, token_weight, class_weight, fopts, iopts, extras):
     n = logits.shape[0]
-    return (_loss(logits, n, _reduction(iopts)),) + _extras(logits, n, extras)
+    return (_loss(logits, n, _reduction_name(iopts)),) + _extras(logits, n, extras)
 
 
 @custom_op("lmloss::cross_entropy_backward")
