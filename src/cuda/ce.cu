@@ -15,6 +15,8 @@
  * A target outside [0, V) that is not ignore_index gives NaN for its row
  * (loss and gradient) and weight 0 in the MEAN denominator.
  */
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace lmc {
@@ -139,7 +141,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
           if (a.amax) a.amax[i * a.ams] = -1;
         }
       }
-      if (grad && a.zero_ignored) zero_chunk<In, O>(drow, ch, a.V, is_aligned16(drow));
+      if (grad && a.zero_ignored) zero_chunk<In, O>(drow, ch, a.V);
       continue;
     }
     const bool in_al = is_aligned16(row);
@@ -221,41 +223,50 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     Ref ref;
     ref.set(X, m);
     const float F1s = F1 * ref.s();
-    const bool out_al = is_aligned16(drow);
+    const ChunkOut<O, NV> out(drow, ch, a.V);
+    /* The vectors of this CTA's chunk that hold the target and the argmax
+     * (-1: elsewhere): one 32-bit compare each per vector. */
+    const int vy = y >= ch.jb && y < ch.je ? (int)((y - ch.jb) / NV) : -1;
+    const int va = am >= ch.jb && am < ch.je ? (int)((am - ch.jb) / NV) : -1;
 
-    auto body = [&](int64_t v, const Raw<In> &rv) {
-      const int64_t j0 = ch.jb + v * NV;
-      write_grad(X, rv, drow, j0, a.V, out_al, [&](const float *w, float *g) {
-        const bool special = (unsigned long long)(y - j0) < (unsigned long long)NV ||
-                             (unsigned long long)(am - j0) < (unsigned long long)NV;
-        if (a.cw) { /* a uniform branch: predicated weight loads cost every row */
+    /* The gradient pass, one loop per class-weight case (a runtime branch
+     * in one loop let the compiler hoist the weights' 64-bit addressing
+     * into every vector). */
+    auto grad_pass = [&](auto with_cw) {
+      second_pass(a.staged, stage, part, [&](int v, const Raw<In> &rv) {
+        write_grad(X, rv, out, v, [&](const float *w, float *g) {
+          if constexpr (decltype(with_cw)::value) {
+            const int64_t j0 = ch.jb + (int64_t)v * NV;
 #pragma unroll
-          for (int e = 0; e < NV; e++) {
-            const float cj = j0 + e < a.V ? a.cw[(j0 + e) * a.cws] : 1.0f;
-            g[e] = fmaf(ex2(ref.p(X, w[e])), F1s, -F0 * cj);
+            for (int e = 0; e < NV; e++) {
+              const float cj = j0 + e < a.V ? a.cw[(j0 + e) * a.cws] : 1.0f;
+              g[e] = fmaf(ex2(ref.p(X, w[e])), F1s, -F0 * cj);
+            }
+          } else {
+#pragma unroll
+            for (int e = 0; e < NV; e++) /* -inf logits: ex2(-inf) = 0 */
+              g[e] = fmaf(ex2(ref.p(X, w[e])), F1s, -F0);
           }
-        } else {
+          if (v == vy || v == va) {
+            const int64_t j0 = ch.jb + (int64_t)v * NV;
 #pragma unroll
-          for (int e = 0; e < NV; e++) /* -inf logits: ex2(-inf) = 0 */
-            g[e] = fmaf(ex2(ref.p(X, w[e])), F1s, -F0);
-        }
-        if (special) {
-#pragma unroll
-          for (int e = 0; e < NV; e++) {
-            long long j = j0 + e;
-            if (j == y || j == am) {
-              float cj = a.cw ? a.cw[j * a.cws] : 1.0f;
-              float pj = cexp(X, fmaxf(w[e] - m, X.dmin)) * inv;
-              float gz = Gce * lmloss_ce_grad_z(&q, &s, pj, cj, j == y, j == am) + Gz * pj;
-              g[e] = ok ? gz * kx : NAN;
+            for (int e = 0; e < NV; e++) {
+              long long j = j0 + e;
+              if (j == y || j == am) {
+                float cj = a.cw ? a.cw[j * a.cws] : 1.0f;
+                float pj = cexp(X, fmaxf(w[e] - m, X.dmin)) * inv;
+                float gz = Gce * lmloss_ce_grad_z(&q, &s, pj, cj, j == y, j == am) + Gz * pj;
+                g[e] = ok ? gz * kx : NAN;
+              }
             }
           }
-        }
+        });
       });
     };
-
-    /* Second read from L2 (unstaged), newest lines first. */
-    second_pass(a.staged, stage, part, body);
+    if (a.cw)
+      grad_pass(std::true_type{});
+    else
+      grad_pass(std::false_type{});
   }
   rw.finish();
 }

@@ -109,32 +109,24 @@ template <> __device__ __forceinline__ void unpack<bf16, 8>(const Raw<bf16> &r, 
   }
 }
 
-/* Store NV values at j0 (only those < V): vector stores (8, 16 or 32
- * bytes) when the output row is 16-byte aligned and the vector complete. */
-template <typename O, int NV>
-__device__ __forceinline__ void store_vec(O *row, int64_t j0, int64_t V, bool aligned,
-                                          const float *y) {
+/* Store NV values at p, as vector stores: 16-byte aligned where
+ * NV * sizeof(O) >= 16, else 8 bytes, 8-byte aligned. */
+template <typename O, int NV> __device__ __forceinline__ void store_whole(O *p, const float *y) {
   constexpr int BYTES = NV * sizeof(O);
-  if (aligned && j0 + NV <= V) {
-    union {
-      O e[NV];
-      uint4 q[BYTES >= 16 ? BYTES / 16 : 1];
-      uint2 d;
-    } o;
+  union {
+    O e[NV];
+    uint4 q[BYTES >= 16 ? BYTES / 16 : 1];
+    uint2 d;
+  } o;
 #pragma unroll
-    for (int i = 0; i < NV; i++)
-      o.e[i] = fromf<O>(y[i]);
-    if (BYTES >= 16) {
+  for (int i = 0; i < NV; i++)
+    o.e[i] = fromf<O>(y[i]);
+  if (BYTES >= 16) {
 #pragma unroll
-      for (int i = 0; i < BYTES / 16; i++)
-        __stcs((uint4 *)(row + j0) + i, o.q[i]);
-    } else {
-      __stcs((uint2 *)(row + j0), o.d);
-    }
+    for (int i = 0; i < BYTES / 16; i++)
+      __stcs((uint4 *)p + i, o.q[i]);
   } else {
-#pragma unroll
-    for (int i = 0; i < NV; i++)
-      if (j0 + i < V) row[j0 + i] = fromf<O>(y[i]);
+    __stcs((uint2 *)p, o.d);
   }
 }
 
@@ -211,13 +203,13 @@ template <int NV> __device__ __forceinline__ void xform_vec(const Xf &X, float *
   }
 }
 
-/* One vector of a gradient row: w = the transform of the logits x, then
- * fill(w, g) gives the gradient in z units (times k where there is no
- * softcap: the kernels fold k into their coefficients), then the
- * softcap's chain rule and the store. */
-template <typename In, typename O, typename Fill>
-__device__ __forceinline__ void write_grad(const Xf &X, const Raw<In> &rv, O *drow, int64_t j0,
-                                           int64_t V, bool aligned, Fill fill) {
+/* Vector v of a CTA's chunk of a gradient row: w = the transform of the
+ * logits x, then fill(w, g) gives the gradient in z units (times k where
+ * there is no softcap: the kernels fold k into their coefficients), then
+ * the softcap's chain rule and the store (out: a ChunkOut). */
+template <typename In, typename Out, typename Fill>
+__device__ __forceinline__ void write_grad(const Xf &X, const Raw<In> &rv, const Out &out, int v,
+                                           Fill fill) {
   constexpr int NV = elt<In>::NV;
   float x[NV], g[NV];
   unpack<In, NV>(rv, x);
@@ -234,7 +226,7 @@ __device__ __forceinline__ void write_grad(const Xf &X, const Raw<In> &rv, O *dr
   } else {
     fill(x, g);
   }
-  store_vec<O, NV>(drow, j0, V, aligned, g);
+  out.store(v, g);
 }
 
 /* ------------------------------------------------------------------ */
@@ -561,6 +553,34 @@ template <int NV> __device__ __forceinline__ Chunk my_chunk(int64_t V, int64_t c
   return c;
 }
 
+/* Where a CTA writes its chunk of an output row, set once per row: a
+ * whole vector (the row 16-byte aligned, the vector inside the chunk) is
+ * one vector store at base + v NV, the rest (an unaligned row, the
+ * vector that crosses V) element stores below lim. Per-vector 64-bit
+ * address and bounds arithmetic (the former store_vec) was about a third
+ * of the gradient pass's executed instructions (ncu's per-line counts,
+ * ce-grad, 84f54d3). Three values only: a first form that also kept the
+ * row, its bounds and flags made the kernels spill. */
+template <typename O, int NV> struct ChunkOut {
+  O *base;     /* the chunk's first element */
+  int64_t lim; /* elements from base to the end of the row */
+  int whole;   /* vectors v < whole are stored whole */
+
+  __device__ __forceinline__ ChunkOut(O *row, const Chunk &c, int64_t V)
+      : base(row + c.jb), lim(V - c.jb), whole(is_aligned16(row) ? (int)((c.je - c.jb) / NV) : 0) {}
+
+  __device__ __forceinline__ void store(int v, const float *y) const {
+    O *p = base + v * NV;
+    if (v < whole) {
+      store_whole<O, NV>(p, y);
+    } else {
+#pragma unroll
+      for (int i = 0; i < NV; i++)
+        if ((int64_t)v * NV + i < lim) p[i] = fromf<O>(y[i]);
+    }
+  }
+};
+
 /* The CTA's part of one row: the logits, its chunk, and whether 16-byte
  * loads apply. keep: a load that will be read again (from L2). */
 template <typename In> struct RowPart {
@@ -584,16 +604,17 @@ struct Smooth {
 };
 
 /* Zeros over the CTA's chunk of an output row (the gradient of an ignored
- * or masked row); store_vec leaves out the padding past V. */
+ * or masked row); ChunkOut leaves out the padding past V. */
 template <typename In, typename O>
-__device__ __forceinline__ void zero_chunk(O *row, const Chunk &c, int64_t V, bool aligned) {
+__device__ __forceinline__ void zero_chunk(O *row, const Chunk &c, int64_t V) {
   constexpr int NV = elt<In>::NV;
   float z[NV];
 #pragma unroll
   for (int e = 0; e < NV; e++)
     z[e] = 0.0f;
-  for (int64_t v = threadIdx.x; v < c.nv; v += blockDim.x)
-    store_vec<O, NV>(row, c.jb + v * NV, V, aligned, z);
+  const ChunkOut<O, NV> out(row, c, V);
+  for (int v = threadIdx.x; v < (int)c.nv; v += blockDim.x)
+    out.store(v, z);
 }
 
 /* Read a target / index of dtype I32 or I64. */
@@ -809,11 +830,11 @@ __device__ __forceinline__ void second_pass(bool staged, const uint4 *stage, con
   int64_t v = nv > t ? nv - 1 - ((nv - 1 - t) % B) : -1;
   for (; v - B >= 0; v -= 2 * B) {
     Raw<In> r0 = ld(v), r1 = ld(v - B);
-    body(v, r0);
-    body(v - B, r1);
+    body((int)v, r0); /* a chunk holds < 2^31 vectors */
+    body((int)(v - B), r1);
   }
   for (; v >= 0; v -= B)
-    body(v, ld(v));
+    body((int)v, ld(v));
 }
 
 /* Launch plan of a row kernel: cluster size, threads, chunk (elements per

@@ -110,9 +110,8 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
     O *drow = (O *)a.dx + i * a.dxs;
-    const bool out_al = is_aligned16(drow);
     if (a.mask && !a.mask[i * a.ms]) {
-      zero_chunk<In, O>(drow, ch, a.V, out_al);
+      zero_chunk<In, O>(drow, ch, a.V);
       continue;
     }
     const bool in_al = is_aligned16(row);
@@ -167,15 +166,16 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     }
     __syncthreads();
 
-    auto body = [&](int64_t v, const Raw<In> &rv) {
-      const int64_t j0 = ch.jb + v * NV;
-      write_grad(X, rv, drow, j0, a.V, out_al, [&](const float *w, float *g) {
+    const ChunkOut<O, NV> out(drow, ch, a.V);
+    auto body = [&](int v, const Raw<In> &rv) {
+      write_grad(X, rv, out, v, [&](const float *w, float *g) {
 #pragma unroll
         for (int e = 0; e < NV; e++) {
           const float p = fmaxf(ref.p(X, w[e]), X.pmin);
           g[e] = ex2(p) * fmaf(C1, p, C0);
         }
         if ((bm[v >> 5] >> (v & 31)) & 1u) {
+          const int64_t j0 = ch.jb + (int64_t)v * NV;
 #pragma unroll
           for (int e = 0; e < NV; e++) {
             const long long j = j0 + e;

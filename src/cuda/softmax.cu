@@ -41,7 +41,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
     O *yrow = (O *)a.y + i * a.ys;
-    const bool in_al = is_aligned16(row), out_al = is_aligned16(yrow);
+    const bool in_al = is_aligned16(row);
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
@@ -54,7 +54,8 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     Ref ref;
     ref.set(X, m);
     const float invs = inv * ref.s();
-    auto body = [&](int64_t v, const Raw<In> &rv) {
+    const ChunkOut<O, NV> out(yrow, ch, a.V);
+    auto body = [&](int v, const Raw<In> &rv) {
       float x[NV];
       unpack<In, NV>(rv, x);
       if (a.log) {
@@ -66,7 +67,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
         for (int e = 0; e < NV; e++)
           x[e] = ex2(ref.p(X, x[e])) * invs; /* -inf: ex2(-inf) = 0 */
       }
-      store_vec<O, NV>(yrow, ch.jb + v * NV, a.V, out_al, x);
+      out.store(v, x);
     };
     second_pass(a.staged, stage, part, body);
   }
