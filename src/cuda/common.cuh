@@ -856,7 +856,10 @@ struct Plan {
  * through registers by one CTA: measured on the H200, staging it in a
  * cluster cost more in barriers than it saved (1.9 ms against 1.1 ms at
  * bf16 8192 x 152064). Threads: 256 (128 for narrow chunks), so each owns
- * several 16-byte vectors. */
+ * several 16-byte vectors; a staged chunk of fewer than 4096 vectors gets
+ * 128, so that about 800 instructions a warp spends on each row (ncu,
+ * ce-grad, 84f54d3: prologue, block max, the merge, the row scalars) are
+ * paid by half the warps, and more CTAs (rows) share an SM. */
 static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
                              size_t extra_per_vector_bits, int maxcs) {
   Plan p = {};
@@ -879,7 +882,7 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
   }
   const int64_t nvc = (nvec + p.cs - 1) / p.cs;
   p.chunk = nvc * NV;
-  p.bs = nvc >= 1024 ? 256 : 128;
+  p.bs = nvc >= (p.staged ? 4096 : 1024) ? 256 : 128;
   p.smem =
       (p.staged ? (size_t)nvc * 16 : 0) + (size_t)((nvc + 31) / 32) * 4 * extra_per_vector_bits;
   return p;
