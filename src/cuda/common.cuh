@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 #include <float.h>
 #include <limits.h>
+#include <mutex>
 #include <stdint.h>
 
 extern "C" {
@@ -638,12 +639,12 @@ static inline lmloss_status check_launch(const char *what) {
 }
 
 struct DevInfo {
-  int sms, cc_major, smem_optin;
+  int id, sms, cc_major, smem_optin;
 };
 
 static inline lmloss_status dev_info(DevInfo *d) {
-  int dev;
-  cudaError_t e = cudaGetDevice(&dev);
+  cudaError_t e = cudaGetDevice(&d->id);
+  const int dev = d->id;
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d->sms, cudaDevAttrMultiProcessorCount, dev);
   if (e == cudaSuccess)
     e = cudaDeviceGetAttribute(&d->cc_major, cudaDevAttrComputeCapabilityMajor, dev);
@@ -700,15 +701,43 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+/* Thread t's share of a staged chunk: slots q = 0 .. n-1 of the stage
+ * hold vectors t + q B, copied asynchronously where 16-byte aligned and
+ * complete (q < nw), else by element loads padded with -inf. A thread only
+ * ever reads back the slots it copied itself, so no barrier is needed. */
+template <typename In> struct StageCopy {
+  RowPart<In> p;
+  const uint4 *src;
+  uint4 *mine;
+  int t, Bi, n, nw;
+
+  __device__ __forceinline__ StageCopy(uint4 *stage, const RowPart<In> &part) : p(part) {
+    constexpr int NV = elt<In>::NV;
+    const int64_t B = blockDim.x, nv = p.ch.nv;
+    t = (int)threadIdx.x;
+    Bi = (int)B;
+    n = nv > t ? (int)((nv - 1 - t) / B) + 1 : 0;
+    const int64_t whole = p.aligned ? (p.ch.je - p.ch.jb) / NV : 0; /* complete vectors */
+    nw = whole > t ? min(n, (int)((whole - 1 - t) / B) + 1) : 0;
+    src = (const uint4 *)(p.row + p.ch.jb) + t; /* read only where aligned */
+    mine = stage + t;
+  }
+  __device__ __forceinline__ void operator()(int q) const {
+    if (q < nw)
+      cp_async16(mine + q * Bi, src + q * Bi);
+    else
+      mine[q * Bi] = p.load(t + (int64_t)q * Bi, false).u;
+  }
+};
+
 /* The first pass of a row kernel over a CTA's vectors, adding each to acc
  * in increasing v per thread (a thread meets its first argmax first).
  * Staged: every vector of the chunk is copied into the stage at once
- * (asynchronously where 16-byte aligned and complete, else element loads
- * padded with -inf), in two commit groups so the thread sweeps its first
- * half for the max while the second is still in flight; acc is seeded
- * with the CTA's max before the steps, and the return value says whether
- * that max is finite (then reduce_row can just add). A thread only ever
- * reads back the vectors it copied itself, so no barrier is needed.
+ * (StageCopy), in two commit groups so the thread sweeps its first half
+ * for the max while the second is still in flight, unless the previous
+ * row's second pass already copied this row in (prefetched); acc is
+ * seeded with the CTA's max before the steps, and the return value says
+ * whether that max is finite (then reduce_row can just add).
  * Unstaged: register loads, four in flight per thread (keep: held in L2
  * for the second pass); acc is raised to the warp's max before each batch
  * of four. A one-pass row (!keep, aligned) takes its whole batches without
@@ -718,7 +747,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 template <bool T, typename In>
 __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowPart<In> &p,
                                            bool keep, const Xf &X, Smooth sm, Acc &acc,
-                                           RedSmem *red) {
+                                           RedSmem *red, bool prefetched = false) {
   constexpr int NV = elt<In>::NV;
   const int64_t B = blockDim.x, t = threadIdx.x, nv = p.ch.nv;
   auto step = [&](int64_t v, const Raw<In> &rv) {
@@ -728,24 +757,20 @@ __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowP
     acc.vec<T, NV>(X, w, p.ch.jb + v * NV, p.V, sm.on, sm.cw, sm.cws);
   };
   if (staged) { /* a chunk holds < 2^31 vectors: 32-bit counters, one base each */
-    const int Bi = (int)B, n = nv > t ? (int)((nv - 1 - t) / B) + 1 : 0, half = (n + 1) / 2;
-    const int64_t whole = p.aligned ? (p.ch.je - p.ch.jb) / NV : 0; /* complete vectors */
-    const int nw = whole > t ? min(n, (int)((whole - 1 - t) / B) + 1) : 0;
-    const uint4 *src = (const uint4 *)(p.row + p.ch.jb) + t; /* read only where aligned */
-    uint4 *mine = stage + t;
-    auto copy = [&](int q) {
-      if (q < nw)
-        cp_async16(mine + q * Bi, src + q * Bi);
-      else
-        mine[q * Bi] = p.load(t + (int64_t)q * B, false).u;
-    };
-    for (int q = 0; q < half; q++)
-      copy(q);
-    cp_async_commit();
-    for (int q = half; q < n; q++)
-      copy(q);
-    cp_async_commit();
-    cp_async_wait<1>();
+    const StageCopy<In> copy(stage, p);
+    const int Bi = copy.Bi, n = copy.n, half = (n + 1) / 2;
+    const uint4 *mine = copy.mine;
+    if (prefetched) {
+      cp_async_wait<0>();
+    } else {
+      for (int q = 0; q < half; q++)
+        copy(q);
+      cp_async_commit();
+      for (int q = half; q < n; q++)
+        copy(q);
+      cp_async_commit();
+      cp_async_wait<1>();
+    }
     float M = -INFINITY;
     for (int q = 0; q < n; q++) {
       if (q == half) cp_async_wait<0>();
@@ -812,12 +837,28 @@ __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowP
 
 /* The second pass takes each thread's vectors back from the stage (the
  * very vectors it staged itself), or re-reads them (ld) from L2 newest
- * lines first, two in flight. */
+ * lines first, two in flight. Staged with has_next: the chunk of the
+ * CTA's next row is copied into each slot as soon as the slot's vector is
+ * written, so the next row's load overlaps this row's arithmetic and
+ * stores without a second stage (the next first_pass: prefetched). The
+ * copy is issued after the slot's store, which depends on the slot's
+ * load, so it cannot overwrite the slot before it was read. */
 template <typename In, typename Body>
-__device__ __forceinline__ void second_pass(bool staged, const uint4 *stage, const RowPart<In> &p,
-                                            Body body) {
+__device__ __forceinline__ void second_pass(bool staged, uint4 *stage, const RowPart<In> &p,
+                                            bool has_next, const RowPart<In> &next, Body body) {
   const int64_t nv = p.ch.nv;
   auto ld = [&](int64_t v) { return p.load(v, false); };
+  if (staged && has_next) {
+    const StageCopy<In> copy(stage, next); /* same chunk: the same slots */
+    for (int v = threadIdx.x, q = 0; v < (int)nv; v += blockDim.x, q++) {
+      Raw<In> rv;
+      rv.u = stage[v];
+      body(v, rv);
+      copy(q);
+    }
+    cp_async_commit();
+    return;
+  }
   if (staged) {
     for (int v = threadIdx.x; v < (int)nv; v += blockDim.x) {
       Raw<In> rv;
@@ -851,8 +892,15 @@ struct Plan {
  * has its whole chunk in flight at once (cp.async), the cluster swaps its
  * partial states through distributed shared memory, and the CTAs at
  * different stages of their rows (loading, reducing, writing) keep HBM
- * busy. Only rows too wide for 16 x (the opt-in limit) are read twice,
- * the second time from L2. A one-pass row (forward only) is streamed
+ * busy. The grid is persistent (as many clusters as the device holds at
+ * once), and a CTA copies its next row's chunk into each stage slot as
+ * soon as the slot's gradient is written (second_pass), so its next load
+ * overlaps its current arithmetic without a second stage: a two-slot
+ * stage was measured slower (fourth session), since it cost a CTA per SM.
+ * A row too wide for 16 x 48 KB takes the largest cluster (measured,
+ * softmax fp32 V = 262144: 16 x 64 KB, three CTAs per SM, 3.16 ms against
+ * 4.21 for 8 x 128 KB, one per SM). Only rows too wide for 16 x (the
+ * opt-in limit) are read twice, the second time from L2. A one-pass row (forward only) is streamed
  * through registers by one CTA: measured on the H200, staging it in a
  * cluster cost more in barriers than it saved (1.9 ms against 1.1 ms at
  * bf16 8192 x 152064). Threads: 256 (128 for narrow chunks), so each owns
@@ -869,10 +917,9 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
     int64_t v = (nvec + cs - 1) / cs;
     return v * 16 + (v + 31) / 32 * 4 * (int64_t)extra_per_vector_bits;
   };
-  const int64_t budgets[2] = {48 * 1024, d.smem_optin - 8 * 1024};
-  for (int b = 0; b < 2 && two_pass && !p.cs; b++)
-    for (int cs = 1; cs <= maxcs && !p.cs; cs *= 2)
-      if (bytes(cs) <= budgets[b]) p.cs = cs;
+  for (int cs = 1; two_pass && cs <= maxcs && !p.cs; cs *= 2)
+    if (bytes(cs) <= 48 * 1024) p.cs = cs;
+  if (two_pass && !p.cs && bytes(maxcs) <= d.smem_optin - 8 * 1024) p.cs = maxcs;
   p.staged = p.cs != 0;
   if (!p.staged) {
     /* spread the row over a cluster so fewer rows (less L2) are in flight */
@@ -888,8 +935,46 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
   return p;
 }
 
+/* How many clusters of cs CTAs (CTAs when cs = 1) of this configuration
+ * the device holds at once; 0 where it cannot schedule one. Cached per
+ * kernel, device and configuration: the occupancy query costs host time
+ * on every launch otherwise. */
+template <typename K>
+static int resident_clusters(K kernel, const cudaLaunchConfig_t &cfg, int cs, const DevInfo &d) {
+  struct Entry {
+    const void *k;
+    int dev, cs, bs;
+    size_t smem;
+    int n;
+  };
+  static Entry cache[64];
+  static int used = 0;
+  static std::mutex mu;
+  const void *key = reinterpret_cast<const void *>(kernel);
+  const int bs = (int)cfg.blockDim.x;
+  std::lock_guard<std::mutex> lock(mu);
+  for (int i = 0; i < used; i++) {
+    const Entry &e = cache[i];
+    if (e.k == key && e.dev == d.id && e.cs == cs && e.bs == bs && e.smem == cfg.dynamicSmemBytes)
+      return e.n;
+  }
+  int n = 0;
+  cudaError_t e =
+      cs > 1 ? cudaOccupancyMaxActiveClusters(&n, kernel, &cfg)
+             : cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, bs, cfg.dynamicSmemBytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError(); /* not sticky */
+    n = 0;
+  } else if (cs == 1) {
+    n *= d.sms;
+  }
+  if (used < 64) cache[used++] = Entry{key, d.id, cs, bs, cfg.dynamicSmemBytes, n};
+  return n;
+}
+
 /* Plan, set the kernel's shared-memory and cluster attributes, and launch
- * one cluster per row (rows beyond 2^31 / cs are looped over). Clusters of
+ * one cluster per row, or for staged rows as many clusters as the device
+ * holds (see make_plan); rows beyond the grid are looped over. Clusters of
  * 16 are non-portable: where the device cannot schedule one, the plan
  * falls back to 8. Sets the args' cs, chunk and staged. */
 template <typename K, typename A>
@@ -919,13 +1004,10 @@ static lmloss_status launch_rows(K kernel, const DevInfo &d, int NV, int two_pas
     attr[0].val.clusterDim.z = 1;
     cfg.attrs = attr;
     cfg.numAttrs = p.cs > 1 ? 1 : 0;
-    if (p.cs > 8) {
-      int clusters = 0;
-      if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess || clusters < 1) {
-        (void)cudaGetLastError(); /* not sticky: try clusters of 8 */
-        continue;
-      }
-    }
+    const int resident = p.cs > 8 || p.staged ? resident_clusters(kernel, cfg, p.cs, d) : 0;
+    if (p.cs > 8 && resident < 1) continue; /* try clusters of 8 */
+    if (p.staged && resident > 0 && resident < (int64_t)cfg.gridDim.x / p.cs)
+      cfg.gridDim = dim3((unsigned)resident * (unsigned)p.cs);
     args.cs = p.cs;
     args.chunk = p.chunk;
     args.staged = p.staged;

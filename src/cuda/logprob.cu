@@ -106,6 +106,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
   const int64_t nvmax = a.chunk / NV;
   unsigned *bm = (unsigned *)(stage + (a.staged ? nvmax : 0));
   const int64_t nwords = (nvmax + 31) / 32;
+  bool prefetched = false; /* the stage holds row i (see second_pass) */
 
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
@@ -118,7 +119,8 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    const bool one_max = first_pass<T>(a.staged, stage, part, true, X, Smooth{}, acc, &red);
+    const bool one_max =
+        first_pass<T>(a.staged, stage, part, true, X, Smooth{}, acc, &red, prefetched);
     /* Its barriers also order the previous row's bitmap reads before the clear. */
     Part P = reduce_row(acc, k, T, false, &red, rw, one_max);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
@@ -199,7 +201,11 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
       });
     };
 
-    second_pass(a.staged, stage, part, body);
+    const int64_t in = i + rw.step; /* the next row, copied in unless masked */
+    prefetched = a.staged && in < a.N && (!a.mask || a.mask[in * a.ms]);
+    const In *nrow = prefetched ? (const In *)a.x + in * a.xs : row;
+    const RowPart<In> next = {nrow, ch, a.V, is_aligned16(nrow)};
+    second_pass(a.staged, stage, part, prefetched, next, body);
   }
   rw.finish();
 }

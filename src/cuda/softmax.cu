@@ -38,6 +38,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
   RowWalk rw(a.cs);
   const Xf &X = a.X;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
+  bool prefetched = false; /* the stage holds row i (see second_pass) */
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
     O *yrow = (O *)a.y + i * a.ys;
@@ -45,7 +46,8 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    const bool one_max = first_pass<false>(a.staged, stage, part, true, X, Smooth{}, acc, &red);
+    const bool one_max =
+        first_pass<false>(a.staged, stage, part, true, X, Smooth{}, acc, &red, prefetched);
     Part P = reduce_row(acc, 1.0f, false, false, &red, rw, one_max);
     const bool ok = !P.bad && lmloss_rowstat_finite(&P.s);
     const float m = P.s.m;
@@ -69,7 +71,11 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
       }
       out.store(v, x);
     };
-    second_pass(a.staged, stage, part, body);
+    const int64_t in = i + rw.step; /* the next row, copied in during this one's writes */
+    prefetched = a.staged && in < a.N;
+    const In *nrow = prefetched ? (const In *)a.x + in * a.xs : row;
+    const RowPart<In> next = {nrow, ch, a.V, is_aligned16(nrow)};
+    second_pass(a.staged, stage, part, prefetched, next, body);
   }
   rw.finish();
 }
