@@ -166,6 +166,8 @@ def main():
                     help="only the issues' shapes (logits ops at 8192x152064 and 4096x32768; the "
                          "fused head at 8192x4096x152064, all rows and 25%% supervised, without "
                          "torch.compile), into peers-issue.csv, no plots")
+    ap.add_argument("--case", action="append", choices=["logprob", "ce", "linear-ce"],
+                    help="only this case (repeatable; default: all three)")
     ap.add_argument("--plot-only", metavar="CSV")
     ap.add_argument("--device-name", default="")
     args = ap.parse_args()
@@ -182,6 +184,7 @@ def main():
     rows_out = []
     cases = [("logprob", logprob_impls(), 1), ("ce", ce_impls(), 2),
              ("linear-ce", linear_impls(compiled=not args.issue), 0)]
+    cases = [c for c in cases if not args.case or c[0] in args.case]
     for case, impls, passes in cases:
         sweeps = [("V", v, 4096) for v in VOCABS] + [("N", 152064, n) for n in ROWS]
         if args.issue:

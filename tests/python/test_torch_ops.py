@@ -233,6 +233,31 @@ def test_linear_cross_entropy_matches_reference(case):
         close(p.grad, r.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(reduction="sum", label_smoothing=0.1),
+                                dict(num_items=torch.tensor(7.0)), dict(reduction="none")],
+                         ids=["mean", "sum", "num_items tensor", "none"])
+def test_linear_cross_entropy_upstream_gradient(kw):
+    """A scalar loss's gradients come from its forward (computed at an
+    upstream 1) and are scaled by the upstream gradient; per-row losses are
+    recomputed. Both against float64, with an upstream that is not 1, and
+    with the weight frozen (only dhidden computed)."""
+    hs, w, b, y = head()
+    up = torch.linspace(0.5, 2.0, 10, dtype=F64) if kw.get("reduction") == "none" else 2.5
+    for frozen in (False, True):
+        params = [hs.clone().requires_grad_(), w.clone().requires_grad_(not frozen), b.clone()]
+        refp = [hs.to(F64).requires_grad_(), w.to(F64).requires_grad_(not frozen), b.to(F64)]
+        got = lt.linear_cross_entropy(params[0], params[1], y, bias=params[2], **kw)
+        ref = ref_ce(refp[0] @ refp[1].T + refp[2], y, **kw)
+        close(got, ref, rtol=1e-4)
+        (got.to(F64) * up).sum().backward()
+        (ref * up).sum().backward()
+        close(params[0].grad, refp[0].grad, rtol=1e-4, atol=1e-5)
+        if frozen:
+            assert params[1].grad is None
+        else:
+            close(params[1].grad, refp[1].grad, rtol=1e-4, atol=1e-5)
+
+
 def test_linear_log_probs_matches_reference_and_frozen_head():
     hs, w, b, y = head()
     idx = torch.stack([y.clamp(min=0), (y + 1).clamp(0, 36)], -1)

@@ -176,6 +176,16 @@ def _budget(memory_budget):
     return int(memory_budget)
 
 
+def _grads_in_forward(reduction, h, w, b):
+    """The NEED_* flags of the gradients the fused head computes in its
+    forward: those autograd will want, when the loss is a scalar (its
+    upstream gradient then scales them; per-row losses are recomputed)."""
+    if reduction == "none" or not torch.is_grad_enabled():
+        return 0
+    return ((L.NEED_DH if h.requires_grad else 0) | (L.NEED_DW if w.requires_grad else 0)
+            | (L.NEED_DB if b is not None and b.requires_grad else 0))
+
+
 def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=None,
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale=1.0,
                          softcap=0.0, temperature=1.0, token_weight=None, class_weight=None,
@@ -200,8 +210,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
     fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap,
                              temperature, red, items, dft, backend_code(backend), num_threads)
     out = L.linear_cross_entropy(h, w, b, _index(target).reshape(-1), _f32(token_weight),
-                                 _f32(class_weight), fopts, iopts, _budget(memory_budget), extras)
-    loss, pick = _finish(*out, lead, red, divisor, extras)
+                                 _f32(class_weight), fopts, iopts, _budget(memory_budget), extras,
+                                 _grads_in_forward(red, h, w, b))
+    loss, pick = _finish(*out[:4], lead, red, divisor, extras)
     return loss if pick is None else LinearCrossEntropyResult(loss, None, None, None, *pick)
 
 

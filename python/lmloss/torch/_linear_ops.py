@@ -6,6 +6,10 @@ chunk (lmloss_linear_cross_entropy_backward with dloss on the device,
 lmloss_linear_log_probs_backward) and return only the gradients autograd
 asks for (an empty [0] tensor for the others): dhidden in hidden's dtype,
 dweight and dbias in the weight's dtype (fp32-accumulated over chunks).
+A cross-entropy reduced to a scalar is the exception: its forward computes
+the gradients too (lmloss_linear_cross_entropy with grads, at an upstream
+gradient of 1), and the backward scales them by the upstream scalar, so
+the logits GEMMs and row passes run once per step, not twice.
 On CUDA each call reads the supervised-row count to the host once (the
 C library's one synchronization of the fused head).
 """
@@ -73,12 +77,16 @@ def _back(grads, need, n_opts):
 @custom_op("lmloss::linear_cross_entropy")
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                          token_weight: Optional[Tensor], class_weight: Optional[Tensor],
-                         fopts: list[float], iopts: list[int], memory_budget: int,
-                         extras: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         fopts: list[float], iopts: list[int], memory_budget: int, extras: int,
+                         need: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                             Tensor]:
+    """loss, lse, entropy, argmax, then the gradients in `need` (NEED_*
+    flags; a scalar reduction only) at an upstream gradient of 1."""
     opt = _ce_opt(fopts, iopts)
     n = hidden.shape[0]
     loss = _loss(hidden, n, _reduction_name(iopts))
     lse, ent, amax = _extras(hidden, n, extras)
+    grads = _grads(hidden, weight, bias, need)
     keep, hopt = [], _hopt(memory_budget)
     with B.context(hidden, *run_args(iopts)) as ctx:
         head = _head(hidden, weight, bias, keep)
@@ -86,19 +94,21 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
         for name, t in (("lse", lse), ("entropy", ent), ("argmax", amax)):
             if t.numel():
                 setattr(out, name, B.view(t, keep))
-        ws, addr, nbytes = _workspace(head, hopt, None, 1, hidden.device)
+        gs = _grads_struct(grads, keep) if need else None
+        ws, addr, nbytes = _workspace(head, hopt, gs, 1, hidden.device)
         _lib.check(_lib.linear_cross_entropy(ctx, head, B.view(target, keep),
                                              B.ptr(B.view(token_weight, keep)),
                                              B.ptr(B.view(class_weight, keep)), opt, hopt, out,
-                                             None, addr, nbytes))
-    return loss, lse, ent, amax
+                                             B.ptr(gs), addr, nbytes))
+    return (loss, lse, ent, amax) + grads
 
 
 @linear_cross_entropy.register_fake
 def _(hidden, weight, bias, target, token_weight, class_weight, fopts, iopts, memory_budget,
-      extras):
+      extras, need):
     n = hidden.shape[0]
-    return (_loss(hidden, n, _reduction_name(iopts)),) + _extras(hidden, n, extras)
+    return ((_loss(hidden, n, _reduction_name(iopts)),) + _extras(hidden, n, extras)
+            + _grads(hidden, weight, bias, need))
 
 
 @custom_op("lmloss::linear_cross_entropy_backward")
@@ -125,15 +135,20 @@ def _(dloss, hidden, weight, bias, *rest):
 
 
 def _lce_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:6])
-    ctx.opts = inputs[6:-1]  # every option but `extras`
+    ctx.computed = inputs[-1]  # the gradients the forward computed (need)
+    ctx.save_for_backward(*inputs[:6], *output[4:])
+    ctx.opts = inputs[6:-2]  # every option but `extras` and `need`
 
 
 def _lce_backward(ctx, dloss, *_):
     saved = ctx.saved_tensors
     need = _need(ctx, saved[2])
-    grads = call(ctx, linear_cross_entropy_backward, dloss, *saved, *ctx.opts, need)
-    return _back(grads, need, 7)
+    if (need & ctx.computed) == need:  # computed at an upstream 1: scale (dloss is a scalar)
+        grads = tuple(g * dloss if need & f else g
+                      for g, f in zip(saved[6:], (NEED_DH, NEED_DW, NEED_DB)))
+    else:
+        grads = call(ctx, linear_cross_entropy_backward, dloss, *saved[:6], *ctx.opts, need)
+    return _back(grads, need, 8)
 
 
 linear_cross_entropy = Differentiable(linear_cross_entropy, _lce_setup, _lce_backward)
