@@ -22,7 +22,6 @@
 #include <limits.h>
 #include <mutex>
 #include <stdint.h>
-#include <stdlib.h>
 
 extern "C" {
 #include "core/backend.h"
@@ -1007,8 +1006,7 @@ static lmloss_status launch_rows(K kernel, const DevInfo &d, int NV, int two_pas
     cfg.numAttrs = p.cs > 1 ? 1 : 0;
     const int resident = p.cs > 8 || p.staged ? resident_clusters(kernel, cfg, p.cs, d) : 0;
     if (p.cs > 8 && resident < 1) continue; /* try clusters of 8 */
-    if (p.staged && resident > 0 && resident < (int64_t)cfg.gridDim.x / p.cs &&
-        !getenv("LMLOSS_X_PER_ROW_GRID"))
+    if (p.staged && resident > 0 && resident < (int64_t)cfg.gridDim.x / p.cs)
       cfg.gridDim = dim3((unsigned)resident * (unsigned)p.cs);
     args.cs = p.cs;
     args.chunk = p.chunk;
