@@ -895,8 +895,10 @@ struct Plan {
  * busy. The grid is persistent (as many clusters as the device holds at
  * once), and a CTA copies its next row's chunk into each stage slot as
  * soon as the slot's gradient is written (second_pass), so its next load
- * overlaps its current arithmetic without a second stage: a two-slot
- * stage was measured slower (fourth session), since it cost a CTA per SM.
+ * overlaps its current arithmetic without a second stage (measured on
+ * the H200: level with one cluster per row for CE at V = 152064, where
+ * five CTAs per SM already overlap, 6% faster for softmax fp32 V =
+ * 262144; a two-slot stage was slower, since it cost a CTA per SM).
  * A row too wide for 16 x 48 KB takes the largest cluster (measured,
  * softmax fp32 V = 262144: 16 x 64 KB, three CTAs per SM, 3.16 ms against
  * 4.21 for 8 x 128 KB, one per SM). Only rows too wide for 16 x (the
