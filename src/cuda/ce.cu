@@ -152,8 +152,8 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    const bool one_max =
-        first_pass<T>(a.staged, stage, part, grad, X, Smooth{U, a.cw, a.cws}, acc, &red, prefetched);
+    const bool one_max = first_pass<T>(a.staged, stage, part, grad, X, Smooth{U, a.cw, a.cws}, acc,
+                                       &red, prefetched);
     /* The target's logit, read before any CTA of the cluster writes (the
      * gradient may overwrite the logits in place). */
     const bool y_ok = y >= 0 && y < a.V;

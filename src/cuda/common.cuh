@@ -894,7 +894,7 @@ struct Plan {
  * different stages of their rows (loading, reducing, writing) keep HBM
  * busy. The grid is persistent (as many clusters as the device holds at
  * once), and a CTA copies its next row's chunk into each stage slot as
- * soon as the slot's gradient is written (second_pass), so its next load
+ * soon as the slot's output is written (second_pass), so its next load
  * overlaps its current arithmetic without a second stage (measured on
  * the H200: level with one cluster per row for CE at V = 152064, where
  * five CTAs per SM already overlap, 6% faster for softmax fp32 V =
@@ -902,10 +902,10 @@ struct Plan {
  * A row too wide for 16 x 48 KB takes the largest cluster (measured,
  * softmax fp32 V = 262144: 16 x 64 KB, three CTAs per SM, 3.16 ms against
  * 4.21 for 8 x 128 KB, one per SM). Only rows too wide for 16 x (the
- * opt-in limit) are read twice, the second time from L2. A one-pass row (forward only) is streamed
- * through registers by one CTA: measured on the H200, staging it in a
- * cluster cost more in barriers than it saved (1.9 ms against 1.1 ms at
- * bf16 8192 x 152064). Threads: 256 (128 for narrow chunks), so each owns
+ * opt-in limit) are read twice, the second time from L2. A one-pass row
+ * (forward only) is streamed through registers by one CTA: measured on
+ * the H200, staging it in a cluster cost more in barriers than it saved
+ * (1.9 ms against 1.1 ms at bf16 8192 x 152064). Threads: 256 (128 for narrow chunks), so each owns
  * several 16-byte vectors; a staged chunk of fewer than 4096 vectors gets
  * 128, so that about 800 instructions a warp spends on each row (ncu,
  * ce-grad, 84f54d3: prologue, block max, the merge, the row scalars) are
