@@ -233,14 +233,13 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     /* The CTA's next row, copied in by the gradient pass unless ignored. */
     const int64_t in = i + rw.step;
     prefetched = a.staged && in < a.N && ld_index(a.tgt, a.tgt64, in * a.ts) != a.ignore;
-    const In *nrow = prefetched ? (const In *)a.x + in * a.xs : row;
-    const RowPart<In> next = {nrow, ch, a.V, is_aligned16(nrow)};
+    const NextRow<In> next(prefetched, a.x, in, a.xs, part);
 
     /* The gradient pass, one loop per class-weight case (a runtime branch
      * in one loop let the compiler hoist the weights' 64-bit addressing
      * into every vector). */
     auto grad_pass = [&](auto with_cw) {
-      second_pass(a.staged, stage, part, prefetched, next, [&](int v, const Raw<In> &rv) {
+      second_pass(a.staged, stage, part, next, [&](int v, const Raw<In> &rv) {
         write_grad(X, rv, out, v, [&](const float *w, float *g) {
           if constexpr (decltype(with_cw)::value) {
             const int64_t j0 = ch.jb + (int64_t)v * NV;

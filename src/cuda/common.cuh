@@ -835,21 +835,38 @@ __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowP
   return false;
 }
 
+/* The CTA's next row, row in of x (row stride xs), which second_pass
+ * copies into the stage when has (the kernel's rule: staged, in < N, and
+ * a row it reads); the kernel's next first_pass is then prefetched. */
+template <typename In> struct NextRow {
+  bool has;
+  RowPart<In> part;
+
+  __device__ __forceinline__ NextRow(bool has_, const void *x, int64_t in, int64_t xs,
+                                     const RowPart<In> &cur)
+      : has(has_), part(cur) {
+    if (has) {
+      part.row = (const In *)x + in * xs;
+      part.aligned = is_aligned16(part.row);
+    }
+  }
+};
+
 /* The second pass takes each thread's vectors back from the stage (the
  * very vectors it staged itself), or re-reads them (ld) from L2 newest
- * lines first, two in flight. Staged with has_next: the chunk of the
+ * lines first, two in flight. Staged with next.has: the chunk of the
  * CTA's next row is copied into each slot as soon as the slot's vector is
  * written, so the next row's load overlaps this row's arithmetic and
- * stores without a second stage (the next first_pass: prefetched). The
- * copy is issued after the slot's store, which depends on the slot's
- * load, so it cannot overwrite the slot before it was read. */
+ * stores without a second stage. The copy is issued after the slot's
+ * store, which depends on the slot's load, so it cannot overwrite the
+ * slot before it was read. */
 template <typename In, typename Body>
 __device__ __forceinline__ void second_pass(bool staged, uint4 *stage, const RowPart<In> &p,
-                                            bool has_next, const RowPart<In> &next, Body body) {
+                                            const NextRow<In> &next, Body body) {
   const int64_t nv = p.ch.nv;
   auto ld = [&](int64_t v) { return p.load(v, false); };
-  if (staged && has_next) {
-    const StageCopy<In> copy(stage, next); /* same chunk: the same slots */
+  if (staged && next.has) {
+    const StageCopy<In> copy(stage, next.part); /* same chunk: the same slots */
     for (int v = threadIdx.x, q = 0; v < (int)nv; v += blockDim.x, q++) {
       Raw<In> rv;
       rv.u = stage[v];

@@ -203,9 +203,8 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
 
     const int64_t in = i + rw.step; /* the next row, copied in unless masked */
     prefetched = a.staged && in < a.N && (!a.mask || a.mask[in * a.ms]);
-    const In *nrow = prefetched ? (const In *)a.x + in * a.xs : row;
-    const RowPart<In> next = {nrow, ch, a.V, is_aligned16(nrow)};
-    second_pass(a.staged, stage, part, prefetched, next, body);
+    const NextRow<In> next(prefetched, a.x, in, a.xs, part);
+    second_pass(a.staged, stage, part, next, body);
   }
   rw.finish();
 }

@@ -73,9 +73,8 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     };
     const int64_t in = i + rw.step; /* the next row, copied in during this one's writes */
     prefetched = a.staged && in < a.N;
-    const In *nrow = prefetched ? (const In *)a.x + in * a.xs : row;
-    const RowPart<In> next = {nrow, ch, a.V, is_aligned16(nrow)};
-    second_pass(a.staged, stage, part, prefetched, next, body);
+    const NextRow<In> next(prefetched, a.x, in, a.xs, part);
+    second_pass(a.staged, stage, part, next, body);
   }
   rw.finish();
 }

@@ -202,6 +202,10 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
     Dtypes: on the CPU the head runs in float32 (16-bit inputs are upcast,
     their gradients cast back by autograd); on CUDA in bf16/fp16/fp32 (the
     autocast dtype under torch.autocast), fp32-accumulated.
+
+    Cost: a loss reduced to a scalar, with gradients enabled and hidden or
+    weight requiring them, computes its gradients in this call (the
+    backward only scales them), so evaluate under torch.no_grad().
     """
     red, items, divisor = _reduction(reduction, num_items)
     h, w, b = _head(hidden, weight, bias)
