@@ -5,13 +5,14 @@
  * backend may assume: pointers are non-NULL where required, dtypes and
  * shapes agree with lmloss.h, strides are sane, options are in range, the
  * workspace is large enough, and (for host memory) every target and index
- * is in range. Entry points have the public signatures.
+ * is in range. Entry points have the public signatures (the row ops: plus
+ * coef, below).
  */
 #ifndef LMLOSS_CORE_BACKEND_H
 #define LMLOSS_CORE_BACKEND_H
 
 #include "lmloss.h"
-#include "math/dtype.h"
+#include "math/dtype.h" /* and math/rowstats.h */
 
 /* Building blocks of the fused linear head (src/core/fused_linear.c runs
  * the chunk loop with them). Tensors are row-major views; shapes are
@@ -50,15 +51,36 @@ typedef struct {
    * in a backend without 16-bit heads. */
   lmloss_status (*split_hi_lo)(const lmloss_context *, const lmloss_tensor *src,
                                const lmloss_tensor *hi, const lmloss_tensor *lo);
+  /* The exact entries of gradient rows grad [n, V]: for row r, the columns
+   * labels[r, 0..K) (I32/I64; labels may be NULL) and coef[r].a; cols [n, S]
+   * (I64) gets them and vals [n, S] (F32) grad's values there (NaN for a
+   * column outside [0, V)). */
+  lmloss_status (*pick_entries)(const lmloss_context *, const lmloss_tensor *grad,
+                                const lmloss_tensor *labels, const lmloss_grad_coef *coef,
+                                const lmloss_tensor *cols, const lmloss_tensor *vals); /* S = K + 1 */
+  /* A vocab tile of gradient rows: dl [n, t] from the rows' logits slab
+   * [n, t] (F32; dl may be slab itself), which are columns j0..j0+t of
+   * rows V wide: lmloss_grad_coef_at of coef[r], class_weight[j0 + j]
+   * (optional [V, 1]), then the entries cols / vals (pick_entries) that
+   * fall in the tile. */
+  lmloss_status (*tile_grad)(const lmloss_context *, const lmloss_tensor *slab, int64_t j0,
+                             const lmloss_transform *, const lmloss_tensor *class_weight,
+                             const lmloss_grad_coef *coef, const lmloss_tensor *cols,
+                             const lmloss_tensor *vals, const lmloss_tensor *dl);
 } lmloss_linear_prims;
 
+/* The row ops take the public arguments, plus (for the ops that write a
+ * gradient) coef: NULL, or [N] lmloss_grad_coef in the backend's memory,
+ * which a backend with a fused head fills for every row it writes a
+ * gradient for (the ref backend has none and leaves it). */
 typedef struct {
   lmloss_status (*cross_entropy)(const lmloss_context *, const lmloss_ce_inputs *,
                                  const lmloss_ce_options *, const lmloss_ce_outputs *, void *,
-                                 size_t);
+                                 size_t, lmloss_grad_coef *coef);
   lmloss_status (*cross_entropy_backward)(const lmloss_context *, const lmloss_ce_inputs *,
                                           const lmloss_ce_options *, const lmloss_tensor *dloss,
-                                          const lmloss_tensor *dlogits, void *, size_t);
+                                          const lmloss_tensor *dlogits, void *, size_t,
+                                          lmloss_grad_coef *coef);
   /* index may be absent (K = 0, entropy only). */
   lmloss_status (*log_probs)(const lmloss_context *, const lmloss_tensor *logits,
                              const lmloss_tensor *index, const lmloss_tensor *mask,
@@ -67,7 +89,8 @@ typedef struct {
   lmloss_status (*log_probs_backward)(const lmloss_context *, const lmloss_tensor *logits,
                                       const lmloss_tensor *index, const lmloss_tensor *mask,
                                       const lmloss_transform *, const lmloss_tensor *dlogp,
-                                      const lmloss_tensor *dentropy, const lmloss_tensor *dlogits);
+                                      const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
+                                      lmloss_grad_coef *coef);
   lmloss_status (*softmax)(const lmloss_context *, const lmloss_tensor *x, int log,
                            const lmloss_tensor *out);
   lmloss_status (*softmax_backward)(const lmloss_context *, const lmloss_tensor *y,

@@ -32,7 +32,7 @@ lmloss_status lmloss_cross_entropy(const lmloss_context *ctx, const lmloss_ce_in
   if (lmloss_present(&out->dlogits)) TRY(lmloss_check_alias(&in->logits, &out->dlogits, "dlogits"));
   const lmloss_tensor *ts[] = {&out->loss, &out->lse, &out->entropy, &out->argmax, &out->dlogits};
   TRY(lmloss_check_device(ts, 5, in->logits.device));
-  return ops->cross_entropy(ctx, in, opt, out, ws, ws_bytes);
+  return ops->cross_entropy(ctx, in, opt, out, ws, ws_bytes, NULL);
 }
 
 lmloss_status lmloss_cross_entropy_backward(const lmloss_context *ctx, const lmloss_ce_inputs *in,
@@ -49,5 +49,5 @@ lmloss_status lmloss_cross_entropy_backward(const lmloss_context *ctx, const lml
   TRY(lmloss_check_alias(&in->logits, dlogits, "dlogits"));
   const lmloss_tensor *ts[] = {dloss, dlogits};
   TRY(lmloss_check_device(ts, 2, in->logits.device));
-  return ops->cross_entropy_backward(ctx, in, opt, dloss, dlogits, ws, ws_bytes);
+  return ops->cross_entropy_backward(ctx, in, opt, dloss, dlogits, ws, ws_bytes, NULL);
 }

@@ -48,13 +48,19 @@ typedef struct {
   const lmloss_head_grads *grads;
 } linear_job;
 
-/* Where everything lives in the workspace; rows = rows per chunk. */
+/* Where everything lives in the workspace. The whole-call buffers come
+ * first; from `region` on, the chunk buffers (rows per chunk) and, after
+ * the chunks, the vocab tiles' buffers (tile_plan) share the same bytes. */
 typedef struct {
-  int64_t rows, K;
-  size_t list, slab, dl, hid, dh, dh_acc, aux, ce_ws, acc_w, acc_b, sums, total;
+  int64_t rows, K, S; /* S: exact entries kept per row for the vocab tiles */
+  size_t hs, dls;     /* bytes of a hidden element; of a dlogits one (0: in place, F32) */
+  size_t list, coef, cols, vals, sums, acc_b, region;
+  size_t slab, dl, hid, dh, dh_acc, aux, ce_ws, total;
   int dl_separate; /* dlogits in the weight's 16-bit dtype, beside the fp32 slab */
   int split_dl;    /* and dhidden from their hi + lo halves, summed in fp32 at dh_acc */
-  int acc_w_f32, acc_b_f32;
+  int acc_b_f32;
+  int acc_w_f32; /* a 16-bit dW tile sums over row blocks in fp32 */
+  int tiled;     /* set per call: dW from vocab tiles (more than one row chunk) */
 } linear_plan;
 
 static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
@@ -68,50 +74,101 @@ static int has_grads(const lmloss_head_grads *g) {
 /* Bytes of small per-row buffers (chunk_slots): K * 8 + 5 * 8 + K * 4. */
 static size_t aux_per_row(int64_t K) { return 64 + (size_t)K * 16; }
 
+/* Bytes of the vocab tiles' buffers: a block of `rows` gathered hidden
+ * rows, their logits slab for `cols` columns, its 16-bit gradient, and
+ * (acc) the fp32 sum of the dW tile over the row blocks. */
+static size_t tile_bytes(const linear_plan *p, int64_t rows, int64_t cols, int64_t H, int acc) {
+  return up((size_t)rows * H * p->hs) + up((size_t)rows * cols * 4) +
+         up((size_t)rows * cols * p->dls) + (acc ? up((size_t)cols * H * 4) : 0);
+}
+
 static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_options *hopt,
                                const lmloss_head_grads *grads, int64_t K, linear_plan *p) {
   const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
-  const size_t hs = lmloss_dtype_size(head->hidden.dtype);
   const size_t budget = hopt->memory_budget ? hopt->memory_budget : DEFAULT_BUDGET;
+  const int want_dw = grads && wants(&grads->dweight);
   memset(p, 0, sizeof *p);
   p->K = K;
+  p->S = K + 1; /* the target or the K indices, and the argmax */
+  p->hs = lmloss_dtype_size(head->hidden.dtype);
   p->dl_separate = has_grads(grads) && head->weight.dtype != LMLOSS_F32;
+  p->dls = p->dl_separate ? p->hs : 0;
   p->split_dl = p->dl_separate && wants(&grads->dhidden);
-  /* A row of the chunk: fp32 logits (the split's lo overlays them), 16-bit
-   * dlogits (hi), hidden and dhidden, dhidden's fp32 sum when split, the
-   * small buffers and the CE workspace's three doubles. */
-  size_t per_row = (size_t)V * 4 + (p->dl_separate ? (size_t)V * hs : 0) + 2 * (size_t)H * hs +
-                   (p->split_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
-  int64_t rows = (int64_t)(budget / per_row);
-  if (rows < 1)
-    return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
-                       "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
-                       "and their buffers)",
-                       budget, per_row, (long long)V);
-  if (rows > N) rows = N > 0 ? N : 1;
-  if (rows > 128) rows -= rows % 128; /* whole GEMM tiles */
-  p->rows = rows;
+  p->acc_w_f32 = want_dw && grads->dweight.dtype != LMLOSS_F32 && hopt->fp32_accumulate;
   size_t off = 0;
   p->list = off, off += up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
-  p->slab = off, off += up((size_t)rows * V * 4);
-  p->dl = off, off += p->dl_separate ? up((size_t)rows * V * hs) : 0;
-  p->hid = off, off += up((size_t)rows * H * hs);
-  p->dh = off, off += up((size_t)rows * H * hs);
-  p->dh_acc = off, off += p->split_dl ? up((size_t)rows * H * 4) : 0;
-  p->aux = off, off += up((size_t)rows * aux_per_row(K));
-  p->ce_ws = off, off += up(lmloss_cross_entropy_workspace_size(rows));
-  p->sums = off, off += up((size_t)(N / rows + 2) * 4);
-  if (grads && wants(&grads->dweight) && grads->dweight.dtype != LMLOSS_F32 &&
-      hopt->fp32_accumulate) {
-    p->acc_w_f32 = 1;
-    p->acc_w = off, off += up((size_t)V * H * 4);
+  if (want_dw) {
+    p->coef = off, off += up((size_t)N * sizeof(lmloss_grad_coef));
+    p->cols = off, off += up((size_t)N * p->S * 8);
+    p->vals = off, off += up((size_t)N * p->S * 4);
   }
+  p->sums = off, off += up((size_t)(N + 2) * 4);
   if (grads && wants(&grads->dbias) && grads->dbias.dtype != LMLOSS_F32 && hopt->fp32_accumulate) {
     p->acc_b_f32 = 1;
     p->acc_b = off, off += up((size_t)V * 4);
   }
-  p->total = off;
+  p->region = off;
+  /* A row of the chunk: fp32 logits (the split's lo overlays them), 16-bit
+   * dlogits (hi), hidden and dhidden, dhidden's fp32 sum when split, the
+   * small buffers and the CE workspace's three doubles. */
+  const size_t per_row = (size_t)V * (4 + p->dls) + 2 * (size_t)H * p->hs +
+                         (p->split_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
+  const size_t slack = 8 * ALIGN + LMLOSS_CE_WS_HEADER; /* the buffers' rounding */
+  int64_t rows = budget > off + slack ? (int64_t)((budget - off - slack) / per_row) : 0;
+  const size_t tiles_min = want_dw ? tile_bytes(p, 1, 1, H, p->acc_w_f32) : 0;
+  if (rows < 1 || budget < off + tiles_min)
+    return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
+                       "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
+                       "and their buffers) beside %zu bytes of per-call buffers",
+                       budget, per_row + slack, (long long)V, off);
+  if (rows > N) rows = N > 0 ? N : 1;
+  if (rows > 128) rows -= rows % 128; /* whole GEMM tiles */
+  p->rows = rows;
+  p->slab = off, off += up((size_t)rows * V * 4);
+  p->dl = off, off += up((size_t)rows * V * p->dls);
+  p->hid = off, off += up((size_t)rows * H * p->hs);
+  p->dh = off, off += up((size_t)rows * H * p->hs);
+  p->dh_acc = off, off += p->split_dl ? up((size_t)rows * H * 4) : 0;
+  p->aux = off, off += up((size_t)rows * aux_per_row(K));
+  p->ce_ws = off, off += up(lmloss_cross_entropy_workspace_size(rows));
+  p->total = off > p->region + tiles_min ? off : p->region + tiles_min;
   return LMLOSS_OK;
+}
+
+/* The vocab tiles' shape in the region: blocks of `rows` supervised rows
+ * (all M when their hidden rows take at most half of it), tiles of `cols`
+ * columns filling the rest. */
+typedef struct {
+  int64_t rows, cols;
+  size_t hid, slab, dl, acc;
+  int acc_f32;
+} tile_plan;
+
+static tile_plan plan_tiles(const linear_plan *p, int64_t M, int64_t H, int64_t V) {
+  const size_t R = p->total - p->region;
+  const int64_t few = V < 128 ? V : 128;
+  tile_plan t;
+  int64_t B = (int64_t)(R / 2 / ((size_t)H * p->hs));
+  B = B < M ? B : M;
+  B = B > 1 ? B : 1;
+  while (B > 1 && tile_bytes(p, B, few, H, p->acc_w_f32 && B < M) > R)
+    B /= 2;
+  if (B > 128 && B < M) B -= B % 128;
+  t.rows = B;
+  t.acc_f32 = p->acc_w_f32 && B < M;
+  const size_t fixed = tile_bytes(p, B, 0, H, 0) + 3 * ALIGN;
+  const size_t per_col = (size_t)B * (4 + p->dls) + (t.acc_f32 ? (size_t)H * 4 : 0);
+  int64_t c = R > fixed ? (int64_t)((R - fixed) / per_col) : 1;
+  c = c < V ? c : V;
+  if (c > 128 && c < V) c -= c % 128;
+  while (c > 1 && tile_bytes(p, B, c, H, t.acc_f32) > R) /* make_plan's minimum always fits */
+    c--;
+  t.cols = c > 1 ? c : 1;
+  t.hid = p->region;
+  t.slab = t.hid + up((size_t)B * H * p->hs);
+  t.dl = t.slab + up((size_t)B * t.cols * 4);
+  t.acc = t.dl + up((size_t)B * t.cols * p->dls);
+  return t;
 }
 
 static lmloss_tensor view(void *data, lmloss_dtype dt, lmloss_device dev, int64_t rows,
@@ -187,6 +244,42 @@ static chunk_slots slots(const linear_plan *p, char *aux, lmloss_device dev, int
   return s;
 }
 
+/* Rows first..first+n of t. */
+static lmloss_tensor rows_of(const lmloss_tensor *t, int64_t first, int64_t n) {
+  lmloss_tensor v = *t;
+  v.data = (char *)t->data + (size_t)(first * t->row_stride) * lmloss_dtype_size(t->dtype);
+  v.rows = n;
+  return v;
+}
+
+/* The whole-call arrays of the vocab tiles for compact rows first.. */
+static lmloss_grad_coef *coef_at(const linear_plan *p, char *ws, int64_t first) {
+  return p->tiled ? (lmloss_grad_coef *)(ws + p->coef) + first : NULL;
+}
+
+static lmloss_tensor entries(const linear_plan *p, char *ws, size_t at, lmloss_dtype dt,
+                             lmloss_device dev, int64_t first, int64_t n, int64_t count) {
+  lmloss_tensor t = view(ws + at, dt, dev, n, count);
+  t.row_stride = p->S;
+  t.data = (char *)t.data + (size_t)(first * p->S) * lmloss_dtype_size(dt);
+  return t;
+}
+
+/* After a chunk's gradient rows: their exact entries (the row op wrote the
+ * coefficients), which the vocab tiles put back: the labels' columns and
+ * the argmax, where a recomputed logit one ulp off the max would move
+ * dk_a off its exact 0 (an error of the whole entropy gradient there). */
+static lmloss_status keep_entries(const linear_job *j, const lmloss_linear_prims *L,
+                                  const linear_plan *p, char *ws, int64_t first,
+                                  const lmloss_tensor *grad, const lmloss_tensor *labels) {
+  if (!p->tiled) return LMLOSS_OK;
+  const int64_t n = grad->rows, count = (labels ? labels->cols : 0) + 1;
+  const lmloss_device dev = j->head->hidden.device;
+  lmloss_tensor cols = entries(p, ws, p->cols, LMLOSS_I64, dev, first, n, count);
+  lmloss_tensor vals = entries(p, ws, p->vals, LMLOSS_F32, dev, first, n, count);
+  return L->pick_entries(j->ctx, grad, labels, coef_at(p, ws, first), &cols, &vals);
+}
+
 /* The row op of one chunk on the slab; dl = where its gradient goes. */
 static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *ops,
                                 const linear_plan *p, char *ws, const int64_t *list, int64_t c,
@@ -195,8 +288,9 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
   const lmloss_linear_prims *L = ops->linear;
   const lmloss_device dev = j->head->hidden.device;
   const lmloss_context *ctx = j->ctx;
-  const int64_t K = p->K;
+  const int64_t K = p->K, first = c * p->rows;
   const chunk_slots sl = slots(p, ws + p->aux, dev, n);
+  lmloss_grad_coef *coef = dl ? coef_at(p, ws, first) : NULL;
   lmloss_tensor lab = sl.labels;
   if (j->labels && K > 0) {
     lab.dtype = j->labels->dtype;
@@ -224,7 +318,8 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
         d = sl.row;
         TRY(L->gather_rows(ctx, j->dloss, list, &d));
       }
-      return ops->cross_entropy_backward(ctx, &in, &o, &d, dl, cws, cwb);
+      TRY(ops->cross_entropy_backward(ctx, &in, &o, &d, dl, cws, cwb, coef));
+      return keep_entries(j, L, p, ws, first, dl, &lab);
     }
     const lmloss_ce_outputs *out = j->out;
     lmloss_ce_outputs co;
@@ -236,13 +331,13 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
     if (wants(&out->entropy)) co.entropy = sl.entropy;
     if (wants(&out->argmax)) co.argmax = sl.argmax;
     if (dl) co.dlogits = *dl;
-    TRY(ops->cross_entropy(ctx, &in, &o, &co, cws, cwb));
+    TRY(ops->cross_entropy(ctx, &in, &o, &co, cws, cwb, coef));
     if (j->opt->reduction == LMLOSS_REDUCE_NONE)
       TRY(L->scatter_rows(ctx, &sl.row, list, &out->loss));
     if (wants(&out->lse)) TRY(L->scatter_rows(ctx, &sl.lse, list, &out->lse));
     if (wants(&out->entropy)) TRY(L->scatter_rows(ctx, &sl.entropy, list, &out->entropy));
     if (wants(&out->argmax)) TRY(L->scatter_rows(ctx, &sl.argmax, list, &out->argmax));
-    return LMLOSS_OK;
+    return dl ? keep_entries(j, L, p, ws, first, dl, &lab) : LMLOSS_OK;
   }
   const lmloss_tensor *idx = K > 0 ? &lab : NULL;
   if (j->kind == LP_FORWARD) {
@@ -256,8 +351,9 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
   lmloss_tensor dlp = sl.per_k, dent = sl.row;
   if (j->dlogp) TRY(L->gather_rows(ctx, j->dlogp, list, &dlp));
   if (j->dentropy) TRY(L->gather_rows(ctx, j->dentropy, list, &dent));
-  return ops->log_probs_backward(ctx, slab, j->dlogp ? idx : NULL, NULL, j->tr,
-                                 j->dlogp ? &dlp : NULL, j->dentropy ? &dent : NULL, dl);
+  TRY(ops->log_probs_backward(ctx, slab, j->dlogp ? idx : NULL, NULL, j->tr, j->dlogp ? &dlp : NULL,
+                              j->dentropy ? &dent : NULL, dl, coef));
+  return keep_entries(j, L, p, ws, first, dl, j->dlogp ? idx : NULL);
 }
 
 /* dhidden of a chunk = dl W, scattered back. split_dl: the slab holds the
@@ -298,6 +394,48 @@ static lmloss_status fill_unvisited(const linear_job *j, const lmloss_linear_pri
     if (wants(j->entropy)) TRY(L->fill(ctx, j->entropy, 0.0));
   }
   if (j->grads && wants(&j->grads->dhidden)) TRY(L->fill(ctx, &j->grads->dhidden, 0.0));
+  return LMLOSS_OK;
+}
+
+/* dW when the supervised rows took more than one chunk: rather than sum
+ * dW over the chunks (V x H read and written per chunk, in an fp32 copy
+ * for a 16-bit dW), each vocab tile of dW is one GEMM over all M rows (or
+ * a few blocks of them), written once. The tile's gradient is recomputed
+ * from its logits (one more logits GEMM, in tiles) and the coefficients
+ * and exact entries the chunks kept. */
+static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims *L,
+                                 const linear_plan *p, char *w, const int64_t *list, int64_t M) {
+  const lmloss_head *h = j->head;
+  const lmloss_device dev = h->hidden.device;
+  const int64_t H = h->hidden.cols, V = h->weight.rows;
+  const int is_ce = j->kind == CE_FORWARD || j->kind == CE_BACKWARD;
+  const lmloss_transform *tr = is_ce ? &j->opt->transform : j->tr;
+  const int64_t count = (is_ce ? 1 : j->labels ? p->K : 0) + 1; /* as keep_entries */
+  const tile_plan t = plan_tiles(p, M, H, V);
+  const int64_t nb = (M + t.rows - 1) / t.rows;
+  for (int64_t j0 = 0; j0 < V; j0 += t.cols) {
+    const int64_t tc = V - j0 < t.cols ? V - j0 : t.cols;
+    const lmloss_tensor wt = rows_of(&h->weight, j0, tc), dwt = rows_of(&j->grads->dweight, j0, tc);
+    const lmloss_tensor acc = t.acc_f32 ? view(w + t.acc, LMLOSS_F32, dev, tc, H) : dwt;
+    for (int64_t b = 0; b < nb; b++) {
+      const int64_t first = b * t.rows, n = M - first < t.rows ? M - first : t.rows;
+      lmloss_tensor hb = view(w + t.hid, h->hidden.dtype, dev, n, H);
+      lmloss_tensor slab = view(w + t.slab, LMLOSS_F32, dev, n, tc);
+      if (nb > 1 || j0 == 0) TRY(L->gather_rows(j->ctx, &h->hidden, list + first, &hb));
+      if (wants(&h->bias)) {
+        lmloss_tensor bt = rows_of(&h->bias, j0, tc);
+        TRY(L->broadcast_row(j->ctx, &bt, &slab));
+      }
+      TRY(L->gemm(j->ctx, 0, 1, 1.0f, &hb, &wt, wants(&h->bias) ? 1.0f : 0.0f, &slab));
+      lmloss_tensor dl = p->dl_separate ? view(w + t.dl, h->weight.dtype, dev, n, tc) : slab;
+      lmloss_tensor cols = entries(p, w, p->cols, LMLOSS_I64, dev, first, n, count);
+      lmloss_tensor vals = entries(p, w, p->vals, LMLOSS_F32, dev, first, n, count);
+      TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL, coef_at(p, w, first), &cols,
+                       &vals, &dl));
+      TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hb, b == 0 ? 0.0f : 1.0f, &acc));
+    }
+    if (t.acc_f32) TRY(L->cast(j->ctx, &acc, &dwt));
+  }
   return LMLOSS_OK;
 }
 
@@ -343,12 +481,12 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
 
   const int want_grad =
       has_grads(g) && j->kind != LP_FORWARD && !(j->kind == CE_FORWARD && !has_grads(g));
-  lmloss_tensor accw = {0}, accb = {0};
-  if (g && wants(&g->dweight))
-    accw = p.acc_w_f32 ? view(w + p.acc_w, LMLOSS_F32, dev, V, H) : g->dweight;
+  lmloss_tensor accb = {0};
   if (g && wants(&g->dbias))
     accb = p.acc_b_f32 ? view(w + p.acc_b, LMLOSS_F32, dev, V, 1) : g->dbias;
   const int64_t nchunks = (M + p.rows - 1) / p.rows;
+  const int want_dw = want_grad && wants(&g->dweight);
+  p.tiled = want_dw && nchunks > 1;
   for (int64_t c = 0; c < nchunks; c++) {
     const int64_t first = c * p.rows, n = M - first < p.rows ? M - first : p.rows;
     const int64_t *lc = list + first;
@@ -365,14 +503,12 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     /* in this order: dbias reads grad before the split overwrites it, dW its hi */
     if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &grad, beta, &accb));
     if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, &slab, &dl));
-    if (wants(&g->dweight)) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &accw));
+    if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, 0.0f, &g->dweight));
   }
-  if (want_grad || (g && j->kind == CE_FORWARD)) {
-    if (g && wants(&g->dweight)) {
-      if (nchunks == 0) TRY(L->fill(j->ctx, &accw, 0.0));
-      if (p.acc_w_f32) TRY(L->cast(j->ctx, &accw, &g->dweight));
-    }
-    if (g && wants(&g->dbias)) {
+  if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M));
+  if (want_grad) {
+    if (want_dw && nchunks == 0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
+    if (wants(&g->dbias)) {
       if (nchunks == 0) TRY(L->fill(j->ctx, &accb, 0.0));
       if (p.acc_b_f32) TRY(L->cast(j->ctx, &accb, &g->dbias));
     }

@@ -56,5 +56,5 @@ lmloss_status lmloss_log_probs_backward(const lmloss_context *ctx, const lmloss_
   TRY(lmloss_check_device(ts, 3, logits->device));
   const lmloss_tensor *idx = lmloss_present(dlogp) ? index : NULL;
   return ops->log_probs_backward(ctx, logits, idx, mask, tr, lmloss_present(dlogp) ? dlogp : NULL,
-                                 lmloss_present(dentropy) ? dentropy : NULL, dlogits);
+                                 lmloss_present(dentropy) ? dentropy : NULL, dlogits, NULL);
 }

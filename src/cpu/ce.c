@@ -16,6 +16,7 @@ typedef struct {
   const lmloss_ce_outputs *out; /* forward only */
   const lmloss_tensor *dloss;   /* backward only */
   const lmloss_tensor *dlogits; /* NULL when no gradient is wanted */
+  lmloss_grad_coef *coef;       /* optional, with dlogits */
   double class_sum;             /* C */
   double scale;                 /* reduction factor: 1, 1/denominator, 1/num_items */
 } ce_job;
@@ -53,6 +54,7 @@ static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
     }
     if (jb->dlogits)
       lmloss_cpu_row_fill(lmloss_cpu_row_mut(jb->dlogits, i), jb->dlogits->dtype, V, NAN);
+    if (jb->coef) jb->coef[i] = lmloss_grad_coef_nan();
     return NAN;
   }
   const float l1r = lmloss_rowstat_l1r(&s);
@@ -87,9 +89,10 @@ static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
   const float gy = grad_entry(jb, &f, &s, &q, y, y, xy, fac, dftw, lse);
   const float ga = s.a == y ? gy : grad_entry(jb, &f, &s, &q, s.a, y, xa, fac, dftw, lse);
   const float P = fac * (dftw * q.a_coef + 2.0f * opt->z_loss * lse) / (1.0f + s.r);
+  const float Q = fac * dftw * q.smooth;
   void *g = lmloss_cpu_row_mut(jb->dlogits, i);
-  lmloss_cpu_row_grad(row, in->logits.dtype, V, &f, cw, s.m, P, 0.0f, fac * dftw * q.smooth, g,
-                      jb->dlogits->dtype);
+  lmloss_cpu_row_grad(row, in->logits.dtype, V, &f, cw, s.m, P, 0.0f, Q, g, jb->dlogits->dtype);
+  if (jb->coef) jb->coef[i] = lmloss_grad_coef_make(&s, P, 0.0f, Q);
   lmloss_store(g, jb->dlogits->dtype, y, gy);
   lmloss_store(g, jb->dlogits->dtype, s.a, ga);
   return loss;
@@ -161,15 +164,16 @@ static lmloss_status ce_run(const lmloss_context *ctx, ce_job *jb, void *ws) {
 
 lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                        const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
-                                       void *ws, size_t ws_bytes) {
-  ce_job jb = {in, opt, out, NULL, lmloss_present(&out->dlogits) ? &out->dlogits : NULL, 0, 0};
+                                       void *ws, size_t ws_bytes, lmloss_grad_coef *coef) {
+  ce_job jb = {in, opt, out, NULL, lmloss_present(&out->dlogits) ? &out->dlogits : NULL, coef, 0, 0};
   return ce_run(ctx, &jb, ws);
 }
 
 lmloss_status
 lmloss_cpu_cross_entropy_backward(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                   const lmloss_ce_options *opt, const lmloss_tensor *dloss,
-                                  const lmloss_tensor *dlogits, void *ws, size_t ws_bytes) {
-  ce_job jb = {in, opt, NULL, dloss, dlogits, 0, 0};
+                                  const lmloss_tensor *dlogits, void *ws, size_t ws_bytes,
+                                  lmloss_grad_coef *coef) {
+  ce_job jb = {in, opt, NULL, dloss, dlogits, coef, 0, 0};
   return ce_run(ctx, &jb, ws);
 }

@@ -48,7 +48,7 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
                                             const lmloss_tensor *index, const lmloss_tensor *mask,
                                             const lmloss_transform *tr, const lmloss_tensor *dlogp,
                                             const lmloss_tensor *dentropy,
-                                            const lmloss_tensor *dlogits) {
+                                            const lmloss_tensor *dlogits, lmloss_grad_coef *coef) {
   const int64_t N = logits->rows, V = logits->cols, K = dlogp ? index->cols : 0;
   const lmloss_xform f = lmloss_xform_make(*tr);
   const int nt = lmloss_cpu_row_threads(ctx, N * V);
@@ -73,6 +73,7 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
     lmloss_cpu_row_stats(row, logits->dtype, V, &f, NULL, dentropy != NULL, 0, &s, &bad);
     if (bad || !lmloss_rowstat_finite(&s)) {
       lmloss_cpu_row_fill(g, dlogits->dtype, V, NAN);
+      if (coef) coef[i] = lmloss_grad_coef_nan();
       continue;
     }
     const float *dl = dlogp ? (const float *)lmloss_cpu_row(dlogp, i) : NULL;
@@ -97,6 +98,7 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
       fix[k] = gz * lmloss_xform_dzdx(&f, x);
     }
     lmloss_cpu_row_grad(row, logits->dtype, V, &f, NULL, s.m, P, P2, 0.0f, g, dlogits->dtype);
+    if (coef) coef[i] = lmloss_grad_coef_make(&s, P, P2, 0.0f);
     for (int64_t k = 0; k < K; k++)
       lmloss_store(g, dlogits->dtype, lmloss_index_at(index, i, k), fix[k]);
   }

@@ -8,10 +8,11 @@
 extern "C" {
 lmloss_status lmloss_cuda_cross_entropy(const lmloss_context *, const lmloss_ce_inputs *,
                                         const lmloss_ce_options *, const lmloss_ce_outputs *,
-                                        void *, size_t);
+                                        void *, size_t, lmloss_grad_coef *);
 lmloss_status lmloss_cuda_cross_entropy_backward(const lmloss_context *, const lmloss_ce_inputs *,
                                                  const lmloss_ce_options *, const lmloss_tensor *,
-                                                 const lmloss_tensor *, void *, size_t);
+                                                 const lmloss_tensor *, void *, size_t,
+                                                 lmloss_grad_coef *);
 lmloss_status lmloss_cuda_log_probs(const lmloss_context *, const lmloss_tensor *,
                                     const lmloss_tensor *, const lmloss_tensor *,
                                     const lmloss_transform *, const lmloss_tensor *,
@@ -19,7 +20,8 @@ lmloss_status lmloss_cuda_log_probs(const lmloss_context *, const lmloss_tensor 
 lmloss_status lmloss_cuda_log_probs_backward(const lmloss_context *, const lmloss_tensor *,
                                              const lmloss_tensor *, const lmloss_tensor *,
                                              const lmloss_transform *, const lmloss_tensor *,
-                                             const lmloss_tensor *, const lmloss_tensor *);
+                                             const lmloss_tensor *, const lmloss_tensor *,
+                                             lmloss_grad_coef *);
 lmloss_status lmloss_cuda_softmax(const lmloss_context *, const lmloss_tensor *, int,
                                   const lmloss_tensor *);
 lmloss_status lmloss_cuda_softmax_backward(const lmloss_context *, const lmloss_tensor *,

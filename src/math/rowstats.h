@@ -153,4 +153,44 @@ LMLOSS_HD float lmloss_ce_grad_z(const lmloss_ce_coef *q, const lmloss_rowstat *
   return q->a_coef * p - b;
 }
 
+/* A row's gradient away from its exact entries (the target and the
+ * argmax for cross-entropy, the indices for log-probs), in the shape every
+ * op shares: dz_j = e_j (p + p2 dk_j) - q c_j, e_j = exp(dk_j),
+ * dk_j = (w_j - m) k, c_j the class weight (1 without), then
+ * dx_j = dz_j dz/dx_j. A row op writes it beside the gradient row, so that
+ * the fused head can recompute any vocab tile of the row from that tile's
+ * logits alone (src/core/fused_linear.c). a: the argmax (-1 when the row's
+ * statistics are not finite; p, q are NaN then). */
+typedef struct {
+  float m, p, p2, q;
+  int64_t a;
+} lmloss_grad_coef;
+
+LMLOSS_HD lmloss_grad_coef lmloss_grad_coef_make(const lmloss_rowstat *s, float p, float p2,
+                                                 float q) {
+  lmloss_grad_coef g;
+  g.m = s->m;
+  g.p = p;
+  g.p2 = p2;
+  g.q = q;
+  g.a = s->a;
+  return g;
+}
+
+LMLOSS_HD lmloss_grad_coef lmloss_grad_coef_nan(void) {
+  lmloss_grad_coef g;
+  g.m = g.p = g.p2 = g.q = NAN;
+  g.a = -1;
+  return g;
+}
+
+/* dx_j of one entry from its logit x (c_j: its class weight). */
+LMLOSS_HD float lmloss_grad_coef_at(const lmloss_grad_coef *g, const lmloss_xform *f, float x,
+                                    float cj) {
+  float dk = (lmloss_xform_w(f, x) - g->m) * f->k;
+  float e = expf(dk);
+  float gz = (e > 0.0f ? e * (g->p + g->p2 * dk) : 0.0f) - g->q * cj; /* -inf logits: 0 */
+  return gz * lmloss_xform_dzdx(f, x);
+}
+
 #endif /* LMLOSS_MATH_ROWSTATS_H */

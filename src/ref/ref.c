@@ -7,10 +7,11 @@
 
 lmloss_status lmloss_ref_cross_entropy(const lmloss_context *, const lmloss_ce_inputs *,
                                        const lmloss_ce_options *, const lmloss_ce_outputs *, void *,
-                                       size_t);
+                                       size_t, lmloss_grad_coef *);
 lmloss_status lmloss_ref_cross_entropy_backward(const lmloss_context *, const lmloss_ce_inputs *,
                                                 const lmloss_ce_options *, const lmloss_tensor *,
-                                                const lmloss_tensor *, void *, size_t);
+                                                const lmloss_tensor *, void *, size_t,
+                                                lmloss_grad_coef *);
 lmloss_status lmloss_ref_log_probs(const lmloss_context *, const lmloss_tensor *,
                                    const lmloss_tensor *, const lmloss_tensor *,
                                    const lmloss_transform *, const lmloss_tensor *,
@@ -18,7 +19,8 @@ lmloss_status lmloss_ref_log_probs(const lmloss_context *, const lmloss_tensor *
 lmloss_status lmloss_ref_log_probs_backward(const lmloss_context *, const lmloss_tensor *,
                                             const lmloss_tensor *, const lmloss_tensor *,
                                             const lmloss_transform *, const lmloss_tensor *,
-                                            const lmloss_tensor *, const lmloss_tensor *);
+                                            const lmloss_tensor *, const lmloss_tensor *,
+                                            lmloss_grad_coef *);
 lmloss_status lmloss_ref_softmax(const lmloss_context *, const lmloss_tensor *, int,
                                  const lmloss_tensor *);
 lmloss_status lmloss_ref_softmax_backward(const lmloss_context *, const lmloss_tensor *,

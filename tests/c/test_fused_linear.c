@@ -875,6 +875,7 @@ static void ce_suite(lmloss_dtype dt) {
         c.opt.num_items = 37.5, c.opt.grad_output = 0.75f;
         c.margin = (double[]){-1, 5, 17, -1}[k % 4], c.bias = k % 2, c.outs = k % 3 != 1;
         c.gwdt = dt == LMLOSS_BF16 && k % 2 ? LMLOSS_BF16 : LMLOSS_F32;
+        c.chunks = r % 2; /* dW from vocab tiles: every option through tile_grad */
         int all = o == 12, mix1 = o == 10 || all, mix2 = o == 11 || all;
         if (o == 0 || mix1) c.ignore_frac = 0.75, c.opt.ignore_index = o == 0 ? -1 : -100;
         if (o == 1 || mix1) c.opt.label_smoothing = 0.1f;
@@ -905,11 +906,16 @@ static void ce_suite(lmloss_dtype dt) {
 
   snprintf(name, sizeof name, "linear ce chunks: 1-row, 3-row, default; workspace (%s)", dn);
   tg_begin(&g, name);
-  for (int k = 0; k < 4; k++) {
+  for (int k = 0; k < 5; k++) {
     lc_case c = lc_base(13, k % 2 ? 4099 : 1003);
     c.dt = dt, c.chunks = 1, c.mode = k < 2 ? FUSED : BWD, c.bias = 1, c.ignore_frac = 0.3;
     c.opt.reduction = (lmloss_reduction)(k % 2 ? LMLOSS_REDUCE_MEAN : LMLOSS_REDUCE_NONE);
     c.opt.label_smoothing = k == 1 ? 0.1f : 0.0f, c.tw = k == 2, c.opt.z_loss = k == 3 ? 1e-3f : 0;
+    if (k == 4) { /* H large next to V: the vocab tiles take the rows in blocks */
+      c = lc_base(40, 67);
+      c.dt = dt, c.chunks = 1, c.H0 = 200, c.bias = 1, c.cw = 1, c.opt.label_smoothing = 0.1f;
+      c.gwdt = dt == LMLOSS_BF16 ? LMLOSS_BF16 : LMLOSS_F32, c.ignore_frac = 0.2;
+    }
     rng_seed(200 + k);
     lc_run(&g, &c);
   }
@@ -943,6 +949,7 @@ static void lp_suite(lmloss_dtype dt) {
     c.dlogp = k % 3 != 1, c.dent = k % 3 != 0, c.no_index = k % 2, c.grads = (k / 3) % 4;
     c.gwdt = dt == LMLOSS_BF16 && k % 2 ? LMLOSS_BF16 : LMLOSS_F32;
     c.margin = c.tr.temperature < 1 || c.tr.softcap > 0 ? (k % 2 ? 17 : -1) : margins[k % 6];
+    c.chunks = (k / 2) % 2;
     rng_seed(4000 + k);
     lp_run(&g, &c);
   }
@@ -950,10 +957,15 @@ static void lp_suite(lmloss_dtype dt) {
 
   snprintf(name, sizeof name, "linear log-probs chunks: 1-row, 3-row, default (%s)", dn);
   tg_begin(&g, name);
-  for (int k = 0; k < 3; k++) {
+  for (int k = 0; k < 4; k++) {
     lp_case c = lp_base(11, 1003, 3);
     c.dt = dt, c.chunks = 1, c.mode = k ? BWD : FWD, c.mask = 1, c.bias = 1;
     c.dlogp = k != 2, c.dent = k != 1;
+    if (k == 3) { /* rows in blocks in the vocab tiles, as for CE */
+      c = lp_base(40, 67, 2);
+      c.dt = dt, c.chunks = 1, c.mode = BWD, c.H0 = 200, c.bias = 1, c.dlogp = c.dent = 1;
+      c.gwdt = dt == LMLOSS_BF16 ? LMLOSS_BF16 : LMLOSS_F32;
+    }
     rng_seed(5000 + k);
     lp_run(&g, &c);
   }
