@@ -13,6 +13,10 @@
 #   bench/gpu_check.sh final      tests (C and the CUDA pytest), check, the
 #                                 issues' benchmarks, the torch-layer host
 #                                 time, peers, sanitizer samples; time-boxed
+#   bench/gpu_check.sh head       the fused head alone: the C tests of it
+#                                 and of the row ops it drives, memcheck on
+#                                 its test, its benchmarks, the CE and
+#                                 log-probs gradient kernels, its peers
 #   bench/gpu_check.sh kernels    the row kernels alone: their C tests,
 #                                 `lmloss check`, the issue's bandwidth
 #                                 cases and an ncu summary of each kernel
@@ -83,6 +87,31 @@ if [ "${1:-}" = "final" ]; then # all of the issue's GPU evidence, each step tim
       >>"$OUT/sanitize.log"
   done
   cat "$OUT/sanitize.log"
+  exit $status
+fi
+
+if [ "${1:-}" = "head" ]; then
+  status=0
+  for t in test_fused_linear test_ce test_logprob test_badinput; do
+    LMLOSS_TEST_BACKEND=cuda timeout 150 "$BUILD/$t" >"$OUT/tests.log" 2>&1 || status=1
+    echo "$t: $(grep -c '^ok' "$OUT/tests.log") ok, $(grep -c '^FAIL' "$OUT/tests.log") failed"
+    grep -A3 -m4 "failed" "$OUT/tests.log"
+    grep "^bf16 gradients" "$OUT/tests.log"
+  done
+  echo "== compute-sanitizer --tool memcheck test_fused_linear"
+  LMLOSS_TEST_BACKEND=cuda timeout 150 compute-sanitizer --tool memcheck --error-exitcode 99 \
+    "$BUILD/test_fused_linear" 2>&1 | grep -E "ERROR SUMMARY|^FAIL" | tail -3 || status=1
+  {
+    $L bench linear-ce linear-logprob --plain --device cuda --dtype bf16 --reps 3
+    $L bench linear-ce --plain --supervised 0.25 --device cuda --dtype bf16 --reps 3
+    $L bench ce-grad logprob-bwd --plain --device cuda --dtype bf16 --shape 8192,152064
+  } 2>/dev/null | tee "$OUT/bench.txt"
+  python_env
+  timeout 120 python3 -m pytest -q -m cuda tests/python >"$OUT/pytest-cuda.log" 2>&1 || status=1
+  tail -2 "$OUT/pytest-cuda.log"
+  timeout 200 python3 bench/peers_gpu.py --issue --case linear-ce --out "$OUT" \
+    >"$OUT/peers.log" 2>&1 || status=1
+  cat "$OUT/peers.log"
   exit $status
 fi
 

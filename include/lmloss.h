@@ -264,14 +264,18 @@ typedef struct {
 } lmloss_head;
 
 typedef struct {
-  /* Bytes for the transient per-chunk buffers (the logits slab, its
-   * gradient, the gathered hidden rows and their gradient). 0 = 256 MiB.
-   * A budget that cannot hold one row gives LMLOSS_ERR_WORKSPACE_TOO_SMALL. */
+  /* Bytes of the whole workspace (lmloss_linear_workspace_size never asks
+   * for more): the logits slab of a chunk of rows, its gradient, the
+   * gathered hidden rows and their gradient, and per-row scalars. When the
+   * supervised rows need more than one chunk and dweight is wanted, dweight
+   * is computed in vocab tiles afterwards, each written once, in the same
+   * bytes. 0 = 256 MiB. A budget that cannot hold one row gives
+   * LMLOSS_ERR_WORKSPACE_TOO_SMALL. */
   size_t memory_budget;
-  /* When dweight / dbias are BF16/F16, accumulate them over the chunks in
-   * fp32 buffers inside the workspace (V*H*4 + V*4 bytes beyond the budget)
-   * and round once at the end. Default 1. Pass F32 gradient tensors to
-   * accumulate in place instead. */
+  /* When dweight / dbias are BF16/F16, sum them in fp32 and round once: a
+   * dbias buffer of V*4 bytes, and a dweight tile's fp32 sum when the vocab
+   * tiles take the rows in more than one block (all inside the budget).
+   * Default 1. */
   int fp32_accumulate;
 } lmloss_head_options;
 

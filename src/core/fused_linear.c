@@ -7,11 +7,13 @@
  *   the backend's own row op on the slab (CE or log-probs, forward and/or
  *   gradient, in place or into 16-bit dlogits: below)
  *   dhidden_c = dlogits W -> scattered back                      (GEMM 2)
- *   dW += dlogits^T hidden_c, dbias += column sums               (GEMM 3)
- * so the numerics are exactly those of the logits ops, and memory beyond
- * inputs and outputs is the chunk buffers (sized from the budget) plus,
- * on request, fp32 accumulators for 16-bit dW / dbias. This file holds no
- * math: it sequences the backend's primitives.
+ *   dW = dlogits^T hidden_c (one chunk), dbias += column sums    (GEMM 3)
+ * so the numerics are exactly those of the logits ops. With more than one
+ * chunk, dW comes after the chunks, in vocab tiles (vocab_tiles): never
+ * summed over chunks, so no V x H accumulator and no V x H read-modify-
+ * write per chunk. Memory beyond inputs and outputs is the workspace, and
+ * the workspace is at most the budget. This file holds no math: it
+ * sequences the backend's primitives.
  *
  * A 16-bit weight gets dlogits in its dtype, so that GEMMs 2 and 3 run on
  * tensor cores. Rounded to bf16 once, dlogits would cost dhidden more than

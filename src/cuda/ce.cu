@@ -46,6 +46,7 @@ struct CeArgs {
   int64_t ams;
   void *dx;
   int64_t dxs;
+  lmloss_grad_coef *coef; /* optional, with dx */
   double *ws_loss, *ws_wt; /* forward: per-row loss and weight */
   const double *den;       /* MEAN with a gradient */
   float grad_output;       /* fused */
@@ -217,8 +218,11 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     /* dz_j = e_j F1 - F0 c_j away from the target and the argmax; without
      * softcap dx = k dz, folded into the coefficients (kx). */
     const float kx = X.f.cap > 0.0f ? 1.0f : k;
-    float F1 = (Gce * q.a_coef + Gz) * inv * kx, F0 = Gce * q.smooth * kx;
+    const float Pz = (Gce * q.a_coef + Gz) * inv, Qz = Gce * q.smooth; /* z units */
+    float F1 = Pz * kx, F0 = Qz * kx;
     if (!ok) F1 = F0 = NAN;
+    if (a.coef && rw.rank == 0 && threadIdx.x == 0)
+      a.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, 0.0f, Qz) : lmloss_grad_coef_nan();
     const float m = s.m;
     const long long am = s.a;
     Ref ref;
@@ -300,7 +304,7 @@ static lmloss_status launch_ce_out(const DevInfo &d, CeArgs &a, bool T, lmloss_d
 static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                             const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
                             const lmloss_tensor *dloss, const lmloss_tensor *dlogits, void *ws,
-                            int mode) {
+                            int mode, lmloss_grad_coef *coef) {
   cudaStream_t st = stream_of(ctx);
   DevInfo d;
   lmloss_status s = dev_info(&d);
@@ -349,6 +353,7 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     a.dx = dlogits->data;
     a.dxs = dlogits->row_stride;
     od = dlogits->dtype;
+    a.coef = coef;
   }
   if (dloss) {
     a.dloss = (const float *)dloss->data;
@@ -386,16 +391,17 @@ extern "C" lmloss_status lmloss_cuda_cross_entropy(const lmloss_context *ctx,
                                                    const lmloss_ce_inputs *in,
                                                    const lmloss_ce_options *opt,
                                                    const lmloss_ce_outputs *out, void *ws,
-                                                   size_t ws_bytes) {
+                                                   size_t ws_bytes, lmloss_grad_coef *coef) {
   (void)ws_bytes;
   const lmloss_tensor *dl = lmloss_present(&out->dlogits) ? &out->dlogits : NULL;
-  return lmc::run_ce(ctx, in, opt, out, NULL, dl, ws, dl ? lmc::CE_FUSED : lmc::CE_FWD);
+  return lmc::run_ce(ctx, in, opt, out, NULL, dl, ws, dl ? lmc::CE_FUSED : lmc::CE_FWD, coef);
 }
 
 extern "C" lmloss_status
 lmloss_cuda_cross_entropy_backward(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                    const lmloss_ce_options *opt, const lmloss_tensor *dloss,
-                                   const lmloss_tensor *dlogits, void *ws, size_t ws_bytes) {
+                                   const lmloss_tensor *dlogits, void *ws, size_t ws_bytes,
+                                   lmloss_grad_coef *coef) {
   (void)ws_bytes;
-  return lmc::run_ce(ctx, in, opt, NULL, dloss, dlogits, ws, lmc::CE_BWD);
+  return lmc::run_ce(ctx, in, opt, NULL, dloss, dlogits, ws, lmc::CE_BWD, coef);
 }

@@ -297,9 +297,81 @@ static lmloss_status split_hi_lo(const lmloss_context *ctx, const lmloss_tensor 
   return check_launch("split_hi_lo");
 }
 
+/* A thread per entry: the column (a label, then the argmax) and the
+ * gradient's value there. */
+__global__ void pick_kernel(const void *grad, lmloss_dtype gdt, int64_t gstride, int64_t V,
+                            const void *labels, int lab64, int64_t lstride, int64_t K,
+                            const lmloss_grad_coef *coef, int64_t *cols, int64_t cstride,
+                            float *vals, int64_t vstride, int64_t rows) {
+  const int64_t S = K + 1;
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < rows * S;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = e / S, s = e % S;
+    const int64_t c = s < K ? (int64_t)ld_index(labels, lab64, r * lstride + s) : coef[r].a;
+    const char *g = (const char *)grad + (size_t)(r * gstride) * lmloss_dtype_size(gdt);
+    cols[r * cstride + s] = c;
+    vals[r * vstride + s] = c >= 0 && c < V ? lmloss_load(g, gdt, c) : NAN;
+  }
+}
+
+static lmloss_status pick_entries(const lmloss_context *ctx, const lmloss_tensor *grad,
+                                  const lmloss_tensor *labels, const lmloss_grad_coef *coef,
+                                  const lmloss_tensor *cols, const lmloss_tensor *vals) {
+  const int64_t K = labels ? labels->cols : 0, n = grad->rows * (K + 1);
+  if (n == 0) return LMLOSS_OK;
+  const int64_t blocks = (n + 255) / 256;
+  pick_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, stream_of(ctx)>>>(
+      grad->data, grad->dtype, grad->row_stride, grad->cols, labels ? labels->data : nullptr,
+      labels && labels->dtype == LMLOSS_I64, labels ? labels->row_stride : 0, K, coef,
+      (int64_t *)cols->data, cols->row_stride, (float *)vals->data, vals->row_stride, grad->rows);
+  return check_launch("pick_entries");
+}
+
+/* A row per blockIdx.y, its tile's columns across blockIdx.x: each
+ * element from its logit and the row's coefficients (elementwise, read
+ * once and written once: memory-bound, no reuse to stage), then the exact
+ * entries that land on it. In place when dl is the slab (F32): each
+ * thread reads an element before it writes it. */
+__global__ void tile_grad_kernel(const float *slab, int64_t sstride, int64_t j0, int64_t tc,
+                                 lmloss_xform f, const float *cw, int64_t cwstride,
+                                 const lmloss_grad_coef *coef, const int64_t *cols,
+                                 int64_t cstride, const float *vals, int64_t vstride, int64_t S,
+                                 void *dl,
+                                 lmloss_dtype ddt, int64_t dstride, int64_t rows) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const lmloss_grad_coef c = coef[r];
+    const float *x = slab + r * sstride;
+    char *out = (char *)dl + (size_t)(r * dstride) * lmloss_dtype_size(ddt);
+    for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < tc;
+         j += (int64_t)gridDim.x * blockDim.x) {
+      float g = lmloss_grad_coef_at(&c, &f, x[j], cw ? cw[(j0 + j) * cwstride] : 1.0f);
+      for (int64_t s = 0; s < S; s++)
+        if (cols[r * cstride + s] == j0 + j) g = vals[r * vstride + s];
+      lmloss_store(out, ddt, j, g);
+    }
+  }
+}
+
+static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, int64_t j0,
+                               const lmloss_transform *tr, const lmloss_tensor *class_weight,
+                               const lmloss_grad_coef *coef, const lmloss_tensor *cols,
+                               const lmloss_tensor *vals, const lmloss_tensor *dl) {
+  const int64_t n = slab->rows, tc = slab->cols, bx = (tc + 255) / 256;
+  if (n == 0 || tc == 0) return LMLOSS_OK;
+  const bool cw = lmloss_present(class_weight);
+  dim3 grid((unsigned)(bx < 64 ? bx : 64), (unsigned)(n < 65535 ? n : 65535));
+  tile_grad_kernel<<<grid, 256, 0, stream_of(ctx)>>>(
+      (const float *)slab->data, slab->row_stride, j0, tc, lmloss_xform_make(*tr),
+      cw ? (const float *)class_weight->data : nullptr, cw ? class_weight->row_stride : 0, coef,
+      (const int64_t *)cols->data, cols->row_stride, (const float *)vals->data, vals->row_stride,
+      cols->cols, dl->data, dl->dtype, dl->row_stride, n);
+  return check_launch("tile_grad");
+}
+
 } // namespace lmc
 
 extern "C" const lmloss_linear_prims lmloss_cuda_linear = {
-    lmc::gemm,          lmc::select_rows, lmc::gather_rows, lmc::scatter_rows, lmc::fill,
-    lmc::broadcast_row, lmc::colsum,      lmc::sum,         lmc::cast,         lmc::split_hi_lo,
+    lmc::gemm,          lmc::select_rows,  lmc::gather_rows, lmc::scatter_rows, lmc::fill,
+    lmc::broadcast_row, lmc::colsum,       lmc::sum,         lmc::cast,         lmc::split_hi_lo,
+    lmc::pick_entries,  lmc::tile_grad,
 };

@@ -34,6 +34,7 @@ struct LpArgs {
   int64_t dents;
   void *dx;
   int64_t dxs;
+  lmloss_grad_coef *coef; /* optional, backward */
   int cs;
   int64_t chunk;
   int staged;
@@ -142,8 +143,11 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     const float tinv = T ? s.t * inv : 0.0f;
     /* without softcap dx = k dz, folded into the coefficients (kx) */
     const float kx = X.f.cap > 0.0f ? 1.0f : k;
-    float c0 = -inv * (D + dH * tinv) * kx, c1 = -inv * dH * k * kx;
+    const float Pz = -inv * (D + dH * tinv), P2z = -inv * dH; /* z units */
+    float c0 = Pz * kx, c1 = P2z * k * kx;
     if (!ok) c0 = c1 = NAN;
+    if (a.coef && rw.rank == 0 && threadIdx.x == 0)
+      a.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, P2z, 0.0f) : lmloss_grad_coef_nan();
     const float m = s.m;
     const long long am = s.a;
     /* g = e_j (c1 d_j + c0) with d_j = w_j - m = (p'_j - ml) / kh (Ref) */
@@ -293,8 +297,10 @@ extern "C" lmloss_status
 lmloss_cuda_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *logits,
                                const lmloss_tensor *index, const lmloss_tensor *mask,
                                const lmloss_transform *tr, const lmloss_tensor *dlogp,
-                               const lmloss_tensor *dentropy, const lmloss_tensor *dlogits) {
+                               const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
+                               lmloss_grad_coef *coef) {
   lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
+  a.coef = coef;
   if (lmloss_present(dlogp)) {
     a.dlogp = (const float *)dlogp->data;
     a.dlps = dlogp->row_stride;

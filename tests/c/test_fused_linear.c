@@ -834,6 +834,31 @@ static void bad_input(tgroup *g) {
   host_free(&dlg), host_free(&hid16), host_free(&w16), host_free(&w9), host_free(&dloss);
 }
 
+/* The workspace is the call's whole transient memory and never exceeds
+ * the budget: the issue's bf16 shape with every gradient in bf16 (which
+ * once took a 2.5 GB fp32 dW accumulator beyond it), and the log-probs
+ * path, at the default and a small budget. A size query reads no data. */
+static void workspace_in_budget(tgroup *g) {
+  const int64_t N = 8192, H = 4096, V = 152064;
+  static char fake[1];
+  const lmloss_tensor hid = {fake, LMLOSS_BF16, LMLOSS_CPU, N, H, H};
+  const lmloss_tensor w = {fake, LMLOSS_BF16, LMLOSS_CPU, V, H, H};
+  const lmloss_tensor b = {fake, LMLOSS_BF16, LMLOSS_CPU, V, 1, 1};
+  const lmloss_head head = {hid, w, b};
+  const lmloss_head_grads gr = {hid, w, b};
+  const size_t budgets[] = {0, (size_t)256 << 20, (size_t)48 << 20};
+  for (int i = 0; i < 3; i++)
+    for (int64_t k = 1; k <= 4; k += 3) {
+      lmloss_head_options ho = lmloss_head_options_default();
+      ho.memory_budget = budgets[i];
+      size_t bytes = 0, cap = budgets[i] ? budgets[i] : (size_t)256 << 20;
+      lmloss_status st = lmloss_linear_workspace_size(&head, &ho, &gr, k, &bytes);
+      tg_true(g, st == LMLOSS_OK && bytes <= cap && bytes > cap / 2,
+              "budget %zu, k %lld: %s, workspace %zu bytes", cap, (long long)k,
+              lmloss_status_string(st), bytes);
+    }
+}
+
 /* ---- the suite ---- */
 
 static const double margins[] = {-1, 0, 5, 17, 30, 50};
@@ -978,6 +1003,9 @@ int main(void) {
   tg_begin(&g, "linear bad input");
   rng_seed(1);
   bad_input(&g);
+  tg_end(&g);
+  tg_begin(&g, "linear workspace within the budget");
+  workspace_in_budget(&g);
   tg_end(&g);
   ce_suite(LMLOSS_F32);
   lp_suite(LMLOSS_F32);
