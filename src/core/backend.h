@@ -72,7 +72,9 @@ typedef struct {
 /* The row ops take the public arguments, plus (for the ops that write a
  * gradient) coef: NULL, or [N] lmloss_grad_coef in the backend's memory,
  * which a backend with a fused head fills for every row it writes a
- * gradient for (the ref backend has none and leaves it). */
+ * gradient for (the ref backend has none and leaves it). The fused head
+ * asks for it with F32 logits (its slab) only, and the CUDA backend
+ * supports that case alone (no 16-bit kernel carries the store). */
 typedef struct {
   lmloss_status (*cross_entropy)(const lmloss_context *, const lmloss_ce_inputs *,
                                  const lmloss_ce_options *, const lmloss_ce_outputs *, void *,

@@ -221,8 +221,9 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     const float Pz = (Gce * q.a_coef + Gz) * inv, Qz = Gce * q.smooth; /* z units */
     float F1 = Pz * kx, F0 = Qz * kx;
     if (!ok) F1 = F0 = NAN;
-    if (a.coef && rw.rank == 0 && threadIdx.x == 0)
-      a.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, 0.0f, Qz) : lmloss_grad_coef_nan();
+    if constexpr (std::is_same<In, float>::value) /* the only logits coef is asked with */
+      if (a.coef && rw.rank == 0 && threadIdx.x == 0)
+        a.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, 0.0f, Qz) : lmloss_grad_coef_nan();
     const float m = s.m;
     const long long am = s.a;
     Ref ref;
@@ -354,6 +355,8 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     a.dxs = dlogits->row_stride;
     od = dlogits->dtype;
     a.coef = coef;
+    if (coef && in->logits.dtype != LMLOSS_F32)
+      return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: gradient coefficients of F32 logits only");
   }
   if (dloss) {
     a.dloss = (const float *)dloss->data;

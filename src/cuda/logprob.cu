@@ -11,6 +11,8 @@
  * analytically), and at the argmax the dlogp part uses 1 - p_a = R inv.
  * An out-of-range index makes its whole gradient row NaN.
  */
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace lmc {
@@ -146,8 +148,9 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     const float Pz = -inv * (D + dH * tinv), P2z = -inv * dH; /* z units */
     float c0 = Pz * kx, c1 = P2z * k * kx;
     if (!ok) c0 = c1 = NAN;
-    if (a.coef && rw.rank == 0 && threadIdx.x == 0)
-      a.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, P2z, 0.0f) : lmloss_grad_coef_nan();
+    if constexpr (std::is_same<In, float>::value) /* the only logits coef is asked with */
+      if (a.coef && rw.rank == 0 && threadIdx.x == 0)
+        a.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, P2z, 0.0f) : lmloss_grad_coef_nan();
     const float m = s.m;
     const long long am = s.a;
     /* g = e_j (c1 d_j + c0) with d_j = w_j - m = (p'_j - ml) / kh (Ref) */
@@ -301,6 +304,8 @@ lmloss_cuda_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *l
                                lmloss_grad_coef *coef) {
   lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
   a.coef = coef;
+  if (coef && logits->dtype != LMLOSS_F32)
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: gradient coefficients of F32 logits only");
   if (lmloss_present(dlogp)) {
     a.dlogp = (const float *)dlogp->data;
     a.dlps = dlogp->row_stride;

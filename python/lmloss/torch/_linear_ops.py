@@ -5,7 +5,7 @@ lmloss.torch cast them). The backward ops recompute the logits chunk by
 chunk (lmloss_linear_cross_entropy_backward with dloss on the device,
 lmloss_linear_log_probs_backward) and return only the gradients autograd
 asks for (an empty [0] tensor for the others): dhidden in hidden's dtype,
-dweight and dbias in the weight's dtype (fp32-accumulated over chunks).
+dweight and dbias in the weight's dtype (summed in fp32, rounded once).
 A cross-entropy reduced to a scalar is the exception: its forward computes
 the gradients too (lmloss_linear_cross_entropy with grads, at an upstream
 gradient of 1), and the backward scales them by the upstream scalar, so
