@@ -258,6 +258,20 @@ def test_linear_cross_entropy_upstream_gradient(kw):
             close(params[1].grad, refp[1].grad, rtol=1e-4, atol=1e-5)
 
 
+def test_linear_cross_entropy_second_backward():
+    """The forward's gradients are scaled in place by the first backward (no
+    second dW); a second backward through the same graph recomputes them,
+    so it adds the same gradients again, not twice-scaled ones."""
+    hs, w, b, y = head()
+    hg, wg = hs.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = lt.linear_cross_entropy(hg, wg, y, bias=b)
+    (3.0 * loss).backward(retain_graph=True)
+    first = hg.grad.clone(), wg.grad.clone()
+    (3.0 * loss).backward()
+    close(hg.grad, 2 * first[0], rtol=1e-5, atol=1e-7)
+    close(wg.grad, 2 * first[1], rtol=1e-5, atol=1e-7)
+
+
 def test_linear_log_probs_matches_reference_and_frozen_head():
     hs, w, b, y = head()
     idx = torch.stack([y.clamp(min=0), (y + 1).clamp(0, 36)], -1)

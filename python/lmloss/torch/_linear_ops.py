@@ -8,8 +8,10 @@ asks for (an empty [0] tensor for the others): dhidden in hidden's dtype,
 dweight and dbias in the weight's dtype (summed in fp32, rounded once).
 A cross-entropy reduced to a scalar is the exception: its forward computes
 the gradients too (lmloss_linear_cross_entropy with grads, at an upstream
-gradient of 1), and the backward scales them by the upstream scalar, so
-the logits GEMMs and row passes run once per step, not twice.
+gradient of 1), and the backward scales them (in place when eager: no
+second copy of dW) by the upstream scalar, so the logits GEMMs and row
+passes run once per step, not twice; a second backward through the same
+graph (retain_graph=True) recomputes.
 On CUDA each call reads the supervised-row count to the host once (the
 C library's one synchronization of the fused head).
 """
@@ -136,16 +138,28 @@ def _(dloss, hidden, weight, bias, *rest):
 
 def _lce_setup(ctx, inputs, output):
     ctx.computed = inputs[-1]  # the gradients the forward computed (need)
-    ctx.save_for_backward(*inputs[:6], *output[4:])
     ctx.opts = inputs[6:-2]  # every option but `extras` and `need`
+    if getattr(ctx, "eager", False):
+        # Held beside save_for_backward, as aliases (no reference cycle
+        # through the outputs), so the backward can scale them in place:
+        # a scaled copy would be a second dW.
+        ctx.save_for_backward(*inputs[:6])
+        ctx.fwd_grads = tuple(g.detach() for g in output[4:])
+    else:  # a traced graph: functional
+        ctx.save_for_backward(*inputs[:6], *output[4:])
 
 
 def _lce_backward(ctx, dloss, *_):
     saved = ctx.saved_tensors
     need = _need(ctx, saved[2])
     if (need & ctx.computed) == need:  # computed at an upstream 1: scale (dloss is a scalar)
-        grads = tuple(g * dloss if need & f else g
-                      for g, f in zip(saved[6:], (NEED_DH, NEED_DW, NEED_DB)))
+        if getattr(ctx, "eager", False):
+            ctx.computed = 0  # used up: another backward through this graph recomputes
+            grads = tuple(g.mul_(dloss) if need & f else g
+                          for g, f in zip(ctx.fwd_grads, (NEED_DH, NEED_DW, NEED_DB)))
+        else:
+            grads = tuple(g * dloss if need & f else g
+                          for g, f in zip(saved[6:], (NEED_DH, NEED_DW, NEED_DB)))
     else:
         grads = call(ctx, linear_cross_entropy_backward, dloss, *saved[:6], *ctx.opts, need)
     return _back(grads, need, 8)
