@@ -16,7 +16,8 @@
 #   bench/gpu_check.sh head       the fused head alone: the C tests of it
 #                                 and of the row ops it drives, memcheck on
 #                                 its test, its benchmarks, the CE and
-#                                 log-probs gradient kernels, its peers
+#                                 log-probs gradient kernels, a kernel-by-
+#                                 kernel profile of one step, its peers
 #   bench/gpu_check.sh kernels    the row kernels alone: their C tests,
 #                                 `lmloss check`, the issue's bandwidth
 #                                 cases and an ncu summary of each kernel
@@ -109,6 +110,7 @@ if [ "${1:-}" = "head" ]; then
   python_env
   timeout 120 python3 -m pytest -q -m cuda tests/python >"$OUT/pytest-cuda.log" 2>&1 || status=1
   tail -2 "$OUT/pytest-cuda.log"
+  timeout 60 python3 bench/profile_gpu.py | tee "$OUT/profile.txt"
   timeout 200 python3 bench/peers_gpu.py --issue --case linear-ce --out "$OUT" \
     >"$OUT/peers.log" 2>&1 || status=1
   cat "$OUT/peers.log"
