@@ -60,9 +60,9 @@ typedef struct {
                                 const lmloss_tensor *cols, const lmloss_tensor *vals); /* S = K + 1 */
   /* A vocab tile of gradient rows: dl [n, t] from the rows' logits slab
    * [n, t] (F32; dl may be slab itself), which are columns j0..j0+t of
-   * rows V wide: lmloss_grad_coef_at of coef[r], class_weight[j0 + j]
-   * (optional [V, 1]), then the entries cols / vals (pick_entries) that
-   * fall in the tile. */
+   * rows V wide: lmloss_grad_coef's shape with coef[r] and
+   * class_weight[j0 + j] (optional [V, 1]), then the entries cols / vals
+   * (pick_entries) that fall in the tile. */
   lmloss_status (*tile_grad)(const lmloss_context *, const lmloss_tensor *slab, int64_t j0,
                              const lmloss_transform *, const lmloss_tensor *class_weight,
                              const lmloss_grad_coef *coef, const lmloss_tensor *cols,

@@ -423,13 +423,18 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
       const int64_t first = b * t.rows, n = M - first < t.rows ? M - first : t.rows;
       lmloss_tensor hb = view(w + t.hid, h->hidden.dtype, dev, n, H);
       lmloss_tensor slab = view(w + t.slab, LMLOSS_F32, dev, n, tc);
+      slab.row_stride = t.cols; /* the last, narrower tile keeps the rows' alignment */
       if (nb > 1 || j0 == 0) TRY(L->gather_rows(j->ctx, &h->hidden, list + first, &hb));
       if (wants(&h->bias)) {
         lmloss_tensor bt = rows_of(&h->bias, j0, tc);
         TRY(L->broadcast_row(j->ctx, &bt, &slab));
       }
       TRY(L->gemm(j->ctx, 0, 1, 1.0f, &hb, &wt, wants(&h->bias) ? 1.0f : 0.0f, &slab));
-      lmloss_tensor dl = p->dl_separate ? view(w + t.dl, h->weight.dtype, dev, n, tc) : slab;
+      lmloss_tensor dl = slab;
+      if (p->dl_separate) {
+        dl = view(w + t.dl, h->weight.dtype, dev, n, tc);
+        dl.row_stride = t.cols;
+      }
       lmloss_tensor cols = entries(p, w, p->cols, LMLOSS_I64, dev, first, n, count);
       lmloss_tensor vals = entries(p, w, p->vals, LMLOSS_F32, dev, first, n, count);
       TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL, coef_at(p, w, first), &cols,

@@ -327,45 +327,92 @@ static lmloss_status pick_entries(const lmloss_context *ctx, const lmloss_tensor
   return check_launch("pick_entries");
 }
 
-/* A row per blockIdx.y, its tile's columns across blockIdx.x: each
- * element from its logit and the row's coefficients (elementwise, read
- * once and written once: memory-bound, no reuse to stage), then the exact
- * entries that land on it. In place when dl is the slab (F32): each
- * thread reads an element before it writes it. */
-__global__ void tile_grad_kernel(const float *slab, int64_t sstride, int64_t j0, int64_t tc,
-                                 lmloss_xform f, const float *cw, int64_t cwstride,
-                                 const lmloss_grad_coef *coef, const int64_t *cols,
-                                 int64_t cstride, const float *vals, int64_t vstride, int64_t S,
-                                 void *dl,
-                                 lmloss_dtype ddt, int64_t dstride, int64_t rows) {
+/* A row per blockIdx.y, four columns per thread across blockIdx.x:
+ * elementwise, each logit read once and its gradient written once, so
+ * memory-bound (16-byte loads, 8- or 16-byte stores, the exponential as
+ * the row kernels form it: one multiply and ex2). cw: class weights.
+ * dl may be the slab itself (F32): a thread reads its elements first. */
+template <typename O, bool CAP>
+__global__ void tile_grad_kernel(const float *slab, int64_t sstride, int64_t j0, int64_t tc, Xf X,
+                                 const float *cw, int64_t cwstride, const lmloss_grad_coef *coef,
+                                 O *dl, int64_t dstride, int64_t rows, bool aligned) {
+  const float kx = CAP ? 1.0f : X.f.k; /* without softcap dx = k dz: folded in */
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const lmloss_grad_coef c = coef[r];
+    const float p1 = c.p * kx, p2 = c.p2 * X.f.k * kx, q = c.q * kx;
     const float *x = slab + r * sstride;
-    char *out = (char *)dl + (size_t)(r * dstride) * lmloss_dtype_size(ddt);
-    for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < tc;
-         j += (int64_t)gridDim.x * blockDim.x) {
-      float g = lmloss_grad_coef_at(&c, &f, x[j], cw ? cw[(j0 + j) * cwstride] : 1.0f);
-      for (int64_t s = 0; s < S; s++)
-        if (cols[r * cstride + s] == j0 + j) g = vals[r * vstride + s];
-      lmloss_store(out, ddt, j, g);
+    O *out = dl + r * dstride;
+    for (int64_t j = 4 * (blockIdx.x * (int64_t)blockDim.x + threadIdx.x); j < tc;
+         j += 4 * (int64_t)gridDim.x * blockDim.x) {
+      const Raw<float> v = load_vec<float, STREAM>(x, j, tc, aligned);
+      float g[4];
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const float w = CAP ? lmloss_xform_w(&X.f, v.e[e]) : v.e[e];
+        const float d = fmaxf(w - c.m, X.dmin), ex = cexp(X, d); /* -inf logits: 0 */
+        const float cj = cw && j + e < tc ? cw[(j0 + j + e) * cwstride] : 1.0f;
+        g[e] = fmaf(ex, fmaf(p2, d, p1), -q * cj);
+        if (CAP) g[e] *= lmloss_xform_dzdx(&X.f, v.e[e]);
+      }
+      if (aligned && j + 4 <= tc) {
+        store_whole<O, 4>(out + j, g);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+          if (j + e < tc) out[j + e] = fromf<O>(g[e]);
+      }
     }
   }
+}
+
+/* After tile_grad_kernel: the exact entries that fall in the tile. */
+__global__ void patch_kernel(const int64_t *cols, int64_t cstride, const float *vals,
+                             int64_t vstride, int64_t S, int64_t j0, int64_t tc, void *dl,
+                             lmloss_dtype ddt, int64_t dstride, int64_t rows) {
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < rows * S;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = e / S, s = e % S, c = cols[r * cstride + s];
+    char *row = (char *)dl + (size_t)(r * dstride) * lmloss_dtype_size(ddt);
+    if (c >= j0 && c < j0 + tc) lmloss_store(row, ddt, c - j0, vals[r * vstride + s]);
+  }
+}
+
+template <typename O>
+static void launch_tile_grad(dim3 grid, cudaStream_t st, const lmloss_tensor *slab, int64_t j0,
+                             const Xf &X, const float *cw, int64_t cws,
+                             const lmloss_grad_coef *coef, const lmloss_tensor *dl, bool aligned) {
+  auto k = X.f.cap > 0.0f ? tile_grad_kernel<O, true> : tile_grad_kernel<O, false>;
+  k<<<grid, 256, 0, st>>>((const float *)slab->data, slab->row_stride, j0, slab->cols, X, cw, cws,
+                          coef, (O *)dl->data, dl->row_stride, slab->rows, aligned);
 }
 
 static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, int64_t j0,
                                const lmloss_transform *tr, const lmloss_tensor *class_weight,
                                const lmloss_grad_coef *coef, const lmloss_tensor *cols,
                                const lmloss_tensor *vals, const lmloss_tensor *dl) {
-  const int64_t n = slab->rows, tc = slab->cols, bx = (tc + 255) / 256;
+  const int64_t n = slab->rows, tc = slab->cols, bx = (tc + 1023) / 1024;
   if (n == 0 || tc == 0) return LMLOSS_OK;
-  const bool cw = lmloss_present(class_weight);
-  dim3 grid((unsigned)(bx < 64 ? bx : 64), (unsigned)(n < 65535 ? n : 65535));
-  tile_grad_kernel<<<grid, 256, 0, stream_of(ctx)>>>(
-      (const float *)slab->data, slab->row_stride, j0, tc, lmloss_xform_make(*tr),
-      cw ? (const float *)class_weight->data : nullptr, cw ? class_weight->row_stride : 0, coef,
+  cudaStream_t st = stream_of(ctx);
+  const bool has_cw = lmloss_present(class_weight);
+  const float *cw = has_cw ? (const float *)class_weight->data : nullptr;
+  const int64_t cws = has_cw ? class_weight->row_stride : 0;
+  const bool aligned = slab->row_stride % 4 == 0 && dl->row_stride % 4 == 0 &&
+                       ((uintptr_t)slab->data | (uintptr_t)dl->data) % 16 == 0;
+  const dim3 grid((unsigned)(bx < 64 ? bx : 64), (unsigned)(n < 65535 ? n : 65535));
+  const Xf X = make_xf(*tr);
+  switch (dl->dtype) {
+  case LMLOSS_BF16: launch_tile_grad<bf16>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned); break;
+  case LMLOSS_F16: launch_tile_grad<f16>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned); break;
+  default: launch_tile_grad<float>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned); break;
+  }
+  lmloss_status s = check_launch("tile_grad");
+  if (s != LMLOSS_OK) return s;
+  const int64_t ne = n * cols->cols, blocks = (ne + 255) / 256;
+  if (ne == 0) return LMLOSS_OK;
+  patch_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(
       (const int64_t *)cols->data, cols->row_stride, (const float *)vals->data, vals->row_stride,
-      cols->cols, dl->data, dl->dtype, dl->row_stride, n);
-  return check_launch("tile_grad");
+      cols->cols, j0, tc, dl->data, dl->dtype, dl->row_stride, n);
+  return check_launch("tile_grad entries");
 }
 
 } // namespace lmc

@@ -184,13 +184,4 @@ LMLOSS_HD lmloss_grad_coef lmloss_grad_coef_nan(void) {
   return g;
 }
 
-/* dx_j of one entry from its logit x (c_j: its class weight). */
-LMLOSS_HD float lmloss_grad_coef_at(const lmloss_grad_coef *g, const lmloss_xform *f, float x,
-                                    float cj) {
-  float dk = (lmloss_xform_w(f, x) - g->m) * f->k;
-  float e = expf(dk);
-  float gz = (e > 0.0f ? e * (g->p + g->p2 * dk) : 0.0f) - g->q * cj; /* -inf logits: 0 */
-  return gz * lmloss_xform_dzdx(f, x);
-}
-
 #endif /* LMLOSS_MATH_ROWSTATS_H */

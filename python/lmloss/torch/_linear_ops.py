@@ -142,9 +142,11 @@ def _lce_setup(ctx, inputs, output):
     if getattr(ctx, "eager", False):
         # Held beside save_for_backward, as aliases (no reference cycle
         # through the outputs), so the backward can scale them in place:
-        # a scaled copy would be a second dW.
+        # a scaled copy would be a second dW. Nor does autograd get to
+        # fill zero gradients for the gradient outputs (another dW).
         ctx.save_for_backward(*inputs[:6])
         ctx.fwd_grads = tuple(g.detach() for g in output[4:])
+        ctx.set_materialize_grads(False)
     else:  # a traced graph: functional
         ctx.save_for_backward(*inputs[:6], *output[4:])
 
@@ -152,11 +154,14 @@ def _lce_setup(ctx, inputs, output):
 def _lce_backward(ctx, dloss, *_):
     saved = ctx.saved_tensors
     need = _need(ctx, saved[2])
+    if dloss is None:  # eager, no materialized zeros: the loss itself was not used
+        return _back((None, None, None), 0, 8)
     if (need & ctx.computed) == need:  # computed at an upstream 1: scale (dloss is a scalar)
         if getattr(ctx, "eager", False):
             ctx.computed = 0  # used up: another backward through this graph recomputes
-            grads = tuple(g.mul_(dloss) if need & f else g
-                          for g, f in zip(ctx.fwd_grads, (NEED_DH, NEED_DW, NEED_DB)))
+            grads = ctx.fwd_grads
+            torch._foreach_mul_([g for g, f in zip(grads, (NEED_DH, NEED_DW, NEED_DB))
+                                 if need & f], dloss)  # one vectorized launch
         else:
             grads = tuple(g * dloss if need & f else g
                           for g, f in zip(saved[6:], (NEED_DH, NEED_DW, NEED_DB)))
