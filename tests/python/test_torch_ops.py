@@ -272,6 +272,22 @@ def test_linear_cross_entropy_second_backward():
     close(wg.grad, 2 * first[1], rtol=1e-5, atol=1e-7)
 
 
+def test_linear_cross_entropy_weight_grad_is_not_copied():
+    """The dW the forward computed becomes weight.grad itself: autograd
+    takes it over rather than cloning it (a second dW-sized buffer)."""
+    hs, w, b, y = head()
+    hg, wg = hs.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = lt.linear_cross_entropy(hg, wg, y, bias=b)
+    nodes, node = [loss.grad_fn], None
+    while node is None and nodes:
+        fn = nodes.pop()
+        node = fn if hasattr(fn, "fwd_grads") else None
+        nodes += [n for n, _ in fn.next_functions if n is not None]
+    ptr = node.fwd_grads[1].untyped_storage().data_ptr()
+    loss.backward()
+    assert wg.grad.untyped_storage().data_ptr() == ptr
+
+
 def test_linear_log_probs_matches_reference_and_frozen_head():
     hs, w, b, y = head()
     idx = torch.stack([y.clamp(min=0), (y + 1).clamp(0, 36)], -1)

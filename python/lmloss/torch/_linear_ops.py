@@ -159,7 +159,7 @@ def _lce_backward(ctx, dloss, *_):
     if (need & ctx.computed) == need:  # computed at an upstream 1: scale (dloss is a scalar)
         if getattr(ctx, "eager", False):
             ctx.computed = 0  # used up: another backward through this graph recomputes
-            grads = ctx.fwd_grads
+            grads, ctx.fwd_grads = ctx.fwd_grads, None  # unshared, autograd keeps them as .grad
             torch._foreach_mul_([g for g, f in zip(grads, (NEED_DH, NEED_DW, NEED_DB))
                                  if need & f], dloss)  # one vectorized launch
         else:
