@@ -160,8 +160,9 @@ def _lce_backward(ctx, dloss, *_):
         if getattr(ctx, "eager", False):
             ctx.computed = 0  # used up: another backward through this graph recomputes
             grads, ctx.fwd_grads = ctx.fwd_grads, None  # unshared, autograd keeps them as .grad
-            torch._foreach_mul_([g for g, f in zip(grads, (NEED_DH, NEED_DW, NEED_DB))
-                                 if need & f], dloss)  # one vectorized launch
+            for g, f in zip(grads, (NEED_DH, NEED_DW, NEED_DB)):
+                if need & f:
+                    g.mul_(dloss)
         else:
             grads = tuple(g * dloss if need & f else g
                           for g, f in zip(saved[6:], (NEED_DH, NEED_DW, NEED_DB)))
