@@ -17,6 +17,7 @@ typedef struct {
   const lmloss_tensor *dloss;   /* backward only */
   const lmloss_tensor *dlogits; /* NULL when no gradient is wanted */
   lmloss_grad_coef *coef;       /* optional, with dlogits */
+  const float *cw;              /* class weights, contiguous, or NULL */
   double class_sum;             /* C */
   double scale;                 /* reduction factor: 1, 1/denominator, 1/num_items */
 } ce_job;
@@ -25,7 +26,7 @@ typedef struct {
 static float grad_entry(const ce_job *jb, const lmloss_xform *f, const lmloss_rowstat *s,
                         const lmloss_ce_coef *q, int64_t j, int64_t y, float x, float fac,
                         float dftw, float lse) {
-  const float *cw = lmloss_present(&jb->in->class_weight) ? jb->in->class_weight.data : NULL;
+  const float *cw = jb->cw;
   float p = expf(lmloss_rowstat_dk(s, f->k, j, lmloss_xform_w(f, x))) / (1.0f + s->r);
   float gz = dftw * lmloss_ce_grad_z(q, s, p, cw ? cw[j] : 1.0f, j == y, j == s->a) +
              2.0f * jb->opt->z_loss * lse * p;
@@ -37,7 +38,7 @@ static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
   const lmloss_ce_inputs *in = jb->in;
   const lmloss_ce_options *opt = jb->opt;
   const int64_t V = in->logits.cols;
-  const float *cw = lmloss_present(&in->class_weight) ? in->class_weight.data : NULL;
+  const float *cw = jb->cw;
   const void *row = lmloss_cpu_row(&in->logits, i);
   const lmloss_xform f = lmloss_xform_make(opt->transform);
   const int want_entropy = jb->out && lmloss_present(&jb->out->entropy);
@@ -98,11 +99,11 @@ static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
   return loss;
 }
 
-static lmloss_status ce_run(const lmloss_context *ctx, ce_job *jb, void *ws) {
+static lmloss_status ce_rows(const lmloss_context *ctx, ce_job *jb, void *ws) {
   const lmloss_ce_inputs *in = jb->in;
   const lmloss_ce_options *opt = jb->opt;
   const int64_t N = in->logits.rows, V = in->logits.cols;
-  const float *cw = lmloss_present(&in->class_weight) ? in->class_weight.data : NULL;
+  const float *cw = jb->cw;
   double *row_loss = (double *)((char *)ws + LMLOSS_CE_WS_HEADER);
   int64_t *rows = (int64_t *)(row_loss + 2 * N);
 
@@ -162,10 +163,23 @@ static lmloss_status ce_run(const lmloss_context *ctx, ce_job *jb, void *ws) {
   return LMLOSS_OK;
 }
 
+/* The rows, with the class weights as one contiguous array. */
+static lmloss_status ce_run(const lmloss_context *ctx, ce_job *jb, void *ws) {
+  float *owned = NULL;
+  if (lmloss_present(&jb->in->class_weight)) {
+    jb->cw = lmloss_cpu_column(&jb->in->class_weight, 0, jb->in->logits.cols, &owned);
+    if (!jb->cw) return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "no host memory for class weights");
+  }
+  lmloss_status s = ce_rows(ctx, jb, ws);
+  free(owned);
+  return s;
+}
+
 lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                        const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
                                        void *ws, size_t ws_bytes, lmloss_grad_coef *coef) {
-  ce_job jb = {in, opt, out, NULL, lmloss_present(&out->dlogits) ? &out->dlogits : NULL, coef, 0, 0};
+  ce_job jb = {in, opt, out, NULL, lmloss_present(&out->dlogits) ? &out->dlogits : NULL, coef,
+               NULL, 0, 0};
   return ce_run(ctx, &jb, ws);
 }
 
@@ -174,6 +188,6 @@ lmloss_cpu_cross_entropy_backward(const lmloss_context *ctx, const lmloss_ce_inp
                                   const lmloss_ce_options *opt, const lmloss_tensor *dloss,
                                   const lmloss_tensor *dlogits, void *ws, size_t ws_bytes,
                                   lmloss_grad_coef *coef) {
-  ce_job jb = {in, opt, NULL, dloss, dlogits, coef, 0, 0};
+  ce_job jb = {in, opt, NULL, dloss, dlogits, coef, NULL, 0, 0};
   return ce_run(ctx, &jb, ws);
 }

@@ -156,7 +156,11 @@ static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *s
                                const lmloss_tensor *vals, const lmloss_tensor *dl) {
   const lmloss_xform f = lmloss_xform_make(*tr);
   const int64_t t = slab->cols;
-  const float *cw = lmloss_present(class_weight) ? (const float *)class_weight->data + j0 : NULL;
+  float *owned = NULL;
+  const float *cw = lmloss_present(class_weight) ? lmloss_cpu_column(class_weight, j0, t, &owned)
+                                                 : NULL;
+  if (lmloss_present(class_weight) && !cw)
+    return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "no host memory for class weights");
 #pragma omp parallel for num_threads(lmloss_cpu_row_threads(ctx, slab->rows * t))
   for (int64_t r = 0; r < slab->rows; r++) {
     const lmloss_grad_coef *c = &coef[r];
@@ -168,6 +172,7 @@ static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *s
     for (int64_t s = 0; col && s < cols->cols; s++)
       if (col[s] >= j0 && col[s] < j0 + t) lmloss_store(g, dl->dtype, col[s] - j0, val[s]);
   }
+  free(owned);
   return LMLOSS_OK;
 }
 

@@ -177,6 +177,21 @@ def test_ce_chunks():
     assert e.value.status == "LMLOSS_ERR_WORKSPACE_TOO_SMALL"
 
 
+def test_ce_strided_class_weight():
+    """A class_weight view with a stride (every other element of a buffer)
+    reads as its elements, in the row op and in the vocab tiles (a budget
+    of a few rows makes dW come from them)."""
+    rng = np.random.default_rng(11)
+    n, v = 13, 1003
+    y = targets(rng, n, v, ignore_frac=0.2)
+    hid, w, b = make_head(rng, n, v)
+    cw = rng.uniform(0.5, 2.0, 2 * v).astype(np.float32)[::2]
+    b1 = one_row_budget(lambda m: lmloss.linear_cross_entropy(
+        hid, w, y, bias=b, class_weight=cw, grad=True, memory_budget=m))
+    check_ce(hid, w, b, y, cw=cw, budget=3 * b1, label_smoothing=0.1, reduction="sum")
+    check_ce(hid, w, b, y, cw=cw, label_smoothing=0.1, reduction="none")
+
+
 def test_ce_leading_axes_and_outputs():
     rng = np.random.default_rng(2)
     y = targets(rng, 6, 50, 0.3)
