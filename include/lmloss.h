@@ -60,7 +60,7 @@ typedef enum {
   LMLOSS_ERR_BAD_DEVICE = 8,      /* tensors on different devices */
   LMLOSS_ERR_UNSUPPORTED = 9,     /* backend not built in (e.g. CUDA) */
   LMLOSS_ERR_DEVICE_FAILURE = 10, /* the device runtime reported an error */
-  LMLOSS_ERR_OUT_OF_MEMORY = 11   /* host scratch unavailable (CPU: log-probs backward, strided class weights) */
+  LMLOSS_ERR_OUT_OF_MEMORY = 11   /* no host memory for the CPU backend's scratch */
 } lmloss_status;
 
 typedef enum {

@@ -57,7 +57,8 @@ typedef struct {
    * column outside [0, V)). */
   lmloss_status (*pick_entries)(const lmloss_context *, const lmloss_tensor *grad,
                                 const lmloss_tensor *labels, const lmloss_grad_coef *coef,
-                                const lmloss_tensor *cols, const lmloss_tensor *vals); /* S = K + 1 */
+                                const lmloss_tensor *cols,
+                                const lmloss_tensor *vals); /* S = K + 1 */
   /* A vocab tile of gradient rows: dl [n, t] from the rows' logits slab
    * [n, t] (F32; dl may be slab itself), which are columns j0..j0+t of
    * rows V wide: lmloss_grad_coef's shape with coef[r] and

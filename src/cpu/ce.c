@@ -178,16 +178,20 @@ static lmloss_status ce_run(const lmloss_context *ctx, ce_job *jb, void *ws) {
 lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                        const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
                                        void *ws, size_t ws_bytes, lmloss_grad_coef *coef) {
-  ce_job jb = {in, opt, out, NULL, lmloss_present(&out->dlogits) ? &out->dlogits : NULL, coef,
-               NULL, 0, 0};
+  ce_job jb = {.in = in,
+               .opt = opt,
+               .out = out,
+               .dlogits = lmloss_present(&out->dlogits) ? &out->dlogits : NULL,
+               .coef = coef};
   return ce_run(ctx, &jb, ws);
 }
 
-lmloss_status
-lmloss_cpu_cross_entropy_backward(const lmloss_context *ctx, const lmloss_ce_inputs *in,
-                                  const lmloss_ce_options *opt, const lmloss_tensor *dloss,
-                                  const lmloss_tensor *dlogits, void *ws, size_t ws_bytes,
-                                  lmloss_grad_coef *coef) {
-  ce_job jb = {in, opt, NULL, dloss, dlogits, coef, NULL, 0, 0};
+lmloss_status lmloss_cpu_cross_entropy_backward(const lmloss_context *ctx,
+                                                const lmloss_ce_inputs *in,
+                                                const lmloss_ce_options *opt,
+                                                const lmloss_tensor *dloss,
+                                                const lmloss_tensor *dlogits, void *ws,
+                                                size_t ws_bytes, lmloss_grad_coef *coef) {
+  ce_job jb = {.in = in, .opt = opt, .dloss = dloss, .dlogits = dlogits, .coef = coef};
   return ce_run(ctx, &jb, ws);
 }

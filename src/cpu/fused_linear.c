@@ -157,11 +157,12 @@ static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *s
   const lmloss_xform f = lmloss_xform_make(*tr);
   const int64_t t = slab->cols;
   float *owned = NULL;
-  const float *cw = lmloss_present(class_weight) ? lmloss_cpu_column(class_weight, j0, t, &owned)
-                                                 : NULL;
+  const float *cw =
+      lmloss_present(class_weight) ? lmloss_cpu_column(class_weight, j0, t, &owned) : NULL;
   if (lmloss_present(class_weight) && !cw)
     return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "no host memory for class weights");
-#pragma omp parallel for num_threads(lmloss_cpu_row_threads(ctx, slab->rows * t))
+  const int nt = lmloss_cpu_row_threads(ctx, slab->rows * t);
+#pragma omp parallel for num_threads(nt)
   for (int64_t r = 0; r < slab->rows; r++) {
     const lmloss_grad_coef *c = &coef[r];
     void *g = lmloss_cpu_row_mut(dl, r);
@@ -177,7 +178,7 @@ static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *s
 }
 
 const lmloss_linear_prims lmloss_cpu_linear = {
-    gemm, select_rows, gather_rows, scatter_rows, fill, broadcast_row, colsum, sum, cast,
-    NULL, /* split_hi_lo: F32 heads only */
-    pick_entries, tile_grad,
+    gemm,          select_rows, gather_rows, scatter_rows, fill,
+    broadcast_row, colsum,      sum,         cast,         NULL, /* split_hi_lo: F32 heads only */
+    pick_entries,  tile_grad,
 };

@@ -46,7 +46,7 @@ struct CeArgs {
   int64_t ams;
   void *dx;
   int64_t dxs;
-  lmloss_grad_coef *coef; /* optional, with dx */
+  lmloss_grad_coef *coef;  /* optional, with dx */
   double *ws_loss, *ws_wt; /* forward: per-row loss and weight */
   const double *den;       /* MEAN with a gradient */
   float grad_output;       /* fused */

@@ -426,7 +426,9 @@ static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *s
   const dim3 grid((unsigned)(bx < 64 ? bx : 64), (unsigned)(n < 65535 ? n : 65535));
   const Xf X = make_xf(*tr);
   switch (dl->dtype) {
-  case LMLOSS_BF16: launch_tile_grad<bf16>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned); break;
+  case LMLOSS_BF16:
+    launch_tile_grad<bf16>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned);
+    break;
   case LMLOSS_F16: launch_tile_grad<f16>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned); break;
   default: launch_tile_grad<float>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned); break;
   }
@@ -443,7 +445,7 @@ static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *s
 } // namespace lmc
 
 extern "C" const lmloss_linear_prims lmloss_cuda_linear = {
-    lmc::gemm,          lmc::select_rows,  lmc::gather_rows, lmc::scatter_rows, lmc::fill,
-    lmc::broadcast_row, lmc::colsum,       lmc::sum,         lmc::cast,         lmc::split_hi_lo,
-    lmc::pick_entries,  lmc::tile_grad,
+    lmc::gemm, lmc::select_rows,   lmc::gather_rows,  lmc::scatter_rows,
+    lmc::fill, lmc::broadcast_row, lmc::colsum,       lmc::sum,
+    lmc::cast, lmc::split_hi_lo,   lmc::pick_entries, lmc::tile_grad,
 };

@@ -296,12 +296,10 @@ lmloss_cuda_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
   return lmc::run(a, logits->dtype, od, a.ent != NULL, 0, ctx);
 }
 
-extern "C" lmloss_status
-lmloss_cuda_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *logits,
-                               const lmloss_tensor *index, const lmloss_tensor *mask,
-                               const lmloss_transform *tr, const lmloss_tensor *dlogp,
-                               const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
-                               lmloss_grad_coef *coef) {
+extern "C" lmloss_status lmloss_cuda_log_probs_backward(
+    const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *tr, const lmloss_tensor *dlogp,
+    const lmloss_tensor *dentropy, const lmloss_tensor *dlogits, lmloss_grad_coef *coef) {
   lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
   a.coef = coef;
   if (coef && logits->dtype != LMLOSS_F32)

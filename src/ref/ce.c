@@ -118,10 +118,11 @@ lmloss_status lmloss_ref_cross_entropy(const lmloss_context *ctx, const lmloss_c
   return ce_run(in, opt, out, NULL, lmloss_present(&out->dlogits) ? &out->dlogits : NULL);
 }
 
-lmloss_status
-lmloss_ref_cross_entropy_backward(const lmloss_context *ctx, const lmloss_ce_inputs *in,
-                                  const lmloss_ce_options *opt, const lmloss_tensor *dloss,
-                                  const lmloss_tensor *dlogits, void *ws, size_t ws_bytes,
-                                  lmloss_grad_coef *coef) {
+lmloss_status lmloss_ref_cross_entropy_backward(const lmloss_context *ctx,
+                                                const lmloss_ce_inputs *in,
+                                                const lmloss_ce_options *opt,
+                                                const lmloss_tensor *dloss,
+                                                const lmloss_tensor *dlogits, void *ws,
+                                                size_t ws_bytes, lmloss_grad_coef *coef) {
   return ce_run(in, opt, NULL, dloss, dlogits);
 }
