@@ -267,9 +267,10 @@ typedef struct {
   /* Bytes of the whole workspace (lmloss_linear_workspace_size never asks
    * for more): the logits slab of a chunk of rows, its gradient, the
    * gathered hidden rows and their gradient, and per-row scalars. When the
-   * supervised rows need more than one chunk and dweight is wanted, dweight
-   * is computed in vocab tiles afterwards, each written once, in the same
-   * bytes. 0 = 256 MiB. A budget that cannot hold one row gives
+   * supervised rows need more than one chunk and dweight is wanted from a
+   * BF16/F16 head, dweight is computed in vocab tiles afterwards, each
+   * written once, in the same bytes (an F32 head sums it over the chunks
+   * in place). 0 = 256 MiB. A budget that cannot hold one row gives
    * LMLOSS_ERR_WORKSPACE_TOO_SMALL. */
   size_t memory_budget;
   /* When dweight / dbias are BF16/F16, sum them in fp32 and round once: a

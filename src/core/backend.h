@@ -48,10 +48,11 @@ typedef struct {
   lmloss_status (*cast)(const lmloss_context *, const lmloss_tensor *src, const lmloss_tensor *dst);
   /* hi + lo = src (F32) in the 16-bit dtype of hi and lo (lmloss_split_hi_lo).
    * lo may overlay src's own bytes, row i's lo at the start of row i. NULL
-   * in a backend without 16-bit heads. */
+   * in a backend without 16-bit heads, as are the two after it. */
   lmloss_status (*split_hi_lo)(const lmloss_context *, const lmloss_tensor *src,
                                const lmloss_tensor *hi, const lmloss_tensor *lo);
-  /* The exact entries of gradient rows grad [n, V]: for row r, the columns
+  /* The vocab tiles of 16-bit heads (NULL in a backend without them).
+   * The exact entries of gradient rows grad [n, V]: for row r, the columns
    * labels[r, 0..K) (I32/I64; labels may be NULL) and coef[r].a; cols [n, S]
    * (I64) gets them and vals [n, S] (F32) grad's values there (NaN for a
    * column outside [0, V)). */
@@ -72,8 +73,8 @@ typedef struct {
 
 /* The row ops take the public arguments, plus (for the ops that write a
  * gradient) coef: NULL, or [N] lmloss_grad_coef in the backend's memory,
- * which a backend with a fused head fills for every row it writes a
- * gradient for (the ref backend has none and leaves it). The fused head
+ * which a backend with 16-bit fused heads (the vocab tiles) fills for
+ * every row it writes a gradient for; the others leave it. The fused head
  * asks for it with F32 logits (its slab) only, and the CUDA backend
  * supports that case alone (no 16-bit kernel carries the store). */
 typedef struct {

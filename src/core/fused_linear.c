@@ -7,13 +7,13 @@
  *   the backend's own row op on the slab (CE or log-probs, forward and/or
  *   gradient, in place or into 16-bit dlogits: below)
  *   dhidden_c = dlogits W -> scattered back                      (GEMM 2)
- *   dW = dlogits^T hidden_c (one chunk), dbias += column sums    (GEMM 3)
- * so the numerics are exactly those of the logits ops. With more than one
- * chunk, dW comes after the chunks, in vocab tiles (vocab_tiles): never
- * summed over chunks, so no V x H accumulator and no V x H read-modify-
- * write per chunk. Memory beyond inputs and outputs is the workspace, and
- * the workspace is at most the budget. This file holds no math: it
- * sequences the backend's primitives.
+ *   dW += dlogits^T hidden_c, dbias += column sums               (GEMM 3)
+ * so the numerics are exactly those of the logits ops. A 16-bit head with
+ * more than one chunk takes dW after the chunks instead, in vocab tiles
+ * (vocab_tiles): no V x H fp32 accumulator, no V x H read-modify-write per
+ * chunk. Memory beyond inputs and outputs is the workspace, and the
+ * workspace is at most the budget. This file holds no math: it sequences
+ * the backend's primitives.
  *
  * A 16-bit weight gets dlogits in its dtype, so that GEMMs 2 and 3 run on
  * tensor cores. Rounded to bf16 once, dlogits would cost dhidden more than
@@ -61,8 +61,9 @@ typedef struct {
   int dl_separate; /* dlogits in the weight's 16-bit dtype, beside the fp32 slab */
   int split_dl;    /* and dhidden from their hi + lo halves, summed in fp32 at dh_acc */
   int acc_b_f32;
+  int tiles;     /* dW may come from vocab tiles: wanted, of a 16-bit head */
   int acc_w_f32; /* a 16-bit dW tile sums over row blocks in fp32 */
-  int tiled;     /* set per call: dW from vocab tiles (more than one row chunk) */
+  int tiled;     /* set per call: it does (more than one row chunk) */
 } linear_plan;
 
 static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
@@ -88,7 +89,6 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
                                const lmloss_head_grads *grads, int64_t K, linear_plan *p) {
   const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
   const size_t budget = hopt->memory_budget ? hopt->memory_budget : DEFAULT_BUDGET;
-  const int want_dw = grads && wants(&grads->dweight);
   memset(p, 0, sizeof *p);
   p->K = K;
   p->S = K + 1; /* the target or the K indices, and the argmax */
@@ -96,10 +96,11 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   p->dl_separate = has_grads(grads) && head->weight.dtype != LMLOSS_F32;
   p->dls = p->dl_separate ? p->hs : 0;
   p->split_dl = p->dl_separate && wants(&grads->dhidden);
-  p->acc_w_f32 = want_dw && grads->dweight.dtype != LMLOSS_F32 && hopt->fp32_accumulate;
+  p->tiles = p->dl_separate && wants(&grads->dweight);
+  p->acc_w_f32 = p->tiles && grads->dweight.dtype != LMLOSS_F32 && hopt->fp32_accumulate;
   size_t off = 0;
   p->list = off, off += up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
-  if (want_dw) {
+  if (p->tiles) {
     p->coef = off, off += up((size_t)N * sizeof(lmloss_grad_coef));
     p->cols = off, off += up((size_t)N * p->S * 8);
     p->vals = off, off += up((size_t)N * p->S * 4);
@@ -117,7 +118,7 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
                          (p->split_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
   const size_t slack = 8 * ALIGN + LMLOSS_CE_WS_HEADER; /* the buffers' rounding */
   int64_t rows = budget > off + slack ? (int64_t)((budget - off - slack) / per_row) : 0;
-  const size_t tiles_min = want_dw ? tile_bytes(p, 1, 1, H, p->acc_w_f32) : 0;
+  const size_t tiles_min = p->tiles ? tile_bytes(p, 1, 1, H, p->acc_w_f32) : 0;
   if (rows < 1 || budget < off + tiles_min)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
                        "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
@@ -399,12 +400,14 @@ static lmloss_status fill_unvisited(const linear_job *j, const lmloss_linear_pri
   return LMLOSS_OK;
 }
 
-/* dW when the supervised rows took more than one chunk: rather than sum
- * dW over the chunks (V x H read and written per chunk, in an fp32 copy
- * for a 16-bit dW), each vocab tile of dW is one GEMM over all M rows (or
- * a few blocks of them), written once. The tile's gradient is recomputed
- * from its logits (one more logits GEMM, in tiles) and the coefficients
- * and exact entries the chunks kept. */
+/* dW of a 16-bit head whose supervised rows took more than one chunk:
+ * rather than sum dW over the chunks (V x H read and written per chunk, in
+ * an fp32 copy for a 16-bit dW), each vocab tile of dW is one GEMM over
+ * all M rows (or a few blocks of them), written once. The tile's gradient
+ * is recomputed from its logits (one more logits GEMM, in tiles) and the
+ * coefficients and exact entries the chunks kept. Worth it where the GEMMs
+ * run on tensor cores; an F32 head's GEMMs (the CPU's, or fp32 ones on a
+ * GPU) cost more than the read-modify-write they would save. */
 static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims *L,
                                  const linear_plan *p, char *w, const int64_t *list, int64_t M) {
   const lmloss_head *h = j->head;
@@ -493,7 +496,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     accb = p.acc_b_f32 ? view(w + p.acc_b, LMLOSS_F32, dev, V, 1) : g->dbias;
   const int64_t nchunks = (M + p.rows - 1) / p.rows;
   const int want_dw = want_grad && wants(&g->dweight);
-  p.tiled = want_dw && nchunks > 1;
+  p.tiled = want_dw && p.tiles && nchunks > 1;
   for (int64_t c = 0; c < nchunks; c++) {
     const int64_t first = c * p.rows, n = M - first < p.rows ? M - first : p.rows;
     const int64_t *lc = list + first;
@@ -510,7 +513,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     /* in this order: dbias reads grad before the split overwrites it, dW its hi */
     if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &grad, beta, &accb));
     if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, &slab, &dl));
-    if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, 0.0f, &g->dweight));
+    if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &g->dweight));
   }
   if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M));
   if (want_grad) {

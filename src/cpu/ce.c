@@ -6,6 +6,8 @@
  * gradient, one write pass. Reductions add per-row results in row order,
  * so a result never depends on the thread count.
  */
+#include <stdlib.h>
+
 #include "common.h"
 #include "core/validate.h"
 #include "rowpass.h"
@@ -16,7 +18,6 @@ typedef struct {
   const lmloss_ce_outputs *out; /* forward only */
   const lmloss_tensor *dloss;   /* backward only */
   const lmloss_tensor *dlogits; /* NULL when no gradient is wanted */
-  lmloss_grad_coef *coef;       /* optional, with dlogits */
   const float *cw;              /* class weights, contiguous, or NULL */
   double class_sum;             /* C */
   double scale;                 /* reduction factor: 1, 1/denominator, 1/num_items */
@@ -55,7 +56,6 @@ static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
     }
     if (jb->dlogits)
       lmloss_cpu_row_fill(lmloss_cpu_row_mut(jb->dlogits, i), jb->dlogits->dtype, V, NAN);
-    if (jb->coef) jb->coef[i] = lmloss_grad_coef_nan();
     return NAN;
   }
   const float l1r = lmloss_rowstat_l1r(&s);
@@ -93,7 +93,6 @@ static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
   const float Q = fac * dftw * q.smooth;
   void *g = lmloss_cpu_row_mut(jb->dlogits, i);
   lmloss_cpu_row_grad(row, in->logits.dtype, V, &f, cw, s.m, P, 0.0f, Q, g, jb->dlogits->dtype);
-  if (jb->coef) jb->coef[i] = lmloss_grad_coef_make(&s, P, 0.0f, Q);
   lmloss_store(g, jb->dlogits->dtype, y, gy);
   lmloss_store(g, jb->dlogits->dtype, s.a, ga);
   return loss;
@@ -163,11 +162,23 @@ static lmloss_status ce_rows(const lmloss_context *ctx, ce_job *jb, void *ws) {
   return LMLOSS_OK;
 }
 
+/* A [V, 1] F32 tensor as a contiguous array: its own data when the stride
+ * is 1, else a copy in *owned (free it). NULL: out of memory. */
+static const float *contiguous(const lmloss_tensor *t, float **owned) {
+  *owned = NULL;
+  if (t->row_stride == 1) return (const float *)t->data;
+  float *c = (float *)malloc(sizeof(float) * (size_t)t->rows);
+  for (int64_t j = 0; c && j < t->rows; j++)
+    c[j] = *lmloss_cpu_f32_at(t, j);
+  *owned = c;
+  return c;
+}
+
 /* The rows, with the class weights as one contiguous array. */
 static lmloss_status ce_run(const lmloss_context *ctx, ce_job *jb, void *ws) {
   float *owned = NULL;
   if (lmloss_present(&jb->in->class_weight)) {
-    jb->cw = lmloss_cpu_column(&jb->in->class_weight, 0, jb->in->logits.cols, &owned);
+    jb->cw = contiguous(&jb->in->class_weight, &owned);
     if (!jb->cw) return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "no host memory for class weights");
   }
   lmloss_status s = ce_rows(ctx, jb, ws);
@@ -181,8 +192,7 @@ lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *ctx, const lmloss_c
   ce_job jb = {.in = in,
                .opt = opt,
                .out = out,
-               .dlogits = lmloss_present(&out->dlogits) ? &out->dlogits : NULL,
-               .coef = coef};
+               .dlogits = lmloss_present(&out->dlogits) ? &out->dlogits : NULL};
   return ce_run(ctx, &jb, ws);
 }
 
@@ -192,6 +202,6 @@ lmloss_status lmloss_cpu_cross_entropy_backward(const lmloss_context *ctx,
                                                 const lmloss_tensor *dloss,
                                                 const lmloss_tensor *dlogits, void *ws,
                                                 size_t ws_bytes, lmloss_grad_coef *coef) {
-  ce_job jb = {.in = in, .opt = opt, .dloss = dloss, .dlogits = dlogits, .coef = coef};
+  ce_job jb = {.in = in, .opt = opt, .dloss = dloss, .dlogits = dlogits};
   return ce_run(ctx, &jb, ws);
 }

@@ -3,7 +3,6 @@
 #define LMLOSS_CPU_COMMON_H
 
 #include <omp.h>
-#include <stdlib.h>
 
 #include "core/backend.h"
 #include "math/dtype.h"
@@ -35,20 +34,6 @@ static inline void *lmloss_cpu_row_mut(const lmloss_tensor *t, int64_t i) {
 /* Element (i, 0) of a 1-D F32 tensor. */
 static inline float *lmloss_cpu_f32_at(const lmloss_tensor *t, int64_t i) {
   return (float *)t->data + i * t->row_stride;
-}
-
-/* Elements first..first+n of a [rows, 1] F32 tensor as a contiguous array:
- * its own data when the stride is 1, else a copy in *owned (free it; NULL
- * when none was made). NULL with *owned NULL: out of memory. */
-static inline const float *lmloss_cpu_column(const lmloss_tensor *t, int64_t first, int64_t n,
-                                             float **owned) {
-  *owned = NULL;
-  if (t->row_stride == 1) return (const float *)t->data + first;
-  float *c = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
-  for (int64_t j = 0; c && j < n; j++)
-    c[j] = *lmloss_cpu_f32_at(t, first + j);
-  *owned = c;
-  return c;
 }
 
 static inline int lmloss_cpu_masked_out(const lmloss_tensor *mask, int64_t i) {

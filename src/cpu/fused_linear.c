@@ -10,7 +10,6 @@
 
 #include "common.h"
 #include "core/validate.h"
-#include "rowpass.h"
 
 static lmloss_status gemm(const lmloss_context *ctx, int t_a, int t_b, float alpha,
                           const lmloss_tensor *a, const lmloss_tensor *b, float beta,
@@ -134,51 +133,8 @@ static lmloss_status cast(const lmloss_context *ctx, const lmloss_tensor *src,
   return LMLOSS_OK;
 }
 
-static lmloss_status pick_entries(const lmloss_context *ctx, const lmloss_tensor *grad,
-                                  const lmloss_tensor *labels, const lmloss_grad_coef *coef,
-                                  const lmloss_tensor *cols, const lmloss_tensor *vals) {
-  const int64_t K = labels ? labels->cols : 0, V = grad->cols;
-  for (int64_t r = 0; r < grad->rows; r++) {
-    int64_t *c = (int64_t *)lmloss_cpu_row_mut(cols, r);
-    float *v = (float *)lmloss_cpu_row_mut(vals, r);
-    const void *g = lmloss_cpu_row(grad, r);
-    for (int64_t s = 0; s <= K; s++) {
-      c[s] = s < K ? lmloss_index_at(labels, r, s) : coef[r].a;
-      v[s] = c[s] >= 0 && c[s] < V ? lmloss_load(g, grad->dtype, c[s]) : NAN;
-    }
-  }
-  return LMLOSS_OK;
-}
-
-static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, int64_t j0,
-                               const lmloss_transform *tr, const lmloss_tensor *class_weight,
-                               const lmloss_grad_coef *coef, const lmloss_tensor *cols,
-                               const lmloss_tensor *vals, const lmloss_tensor *dl) {
-  const lmloss_xform f = lmloss_xform_make(*tr);
-  const int64_t t = slab->cols;
-  float *owned = NULL;
-  const float *cw =
-      lmloss_present(class_weight) ? lmloss_cpu_column(class_weight, j0, t, &owned) : NULL;
-  if (lmloss_present(class_weight) && !cw)
-    return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "no host memory for class weights");
-  const int nt = lmloss_cpu_row_threads(ctx, slab->rows * t);
-#pragma omp parallel for num_threads(nt)
-  for (int64_t r = 0; r < slab->rows; r++) {
-    const lmloss_grad_coef *c = &coef[r];
-    void *g = lmloss_cpu_row_mut(dl, r);
-    lmloss_cpu_row_grad(lmloss_cpu_row(slab, r), LMLOSS_F32, t, &f, cw, c->m, c->p, c->p2, c->q, g,
-                        dl->dtype);
-    const int64_t *col = cols ? (const int64_t *)lmloss_cpu_row(cols, r) : NULL;
-    const float *val = cols ? (const float *)lmloss_cpu_row(vals, r) : NULL;
-    for (int64_t s = 0; col && s < cols->cols; s++)
-      if (col[s] >= j0 && col[s] < j0 + t) lmloss_store(g, dl->dtype, col[s] - j0, val[s]);
-  }
-  free(owned);
-  return LMLOSS_OK;
-}
-
+/* split_hi_lo, pick_entries and tile_grad: 16-bit heads only. */
 const lmloss_linear_prims lmloss_cpu_linear = {
-    gemm,          select_rows, gather_rows, scatter_rows, fill,
-    broadcast_row, colsum,      sum,         cast,         NULL, /* split_hi_lo: F32 heads only */
-    pick_entries,  tile_grad,
+    gemm,   select_rows, gather_rows, scatter_rows, fill, broadcast_row,
+    colsum, sum,         cast,        NULL,         NULL, NULL,
 };

@@ -73,7 +73,6 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
     lmloss_cpu_row_stats(row, logits->dtype, V, &f, NULL, dentropy != NULL, 0, &s, &bad);
     if (bad || !lmloss_rowstat_finite(&s)) {
       lmloss_cpu_row_fill(g, dlogits->dtype, V, NAN);
-      if (coef) coef[i] = lmloss_grad_coef_nan();
       continue;
     }
     const float *dl = dlogp ? (const float *)lmloss_cpu_row(dlogp, i) : NULL;
@@ -98,7 +97,6 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
       fix[k] = gz * lmloss_xform_dzdx(&f, x);
     }
     lmloss_cpu_row_grad(row, logits->dtype, V, &f, NULL, s.m, P, P2, 0.0f, g, dlogits->dtype);
-    if (coef) coef[i] = lmloss_grad_coef_make(&s, P, P2, 0.0f);
     for (int64_t k = 0; k < K; k++)
       lmloss_store(g, dlogits->dtype, lmloss_index_at(index, i, k), fix[k]);
   }

@@ -906,7 +906,7 @@ static void ce_suite(lmloss_dtype dt) {
         c.opt.num_items = 37.5, c.opt.grad_output = 0.75f;
         c.margin = (double[]){-1, 5, 17, -1}[k % 4], c.bias = k % 2, c.outs = k % 3 != 1;
         c.gwdt = dt == LMLOSS_BF16 && k % 2 ? LMLOSS_BF16 : LMLOSS_F32;
-        c.chunks = r % 2; /* dW from vocab tiles: every option through tile_grad */
+        c.chunks = r % 2; /* bf16: dW from vocab tiles, every option through tile_grad */
         int all = o == 12, mix1 = o == 10 || all, mix2 = o == 11 || all;
         if (o == 0 || mix1) c.ignore_frac = 0.75, c.opt.ignore_index = o == 0 ? -1 : -100;
         if (o == 1 || mix1) c.opt.label_smoothing = 0.1f;

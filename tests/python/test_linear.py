@@ -179,8 +179,7 @@ def test_ce_chunks():
 
 def test_ce_strided_class_weight():
     """A class_weight view with a stride (every other element of a buffer)
-    reads as its elements, in the row op and in the vocab tiles (a budget
-    of a few rows makes dW come from them)."""
+    reads as its elements, in chunks of three rows and in one chunk."""
     rng = np.random.default_rng(11)
     n, v = 13, 1003
     y = targets(rng, n, v, ignore_frac=0.2)
@@ -290,7 +289,7 @@ def test_log_probs_chunks():
     def backward(m):
         return lmloss.linear_log_probs_backward(hid, w, idx, dlogp, dent, bias=b, mask=mask,
                                                 memory_budget=m)
-    b1 = one_row_budget(backward)  # its own: dW's vocab tiles keep per-row coefficients
+    b1 = one_row_budget(backward)  # its own: the backward's buffers differ
     bwd = [backward(m) for m in (b1, 3 * b1, None)]
     for i in range(2):
         rows_close(fwd[i][0], R.f64(fwd[2][0]), CHUNK_TOL, "logp")
