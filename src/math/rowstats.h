@@ -154,11 +154,13 @@ LMLOSS_HD float lmloss_ce_grad_z(const lmloss_ce_coef *q, const lmloss_rowstat *
 }
 
 /* A row's gradient away from its exact entries (the target or the
- * indices, and the argmax), in the shape every op shares: dz_j = e_j (p + p2 dk_j) - q c_j, e_j =
- * exp(dk_j), dk_j = (w_j - m) k, c_j the class weight (1 without), then dx_j = dz_j dz/dx_j. A row
- * op writes it beside the gradient row, so that the fused head can recompute any vocab tile of the
- * row from that tile's logits alone (src/core/fused_linear.c). a: the argmax (-1 when the row's
- * statistics are not finite; p, q are NaN then). */
+ * indices, and the argmax), in the shape every op shares:
+ *   dz_j = e_j (p + p2 dk_j) - q c_j,  e_j = exp(dk_j),  dk_j = (w_j - m) k,
+ * c_j the class weight (1 without), then dx_j = dz_j dz/dx_j. A row op
+ * writes it beside the gradient row, so that the fused head can recompute
+ * any vocab tile of the row from that tile's logits alone
+ * (src/core/fused_linear.c). a: the argmax (-1 when the row's statistics
+ * are not finite; p, q are NaN then). */
 typedef struct {
   float m, p, p2, q;
   int64_t a;
