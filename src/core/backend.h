@@ -60,8 +60,8 @@ typedef struct {
                                 const lmloss_tensor *labels, const lmloss_grad_coef *coef,
                                 const lmloss_tensor *cols,
                                 const lmloss_tensor *vals); /* S = K + 1 */
-  /* A vocab tile of gradient rows: dl [n, t] from the rows' logits slab
-   * [n, t] (F32; dl may be slab itself), which are columns j0..j0+t of
+  /* A vocab tile of gradient rows: dl [n, t] (the head's 16-bit dtype)
+   * from the rows' logits slab [n, t] (F32), which are columns j0..j0+t of
    * rows V wide: lmloss_grad_coef's shape with coef[r] and
    * class_weight[j0 + j] (optional [V, 1]), then the entries cols / vals
    * (pick_entries) that fall in the tile. */

@@ -433,11 +433,8 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
         TRY(L->broadcast_row(j->ctx, &bt, &slab));
       }
       TRY(L->gemm(j->ctx, 0, 1, 1.0f, &hb, &wt, wants(&h->bias) ? 1.0f : 0.0f, &slab));
-      lmloss_tensor dl = slab;
-      if (p->dl_separate) {
-        dl = view(w + t.dl, h->weight.dtype, dev, n, tc);
-        dl.row_stride = t.cols;
-      }
+      lmloss_tensor dl = view(w + t.dl, h->weight.dtype, dev, n, tc); /* a 16-bit head's */
+      dl.row_stride = t.cols;
       lmloss_tensor cols = entries(p, w, p->cols, LMLOSS_I64, dev, first, n, count);
       lmloss_tensor vals = entries(p, w, p->vals, LMLOSS_F32, dev, first, n, count);
       TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL, coef_at(p, w, first), &cols,

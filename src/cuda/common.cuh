@@ -922,11 +922,12 @@ struct Plan {
  * opt-in limit) are read twice, the second time from L2. A one-pass row
  * (forward only) is streamed through registers by one CTA: measured on
  * the H200, staging it in a cluster cost more in barriers than it saved
- * (1.9 ms against 1.1 ms at bf16 8192 x 152064). Threads: 256 (128 for narrow chunks), so each owns
- * several 16-byte vectors; a staged chunk of fewer than 4096 vectors gets
- * 128, so that about 800 instructions a warp spends on each row (ncu,
- * ce-grad, 84f54d3: prologue, block max, the merge, the row scalars) are
- * paid by half the warps, and more CTAs (rows) share an SM. */
+ * (1.9 ms against 1.1 ms at bf16 8192 x 152064). Threads: 256, so each
+ * owns several 16-byte vectors, but 128 for a chunk of fewer than 1024
+ * vectors, or 4096 when staged: there the about 800 instructions a warp
+ * spends on each row (ncu, ce-grad, 84f54d3: prologue, block max, the
+ * merge, the row scalars) are paid by half the warps, and more CTAs
+ * (rows) share an SM. */
 static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
                              size_t extra_per_vector_bits, int maxcs) {
   Plan p = {};

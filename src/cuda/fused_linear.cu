@@ -355,8 +355,7 @@ static lmloss_status pick_entries(const lmloss_context *ctx, const lmloss_tensor
 /* A row per blockIdx.y, four columns per thread across blockIdx.x:
  * elementwise, each logit read once and its gradient written once, so
  * memory-bound (16-byte loads, 8- or 16-byte stores, the exponential as
- * the row kernels form it: one multiply and ex2). cw: class weights.
- * dl may be the slab itself (F32): a thread reads its elements first. */
+ * the row kernels form it: one multiply and ex2). cw: class weights. */
 template <typename O, bool CAP>
 __global__ void tile_grad_kernel(const float *slab, int64_t sstride, int64_t j0, int64_t tc, Xf X,
                                  const float *cw, int64_t cwstride, const lmloss_grad_coef *coef,
@@ -425,13 +424,10 @@ static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *s
                        ((uintptr_t)slab->data | (uintptr_t)dl->data) % 16 == 0;
   const dim3 grid((unsigned)(bx < 64 ? bx : 64), (unsigned)(n < 65535 ? n : 65535));
   const Xf X = make_xf(*tr);
-  switch (dl->dtype) {
-  case LMLOSS_BF16:
+  if (dl->dtype == LMLOSS_BF16) /* the head's 16-bit dtype: only 16-bit heads take tiles */
     launch_tile_grad<bf16>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned);
-    break;
-  case LMLOSS_F16: launch_tile_grad<f16>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned); break;
-  default: launch_tile_grad<float>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned); break;
-  }
+  else
+    launch_tile_grad<f16>(grid, st, slab, j0, X, cw, cws, coef, dl, aligned);
   lmloss_status s = check_launch("tile_grad");
   if (s != LMLOSS_OK) return s;
   const int64_t ne = n * cols->cols, blocks = (ne + 255) / 256;
