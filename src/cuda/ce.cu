@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
   const float k = X.f.k;
   const bool U = a.eps > 0.0f;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
-  bool prefetched = false; /* the stage holds row i (see second_pass) */
+  Stage st(stage, red.halves, ch, a.staged);
 
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
@@ -153,8 +153,8 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    const bool one_max = first_pass<T>(a.staged, stage, part, grad, X, Smooth{U, a.cw, a.cws}, acc,
-                                       &red, prefetched);
+    const bool one_max =
+        first_pass<T>(a.staged, st, part, grad, X, Smooth{U, a.cw, a.cws}, acc, &red);
     /* The target's logit, read before any CTA of the cluster writes (the
      * gradient may overwrite the logits in place). */
     const bool y_ok = y >= 0 && y < a.V;
@@ -237,14 +237,14 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
 
     /* The CTA's next row, copied in by the gradient pass unless ignored. */
     const int64_t in = i + rw.step;
-    prefetched = a.staged && in < a.N && ld_index(a.tgt, a.tgt64, in * a.ts) != a.ignore;
-    const NextRow<In> next(prefetched, a.x, in, a.xs, part);
+    const bool has = a.staged && in < a.N && ld_index(a.tgt, a.tgt64, in * a.ts) != a.ignore;
+    const NextRow<In> next(has, a.x, in, a.xs, part);
 
     /* The gradient pass, one loop per class-weight case (a runtime branch
      * in one loop let the compiler hoist the weights' 64-bit addressing
      * into every vector). */
     auto grad_pass = [&](auto with_cw) {
-      second_pass(a.staged, stage, part, next, [&](int v, const Raw<In> &rv) {
+      second_pass(a.staged, st, part, next, [&](int v, const Raw<In> &rv) {
         write_grad(X, rv, out, v, [&](const float *w, float *g) {
           if constexpr (decltype(with_cw)::value) {
             const int64_t j0 = ch.jb + (int64_t)v * NV;

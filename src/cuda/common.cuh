@@ -22,6 +22,7 @@
 #include <limits.h>
 #include <mutex>
 #include <stdint.h>
+#include <type_traits>
 
 extern "C" {
 #include "core/backend.h"
@@ -323,14 +324,16 @@ struct Acc {
     return h;
   }
 
-  /* Add a vector (w, already transformed) against m. The argmax entry is
-   * taken out (-inf) so that the exp loop adds everything else, ties
-   * included (a tie adds its 1 to r). */
-  template <bool T, int NV>
-  __device__ __forceinline__ void vec(const Xf &X, float *w, int64_t j0, int64_t V, bool U,
-                                      const float *cw, int64_t cw_stride) {
-    if (U) {                     /* smoothing sums, the argmax's own term is 0 */
-      if (!cw && j0 + NV <= V) { /* the common case: unit weights, a whole vector */
+  /* Add a vector (w, already transformed; its first element at j0(),
+   * computed only where needed) against m. find: the caller knows this
+   * vector holds this thread's first occurrence of m (see look); that
+   * entry is taken out (-inf) so that the exp loop adds everything else,
+   * ties included (a tie adds its 1 to r). */
+  template <bool T, int NV, typename J0>
+  __device__ __forceinline__ void vec(const Xf &X, float *w, J0 j0, int64_t V, bool U,
+                                      const float *cw, int64_t cw_stride, bool find) {
+    if (U) {                       /* smoothing sums, the argmax's own term is 0 */
+      if (!cw && j0() + NV <= V) { /* the common case: unit weights, a whole vector */
         float d = 0.0f;
 #pragma unroll
         for (int i = 0; i < NV; i++)
@@ -338,17 +341,18 @@ struct Acc {
         u = fmaf(d, X.f.k, u);
         c += (float)NV;
       } else {
+        const int64_t jb = j0();
 #pragma unroll
         for (int i = 0; i < NV; i++) {
-          if (j0 + i < V) {
-            float cj = cw ? cw[(j0 + i) * cw_stride] : 1.0f;
+          if (jb + i < V) {
+            float cj = cw ? cw[(jb + i) * cw_stride] : 1.0f;
             u = fmaf(cj, (mref - w[i]) * X.f.k, u);
             c += cj;
           }
         }
       }
     }
-    if (look && hit<NV>(w, m)) {
+    if (find) {
       int im = NV;
 #pragma unroll
       for (int i = NV - 1; i >= 0; i--)
@@ -357,19 +361,26 @@ struct Acc {
 #pragma unroll
         for (int i = 0; i < NV; i++)
           if (i == im) w[i] = -INFINITY;
-        a = j0 + im;
+        a = j0() + im;
         look = false;
       }
     }
     /* A -inf logit gives ex2(-inf) = 0; only the entropy term, 0 * p,
-     * needs the clamp. */
+     * needs the clamp. The vector's terms add pairwise (a chain of
+     * log2(NV) adds, not NV, for the few warps a staged CTA has). */
+    float e[NV];
 #pragma unroll
     for (int i = 0; i < NV; i++) {
       const float p = T ? fmaxf(ref.p(X, w[i]), X.pmin) : ref.p(X, w[i]);
-      const float e = ex2(p);
-      r += e;
-      if (T) tn = fmaf(e, p, tn);
+      e[i] = ex2(p);
+      if (T) tn = fmaf(e[i], p, tn);
     }
+#pragma unroll
+    for (int h = NV / 2; h > 0; h /= 2)
+#pragma unroll
+      for (int i = 0; i < h; i++)
+        e[i] += e[i + h];
+    r += e[0];
   }
 };
 
@@ -386,15 +397,17 @@ struct Part {
   int bad;
 };
 
-/* Shared memory of the reductions: one slot per warp, the block result,
- * two cluster slots (double-buffered by row parity, so one cluster
- * barrier per row suffices), and block_max's warp maxima and result. */
+/* Static shared memory of a row kernel: the reductions' slot per warp,
+ * the block result, two cluster slots (double-buffered by row parity, so
+ * one cluster barrier per row suffices), block_max's warp maxima and
+ * result, and the stage's two mbarriers (Stage). */
 struct RedSmem {
   Part warp[32];
   Part block;
   Part cluster[2];
   float wmax[32];
   float bmax;
+  unsigned long long halves[2];
 };
 
 /* The block max of the staged sweep (NaN if any thread saw one). Contains
@@ -674,8 +687,9 @@ __device__ __forceinline__ float raw_max(const Raw<bf16> &r) {
 }
 __device__ __forceinline__ float raw_max(const Raw<f16> &r) { return packed_max<__half2>(r.u); }
 
-template <typename In> __device__ __forceinline__ float vec_max(const Xf &X, const Raw<In> &r) {
-  if (X.f.cap == 0.0f) return raw_max(r);
+template <bool CAP, typename In>
+__device__ __forceinline__ float vec_max(const Xf &X, const Raw<In> &r) {
+  if (!CAP) return raw_max(r);
   constexpr int NV = elt<In>::NV;
   float w[NV];
   unpack<In, NV>(r, w);
@@ -686,13 +700,68 @@ template <typename In> __device__ __forceinline__ float vec_max(const Xf &X, con
     m = max_nan(m, w[i]);
   return m;
 }
+template <typename In> __device__ __forceinline__ float vec_max(const Xf &X, const Raw<In> &r) {
+  return X.f.cap == 0.0f ? vec_max<false>(X, r) : vec_max<true>(X, r);
+}
 
-/* 16-byte asynchronous copies global -> shared (sm_80+): the bytes land
- * in shared memory without passing through registers, so a thread can
- * have all of its chunk in flight at once. */
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
-  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+/* ------------------------------------------------------------------ */
+/* The stage: a CTA's chunk of a two-pass row in shared memory         */
+/* ------------------------------------------------------------------ */
+
+__device__ __forceinline__ unsigned smem_addr(const void *p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+/* Shared-memory accesses by 32-bit shared address: through a generic
+ * pointer the compiler re-derived the cluster window of the dynamic
+ * stage (S2UR SR_CgaCtaId, four uniform instructions) on every vector
+ * (ncu's per-line counts, ce-grad, 54980e5). Volatile keeps them after
+ * the waits for the copies that fill them. */
+__device__ __forceinline__ uint4 lds16(unsigned a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a));
+  return v;
+}
+__device__ __forceinline__ void sts16(unsigned a, const uint4 &v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LMLOSS_BULK_COPY 1
+/* sm_90: the copy engine moves a half chunk in one instruction and counts
+ * its bytes on an mbarrier. */
+__device__ __forceinline__ void mbar_init(unsigned bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void *src, unsigned bytes,
+                                          unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+               "[%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+#else
+/* Below sm_90: 16-byte asynchronous copies by each thread of its own
+ * slots, one commit group per half. */
+__device__ __forceinline__ void cp_async16(unsigned dst, const void *src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -700,44 +769,107 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
+#endif
 
-/* Thread t's share of a staged chunk: slots q = 0 .. n-1 of the stage
- * hold vectors t + q B, copied asynchronously where 16-byte aligned and
- * complete (q < nw), else by element loads padded with -inf. A thread only
- * ever reads back the slots it copied itself, so no barrier is needed. */
-template <typename In> struct StageCopy {
-  RowPart<In> p;
-  const uint4 *src;
-  uint4 *mine;
-  int t, Bi, n, nw;
+/* The stage holds vector v of the CTA's chunk in slot v (16 bytes); thread
+ * t reads slots t, t + B, ... (q = 0, 1, ...). It is filled in two halves,
+ * vectors [0, h) and [h, nv) with h = nh B, so thread t's slots q < nh
+ * are exactly its first-half ones: the max sweep starts on the first half
+ * while the second is in flight, and the gradient pass hands the first
+ * half to the next row as soon as every thread has written its part of
+ * it. The whole 16-byte vectors of an aligned row come in by one bulk
+ * copy per half (sm_90; per-thread cp.async below); a vector crossing the
+ * row's end, and every vector of an unaligned row, is loaded by the
+ * thread that owns it with element loads padded with -inf. ready: the
+ * stage already holds the row the next first_pass wants. Construct it
+ * uniformly: when staged it initializes the barriers behind a
+ * __syncthreads. */
+struct Stage {
+  unsigned slot0, mine, stride; /* shared addresses of slot 0 and slot t; B * 16 */
+  unsigned bars, parity;        /* the halves' mbarriers and their next phase (sm_90) */
+  int n, nh;                    /* this thread's vectors; vectors per thread in the first half */
+  bool ready;
 
-  __device__ __forceinline__ StageCopy(uint4 *stage, const RowPart<In> &part) : p(part) {
-    constexpr int NV = elt<In>::NV;
-    const int64_t B = blockDim.x, nv = p.ch.nv;
-    t = (int)threadIdx.x;
-    Bi = (int)B;
-    n = nv > t ? (int)((nv - 1 - t) / B) + 1 : 0;
-    const int64_t whole = p.aligned ? (p.ch.je - p.ch.jb) / NV : 0; /* complete vectors */
-    nw = whole > t ? min(n, (int)((whole - 1 - t) / B) + 1) : 0;
-    src = (const uint4 *)(p.row + p.ch.jb) + t; /* read only where aligned */
-    mine = stage + t;
+  __device__ Stage(uint4 *stage, unsigned long long *halves, const Chunk &ch, bool staged) {
+    const int t = threadIdx.x, B = blockDim.x, nv = (int)ch.nv; /* a chunk < 2^31 vectors */
+    slot0 = smem_addr(stage);
+    mine = slot0 + 16u * (unsigned)t;
+    stride = 16u * (unsigned)B;
+    bars = smem_addr(halves);
+    parity = 0;
+    n = nv > t ? (nv - 1 - t) / B + 1 : 0;
+    nh = ((nv + B - 1) / B + 1) / 2;
+    ready = false;
+    if (!staged) return;
+#ifdef LMLOSS_BULK_COPY
+    if (t == 0) {
+      mbar_init(bars);
+      mbar_init(bars + 8);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+#endif
+    __syncthreads();
   }
-  __device__ __forceinline__ void operator()(int q) const {
-    if (q < nw)
-      cp_async16(mine + q * Bi, src + q * Bi);
+
+  __device__ __forceinline__ uint4 lds(int q) const { return lds16(mine + (unsigned)q * stride); }
+
+  /* Start filling half `half` with the CTA's chunk of row p (all threads). */
+  template <typename In> __device__ __forceinline__ void load(const RowPart<In> &p, int half) {
+    constexpr int NV = elt<In>::NV;
+    const int t = threadIdx.x, B = blockDim.x, nv = (int)p.ch.nv;
+    const int whole = p.aligned ? (int)((p.ch.je - p.ch.jb) / NV) : 0; /* complete vectors */
+    const int lo = half ? nh * B : 0, hi = half ? nv : min(nh * B, nv);
+    const uint4 *src = (const uint4 *)(p.row + p.ch.jb); /* read only where aligned */
+#ifdef LMLOSS_BULK_COPY
+    if (t == 0) {
+      const int wl = min(lo, whole), wh = min(hi, whole);
+      const unsigned bytes = wh > wl ? 16u * (unsigned)(wh - wl) : 0u;
+      mbar_expect(bars + 8u * half, bytes); /* no bytes: this arrival completes the phase */
+      if (bytes) bulk_copy(slot0 + 16u * (unsigned)wl, src + wl, bytes, bars + 8u * half);
+    }
+    const int from = max(lo, whole);
+#else
+    const int from = lo;
+#endif
+    int q = from > t ? (from - t + B - 1) / B : 0;
+    for (int v = t + q * B; v < hi; v += B, q++) {
+#ifndef LMLOSS_BULK_COPY
+      if (v < whole) {
+        cp_async16(mine + (unsigned)q * stride, src + v);
+        continue;
+      }
+#endif
+      sts16(mine + (unsigned)q * stride, p.load(v, false).u);
+    }
+#ifndef LMLOSS_BULK_COPY
+    cp_async_commit();
+#endif
+  }
+
+  /* Wait until half `half` has landed (all threads; each load of a row is
+   * waited once per half, in order). */
+  __device__ __forceinline__ void wait(int half) {
+#ifdef LMLOSS_BULK_COPY
+    mbar_wait(bars + 8u * half, parity);
+    if (half) parity ^= 1u;
+#else
+    if (half)
+      cp_async_wait<0>();
     else
-      mine[q * Bi] = p.load(t + (int64_t)q * Bi, false).u;
+      cp_async_wait<1>();
+#endif
   }
 };
 
 /* The first pass of a row kernel over a CTA's vectors, adding each to acc
  * in increasing v per thread (a thread meets its first argmax first).
- * Staged: every vector of the chunk is copied into the stage at once
- * (StageCopy), in two commit groups so the thread sweeps its first half
- * for the max while the second is still in flight, unless the previous
- * row's second pass already copied this row in (prefetched); acc is
- * seeded with the CTA's max before the steps, and the return value says
- * whether that max is finite (then reduce_row can just add).
+ * Staged: the chunk is loaded into the stage (unless the previous row's
+ * second pass already did), the thread sweeps its slots for the max, the
+ * first half while the second is in flight, and notes the first slot
+ * holding its own max; acc is seeded with the CTA's max, then adds every
+ * slot, taking the argmax out of that noted slot; the return value says
+ * whether the CTA's max is finite (then reduce_row can just add). The
+ * loops are compiled apart with and without softcap.
  * Unstaged: register loads, four in flight per thread (keep: held in L2
  * for the second pass); acc is raised to the warp's max before each batch
  * of four. A one-pass row (!keep, aligned) takes its whole batches without
@@ -745,48 +877,57 @@ template <typename In> struct StageCopy {
  * rows are rare, that second loop would cost registers). Each vector is
  * transformed and added to acc (with label smoothing's sums where sm.on). */
 template <bool T, typename In>
-__device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowPart<In> &p,
-                                           bool keep, const Xf &X, Smooth sm, Acc &acc,
-                                           RedSmem *red, bool prefetched = false) {
+__device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart<In> &p, bool keep,
+                                           const Xf &X, Smooth sm, Acc &acc, RedSmem *red) {
   constexpr int NV = elt<In>::NV;
   const int64_t B = blockDim.x, t = threadIdx.x, nv = p.ch.nv;
+  if (staged) {
+    if (!st.ready) {
+      st.load(p, 0);
+      st.load(p, 1);
+    }
+    st.ready = false;
+    const int n = st.n, n0 = min(n, st.nh), Bi = (int)B, ti = (int)t;
+    auto sweep = [&](auto capped) {
+      constexpr bool CAP = decltype(capped)::value;
+      float M = -INFINITY;
+      int qa = -1; /* the first slot holding this thread's max */
+      auto mx = [&](int q) {
+        Raw<In> r;
+        r.u = st.lds(q);
+        const float vm = vec_max<CAP>(X, r);
+        if (vm > M) qa = q;
+        M = max_nan(M, vm);
+      };
+      st.wait(0);
+      for (int q = 0; q < n0; q++)
+        mx(q);
+      st.wait(1);
+      for (int q = n0; q < n; q++)
+        mx(q);
+      const float Mb = block_max(M, red);
+      acc.seed(X, M, Mb);
+      for (int q = 0; q < n; q++) {
+        Raw<In> r;
+        r.u = st.lds(q);
+        float w[NV];
+        unpack<In, NV>(r, w);
+        if (CAP) acc.xform<NV>(X, w);
+        const int v = ti + q * Bi;
+        acc.vec<T, NV>(X, w, [&] { return p.ch.jb + (int64_t)v * NV; }, p.V, sm.on, sm.cw, sm.cws,
+                       acc.look && q == qa);
+      }
+      return Mb > -INFINITY;
+    };
+    return X.f.cap > 0.0f ? sweep(std::true_type{}) : sweep(std::false_type{});
+  }
   auto step = [&](int64_t v, const Raw<In> &rv) {
     float w[NV];
     unpack<In, NV>(rv, w);
     acc.xform<NV>(X, w);
-    acc.vec<T, NV>(X, w, p.ch.jb + v * NV, p.V, sm.on, sm.cw, sm.cws);
+    acc.vec<T, NV>(X, w, [&] { return p.ch.jb + v * NV; }, p.V, sm.on, sm.cw, sm.cws,
+                   acc.look && Acc::hit<NV>(w, acc.m));
   };
-  if (staged) { /* a chunk holds < 2^31 vectors: 32-bit counters, one base each */
-    const StageCopy<In> copy(stage, p);
-    const int Bi = copy.Bi, n = copy.n, half = (n + 1) / 2;
-    const uint4 *mine = copy.mine;
-    if (prefetched) {
-      cp_async_wait<0>();
-    } else {
-      for (int q = 0; q < half; q++)
-        copy(q);
-      cp_async_commit();
-      for (int q = half; q < n; q++)
-        copy(q);
-      cp_async_commit();
-      cp_async_wait<1>();
-    }
-    float M = -INFINITY;
-    for (int q = 0; q < n; q++) {
-      if (q == half) cp_async_wait<0>();
-      Raw<In> r;
-      r.u = mine[q * Bi];
-      M = max_nan(M, vec_max<In>(X, r));
-    }
-    const float Mb = block_max(M, red);
-    acc.seed(X, M, Mb);
-    for (int q = 0; q < n; q++) {
-      Raw<In> r;
-      r.u = mine[q * Bi];
-      step(t + (int64_t)q * B, r);
-    }
-    return Mb > -INFINITY;
-  }
   /* Batches of four vectors per lane, the warp in step: the warp's max
    * over the batch is raised once for every lane before the batch is
    * added. */
@@ -794,7 +935,7 @@ __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowP
     float Mt = -INFINITY;
 #pragma unroll
     for (int q = 0; q < 4; q++)
-      Mt = max_nan(Mt, vec_max<In>(X, r[q]));
+      Mt = max_nan(Mt, vec_max(X, r[q]));
     float M = Mt;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1)
@@ -837,7 +978,7 @@ __device__ __forceinline__ bool first_pass(bool staged, uint4 *stage, const RowP
 
 /* The CTA's next row, row in of x (row stride xs), which second_pass
  * copies into the stage when has (the kernel's rule: staged, in < N, and
- * a row it reads); the kernel's next first_pass is then prefetched. */
+ * a row it reads); the kernel's next first_pass then finds it ready. */
 template <typename In> struct NextRow {
   bool has;
   RowPart<In> part;
@@ -852,36 +993,35 @@ template <typename In> struct NextRow {
   }
 };
 
-/* The second pass takes each thread's vectors back from the stage (the
- * very vectors it staged itself), or re-reads them (ld) from L2 newest
- * lines first, two in flight. Staged with next.has: the chunk of the
- * CTA's next row is copied into each slot as soon as the slot's vector is
- * written, so the next row's load overlaps this row's arithmetic and
- * stores without a second stage. The copy is issued after the slot's
- * store, which depends on the slot's load, so it cannot overwrite the
- * slot before it was read. */
+/* The second pass takes each thread's vectors back from the stage, or
+ * re-reads them (ld) from L2 newest lines first, two in flight. Staged:
+ * once every thread has written its first-half vectors (a barrier), the
+ * next row's first half is loaded into them (when next.has), and its
+ * second half after the second; so the next row's load overlaps this
+ * row's arithmetic and stores without a second stage, and the stage is
+ * free when the pass returns. Contains __syncthreads when staged: call
+ * uniformly. */
 template <typename In, typename Body>
-__device__ __forceinline__ void second_pass(bool staged, uint4 *stage, const RowPart<In> &p,
+__device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPart<In> &p,
                                             const NextRow<In> &next, Body body) {
   const int64_t nv = p.ch.nv;
   auto ld = [&](int64_t v) { return p.load(v, false); };
-  if (staged && next.has) {
-    const StageCopy<In> copy(stage, next.part); /* same chunk: the same slots */
-    for (int v = threadIdx.x, q = 0; v < (int)nv; v += blockDim.x, q++) {
-      Raw<In> rv;
-      rv.u = stage[v];
-      body(v, rv);
-      copy(q);
-    }
-    cp_async_commit();
-    return;
-  }
   if (staged) {
-    for (int v = threadIdx.x; v < (int)nv; v += blockDim.x) {
-      Raw<In> rv;
-      rv.u = stage[v];
-      body(v, rv);
-    }
+    const int n = st.n, n0 = min(n, st.nh), Bi = blockDim.x, ti = threadIdx.x;
+    auto run = [&](int q0, int q1) {
+      for (int q = q0; q < q1; q++) {
+        Raw<In> rv;
+        rv.u = st.lds(q);
+        body(ti + q * Bi, rv);
+      }
+    };
+    run(0, n0);
+    __syncthreads();
+    if (next.has) st.load(next.part, 0);
+    run(n0, n);
+    __syncthreads();
+    if (next.has) st.load(next.part, 1);
+    st.ready = next.has;
     return;
   }
   const int64_t B = blockDim.x, t = threadIdx.x;

@@ -57,6 +57,7 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
   const Xf &X = a.X;
   const float k = X.f.k;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
+  Stage st(stage, red.halves, ch, a.staged);
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     O *lrow = (O *)a.logp + i * a.lps;
     if (a.mask && !a.mask[i * a.ms]) {
@@ -71,7 +72,7 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
     const bool al = is_aligned16(row);
     Acc acc;
     acc.init(X);
-    const bool one_max = first_pass<T>(a.staged, stage, RowPart<In>{row, ch, a.V, al}, false, X,
+    const bool one_max = first_pass<T>(a.staged, st, RowPart<In>{row, ch, a.V, al}, false, X,
                                        Smooth{}, acc, &red);
 
     Part P = reduce_row(acc, k, T, false, &red, rw, one_max);
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
   const int64_t nvmax = a.chunk / NV;
   unsigned *bm = (unsigned *)(stage + (a.staged ? nvmax : 0));
   const int64_t nwords = (nvmax + 31) / 32;
-  bool prefetched = false; /* the stage holds row i (see second_pass) */
+  Stage st(stage, red.halves, ch, a.staged);
 
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
@@ -123,7 +124,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     Acc acc;
     acc.init(X);
     const bool one_max =
-        first_pass<T>(a.staged, stage, part, true, X, Smooth{}, acc, &red, prefetched);
+        first_pass<T>(a.staged, st, part, true, X, Smooth{}, acc, &red);
     /* Its barriers also order the previous row's bitmap reads before the clear. */
     Part P = reduce_row(acc, k, T, false, &red, rw, one_max);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
@@ -209,9 +210,9 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     };
 
     const int64_t in = i + rw.step; /* the next row, copied in unless masked */
-    prefetched = a.staged && in < a.N && (!a.mask || a.mask[in * a.ms]);
-    const NextRow<In> next(prefetched, a.x, in, a.xs, part);
-    second_pass(a.staged, stage, part, next, body);
+    const bool has = a.staged && in < a.N && (!a.mask || a.mask[in * a.ms]);
+    const NextRow<In> next(has, a.x, in, a.xs, part);
+    second_pass(a.staged, st, part, next, body);
   }
   rw.finish();
 }

@@ -38,7 +38,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
   RowWalk rw(a.cs);
   const Xf &X = a.X;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
-  bool prefetched = false; /* the stage holds row i (see second_pass) */
+  Stage st(stage, red.halves, ch, a.staged);
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
     O *yrow = (O *)a.y + i * a.ys;
@@ -47,7 +47,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     Acc acc;
     acc.init(X);
     const bool one_max =
-        first_pass<false>(a.staged, stage, part, true, X, Smooth{}, acc, &red, prefetched);
+        first_pass<false>(a.staged, st, part, true, X, Smooth{}, acc, &red);
     Part P = reduce_row(acc, 1.0f, false, false, &red, rw, one_max);
     const bool ok = !P.bad && lmloss_rowstat_finite(&P.s);
     const float m = P.s.m;
@@ -72,9 +72,8 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
       out.store(v, x);
     };
     const int64_t in = i + rw.step; /* the next row, copied in during this one's writes */
-    prefetched = a.staged && in < a.N;
-    const NextRow<In> next(prefetched, a.x, in, a.xs, part);
-    second_pass(a.staged, stage, part, next, body);
+    const NextRow<In> next(a.staged && in < a.N, a.x, in, a.xs, part);
+    second_pass(a.staged, st, part, next, body);
   }
   rw.finish();
 }
