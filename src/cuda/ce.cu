@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
-  RowWalk rw(a.cs);
+  RowWalk rw(a.cs, &red);
   const Xf &X = a.X;
   const float k = X.f.k;
   const bool U = a.eps > 0.0f;

@@ -30,6 +30,12 @@ extern "C" {
 #include "math/dtype.h"
 #include "math/rowstats.h"
 
+/* Hopper features (bulk copies, st.async, cluster addressing); the host
+ * never plans clusters or bulk copies below sm_90. */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LMLOSS_SM90 1
+#endif
+
 namespace lmc {
 
 namespace cg = cooperative_groups;
@@ -385,26 +391,108 @@ struct Acc {
 };
 
 /* ------------------------------------------------------------------ */
+/* Shared-memory addressing, bulk copies and mbarriers                 */
+/* ------------------------------------------------------------------ */
+
+__device__ __forceinline__ unsigned smem_addr(const void *p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+/* Shared-memory accesses by 32-bit shared address: through a generic
+ * pointer the compiler re-derived the cluster window of the dynamic
+ * stage (S2UR SR_CgaCtaId, four uniform instructions) on every vector
+ * (ncu's per-line counts, ce-grad, 54980e5). Volatile keeps them after
+ * the waits for the copies that fill them. */
+__device__ __forceinline__ uint4 lds16(unsigned a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a));
+  return v;
+}
+__device__ __forceinline__ void sts16(unsigned a, const uint4 &v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+#ifdef LMLOSS_SM90
+/* sm_90: the copy engine moves a half chunk in one instruction and counts
+ * its bytes on an mbarrier; st.async stores into a cluster peer's shared
+ * memory and counts them on the peer's mbarrier (mapa: a peer's address). */
+__device__ __forceinline__ void mbar_init(unsigned bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 " selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ unsigned mapa(unsigned a, int rank) {
+  unsigned r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void st_async16(unsigned a, const uint4 &v, unsigned bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, "
+               "%4}, [%5];" ::"r"(a),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void *src, unsigned bytes,
+                                          unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+               "[%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+#else
+/* Below sm_90: 16-byte asynchronous copies by each thread of its own
+ * slots, one commit group per half. */
+__device__ __forceinline__ void cp_async16(unsigned dst, const void *src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+#endif
+
+/* ------------------------------------------------------------------ */
 /* Block and cluster reduction of the row state                        */
 /* ------------------------------------------------------------------ */
 
 /* A partial row: the merged state, the (u, c) of sub-states holding only
  * -inf (which the merge drops as empty, but which label smoothing must
- * still see), and the NaN flag. */
+ * still see), the NaN flag and whether it saw a logit > -inf (Acc::fin).
+ * 48 bytes: three 16-byte stores to a cluster peer. */
 struct Part {
   lmloss_rowstat s;
   float ue, ce;
-  int bad;
+  int bad, fin;
 };
+static_assert(sizeof(Part) == 48, "Part travels as three 16-byte words");
 
 /* Static shared memory of a row kernel: the reductions' slot per warp,
- * the block result, two cluster slots (double-buffered by row parity, so
- * one cluster barrier per row suffices), block_max's warp maxima and
- * result, and the stage's two mbarriers (Stage). */
+ * the block result, the parts its cluster peers push (one slot per rank,
+ * double-buffered by row parity) and the mbarriers counting their bytes,
+ * block_max's warp maxima and result, and the stage's two mbarriers
+ * (Stage). */
 struct RedSmem {
   Part warp[32];
   Part block;
-  Part cluster[2];
+  alignas(16) Part cluster[2][16];
+  unsigned long long parts[2];
   float wmax[32];
   float bmax;
   unsigned long long halves[2];
@@ -430,20 +518,36 @@ __device__ __forceinline__ float block_max(float M, RedSmem *sm) {
 
 /* A CTA's walk over the rows: its rank in the row's cluster, the rows it
  * visits (one cluster per row; it loops only past 2^31 / cs rows), and
- * the parity of the cluster slot the next reduce_row uses. finish() is
- * the final cluster barrier: no CTA leaves while a peer may still read
- * its shared memory. */
+ * how many rows it has reduced (the parity of the cluster slots and of
+ * their mbarriers' phases). Construct it uniformly: in a cluster it
+ * initializes the mbarriers the peers' parts land on, behind a cluster
+ * barrier (no peer may push before they exist). finish() is the final
+ * cluster barrier: no CTA leaves while a peer may still push to it. */
 struct RowWalk {
-  int cs, rank, parity, synced;
+  int cs, rank;
+  unsigned nred;
   int64_t first, step;
 
-  __device__ explicit RowWalk(int cs_)
-      : cs(cs_), rank((int)(blockIdx.x % cs_)), parity(0), synced(0), first(blockIdx.x / cs_),
-        step(gridDim.x / cs_) {}
+  __device__ RowWalk(int cs_, RedSmem *sm)
+      : cs(cs_), rank((int)(blockIdx.x % cs_)), nred(0), first(blockIdx.x / cs_),
+        step(gridDim.x / cs_) {
+#ifdef LMLOSS_SM90
+    if (cs == 1) return;
+    if (threadIdx.x == 0) {
+      for (int q = 0; q < 2; q++)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&sm->parts[q]))
+                     : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    cg::this_cluster().sync();
+#else
+    (void)sm;
+#endif
+  }
 
   __device__ __forceinline__ void finish() const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (synced && cs > 1) cg::this_cluster().sync();
+#ifdef LMLOSS_SM90
+    if (cs > 1) cg::this_cluster().sync();
 #endif
   }
 };
@@ -455,14 +559,18 @@ struct RowWalk {
  * lane holding an occurrence of the max took its first one out of r, so
  * all but the first (the lowest index) come back as 1 each. one_max (from
  * first_pass): all the CTA's warps share one finite max and add up the
- * same way; else the warps' states merge (lmloss_rowstat_merge). Contains
- * __syncthreads (and a cluster barrier when cs > 1): call uniformly. */
+ * same way; else the warps' states merge (lmloss_rowstat_merge). In a
+ * cluster, warp 0 of each CTA pushes its part into every peer's slot with
+ * st.async, which counts the bytes on the peer's mbarrier, and merges the
+ * cs parts once its own mbarrier has them all: no cluster barrier, whose
+ * release fence (MEMBAR.GPU) waited every row for the thread's gradient
+ * stores in flight (ncu, ce-grad, 54980e5: 2% of the stall samples on
+ * the fence, 5% on the cluster wait). A slot is pushed again two rows
+ * later, after its owner has merged it and pushed the next row's part.
+ * Contains __syncthreads: call uniformly. */
 __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool U, RedSmem *sm,
                                            RowWalk &walk, bool one_max) {
-  const int bad = __syncthreads_or(acc.bad) | !__syncthreads_or(acc.fin);
-  const int cs = walk.cs, parity = walk.parity;
-  walk.parity ^= 1;
-  walk.synced = 1;
+  const unsigned nred = walk.nred++;
   float r = acc.true_r(), t = T ? -acc.true_tn() * LN2 : 0.0f;
   float u = U ? acc.u : 0.0f, c = U ? acc.c : 0.0f;
   float cnt = acc.a >= 0 ? 1.0f : 0.0f;
@@ -478,11 +586,13 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
       c += __shfl_xor_sync(0xffffffffu, c, off);
     }
   }
+  const int bad = __any_sync(0xffffffffu, acc.bad), fin = __any_sync(0xffffffffu, acc.fin);
   const int nwarps = blockDim.x >> 5;
   if ((threadIdx.x & 31) == 0) {
     Part &w = sm->warp[threadIdx.x >> 5];
     w.s.m = acc.m, w.s.r = r, w.s.t = t, w.s.u = u, w.s.c = c, w.s.a = a;
     w.ue = cnt, w.ce = 0.0f; /* one_max: the count of occurrences, until added up */
+    w.bad = bad, w.fin = fin;
     if (!one_max) {
       if (cnt > 0.0f) {
         w.s.r = r + (cnt - 1.0f);
@@ -494,7 +604,7 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
     }
   }
   __syncthreads();
-  if (threadIdx.x < 32) { /* warp 0 merges the warps' parts, the others wait */
+  if (threadIdx.x < 32) { /* warp 0 merges the parts, the others wait */
     Part p = sm->warp[0];
     for (int w = 1; w < nwarps; w++) {
       const Part &o = sm->warp[w];
@@ -505,51 +615,57 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
         p.s = lmloss_rowstat_merge(p.s, o.s, k);
       }
       p.ue += o.ue, p.ce += o.ce;
+      p.bad |= o.bad, p.fin |= o.fin;
     }
     if (one_max) {
       p.s.r += p.ue - 1.0f;
       p.ue = p.ce = 0.0f;
     }
-    p.bad = bad;
-    if (threadIdx.x == 0) (cs == 1 ? sm->block : sm->cluster[parity]) = p;
-  }
-  if (cs == 1) {
-    __syncthreads();
-    return sm->block;
-  }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  /* After the barrier, warp 0 fetches the cs parts (one remote load per
-   * lane) and merges them in rank order; the others wait at the block
-   * barrier for the result. */
-  cg::cluster_group cl = cg::this_cluster();
-  cl.sync();
-  if (threadIdx.x < 32) {
-    const Part o =
-        *cl.map_shared_rank(&sm->cluster[parity], (int)threadIdx.x < cs ? threadIdx.x : 0);
-    Part b = o; /* lane 0's: rank 0's part */
-    for (int q = 1; q < cs; q++) {
-      Part r;
-      r.s.m = __shfl_sync(0xffffffffu, o.s.m, q);
-      r.s.r = __shfl_sync(0xffffffffu, o.s.r, q);
-      r.s.t = __shfl_sync(0xffffffffu, o.s.t, q);
-      r.s.u = __shfl_sync(0xffffffffu, o.s.u, q);
-      r.s.c = __shfl_sync(0xffffffffu, o.s.c, q);
-      r.s.a = __shfl_sync(0xffffffffu, (long long)o.s.a, q);
-      r.ue = __shfl_sync(0xffffffffu, o.ue, q);
-      r.ce = __shfl_sync(0xffffffffu, o.ce, q);
-      r.bad = __shfl_sync(0xffffffffu, o.bad, q);
-      b.s = lmloss_rowstat_merge(b.s, r.s, k);
-      b.ue += r.ue;
-      b.ce += r.ce;
-      b.bad |= r.bad;
+#ifdef LMLOSS_SM90
+    const int cs = walk.cs;
+    if (cs > 1) {
+      const int lane = threadIdx.x;
+      const unsigned slot = nred & 1u, phase = (nred >> 1) & 1u;
+      const unsigned bar = smem_addr(&sm->parts[slot]);
+      if (lane < cs) { /* lane q pushes this CTA's part to rank q */
+        const unsigned dst = mapa(smem_addr(&sm->cluster[slot][walk.rank]), lane);
+        const unsigned rbar = mapa(bar, lane);
+        uint4 wd[3];
+        memcpy(wd, &p, sizeof p);
+#pragma unroll
+        for (int h = 0; h < 3; h++)
+          st_async16(dst + 16u * h, wd[h], rbar);
+      }
+      if (lane == 0) mbar_expect(bar, (unsigned)cs * (unsigned)sizeof(Part));
+      mbar_wait(bar, phase);
+      const Part o = sm->cluster[slot][lane < cs ? lane : 0];
+      p = o; /* lane 0's: rank 0's part */
+      for (int q = 1; q < cs; q++) {
+        Part e;
+        e.s.m = __shfl_sync(0xffffffffu, o.s.m, q);
+        e.s.r = __shfl_sync(0xffffffffu, o.s.r, q);
+        e.s.t = __shfl_sync(0xffffffffu, o.s.t, q);
+        e.s.u = __shfl_sync(0xffffffffu, o.s.u, q);
+        e.s.c = __shfl_sync(0xffffffffu, o.s.c, q);
+        e.s.a = __shfl_sync(0xffffffffu, (long long)o.s.a, q);
+        e.ue = __shfl_sync(0xffffffffu, o.ue, q);
+        e.ce = __shfl_sync(0xffffffffu, o.ce, q);
+        e.bad = __shfl_sync(0xffffffffu, o.bad, q);
+        e.fin = __shfl_sync(0xffffffffu, o.fin, q);
+        p.s = lmloss_rowstat_merge(p.s, e.s, k);
+        p.ue += e.ue, p.ce += e.ce;
+        p.bad |= e.bad, p.fin |= e.fin;
+      }
     }
-    if (threadIdx.x == 0) sm->block = b;
+#else
+    (void)nred;
+#endif
+    /* a row of only -inf is non-finite (fin is tracked under softcap) */
+    p.bad |= !p.fin;
+    if (threadIdx.x == 0) sm->block = p;
   }
   __syncthreads();
   return sm->block;
-#else
-  return sm->block; /* unreachable: the host never clusters below sm_90 */
-#endif
 }
 
 /* Where this CTA's chunk of a row lies. */
@@ -708,69 +824,6 @@ template <typename In> __device__ __forceinline__ float vec_max(const Xf &X, con
 /* The stage: a CTA's chunk of a two-pass row in shared memory         */
 /* ------------------------------------------------------------------ */
 
-__device__ __forceinline__ unsigned smem_addr(const void *p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
-/* Shared-memory accesses by 32-bit shared address: through a generic
- * pointer the compiler re-derived the cluster window of the dynamic
- * stage (S2UR SR_CgaCtaId, four uniform instructions) on every vector
- * (ncu's per-line counts, ce-grad, 54980e5). Volatile keeps them after
- * the waits for the copies that fill them. */
-__device__ __forceinline__ uint4 lds16(unsigned a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(a));
-  return v;
-}
-__device__ __forceinline__ void sts16(unsigned a, const uint4 &v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w)
-               : "memory");
-}
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define LMLOSS_BULK_COPY 1
-/* sm_90: the copy engine moves a half chunk in one instruction and counts
- * its bytes on an mbarrier. */
-__device__ __forceinline__ void mbar_init(unsigned bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  unsigned done;
-  do {
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                 " selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(done)
-                 : "r"(bar), "r"(parity)
-                 : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ void bulk_copy(unsigned dst, const void *src, unsigned bytes,
-                                          unsigned bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-               "[%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-#else
-/* Below sm_90: 16-byte asynchronous copies by each thread of its own
- * slots, one commit group per half. */
-__device__ __forceinline__ void cp_async16(unsigned dst, const void *src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-#endif
-
 /* The stage holds vector v of the CTA's chunk in slot v (16 bytes); thread
  * t reads slots t, t + B, ... (q = 0, 1, ...). It is filled in two halves,
  * vectors [0, h) and [h, nv) with h = nh B, so thread t's slots q < nh
@@ -801,7 +854,7 @@ struct Stage {
     nh = ((nv + B - 1) / B + 1) / 2;
     ready = false;
     if (!staged) return;
-#ifdef LMLOSS_BULK_COPY
+#ifdef LMLOSS_SM90
     if (t == 0) {
       mbar_init(bars);
       mbar_init(bars + 8);
@@ -820,7 +873,7 @@ struct Stage {
     const int whole = p.aligned ? (int)((p.ch.je - p.ch.jb) / NV) : 0; /* complete vectors */
     const int lo = half ? nh * B : 0, hi = half ? nv : min(nh * B, nv);
     const uint4 *src = (const uint4 *)(p.row + p.ch.jb); /* read only where aligned */
-#ifdef LMLOSS_BULK_COPY
+#ifdef LMLOSS_SM90
     if (t == 0) {
       const int wl = min(lo, whole), wh = min(hi, whole);
       const unsigned bytes = wh > wl ? 16u * (unsigned)(wh - wl) : 0u;
@@ -833,7 +886,7 @@ struct Stage {
 #endif
     int q = from > t ? (from - t + B - 1) / B : 0;
     for (int v = t + q * B; v < hi; v += B, q++) {
-#ifndef LMLOSS_BULK_COPY
+#ifndef LMLOSS_SM90
       if (v < whole) {
         cp_async16(mine + (unsigned)q * stride, src + v);
         continue;
@@ -841,7 +894,7 @@ struct Stage {
 #endif
       sts16(mine + (unsigned)q * stride, p.load(v, false).u);
     }
-#ifndef LMLOSS_BULK_COPY
+#ifndef LMLOSS_SM90
     cp_async_commit();
 #endif
   }
@@ -849,7 +902,7 @@ struct Stage {
   /* Wait until half `half` has landed (all threads; each load of a row is
    * waited once per half, in order). */
   __device__ __forceinline__ void wait(int half) {
-#ifdef LMLOSS_BULK_COPY
+#ifdef LMLOSS_SM90
     mbar_wait(bars + 8u * half, parity);
     if (half) parity ^= 1u;
 #else

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
-  RowWalk rw(a.cs);
+  RowWalk rw(a.cs, &red);
   const Xf &X = a.X;
   const float k = X.f.k;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
-  RowWalk rw(a.cs);
+  RowWalk rw(a.cs, &red);
   const Xf &X = a.X;
   const float k = X.f.k;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);

@@ -35,7 +35,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
-  RowWalk rw(a.cs);
+  RowWalk rw(a.cs, &red);
   const Xf &X = a.X;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
   Stage st(stage, red.halves, ch, a.staged);
