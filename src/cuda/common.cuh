@@ -331,13 +331,13 @@ struct Acc {
   }
 
   /* Add a vector (w, already transformed; its first element at j0(),
-   * computed only where needed) against m. find: the caller knows this
-   * vector holds this thread's first occurrence of m (see look); that
-   * entry is taken out (-inf) so that the exp loop adds everything else,
-   * ties included (a tie adds its 1 to r). */
-  template <bool T, int NV, typename J0>
+   * computed only where needed) against m. find(): this vector holds this
+   * thread's first occurrence of m (see look), asked after the smoothing
+   * sums; that entry is taken out (-inf) so that the exp loop adds
+   * everything else, ties included (a tie adds its 1 to r). */
+  template <bool T, bool PAIR, int NV, typename J0, typename Find>
   __device__ __forceinline__ void vec(const Xf &X, float *w, J0 j0, int64_t V, bool U,
-                                      const float *cw, int64_t cw_stride, bool find) {
+                                      const float *cw, int64_t cw_stride, Find find) {
     if (U) {                       /* smoothing sums, the argmax's own term is 0 */
       if (!cw && j0() + NV <= V) { /* the common case: unit weights, a whole vector */
         float d = 0.0f;
@@ -358,7 +358,7 @@ struct Acc {
         }
       }
     }
-    if (find) {
+    if (find()) {
       int im = NV;
 #pragma unroll
       for (int i = NV - 1; i >= 0; i--)
@@ -372,21 +372,26 @@ struct Acc {
       }
     }
     /* A -inf logit gives ex2(-inf) = 0; only the entropy term, 0 * p,
-     * needs the clamp. The vector's terms add pairwise (a chain of
-     * log2(NV) adds, not NV, for the few warps a staged CTA has). */
+     * needs the clamp. PAIR: the vector's terms add pairwise (a chain of
+     * log2(NV) adds, not NV, for the few warps of a staged CTA); the
+     * streamed forward adds them in turn (pairwise, its 64 registers
+     * spilled and the log-probs forward lost 6%: 0.605 -> 0.646 ms). */
     float e[NV];
 #pragma unroll
     for (int i = 0; i < NV; i++) {
       const float p = T ? fmaxf(ref.p(X, w[i]), X.pmin) : ref.p(X, w[i]);
       e[i] = ex2(p);
       if (T) tn = fmaf(e[i], p, tn);
+      if (!PAIR) r += e[i];
     }
+    if (PAIR) {
 #pragma unroll
-    for (int h = NV / 2; h > 0; h /= 2)
+      for (int h = NV / 2; h > 0; h /= 2)
 #pragma unroll
-      for (int i = 0; i < h; i++)
-        e[i] += e[i + h];
-    r += e[0];
+        for (int i = 0; i < h; i++)
+          e[i] += e[i + h];
+      r += e[0];
+    }
   }
 };
 
@@ -844,6 +849,8 @@ struct Stage {
   bool ready;
 
   __device__ Stage(uint4 *stage, unsigned long long *halves, const Chunk &ch, bool staged) {
+    ready = false;
+    if (!staged) return;
     const int t = threadIdx.x, B = blockDim.x, nv = (int)ch.nv; /* a chunk < 2^31 vectors */
     slot0 = smem_addr(stage);
     mine = slot0 + 16u * (unsigned)t;
@@ -852,8 +859,6 @@ struct Stage {
     parity = 0;
     n = nv > t ? (nv - 1 - t) / B + 1 : 0;
     nh = ((nv + B - 1) / B + 1) / 2;
-    ready = false;
-    if (!staged) return;
 #ifdef LMLOSS_SM90
     if (t == 0) {
       mbar_init(bars);
@@ -967,8 +972,8 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
         unpack<In, NV>(r, w);
         if (CAP) acc.xform<NV>(X, w);
         const int v = ti + q * Bi;
-        acc.vec<T, NV>(X, w, [&] { return p.ch.jb + (int64_t)v * NV; }, p.V, sm.on, sm.cw, sm.cws,
-                       acc.look && q == qa);
+        acc.vec<T, true, NV>(X, w, [&] { return p.ch.jb + (int64_t)v * NV; }, p.V, sm.on, sm.cw,
+                             sm.cws, [&] { return acc.look && q == qa; });
       }
       return Mb > -INFINITY;
     };
@@ -978,8 +983,8 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
     float w[NV];
     unpack<In, NV>(rv, w);
     acc.xform<NV>(X, w);
-    acc.vec<T, NV>(X, w, [&] { return p.ch.jb + v * NV; }, p.V, sm.on, sm.cw, sm.cws,
-                   acc.look && Acc::hit<NV>(w, acc.m));
+    acc.vec<T, false, NV>(X, w, [&] { return p.ch.jb + v * NV; }, p.V, sm.on, sm.cw, sm.cws,
+                          [&] { return acc.look && Acc::hit<NV>(w, acc.m); });
   };
   /* Batches of four vectors per lane, the warp in step: the warp's max
    * over the batch is raised once for every lane before the batch is

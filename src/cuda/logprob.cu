@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
   const Xf &X = a.X;
   const float k = X.f.k;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
-  Stage st(stage, red.halves, ch, a.staged);
+  Stage st(stage, red.halves, ch, false);
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     O *lrow = (O *)a.logp + i * a.lps;
     if (a.mask && !a.mask[i * a.ms]) {
@@ -72,8 +72,10 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
     const bool al = is_aligned16(row);
     Acc acc;
     acc.init(X);
-    const bool one_max = first_pass<T>(a.staged, st, RowPart<In>{row, ch, a.V, al}, false, X,
-                                       Smooth{}, acc, &red);
+    /* never staged (a one-pass plan): a literal false keeps the staged
+     * loops out of this kernel and its 64 registers */
+    const bool one_max =
+        first_pass<T>(false, st, RowPart<In>{row, ch, a.V, al}, false, X, Smooth{}, acc, &red);
 
     Part P = reduce_row(acc, k, T, false, &red, rw, one_max);
     if (rw.rank != 0) continue;
