@@ -148,6 +148,15 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     }
     const bool in_al = is_aligned16(row);
 
+    /* The target's logit, issued before pass 1 so that its latency hides
+     * behind it, and read before any CTA of the cluster writes (the
+     * gradient may overwrite the logits in place): the flag below makes
+     * this CTA's part, which every peer waits for before it writes, depend
+     * on the loaded value (a NaN there is a NaN of the row anyway). */
+    const bool y_ok = y >= 0 && y < a.V;
+    const float wy = y_ok ? lmloss_xform_w(&X.f, tof(row[y])) : 0.0f;
+    const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
+
     /* Pass 1: statistics of this CTA's chunk (staged, or kept in L2 for
      * a second read when the row is too wide to stage). */
     const RowPart<In> part = {row, ch, a.V, in_al};
@@ -155,11 +164,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     acc.init(X);
     const bool one_max =
         first_pass<T>(a.staged, st, part, grad, X, Smooth{U, a.cw, a.cws}, acc, &red);
-    /* The target's logit, read before any CTA of the cluster writes (the
-     * gradient may overwrite the logits in place). */
-    const bool y_ok = y >= 0 && y < a.V;
-    const float wy = y_ok ? lmloss_xform_w(&X.f, tof(row[y])) : 0.0f;
-    const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
+    acc.bad |= wy != wy;
 
     Part P = reduce_row(acc, k, T, U, &red, rw, one_max);
     lmloss_rowstat s = P.s;

@@ -1,8 +1,9 @@
 /*
  * common.cuh - shared pieces of the CUDA backend: 16-byte vector loads and
- * stores of F32/BF16/F16 rows, the stage (bulk copies), the exp, the per-thread
- * max-split accumulator (its max set per staged CTA or per warp batch),
- * its block and cluster reductions, launch planning and error mapping.
+ * stores of F32/BF16/F16 rows, the stage (bulk copies), the exp, the
+ * per-thread max-split accumulator (its max set per staged CTA or per warp
+ * batch), its block and cluster reductions, launch planning and error
+ * mapping.
  *
  * Row layout seen by every kernel: a row is cut into `cs` chunks (one per
  * CTA of a thread-block cluster, cs = 1 without clusters), each a multiple
@@ -374,8 +375,8 @@ struct Acc {
     /* A -inf logit gives ex2(-inf) = 0; only the entropy term, 0 * p,
      * needs the clamp. PAIR: the vector's terms add pairwise (a chain of
      * log2(NV) adds, not NV, for the few warps of a staged CTA); the
-     * streamed forward adds them in turn (pairwise, its 64 registers
-     * spilled and the log-probs forward lost 6%: 0.605 -> 0.646 ms). */
+     * streamed forward adds them in turn (pairwise there, its 64
+     * registers spilled; it read 0.646 ms, 0.605 before this session). */
     float e[NV];
 #pragma unroll
     for (int i = 0; i < NV; i++) {
@@ -972,8 +973,9 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
         unpack<In, NV>(r, w);
         if (CAP) acc.xform<NV>(X, w);
         const int v = ti + q * Bi;
-        acc.vec<T, true, NV>(X, w, [&] { return p.ch.jb + (int64_t)v * NV; }, p.V, sm.on, sm.cw,
-                             sm.cws, [&] { return acc.look && q == qa; });
+        acc.vec<T, true, NV>(
+            X, w, [&] { return p.ch.jb + (int64_t)v * NV; }, p.V, sm.on, sm.cw, sm.cws,
+            [&] { return acc.look && q == qa; });
       }
       return Mb > -INFINITY;
     };
@@ -983,8 +985,9 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
     float w[NV];
     unpack<In, NV>(rv, w);
     acc.xform<NV>(X, w);
-    acc.vec<T, false, NV>(X, w, [&] { return p.ch.jb + v * NV; }, p.V, sm.on, sm.cw, sm.cws,
-                          [&] { return acc.look && Acc::hit<NV>(w, acc.m); });
+    acc.vec<T, false, NV>(
+        X, w, [&] { return p.ch.jb + v * NV; }, p.V, sm.on, sm.cw, sm.cws,
+        [&] { return acc.look && Acc::hit<NV>(w, acc.m); });
   };
   /* Batches of four vectors per lane, the warp in step: the warp's max
    * over the batch is raised once for every lane before the batch is

@@ -125,8 +125,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    const bool one_max =
-        first_pass<T>(a.staged, st, part, true, X, Smooth{}, acc, &red);
+    const bool one_max = first_pass<T>(a.staged, st, part, true, X, Smooth{}, acc, &red);
     /* Its barriers also order the previous row's bitmap reads before the clear. */
     Part P = reduce_row(acc, k, T, false, &red, rw, one_max);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)

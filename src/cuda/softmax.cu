@@ -46,8 +46,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    const bool one_max =
-        first_pass<false>(a.staged, st, part, true, X, Smooth{}, acc, &red);
+    const bool one_max = first_pass<false>(a.staged, st, part, true, X, Smooth{}, acc, &red);
     Part P = reduce_row(acc, 1.0f, false, false, &red, rw, one_max);
     const bool ok = !P.bad && lmloss_rowstat_finite(&P.s);
     const float m = P.s.m;
