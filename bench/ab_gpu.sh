@@ -2,11 +2,14 @@
 # ab_gpu.sh - A/B of a CUDA change in one GPU call: A is this tree, B is
 # this tree with a patch applied (the GPU machine gets no .git, so make
 # the patch here: git diff main BRANCH > ab.patch). Both are built side by
-# side, B's C suite runs on CUDA with racecheck on test_ce, then the
-# issue's bandwidth cases run B, A, B, A (two rounds: the spread is the
-# noise). Every step writes to $OUT as it goes, so a time-out keeps what
-# ran.
+# side, B's C suite runs on CUDA with racecheck on test_ce, then every
+# bandwidth case of the issue (the forward kernels too: they share the
+# row code) runs B, A, B, A (two rounds: the spread is the noise). Every
+# step writes to $OUT as it goes, so a time-out keeps what ran.
 #   OUT=... sh bench/ab_gpu.sh ab.patch
+#   AB_TESTS="test_ce test_logprob" ...   only these C tests on B (device
+#                                         time: the whole suite takes
+#                                         about two minutes)
 set -u
 cd "$(dirname "$0")/.."
 PATCH=${1:?usage: bench/ab_gpu.sh PATCH}
@@ -23,7 +26,8 @@ build() {
 build "$B_TREE" "$(nproc)"
 build . "$(nproc)" &
 A=./build-gpu B=$B_TREE/build-gpu
-for t in "$B"/test_*; do
+for t in ${AB_TESTS:-$(cd "$B" && ls test_*)}; do
+  t=$B/$t
   LMLOSS_TEST_BACKEND=cuda timeout 120 "$t" >"$OUT/B-$(basename "$t").log" 2>&1
   echo "B $(basename "$t"): rc $?, $(grep -c '^ok' "$OUT/B-$(basename "$t").log") ok," \
     "$(grep -c '^FAIL' "$OUT/B-$(basename "$t").log") failed" | tee -a "$OUT/ab.txt"
@@ -37,8 +41,8 @@ for round in 1 2; do
     [ "$side" = B ] && L=$B
     echo "== $side, round $round" >>"$OUT/ab.txt"
     for shape in 8192,152064 4096,32768; do
-      $L/lmloss bench ce-grad logprob-bwd --plain --device cuda --dtype bf16 --shape $shape \
-        2>/dev/null | grep cuda >>"$OUT/ab.txt"
+      $L/lmloss bench logprob logprob-entropy ce-grad logprob-bwd --plain --device cuda \
+        --dtype bf16 --shape $shape 2>/dev/null | grep cuda >>"$OUT/ab.txt"
     done
     $L/lmloss bench softmax --device cuda --dtype f32 --shape 4096,262144 2>/dev/null |
       grep cuda >>"$OUT/ab.txt"
