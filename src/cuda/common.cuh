@@ -332,13 +332,16 @@ struct Acc {
   }
 
   /* Add a vector (w, already transformed; its first element at j0(),
-   * computed only where needed) against m. find(): this vector holds this
-   * thread's first occurrence of m (see look), asked after the smoothing
-   * sums; that entry is taken out (-inf) so that the exp loop adds
-   * everything else, ties included (a tie adds its 1 to r). */
-  template <bool T, bool PAIR, int NV, typename J0, typename Find>
+   * computed only where needed) against m. The vector holding this
+   * thread's first occurrence of m (see look) has that entry taken out
+   * (-inf), so that the exp loop adds everything else, ties included (a
+   * tie adds its 1 to r). STAGED: the caller knows that vector (slot_hit);
+   * else each vector is searched while the thread looks. (A lambda for
+   * the test, capturing w, put the streamed forward's vector in local
+   * memory: 12 bytes of spills, 16 more instructions in its loop.) */
+  template <bool T, bool STAGED, int NV, typename J0>
   __device__ __forceinline__ void vec(const Xf &X, float *w, J0 j0, int64_t V, bool U,
-                                      const float *cw, int64_t cw_stride, Find find) {
+                                      const float *cw, int64_t cw_stride, bool slot_hit) {
     if (U) {                       /* smoothing sums, the argmax's own term is 0 */
       if (!cw && j0() + NV <= V) { /* the common case: unit weights, a whole vector */
         float d = 0.0f;
@@ -359,7 +362,7 @@ struct Acc {
         }
       }
     }
-    if (find()) {
+    if (STAGED ? slot_hit : look && hit<NV>(w, m)) {
       int im = NV;
 #pragma unroll
       for (int i = NV - 1; i >= 0; i--)
@@ -373,19 +376,19 @@ struct Acc {
       }
     }
     /* A -inf logit gives ex2(-inf) = 0; only the entropy term, 0 * p,
-     * needs the clamp. PAIR: the vector's terms add pairwise (a chain of
-     * log2(NV) adds, not NV, for the few warps of a staged CTA); the
-     * streamed forward adds them in turn (pairwise there, its 64
-     * registers spilled; it read 0.646 ms, 0.605 before this session). */
+     * needs the clamp. STAGED: the vector's terms add pairwise (a chain
+     * of log2(NV) adds, not NV, for the few warps of a staged CTA); the
+     * streamed forward adds them in turn (pairwise there spilled 8-16
+     * bytes of its 64 registers). */
     float e[NV];
 #pragma unroll
     for (int i = 0; i < NV; i++) {
       const float p = T ? fmaxf(ref.p(X, w[i]), X.pmin) : ref.p(X, w[i]);
       e[i] = ex2(p);
       if (T) tn = fmaf(e[i], p, tn);
-      if (!PAIR) r += e[i];
+      if (!STAGED) r += e[i];
     }
-    if (PAIR) {
+    if (STAGED) {
 #pragma unroll
       for (int h = NV / 2; h > 0; h /= 2)
 #pragma unroll
@@ -975,7 +978,7 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
         const int v = ti + q * Bi;
         acc.vec<T, true, NV>(
             X, w, [&] { return p.ch.jb + (int64_t)v * NV; }, p.V, sm.on, sm.cw, sm.cws,
-            [&] { return acc.look && q == qa; });
+            acc.look && q == qa);
       }
       return Mb > -INFINITY;
     };
@@ -986,8 +989,7 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
     unpack<In, NV>(rv, w);
     acc.xform<NV>(X, w);
     acc.vec<T, false, NV>(
-        X, w, [&] { return p.ch.jb + v * NV; }, p.V, sm.on, sm.cw, sm.cws,
-        [&] { return acc.look && Acc::hit<NV>(w, acc.m); });
+        X, w, [&] { return p.ch.jb + v * NV; }, p.V, sm.on, sm.cw, sm.cws, false);
   };
   /* Batches of four vectors per lane, the warp in step: the warp's max
    * over the batch is raised once for every lane before the batch is
