@@ -154,8 +154,7 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
      * this CTA's part, which every peer waits for before it writes, depend
      * on the loaded value (a NaN there is a NaN of the row anyway). */
     const bool y_ok = y >= 0 && y < a.V;
-    const float wy = y_ok ? lmloss_xform_w(&X.f, tof(row[y])) : 0.0f;
-    const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
+    const float xy = y_ok ? tof(row[y]) : 0.0f;
 
     /* Pass 1: statistics of this CTA's chunk (staged, or kept in L2 for
      * a second read when the row is too wide to stage). */
@@ -164,7 +163,9 @@ __global__ void __launch_bounds__(256, 3) ce_rows(CeArgs a) {
     acc.init(X);
     const bool one_max =
         first_pass<T>(a.staged, st, part, grad, X, Smooth{U, a.cw, a.cws}, acc, &red);
-    acc.bad |= wy != wy;
+    acc.bad |= xy != xy;
+    const float wy = y_ok ? lmloss_xform_w(&X.f, xy) : 0.0f;
+    const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
 
     Part P = reduce_row(acc, k, T, U, &red, rw, one_max);
     lmloss_rowstat s = P.s;
