@@ -428,8 +428,12 @@ __device__ __forceinline__ void sts16(unsigned a, const uint4 &v) {
 /* sm_90: the copy engine moves a half chunk in one instruction and counts
  * its bytes on an mbarrier; st.async stores into a cluster peer's shared
  * memory and counts them on the peer's mbarrier (mapa: a peer's address). */
-__device__ __forceinline__ void mbar_init(unsigned bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+/* Two mbarriers (8 bytes each from bars) with one arrival each, visible
+ * to the cluster (thread 0 of the CTA; the caller's barrier follows). */
+__device__ __forceinline__ void mbar_init2(unsigned bars) {
+  for (int q = 0; q < 2; q++)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8u * q) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 __device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
@@ -542,12 +546,7 @@ struct RowWalk {
         step(gridDim.x / cs_) {
 #ifdef LMLOSS_SM90
     if (cs == 1) return;
-    if (threadIdx.x == 0) {
-      for (int q = 0; q < 2; q++)
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&sm->parts[q]))
-                     : "memory");
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (threadIdx.x == 0) mbar_init2(smem_addr(sm->parts));
     cg::this_cluster().sync();
 #else
     (void)sm;
@@ -864,11 +863,7 @@ struct Stage {
     n = nv > t ? (nv - 1 - t) / B + 1 : 0;
     nh = ((nv + B - 1) / B + 1) / 2;
 #ifdef LMLOSS_SM90
-    if (t == 0) {
-      mbar_init(bars);
-      mbar_init(bars + 8);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    if (t == 0) mbar_init2(bars);
 #endif
     __syncthreads();
   }
