@@ -755,6 +755,12 @@ __device__ __forceinline__ void zero_chunk(O *row, const Chunk &c, int64_t V) {
     out.store(v, z);
 }
 
+/* Start moving the line holding p into L1 (a load a row ahead of its use
+ * whose value nothing waits for). */
+__device__ __forceinline__ void prefetch_l1(const void *p) {
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
 /* Read a target / index of dtype I32 or I64. */
 __device__ __forceinline__ long long ld_index(const void *p, int is64, int64_t i) {
   return is64 ? ((const long long *)p)[i] : (long long)((const int *)p)[i];
@@ -1095,6 +1101,17 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
 
 /* Launch plan of a row kernel: cluster size, threads, chunk (elements per
  * CTA) and whether the chunk is staged in shared memory. */
+/* Launch bounds of a row kernel instantiated per block size (make_plan's
+ * 128 or 256 threads). At 128 threads the stage's shared memory lets five
+ * CTAs share an SM, so a thread may hold 96 registers; bounds written for
+ * 256 threads (three CTAs) held the CE kernel to 80, where its per-row code
+ * spilled 48 bytes, whose reloads stalled its warps every row (ncu,
+ * ce-grad, 8ce9185: 7% of the stall samples on local loads, all outside
+ * the vector loops). The log-probs backward and softmax hold theirs in 80
+ * without spills (at 96 the log-probs backward spilled 12 bytes) and keep
+ * one kernel for both. */
+#define ROW_BOUNDS(BS) __launch_bounds__(BS, (BS) == 128 ? 5 : 3)
+
 struct Plan {
   int cs, bs, staged;
   int64_t chunk; /* a multiple of NV */
@@ -1197,14 +1214,17 @@ static int resident_clusters(K kernel, const cudaLaunchConfig_t &cfg, int cs, co
  * one cluster per row, or for staged rows as many clusters as the device
  * holds (see make_plan); rows beyond the grid are looped over. Clusters of
  * 16 are non-portable: where the device cannot schedule one, the plan
- * falls back to 8. Sets the args' cs, chunk and staged. */
+ * falls back to 8. k128 and k256 are the kernel built for the plan's 128
+ * or 256 threads (ROW_BOUNDS; one kernel may serve both). Sets the args'
+ * cs, chunk and staged. */
 template <typename K, typename A>
-static lmloss_status launch_rows(K kernel, const DevInfo &d, int NV, int two_pass,
+static lmloss_status launch_rows(K k128, K k256, const DevInfo &d, int NV, int two_pass,
                                  size_t extra_per_vector_bits, cudaStream_t st, A &args,
                                  const char *what) {
   if (args.N <= 0) return LMLOSS_OK;
   for (int maxcs = d.cc_major >= 9 ? 16 : 1;; maxcs /= 2) {
     Plan p = make_plan(d, args.V, NV, two_pass, extra_per_vector_bits, maxcs);
+    const K kernel = p.bs == 128 ? k128 : k256;
     cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
     if (e == cudaSuccess && p.cs > 8)

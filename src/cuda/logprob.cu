@@ -114,13 +114,37 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
   const int64_t nwords = (nvmax + 31) / 32;
   Stage st(stage, red.halves, ch, a.staged);
 
+  /* The next row's mask, indices and upstream gradients are prefetched
+   * into L1 a row ahead, and loaded before pass 1 (see ce_rows). */
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
     O *drow = (O *)a.dx + i * a.dxs;
+    const int64_t in = i + rw.step;
+    if (in < a.N) {
+      if (a.mask) prefetch_l1(a.mask + in * a.ms);
+      if (a.dlogp) {
+        prefetch_l1(a.idx64 ? (const void *)((const long long *)a.idx + in * a.is)
+                            : (const void *)((const int *)a.idx + in * a.is));
+        prefetch_l1(a.dlogp + in * a.dlps);
+      }
+      if (a.dent) prefetch_l1(a.dent + in * a.dents);
+    }
     if (a.mask && !a.mask[i * a.ms]) {
       zero_chunk<In, O>(drow, ch, a.V);
       continue;
     }
+    /* Row scalars' inputs; every thread sums dlogp in the same order. */
+    bool idx_ok = true;
+    float D = 0.0f;
+    if (a.dlogp) {
+      for (int64_t q = 0; q < a.K; q++) {
+        long long j = ld_index(a.idx, a.idx64, i * a.is + q);
+        if (j < 0 || j >= a.V) idx_ok = false;
+        D += a.dlogp[i * a.dlps + q];
+      }
+    }
+    const float dH = a.dent ? a.dent[i * a.dents] : 0.0f;
+
     const bool in_al = is_aligned16(row);
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
@@ -131,18 +155,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
       bm[q] = 0u;
     const lmloss_rowstat s = P.s;
-    bool ok = !P.bad && lmloss_rowstat_finite(&s);
-
-    /* Row scalars; every thread sums dlogp in the same order. */
-    float D = 0.0f;
-    if (a.dlogp) {
-      for (int64_t q = 0; q < a.K; q++) {
-        long long j = ld_index(a.idx, a.idx64, i * a.is + q);
-        if (j < 0 || j >= a.V) ok = false;
-        D += a.dlogp[i * a.dlps + q];
-      }
-    }
-    const float dH = a.dent ? a.dent[i * a.dents] : 0.0f;
+    const bool ok = idx_ok && !P.bad && lmloss_rowstat_finite(&s);
     const float inv = 1.0f / (1.0f + s.r);
     const float tinv = T ? s.t * inv : 0.0f;
     /* without softcap dx = k dz, folded into the coefficients (kx) */
@@ -210,7 +223,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
       });
     };
 
-    const int64_t in = i + rw.step; /* the next row, copied in unless masked */
+    /* the next row, copied in unless masked */
     const bool has = a.staged && in < a.N && (!a.mask || a.mask[in * a.ms]);
     const NextRow<In> next(has, a.x, in, a.xs, part);
     second_pass(a.staged, st, part, next, body);
@@ -220,14 +233,14 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
 
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  if (T) return launch_rows(lp_fwd<In, O, true>, d, elt<In>::NV, 0, 0, st, a, "log_probs");
-  return launch_rows(lp_fwd<In, O, false>, d, elt<In>::NV, 0, 0, st, a, "log_probs");
+  auto k = T ? lp_fwd<In, O, true> : lp_fwd<In, O, false>;
+  return launch_rows(k, k, d, elt<In>::NV, 0, 0, st, a, "log_probs");
 }
 
 template <typename In, typename O>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  if (T) return launch_rows(lp_bwd<In, O, true>, d, elt<In>::NV, 1, 1, st, a, "log_probs_backward");
-  return launch_rows(lp_bwd<In, O, false>, d, elt<In>::NV, 1, 1, st, a, "log_probs_backward");
+  auto k = T ? lp_bwd<In, O, true> : lp_bwd<In, O, false>;
+  return launch_rows(k, k, d, elt<In>::NV, 1, 1, st, a, "log_probs_backward");
 }
 
 template <typename In>

@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(512) sm_bwd(SbArgs a) {
 
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, SmArgs &a, cudaStream_t st) {
-  return launch_rows(sm_fwd<In, O>, d, elt<In>::NV, 1, 0, st, a, "softmax");
+  return launch_rows(sm_fwd<In, O>, sm_fwd<In, O>, d, elt<In>::NV, 1, 0, st, a, "softmax");
 }
 
 template <typename In>
