@@ -137,6 +137,7 @@ if [ "${1:-}" = "kernels" ]; then
   ncu --clock-control none --section SourceCounters -k regex:ce_rows -c 1 --page source \
     --print-source sass --csv "$L" bench ce-grad --plain --device cuda --dtype bf16 \
     --shape 8192,152064 --reps 1 2>&1 | gzip >"$OUT/ncu-ce-grad-sass.csv.gz"
+  python3 bench/sass_stalls.py "$OUT/ncu-ce-grad-sass.csv.gz" | tee "$OUT/sass-stalls.txt"
   grep -hE "^  [a-z_]+<|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Cluster Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A" \
     "$OUT"/ncu-*.txt
   exit $status
