@@ -1099,8 +1099,6 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
     body((int)v, ld(v));
 }
 
-/* Launch plan of a row kernel: cluster size, threads, chunk (elements per
- * CTA) and whether the chunk is staged in shared memory. */
 /* Launch bounds of a row kernel instantiated per block size (make_plan's
  * 128 or 256 threads). At 128 threads the stage's shared memory lets five
  * CTAs share an SM, so a thread may hold 96 registers; bounds written for
@@ -1112,6 +1110,8 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
  * one kernel for both. */
 #define ROW_BOUNDS(BS) __launch_bounds__(BS, (BS) == 128 ? 5 : 3)
 
+/* Launch plan of a row kernel: cluster size, threads, chunk (elements per
+ * CTA) and whether the chunk is staged in shared memory. */
 struct Plan {
   int cs, bs, staged;
   int64_t chunk; /* a multiple of NV */
