@@ -133,11 +133,13 @@ if [ "${1:-}" = "kernels" ]; then
       "$L" bench $op --plain --device cuda --dtype bf16 --shape 8192,152064 --reps 1 \
       >"$OUT/ncu-$op.txt" 2>&1
   done
-  # executed instructions per SASS line of the CE gradient kernel (where the issue slots go)
-  ncu --clock-control none --section SourceCounters -k regex:ce_rows -c 1 --page source \
-    --print-source sass --csv "$L" bench ce-grad --plain --device cuda --dtype bf16 \
-    --shape 8192,152064 --reps 1 2>&1 | gzip >"$OUT/ncu-ce-grad-sass.csv.gz"
-  python3 bench/sass_stalls.py "$OUT/ncu-ce-grad-sass.csv.gz" | tee "$OUT/sass-stalls.txt"
+  # executed instructions and stall samples per SASS line of the two gradient kernels
+  for op in ce-grad logprob-bwd; do
+    ncu --clock-control none --section SourceCounters -k regex:'ce_rows|lp_bwd' -c 1 \
+      --page source --print-source sass --csv "$L" bench $op --plain --device cuda \
+      --dtype bf16 --shape 8192,152064 --reps 1 2>&1 | gzip >"$OUT/ncu-$op-sass.csv.gz"
+    python3 bench/sass_stalls.py "$OUT/ncu-$op-sass.csv.gz" | tee "$OUT/sass-stalls-$op.txt"
+  done
   grep -hE "^  [a-z_]+<|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Cluster Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A" \
     "$OUT"/ncu-*.txt
   exit $status
