@@ -1,8 +1,7 @@
 """Where a row kernel's time goes, from ncu's per-SASS-line counts.
 
-Reads the CSV that `bench/gpu_check.sh kernels` writes
-(ncu-ce-grad-sass.csv.gz, ncu-logprob-bwd-sass.csv.gz: --page source
---print-source sass --csv) and
+Reads a CSV that `bench/gpu_check.sh kernels` writes (ncu-ce-grad-sass.csv.gz,
+ncu-logprob-bwd-sass.csv.gz: --page source --print-source sass --csv) and
 splits executed instructions and warp stall samples by how often each line
 ran: lines run per vector (the hot loops), per row by every warp, and per
 row by one warp only (the cluster merge), with the top stall reasons of
