@@ -136,9 +136,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     const In *row = (const In *)a.x + i * a.xs;
     const long long y = ld_index(a.tgt, a.tgt64, i * a.ts);
     const int64_t in = i + rw.step;
-    if (in < a.N)
-      prefetch_l1(a.tgt64 ? (const void *)((const long long *)a.tgt + in * a.ts)
-                          : (const void *)((const int *)a.tgt + in * a.ts));
+    if (in < a.N) prefetch_index(a.tgt, a.tgt64, in * a.ts);
     O *drow = (O *)a.dx + i * a.dxs;
     const bool grad = a.mode != CE_FWD;
     if (y == a.ignore) {

@@ -761,9 +761,12 @@ __device__ __forceinline__ void prefetch_l1(const void *p) {
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
 
-/* Read a target / index of dtype I32 or I64. */
+/* Read a target / index of dtype I32 or I64, or prefetch it. */
 __device__ __forceinline__ long long ld_index(const void *p, int is64, int64_t i) {
   return is64 ? ((const long long *)p)[i] : (long long)((const int *)p)[i];
+}
+__device__ __forceinline__ void prefetch_index(const void *p, int is64, int64_t i) {
+  prefetch_l1(is64 ? (const void *)((const long long *)p + i) : (const void *)((const int *)p + i));
 }
 
 /* ------------------------------------------------------------------ */

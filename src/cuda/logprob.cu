@@ -123,8 +123,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     if (in < a.N) {
       if (a.mask) prefetch_l1(a.mask + in * a.ms);
       if (a.dlogp && a.K > 0) {
-        prefetch_l1(a.idx64 ? (const void *)((const long long *)a.idx + in * a.is)
-                            : (const void *)((const int *)a.idx + in * a.is));
+        prefetch_index(a.idx, a.idx64, in * a.is);
         prefetch_l1(a.dlogp + in * a.dlps);
       }
       if (a.dent) prefetch_l1(a.dent + in * a.dents);
