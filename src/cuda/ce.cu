@@ -257,8 +257,8 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
      * in one loop let the compiler hoist the weights' 64-bit addressing
      * into every vector). */
     auto grad_pass = [&](auto with_cw) {
-      second_pass(a.staged, st, part, next, [&](int v, const Raw<In> &rv) {
-        write_grad(X, rv, out, v, [&](const float *w, float *g) {
+      second_pass_loops(a.staged, st, part, next, [&](int v, const Raw<In> &rv) {
+        write_grad(X, rv, out, v, X.f.cap > 0.0f, [&](const float *w, float *g) {
           if constexpr (decltype(with_cw)::value) {
             const int64_t j0 = ch.jb + (int64_t)v * NV;
 #pragma unroll

@@ -212,17 +212,26 @@ template <int NV> __device__ __forceinline__ void xform_vec(const Xf &X, float *
   }
 }
 
+/* A flag given at run time (bool) or at compile time (std::true_type,
+ * std::false_type: second_pass's). */
+__device__ __forceinline__ bool flag_on(bool f) { return f; }
+template <bool F>
+__device__ __forceinline__ constexpr bool flag_on(std::integral_constant<bool, F>) {
+  return F;
+}
+
 /* Vector v of a CTA's chunk of a gradient row: w = the transform of the
  * logits x, then fill(w, g) gives the gradient in z units (times k where
  * there is no softcap: the kernels fold k into their coefficients), then
- * the softcap's chain rule and the store (out: a ChunkOut). */
-template <typename In, typename Out, typename Fill>
+ * the softcap's chain rule and the store (out: a ChunkOut). cap: whether
+ * the transform has a softcap (flag_on). */
+template <typename In, typename Out, typename Fill, typename Cap>
 __device__ __forceinline__ void write_grad(const Xf &X, const Raw<In> &rv, const Out &out, int v,
-                                           Fill fill) {
+                                           Cap cap, Fill fill) {
   constexpr int NV = elt<In>::NV;
   float x[NV], g[NV];
   unpack<In, NV>(rv, x);
-  if (X.f.cap > 0.0f) { /* a uniform branch: without softcap w = x, nothing to keep */
+  if (flag_on(cap)) { /* X.f.cap > 0; without softcap w = x, nothing to keep */
     float w[NV];
 #pragma unroll
     for (int e = 0; e < NV; e++)
@@ -560,8 +569,8 @@ struct RowWalk {
   }
 };
 
-/* Merge in a fixed order (xor butterfly within warps, warp slots in
- * order, cluster ranks in order): bit-reproducible. Every thread of
+/* Merge in a fixed order (xor butterflies within warps and over the
+ * cluster ranks, warp slots in order): bit-reproducible. Every thread of
  * every CTA of the cluster returns the same row state. The lanes of a warp
  * share their max (seed or raise), so a warp's state is plain sums; each
  * lane holding an occurrence of the max took its first one out of r, so
@@ -646,20 +655,23 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
       }
       if (lane == 0) mbar_expect(bar, (unsigned)cs * (unsigned)sizeof(Part));
       mbar_wait(bar, phase);
-      const Part o = sm->cluster[slot][lane < cs ? lane : 0];
-      p = o; /* lane 0's: rank 0's part */
-      for (int q = 1; q < cs; q++) {
+      /* lane q < cs takes rank q's part; an xor butterfly (cs is a power
+       * of two) merges them in log2(cs) steps on the warp's critical path
+       * instead of cs - 1; lane 0's result is the row's, the same
+       * sequence of merges in every CTA of the cluster */
+      p = sm->cluster[slot][lane < cs ? lane : 0];
+      for (int off = 1; off < cs; off <<= 1) {
         Part e;
-        e.s.m = __shfl_sync(0xffffffffu, o.s.m, q);
-        e.s.r = __shfl_sync(0xffffffffu, o.s.r, q);
-        e.s.t = __shfl_sync(0xffffffffu, o.s.t, q);
-        e.s.u = __shfl_sync(0xffffffffu, o.s.u, q);
-        e.s.c = __shfl_sync(0xffffffffu, o.s.c, q);
-        e.s.a = __shfl_sync(0xffffffffu, (long long)o.s.a, q);
-        e.ue = __shfl_sync(0xffffffffu, o.ue, q);
-        e.ce = __shfl_sync(0xffffffffu, o.ce, q);
-        e.bad = __shfl_sync(0xffffffffu, o.bad, q);
-        e.fin = __shfl_sync(0xffffffffu, o.fin, q);
+        e.s.m = __shfl_xor_sync(0xffffffffu, p.s.m, off);
+        e.s.r = __shfl_xor_sync(0xffffffffu, p.s.r, off);
+        e.s.t = __shfl_xor_sync(0xffffffffu, p.s.t, off);
+        e.s.u = __shfl_xor_sync(0xffffffffu, p.s.u, off);
+        e.s.c = __shfl_xor_sync(0xffffffffu, p.s.c, off);
+        e.s.a = __shfl_xor_sync(0xffffffffu, (long long)p.s.a, off);
+        e.ue = __shfl_xor_sync(0xffffffffu, p.ue, off);
+        e.ce = __shfl_xor_sync(0xffffffffu, p.ce, off);
+        e.bad = __shfl_xor_sync(0xffffffffu, p.bad, off);
+        e.fin = __shfl_xor_sync(0xffffffffu, p.fin, off);
         p.s = lmloss_rowstat_merge(p.s, e.s, k);
         p.ue += e.ue, p.ce += e.ce;
         p.bad |= e.bad, p.fin |= e.fin;
@@ -705,7 +717,12 @@ template <typename O, int NV> struct ChunkOut {
   int whole;   /* vectors v < whole are stored whole */
 
   __device__ __forceinline__ ChunkOut(O *row, const Chunk &c, int64_t V)
-      : base(row + c.jb), lim(V - c.jb), whole(is_aligned16(row) ? (int)((c.je - c.jb) / NV) : 0) {}
+      : base(row + c.jb), lim(V - c.jb), whole(is_aligned16(row) ? (int)((c.je - c.jb) / NV) : 0) {
+    /* opaque: held in registers, not recomputed from the kernel's
+     * parameters for every vector (six instructions each, ncu, 1986d60) */
+    asm("" : "+l"(base));
+    asm("" : "+r"(whole));
+  }
 
   __device__ __forceinline__ void store(int v, const float *y) const {
     O *p = base + v * NV;
@@ -973,7 +990,7 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
         mx(q);
       const float Mb = block_max(M, red);
       acc.seed(X, M, Mb);
-      for (int q = 0; q < n; q++) {
+      auto add = [&](int q, bool slot_hit) {
         Raw<In> r;
         r.u = st.lds(q);
         float w[NV];
@@ -981,9 +998,16 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
         if (CAP) acc.xform<NV>(X, w);
         const int v = ti + q * Bi;
         acc.vec<T, true, NV>(
-            X, w, [&] { return p.ch.jb + (int64_t)v * NV; }, p.V, sm.on, sm.cw, sm.cws,
-            acc.look && q == qa);
-      }
+            X, w, [&] { return p.ch.jb + (int64_t)v * NV; }, p.V, sm.on, sm.cw, sm.cws, slot_hit);
+      };
+      /* The slot holding the thread's first max is added after the others,
+       * by every thread that has one at once: inside the loop the warp ran
+       * its argmax search once per thread holding the CTA's max (ties are
+       * common in 16-bit logits). */
+      const int qh = acc.look ? qa : -1;
+      for (int q = 0; q < n; q++)
+        if (q != qh) add(q, false);
+      if (qh >= 0) add(qh, true);
       return Mb > -INFINITY;
     };
     return X.f.cap > 0.0f ? sweep(std::true_type{}) : sweep(std::false_type{});
@@ -1069,8 +1093,8 @@ template <typename In> struct NextRow {
  * free when the pass returns. Contains __syncthreads when staged: call
  * uniformly. */
 template <typename In, typename Body>
-__device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPart<In> &p,
-                                            const NextRow<In> &next, Body body) {
+__device__ __forceinline__ void second_pass_loops(bool staged, Stage &st, const RowPart<In> &p,
+                                                  const NextRow<In> &next, Body body) {
   const int64_t nv = p.ch.nv;
   auto ld = [&](int64_t v) { return p.load(v, false); };
   if (staged) {
@@ -1100,6 +1124,21 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
   }
   for (; v >= 0; v -= B)
     body((int)v, ld(v));
+}
+
+/* The second pass with body(v, rv, flag) given `flag` as a compile-time
+ * constant (std::true_type or std::false_type): a row-uniform choice
+ * (softcap, log-softmax) is made once per row, not per vector (five
+ * instructions a vector in the loops, ncu, 1986d60). */
+template <typename In, typename Body>
+__device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPart<In> &p,
+                                            const NextRow<In> &next, bool flag, Body body) {
+  if (flag)
+    second_pass_loops(staged, st, p, next,
+                      [&](int v, const Raw<In> &rv) { body(v, rv, std::true_type{}); });
+  else
+    second_pass_loops(staged, st, p, next,
+                      [&](int v, const Raw<In> &rv) { body(v, rv, std::false_type{}); });
 }
 
 /* Launch bounds of a row kernel instantiated per block size (make_plan's

@@ -100,8 +100,7 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
  * need the exact formula (the argmax, the K indices) are flagged in a
  * per-vector bitmap in shared memory, so the hot loop pays one shared load
  * per 16 bytes whatever K is. */
-template <typename In, typename O, bool T>
-__global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
+template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS) lp_bwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -190,12 +189,16 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     __syncthreads();
 
     const ChunkOut<O, NV> out(drow, ch, a.V);
-    auto body = [&](int v, const Raw<In> &rv) {
-      write_grad(X, rv, out, v, [&](const float *w, float *g) {
+    auto body = [&](int v, const Raw<In> &rv, auto cap) {
+      write_grad(X, rv, out, v, cap, [&](const float *w, float *g) {
 #pragma unroll
         for (int e = 0; e < NV; e++) {
-          const float p = fmaxf(ref.p(X, w[e]), X.pmin);
-          g[e] = ex2(p) * fmaf(C1, p, C0);
+          if constexpr (T) { /* the clamp keeps C1 p finite at -inf logits */
+            const float p = fmaxf(ref.p(X, w[e]), X.pmin);
+            g[e] = ex2(p) * fmaf(C1, p, C0);
+          } else { /* C1 = 0; a -inf logit gives ex2(-inf) = 0 */
+            g[e] = ex2(ref.p(X, w[e])) * C0;
+          }
         }
         if ((bm[v >> 5] >> (v & 31)) & 1u) {
           const int64_t j0 = ch.jb + (int64_t)v * NV;
@@ -225,7 +228,7 @@ __global__ void __launch_bounds__(256, 3) lp_bwd(LpArgs a) {
     /* the next row, copied in unless masked */
     const bool has = a.staged && in < a.N && (!a.mask || a.mask[in * a.ms]);
     const NextRow<In> next(has, a.x, in, a.xs, part);
-    second_pass(a.staged, st, part, next, body);
+    second_pass(a.staged, st, part, next, X.f.cap > 0.0f, body);
   }
   rw.finish();
 }
@@ -238,8 +241,11 @@ static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_
 
 template <typename In, typename O>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  auto k = T ? lp_bwd<In, O, true> : lp_bwd<In, O, false>;
-  return launch_rows(k, k, d, elt<In>::NV, 1, 1, st, a, "log_probs_backward");
+  if (T)
+    return launch_rows(lp_bwd<In, O, true, 128>, lp_bwd<In, O, true, 256>, d, elt<In>::NV, 1, 1, st,
+                       a, "log_probs_backward");
+  return launch_rows(lp_bwd<In, O, false, 128>, lp_bwd<In, O, false, 256>, d, elt<In>::NV, 1, 1, st,
+                     a, "log_probs_backward");
 }
 
 template <typename In>

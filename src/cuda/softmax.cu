@@ -56,10 +56,10 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     ref.set(X, m);
     const float invs = inv * ref.s();
     const ChunkOut<O, NV> out(yrow, ch, a.V);
-    auto body = [&](int v, const Raw<In> &rv) {
+    auto body = [&](int v, const Raw<In> &rv, auto log) {
       float x[NV];
       unpack<In, NV>(rv, x);
-      if (a.log) {
+      if constexpr (decltype(log)::value) {
 #pragma unroll
         for (int e = 0; e < NV; e++)
           x[e] = (x[e] - m) - l1r;
@@ -72,7 +72,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     };
     const int64_t in = i + rw.step; /* the next row, copied in during this one's writes */
     const NextRow<In> next(a.staged && in < a.N, a.x, in, a.xs, part);
-    second_pass(a.staged, st, part, next, body);
+    second_pass(a.staged, st, part, next, a.log != 0, body);
   }
   rw.finish();
 }
