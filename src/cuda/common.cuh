@@ -1147,9 +1147,9 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
  * 256 threads (three CTAs) held the CE kernel to 80, where its per-row code
  * spilled 48 bytes, whose reloads stalled its warps every row (ncu,
  * ce-grad, 8ce9185: 7% of the stall samples on local loads, all outside
- * the vector loops). The log-probs backward and softmax hold theirs in 80
- * without spills (at 96 the log-probs backward spilled 12 bytes) and keep
- * one kernel for both. */
+ * the vector loops). The log-probs backward too: at 80 its gradient loop
+ * recomputed the output address from the kernel's parameters for every
+ * vector. The softmax holds its own in 80 and keeps one kernel for both. */
 #define ROW_BOUNDS(BS) __launch_bounds__(BS, (BS) == 128 ? 5 : 3)
 
 /* Launch plan of a row kernel: cluster size, threads, chunk (elements per
