@@ -505,17 +505,18 @@ struct Part {
 };
 static_assert(sizeof(Part) == 48, "Part travels as three 16-byte words");
 
-/* Static shared memory of a row kernel: the reductions' slot per warp,
- * the block result, the parts its cluster peers push (one slot per rank,
- * double-buffered by row parity) and the mbarriers counting their bytes,
- * block_max's warp maxima and result, and the stage's two mbarriers
- * (Stage). */
+/* Static shared memory of a row kernel: the reductions' slot per warp
+ * (row kernels run at most 256 threads, make_plan), the block result, the
+ * parts its cluster peers push (one slot per rank, double-buffered by row
+ * parity) and the mbarriers counting their bytes, block_max's warp maxima
+ * and result, and the stage's two mbarriers (Stage). */
+constexpr int MAX_ROW_WARPS = 8;
 struct RedSmem {
-  Part warp[32];
+  Part warp[MAX_ROW_WARPS];
   Part block;
   alignas(16) Part cluster[2][16];
   unsigned long long parts[2];
-  float wmax[32];
+  float wmax[MAX_ROW_WARPS];
   float bmax;
   unsigned long long halves[2];
 };
@@ -1182,7 +1183,11 @@ struct Plan {
  * opt-in limit) are read twice, the second time from L2. A one-pass row
  * (forward only) is streamed through registers by one CTA: measured on
  * the H200, staging it in a cluster cost more in barriers than it saved
- * (1.9 ms against 1.1 ms at bf16 8192 x 152064). Threads: 256, so each
+ * (1.9 ms against 1.1 ms at bf16 8192 x 152064). Nor do smaller CTAs
+ * pay: staged chunks of <= 24 KB in 64-thread CTAs (ten rows per SM, two
+ * warps idle per CTA waiting for its cluster's parts) took 2.01 ms
+ * against 1.67 (CE) and 2.00 against 1.66 (log-probs backward), clusters
+ * of 16 at 8192 x 152064 (H200, cc94f5e + the change). Threads: 256, so each
  * owns several 16-byte vectors, but 128 for a chunk of fewer than 1024
  * vectors, or 4096 when staged: there the about 800 instructions a warp
  * spends on each row (ncu, ce-grad, 84f54d3: prologue, block max, the
