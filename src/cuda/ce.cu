@@ -255,7 +255,9 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
 
     /* The gradient pass, one loop per class-weight case (a runtime branch
      * in one loop let the compiler hoist the weights' 64-bit addressing
-     * into every vector). */
+     * into every vector). The softcap stays a test per vector: a loop per
+     * softcap case as well (second_pass) made the 128-thread kernel spill
+     * 42-84 bytes. */
     auto grad_pass = [&](auto with_cw) {
       second_pass_loops(a.staged, st, part, next, [&](int v, const Raw<In> &rv) {
         write_grad(X, rv, out, v, X.f.cap > 0.0f, [&](const float *w, float *g) {
