@@ -505,18 +505,20 @@ struct Part {
 };
 static_assert(sizeof(Part) == 48, "Part travels as three 16-byte words");
 
-/* Static shared memory of a row kernel: the reductions' slot per warp
- * (row kernels run at most 256 threads, make_plan), the block result, the
- * parts its cluster peers push (one slot per rank, double-buffered by row
- * parity) and the mbarriers counting their bytes, block_max's warp maxima
- * and result, and the stage's two mbarriers (Stage). */
-constexpr int MAX_ROW_WARPS = 8;
+/* The most threads a row kernel runs (make_plan's larger block). */
+constexpr int MAX_ROW_THREADS = 256;
+
+/* Static shared memory of a row kernel: the reductions' slot per warp,
+ * the block result, the parts its cluster peers push (one slot per rank,
+ * double-buffered by row parity) and the mbarriers counting their bytes,
+ * block_max's warp maxima and result, and the stage's two mbarriers
+ * (Stage). */
 struct RedSmem {
-  Part warp[MAX_ROW_WARPS];
+  Part warp[MAX_ROW_THREADS / 32];
   Part block;
   alignas(16) Part cluster[2][16];
   unsigned long long parts[2];
-  float wmax[MAX_ROW_WARPS];
+  float wmax[MAX_ROW_THREADS / 32];
   float bmax;
   unsigned long long halves[2];
 };
@@ -1214,7 +1216,7 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
   }
   const int64_t nvc = (nvec + p.cs - 1) / p.cs;
   p.chunk = nvc * NV;
-  p.bs = nvc >= (p.staged ? 4096 : 1024) ? 256 : 128;
+  p.bs = nvc >= (p.staged ? 4096 : 1024) ? MAX_ROW_THREADS : 128;
   p.smem =
       (p.staged ? (size_t)nvc * 16 : 0) + (size_t)((nvc + 31) / 32) * 4 * extra_per_vector_bits;
   return p;
