@@ -44,15 +44,17 @@ typedef struct {
                           const lmloss_tensor *out);
   /* dst [1] = sum of src [n, 1] (F32), in a fixed order */
   lmloss_status (*sum)(const lmloss_context *, const lmloss_tensor *src, const lmloss_tensor *dst);
-  /* dst = src, converted, same shape */
+  /* dst = src, converted (rounded to nearest even), same shape */
   lmloss_status (*cast)(const lmloss_context *, const lmloss_tensor *src, const lmloss_tensor *dst);
-  /* hi + lo = src (F32) in the 16-bit dtype of hi and lo (lmloss_split_hi_lo).
-   * lo may overlay src's own bytes, row i's lo at the start of row i. NULL
-   * in a backend without 16-bit heads, as are the two after it. */
-  lmloss_status (*split_hi_lo)(const lmloss_context *, const lmloss_tensor *src,
-                               const lmloss_tensor *hi, const lmloss_tensor *lo);
-  /* The vocab tiles of 16-bit heads (NULL in a backend without them).
-   * The exact entries of gradient rows grad [n, V]: for row r, the columns
+  /* 16-bit heads only (NULL in a backend without them, as are the two
+   * after it). acc [n, H] (F32) += (v - v rounded to weight's dtype)
+   * weight[c] for each distinct column c = cols[r, s] in [0, V) of row r,
+   * v = vals[r, s] (pick_entries' arrays): the part of the exact entries
+   * that rounding the gradient rows lost, put back into dhidden. */
+  lmloss_status (*restore_entries)(const lmloss_context *, const lmloss_tensor *cols,
+                                   const lmloss_tensor *vals, const lmloss_tensor *weight,
+                                   const lmloss_tensor *acc);
+  /* The exact entries of gradient rows grad [n, V]: for row r, the columns
    * labels[r, 0..K) (I32/I64; labels may be NULL) and coef[r].a; cols [n, S]
    * (I64) gets them and vals [n, S] (F32) grad's values there (NaN for a
    * column outside [0, V)). */

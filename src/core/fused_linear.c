@@ -16,11 +16,14 @@
  * the backend's primitives.
  *
  * A 16-bit weight gets dlogits in its dtype, so that GEMMs 2 and 3 run on
- * tensor cores. Rounded to bf16 once, dlogits would cost dhidden more than
- * twice the error of rounding dhidden itself; so when dhidden is wanted
- * the row op writes the fp32 gradient in place, dbias sums it, and it is
- * split into 16-bit hi + lo: dhidden = hi W + lo W summed in fp32, dW from
- * hi alone (within its bound).
+ * tensor cores. Rounded to bf16, dlogits would cost dhidden more than
+ * twice the error of rounding dhidden itself, almost all of it at the
+ * row's few large entries (the labels' columns and the argmax); so when
+ * dhidden is wanted the row op writes the fp32 gradient in place, dbias
+ * sums it, its exact entries are kept (keep_entries), and it is rounded
+ * into dlogits: dhidden = dlogits W + what the rounding took from the
+ * exact entries times their rows of W, summed in fp32. dW comes from the
+ * rounded dlogits alone (within its bound).
  */
 #include <string.h>
 
@@ -59,7 +62,7 @@ typedef struct {
   size_t list, coef, cols, vals, sums, acc_b, region;
   size_t slab, dl, hid, dh, dh_acc, aux, ce_ws, total;
   int dl_separate; /* dlogits in the weight's 16-bit dtype, beside the fp32 slab */
-  int split_dl;    /* and dhidden from their hi + lo halves, summed in fp32 at dh_acc */
+  int round_dl;    /* the fp32 gradient rounded into them; dhidden summed in fp32 at dh_acc */
   int acc_b_f32;
   int tiles;     /* dW may come from vocab tiles: wanted, of a 16-bit head */
   int acc_w_f32; /* a 16-bit dW tile sums over row blocks in fp32 */
@@ -95,12 +98,12 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   p->hs = lmloss_dtype_size(head->hidden.dtype);
   p->dl_separate = has_grads(grads) && head->weight.dtype != LMLOSS_F32;
   p->dls = p->dl_separate ? p->hs : 0;
-  p->split_dl = p->dl_separate && wants(&grads->dhidden);
+  p->round_dl = p->dl_separate && wants(&grads->dhidden);
   p->tiles = p->dl_separate && wants(&grads->dweight);
   p->acc_w_f32 = p->tiles && grads->dweight.dtype != LMLOSS_F32 && hopt->fp32_accumulate;
   size_t off = 0;
   p->list = off, off += up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
-  if (p->tiles) {
+  if (p->tiles || p->round_dl) {                 /* the exact entries */
     p->coef = off, off += up((size_t)N * sizeof(lmloss_grad_coef));
     p->cols = off, off += up((size_t)N * p->S * 8);
     p->vals = off, off += up((size_t)N * p->S * 4);
@@ -111,11 +114,11 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
     p->acc_b = off, off += up((size_t)V * 4);
   }
   p->region = off;
-  /* A row of the chunk: fp32 logits (the split's lo overlays them), 16-bit
-   * dlogits (hi), hidden and dhidden, dhidden's fp32 sum when split, the
-   * small buffers and the CE workspace's three doubles. */
+  /* A row of the chunk: fp32 logits, 16-bit dlogits, hidden and dhidden,
+   * dhidden's fp32 sum when rounded, the small buffers and the CE
+   * workspace's three doubles. */
   const size_t per_row = (size_t)V * (4 + p->dls) + 2 * (size_t)H * p->hs +
-                         (p->split_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
+                         (p->round_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
   const size_t slack = 8 * ALIGN + LMLOSS_CE_WS_HEADER; /* the buffers' rounding */
   int64_t rows = budget > off + slack ? (int64_t)((budget - off - slack) / per_row) : 0;
   const size_t tiles_min = p->tiles ? tile_bytes(p, 1, 1, H, p->acc_w_f32) : 0;
@@ -131,7 +134,7 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   p->dl = off, off += up((size_t)rows * V * p->dls);
   p->hid = off, off += up((size_t)rows * H * p->hs);
   p->dh = off, off += up((size_t)rows * H * p->hs);
-  p->dh_acc = off, off += p->split_dl ? up((size_t)rows * H * 4) : 0;
+  p->dh_acc = off, off += p->round_dl ? up((size_t)rows * H * 4) : 0;
   p->aux = off, off += up((size_t)rows * aux_per_row(K));
   p->ce_ws = off, off += up(lmloss_cross_entropy_workspace_size(rows));
   p->total = off > p->region + tiles_min ? off : p->region + tiles_min;
@@ -255,9 +258,13 @@ static lmloss_tensor rows_of(const lmloss_tensor *t, int64_t first, int64_t n) {
   return v;
 }
 
-/* The whole-call arrays of the vocab tiles for compact rows first.. */
+/* Whether the exact entries are kept: for the vocab tiles, or for
+ * dhidden from rounded dlogits. */
+static int keeps_entries(const linear_plan *p) { return p->tiled || p->round_dl; }
+
+/* The whole-call arrays of the exact entries for compact rows first.. */
 static lmloss_grad_coef *coef_at(const linear_plan *p, char *ws, int64_t first) {
-  return p->tiled ? (lmloss_grad_coef *)(ws + p->coef) + first : NULL;
+  return keeps_entries(p) ? (lmloss_grad_coef *)(ws + p->coef) + first : NULL;
 }
 
 static lmloss_tensor entries(const linear_plan *p, char *ws, size_t at, lmloss_dtype dt,
@@ -268,14 +275,21 @@ static lmloss_tensor entries(const linear_plan *p, char *ws, size_t at, lmloss_d
   return t;
 }
 
+/* Entries kept per row (keep_entries): the labels' columns and the argmax. */
+static int64_t entry_count(const linear_job *j, const linear_plan *p) {
+  const int is_ce = j->kind == CE_FORWARD || j->kind == CE_BACKWARD;
+  return (is_ce ? 1 : j->labels ? p->K : 0) + 1;
+}
+
 /* After a chunk's gradient rows: their exact entries (the row op wrote the
- * coefficients), which the vocab tiles put back: the labels' columns and
- * the argmax, where a recomputed logit one ulp off the max would move
- * dk_a off its exact 0 (an error of the whole entropy gradient there). */
+ * coefficients), the labels' columns and the argmax. The vocab tiles put
+ * them back, since a recomputed logit one ulp off the max would move dk_a
+ * off its exact 0 (an error of the whole entropy gradient there);
+ * chunk_dhidden adds what rounding dlogits took from them. */
 static lmloss_status keep_entries(const linear_job *j, const lmloss_linear_prims *L,
                                   const linear_plan *p, char *ws, int64_t first,
                                   const lmloss_tensor *grad, const lmloss_tensor *labels) {
-  if (!p->tiled) return LMLOSS_OK;
+  if (!keeps_entries(p)) return LMLOSS_OK;
   const int64_t n = grad->rows, count = (labels ? labels->cols : 0) + 1;
   const lmloss_device dev = j->head->hidden.device;
   lmloss_tensor cols = entries(p, ws, p->cols, LMLOSS_I64, dev, first, n, count);
@@ -359,23 +373,26 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
   return keep_entries(j, L, p, ws, first, dl, j->dlogp ? idx : NULL);
 }
 
-/* dhidden of a chunk = dl W, scattered back. split_dl: the slab holds the
- * fp32 gradient; hi goes to dl (which dW reads next) and lo over the slab's
- * own bytes (row i's lo at the start of row i), and dhidden = hi W + lo W
- * sums in fp32. */
+/* dhidden of a chunk (compact rows first..) = dl W, scattered back.
+ * round_dl: the slab holds the fp32 gradient, rounded into dl (which dW
+ * reads next); dhidden = dl W + the rounding error of the exact entries
+ * times their rows of W, summed in fp32. */
 static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prims *L,
                                    const linear_plan *p, char *w, const int64_t *list,
-                                   const lmloss_tensor *slab, const lmloss_tensor *dl) {
+                                   int64_t first, const lmloss_tensor *slab,
+                                   const lmloss_tensor *dl) {
   const lmloss_head *h = j->head;
   const lmloss_device dev = h->hidden.device;
   const int64_t n = dl->rows, H = h->hidden.cols;
   lmloss_tensor dh = view(w + p->dh, h->hidden.dtype, dev, n, H);
-  if (p->split_dl) {
-    lmloss_tensor lo = *dl, acc = view(w + p->dh_acc, LMLOSS_F32, dev, n, H);
-    lo.data = slab->data, lo.row_stride = 2 * slab->row_stride;
-    TRY(L->split_hi_lo(j->ctx, slab, dl, &lo));
+  if (p->round_dl) {
+    const int64_t count = entry_count(j, p);
+    lmloss_tensor acc = view(w + p->dh_acc, LMLOSS_F32, dev, n, H);
+    lmloss_tensor cols = entries(p, w, p->cols, LMLOSS_I64, dev, first, n, count);
+    lmloss_tensor vals = entries(p, w, p->vals, LMLOSS_F32, dev, first, n, count);
+    TRY(L->cast(j->ctx, slab, dl));
     TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &acc));
-    TRY(L->gemm(j->ctx, 0, 0, 1.0f, &lo, &h->weight, 1.0f, &acc));
+    TRY(L->restore_entries(j->ctx, &cols, &vals, &h->weight, &acc));
     TRY(L->cast(j->ctx, &acc, &dh));
   } else {
     TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &dh));
@@ -415,7 +432,7 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
   const int64_t H = h->hidden.cols, V = h->weight.rows;
   const int is_ce = j->kind == CE_FORWARD || j->kind == CE_BACKWARD;
   const lmloss_transform *tr = is_ce ? &j->opt->transform : j->tr;
-  const int64_t count = (is_ce ? 1 : j->labels ? p->K : 0) + 1; /* as keep_entries */
+  const int64_t count = entry_count(j, p);
   const tile_plan t = plan_tiles(p, M, H, V);
   const int64_t nb = (M + t.rows - 1) / t.rows;
   for (int64_t j0 = 0; j0 < V; j0 += t.cols) {
@@ -503,13 +520,13 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     if (wants(&h->bias)) TRY(L->broadcast_row(j->ctx, &h->bias, &slab));
     TRY(L->gemm(j->ctx, 0, 1, 1.0f, &hc, &h->weight, wants(&h->bias) ? 1.0f : 0.0f, &slab));
     lmloss_tensor dl = p.dl_separate ? view(w + p.dl, h->weight.dtype, dev, n, V) : slab;
-    lmloss_tensor grad = p.split_dl ? slab : dl; /* where the row op writes the gradient */
+    lmloss_tensor grad = p.round_dl ? slab : dl; /* where the row op writes the gradient */
     TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &grad : NULL, scale));
     if (!want_grad) continue;
     const float beta = c == 0 ? 0.0f : 1.0f;
-    /* in this order: dbias reads grad before the split overwrites it, dW its hi */
+    /* in this order: dW reads the dlogits chunk_dhidden rounds */
     if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &grad, beta, &accb));
-    if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, &slab, &dl));
+    if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, first, &slab, &dl));
     if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &g->dweight));
   }
   if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M));

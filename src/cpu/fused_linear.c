@@ -133,7 +133,7 @@ static lmloss_status cast(const lmloss_context *ctx, const lmloss_tensor *src,
   return LMLOSS_OK;
 }
 
-/* split_hi_lo, pick_entries and tile_grad: 16-bit heads only. */
+/* restore_entries, pick_entries and tile_grad: 16-bit heads only. */
 const lmloss_linear_prims lmloss_cpu_linear = {
     gemm,   select_rows, gather_rows, scatter_rows, fill, broadcast_row,
     colsum, sum,         cast,        NULL,         NULL, NULL,

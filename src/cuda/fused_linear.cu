@@ -202,11 +202,6 @@ static lmloss_status fill(const lmloss_context *ctx, const lmloss_tensor *t, dou
   return elementwise(ctx, 0, nullptr, t, v);
 }
 
-static lmloss_status cast(const lmloss_context *ctx, const lmloss_tensor *src,
-                          const lmloss_tensor *dst) {
-  return elementwise(ctx, 1, src, dst, 0.0);
-}
-
 static lmloss_status broadcast_row(const lmloss_context *ctx, const lmloss_tensor *vec,
                                    const lmloss_tensor *c) {
   return elementwise(ctx, 2, vec, c, 0.0);
@@ -257,69 +252,92 @@ static lmloss_status sum(const lmloss_context *ctx, const lmloss_tensor *src,
   return check_launch("sum");
 }
 
-/* One CTA per row walks it in segments of SPLIT_PER_THREAD x blockDim
- * elements, SPLIT_PER_THREAD consecutive ones per thread (two 16-byte
- * loads, a 16-byte store of hi and one of lo when aligned): every thread
- * loads its part of the segment, one barrier, then the stores. lo may
- * overlay src: lo of element j lands in the bytes of src element j / 2,
- * inside this segment or an earlier one, so the barrier orders it after
- * every load of the segment, and no later load reads it. */
-constexpr int SPLIT_PER_THREAD = 8;
-
-__global__ void split_hi_lo_kernel(const float *src, int64_t sstride, uint16_t *hi, int64_t hstride,
-                                   uint16_t *lo, int64_t lstride, lmloss_dtype dt, int64_t rows,
-                                   int64_t cols, bool aligned) {
-  constexpr int P = SPLIT_PER_THREAD;
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+/* Rows of F32 rounded to a 16-bit dtype (a chunk's dlogits, dhidden's
+ * fp32 sum): elementwise and memory-bound, a row per blockIdx.y, eight
+ * columns per thread across blockIdx.x (two 16-byte loads, one 16-byte
+ * store where aligned). */
+template <typename O>
+__global__ void round_rows_kernel(const float *src, int64_t sstride, O *dst, int64_t dstride,
+                                  int64_t rows, int64_t cols, bool aligned) {
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const float *s = src + r * sstride;
-    uint16_t *h = hi + r * hstride, *l = lo + r * lstride;
-    for (int64_t j0 = 0; j0 < cols; j0 += (int64_t)P * blockDim.x) {
-      const int64_t j = j0 + (int64_t)P * threadIdx.x;
-      const bool whole = aligned && j + P <= cols;
-      union {
-        float f[P];
-        uint4 q[P / 4];
-      } x;
-      if (whole) {
-#pragma unroll
-        for (int k = 0; k < P / 4; k++)
-          x.q[k] = __ldcs((const uint4 *)(s + j) + k);
+    O *d = dst + r * dstride;
+    for (int64_t j = 8 * (blockIdx.x * (int64_t)blockDim.x + threadIdx.x); j < cols;
+         j += 8 * (int64_t)gridDim.x * blockDim.x) {
+      if (aligned && j + 8 <= cols) {
+        const Raw<float> lo = load_vec<float, STREAM>(s, j, cols, true),
+                         hi = load_vec<float, STREAM>(s, j + 4, cols, true);
+        const float x[8] = {lo.e[0], lo.e[1], lo.e[2], lo.e[3], hi.e[0], hi.e[1], hi.e[2], hi.e[3]};
+        store_whole<O, 8>(d + j, x);
       } else {
-#pragma unroll
-        for (int k = 0; k < P; k++)
-          x.f[k] = j + k < cols ? s[j + k] : 0.0f;
-      }
-      __syncthreads();
-      union {
-        uint16_t e[P];
-        uint4 q;
-      } oh, ol;
-#pragma unroll
-      for (int k = 0; k < P; k++)
-        lmloss_split_hi_lo(x.f[k], dt, &oh.e[k], &ol.e[k]);
-      if (whole) {
-        *(uint4 *)(h + j) = oh.q;
-        *(uint4 *)(l + j) = ol.q;
-      } else {
-#pragma unroll
-        for (int k = 0; k < P; k++)
-          if (j + k < cols) h[j + k] = oh.e[k], l[j + k] = ol.e[k];
+        for (int64_t k = j; k < j + 8 && k < cols; k++)
+          d[k] = fromf<O>(s[k]);
       }
     }
   }
 }
 
-static lmloss_status split_hi_lo(const lmloss_context *ctx, const lmloss_tensor *src,
-                                 const lmloss_tensor *hi, const lmloss_tensor *lo) {
-  if (src->rows == 0 || src->cols == 0) return LMLOSS_OK;
-  const unsigned grid = (unsigned)(src->rows < 65535 ? src->rows : 65535);
-  const bool aligned = src->row_stride % 4 == 0 && hi->row_stride % 8 == 0 &&
-                       lo->row_stride % 8 == 0 &&
-                       ((uintptr_t)src->data | (uintptr_t)hi->data | (uintptr_t)lo->data) % 16 == 0;
-  split_hi_lo_kernel<<<grid, 256, 0, stream_of(ctx)>>>(
-      (const float *)src->data, src->row_stride, (uint16_t *)hi->data, hi->row_stride,
-      (uint16_t *)lo->data, lo->row_stride, hi->dtype, src->rows, src->cols, aligned);
-  return check_launch("split_hi_lo");
+static lmloss_status cast(const lmloss_context *ctx, const lmloss_tensor *src,
+                          const lmloss_tensor *dst) {
+  const bool to16 = dst->dtype == LMLOSS_BF16 || dst->dtype == LMLOSS_F16;
+  if (src->dtype != LMLOSS_F32 || !to16) return elementwise(ctx, 1, src, dst, 0.0);
+  const int64_t n = src->rows, bx = (src->cols + 2047) / 2048;
+  if (n == 0 || src->cols == 0) return LMLOSS_OK;
+  const dim3 grid((unsigned)(bx < 64 ? bx : 64), (unsigned)(n < 65535 ? n : 65535));
+  const bool aligned = src->row_stride % 4 == 0 && dst->row_stride % 8 == 0 &&
+                       ((uintptr_t)src->data | (uintptr_t)dst->data) % 16 == 0;
+  if (dst->dtype == LMLOSS_BF16)
+    round_rows_kernel<bf16><<<grid, 256, 0, stream_of(ctx)>>>(
+        (const float *)src->data, src->row_stride, (bf16 *)dst->data, dst->row_stride, n, src->cols,
+        aligned);
+  else
+    round_rows_kernel<f16><<<grid, 256, 0, stream_of(ctx)>>>(
+        (const float *)src->data, src->row_stride, (f16 *)dst->data, dst->row_stride, n, src->cols,
+        aligned);
+  return check_launch("cast");
+}
+
+/* A CTA per row, its threads across H, the row's entries in order (so no
+ * two threads add to one element): the few W rows it reads are what the
+ * lo half of a second dhidden GEMM would have read in full. */
+template <typename W>
+__global__ void restore_kernel(const int64_t *cols, int64_t cstride, const float *vals,
+                               int64_t vstride, int64_t S, const W *w, int64_t wstride, int64_t V,
+                               float *acc, int64_t astride, int64_t rows, int64_t H) {
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const int64_t *cr = cols + r * cstride;
+    float *a = acc + r * astride;
+    for (int64_t s = 0; s < S; s++) {
+      const int64_t c = cr[s];
+      bool seen = false;
+      for (int64_t t = 0; t < s; t++)
+        seen |= cr[t] == c;
+      const float v = vals[r * vstride + s], rv = tof(fromf<W>(v));
+      if (seen || c < 0 || c >= V || !isfinite(rv) || v == rv) continue;
+      const float lost = v - rv; /* exact in fp32 */
+      for (int64_t k = threadIdx.x; k < H; k += blockDim.x)
+        a[k] = fmaf(lost, tof(w[c * wstride + k]), a[k]);
+    }
+  }
+}
+
+static lmloss_status restore_entries(const lmloss_context *ctx, const lmloss_tensor *cols,
+                                     const lmloss_tensor *vals, const lmloss_tensor *weight,
+                                     const lmloss_tensor *acc) {
+  const int64_t n = acc->rows;
+  if (n == 0 || cols->cols == 0) return LMLOSS_OK;
+  const unsigned grid = (unsigned)(n < 65535 ? n : 65535);
+  if (weight->dtype == LMLOSS_BF16)
+    restore_kernel<bf16><<<grid, 256, 0, stream_of(ctx)>>>(
+        (const int64_t *)cols->data, cols->row_stride, (const float *)vals->data, vals->row_stride,
+        cols->cols, (const bf16 *)weight->data, weight->row_stride, weight->rows,
+        (float *)acc->data, acc->row_stride, n, acc->cols);
+  else
+    restore_kernel<f16><<<grid, 256, 0, stream_of(ctx)>>>(
+        (const int64_t *)cols->data, cols->row_stride, (const float *)vals->data, vals->row_stride,
+        cols->cols, (const f16 *)weight->data, weight->row_stride, weight->rows, (float *)acc->data,
+        acc->row_stride, n, acc->cols);
+  return check_launch("restore_entries");
 }
 
 /* A thread per entry: the column (a label, then the argmax) and the
@@ -441,7 +459,7 @@ static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *s
 } // namespace lmc
 
 extern "C" const lmloss_linear_prims lmloss_cuda_linear = {
-    lmc::gemm, lmc::select_rows,   lmc::gather_rows,  lmc::scatter_rows,
-    lmc::fill, lmc::broadcast_row, lmc::colsum,       lmc::sum,
-    lmc::cast, lmc::split_hi_lo,   lmc::pick_entries, lmc::tile_grad,
+    lmc::gemm, lmc::select_rows,     lmc::gather_rows,  lmc::scatter_rows,
+    lmc::fill, lmc::broadcast_row,   lmc::colsum,       lmc::sum,
+    lmc::cast, lmc::restore_entries, lmc::pick_entries, lmc::tile_grad,
 };

@@ -86,17 +86,4 @@ LMLOSS_HD void lmloss_store(void *row, lmloss_dtype d, int64_t j, float v) {
     ((uint16_t *)row)[j] = d == LMLOSS_BF16 ? lmloss_f32_to_bf16(v) : lmloss_f32_to_f16(v);
 }
 
-/* x as a pair of dtype d (BF16 or F16) with hi + lo ~ x to about twice
- * d's precision: hi = x rounded, lo = (x - hi) rounded (x - hi is exact in
- * fp32). lo = 0 where hi is infinite, so that the pair never sums to
- * inf - inf. */
-LMLOSS_HD void lmloss_split_hi_lo(float x, lmloss_dtype d, uint16_t *hi, uint16_t *lo) {
-  const int bf = d == LMLOSS_BF16;
-  const uint16_t h = bf ? lmloss_f32_to_bf16(x) : lmloss_f32_to_f16(x);
-  const float hf = bf ? lmloss_bf16_to_f32(h) : lmloss_f16_to_f32(h);
-  const float r = (lmloss_f32_bits(hf) & 0x7fffffffu) == 0x7f800000u ? 0.0f : x - hf;
-  *hi = h;
-  *lo = bf ? lmloss_f32_to_bf16(r) : lmloss_f32_to_f16(r);
-}
-
 #endif
