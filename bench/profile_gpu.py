@@ -1,9 +1,10 @@
 """Where a fused-head step's GPU time goes, kernel by kernel (torch.profiler).
 
-    python bench/profile_gpu.py [--n 8192] [--v 152064] [--h 4096] [--supervised 1.0]
+    python bench/profile_gpu.py [--n 8192] [--v 152064] [--h 4096] [--supervised 1.0] [--bias]
 
 One warm-up, then one lmloss.torch.linear_cross_entropy forward+backward
-(bf16 hidden and head, dhidden and dW produced) under the profiler: each
+(bf16 hidden and head, dhidden and dW produced; with --bias a bias and its
+gradient too) under the profiler: each
 kernel's total CUDA time, calls and share, grouped by name, and the step's
 wall time, so that GEMMs, row passes and gaps can be told apart.
 """
@@ -21,16 +22,21 @@ def main():
     ap.add_argument("--v", type=int, default=152064)
     ap.add_argument("--h", type=int, default=4096)
     ap.add_argument("--supervised", type=float, default=1.0)
+    ap.add_argument("--bias", action="store_true")
     args = ap.parse_args()
     dev = "cuda"
     h = torch.randn(args.n, args.h, device=dev, dtype=torch.bfloat16).requires_grad_()
     w = (torch.randn(args.v, args.h, device=dev, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    b = ((torch.randn(args.v, device=dev, dtype=torch.bfloat16) * 0.5).requires_grad_()
+         if args.bias else None)
     y = torch.randint(0, args.v, (args.n,), device=dev)
     y[torch.rand(args.n, device=dev) >= args.supervised] = -100
 
     def step():
         h.grad = w.grad = None
-        lt.linear_cross_entropy(h, w, y).backward()
+        if b is not None:
+            b.grad = None
+        lt.linear_cross_entropy(h, w, y, bias=b).backward()
 
     step()
     torch.cuda.synchronize()

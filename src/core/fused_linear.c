@@ -445,11 +445,8 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
       lmloss_tensor slab = view(w + t.slab, LMLOSS_F32, dev, n, tc);
       slab.row_stride = t.cols; /* the last, narrower tile keeps the rows' alignment */
       if (nb > 1 || j0 == 0) TRY(L->gather_rows(j->ctx, &h->hidden, list + first, &hb));
-      if (wants(&h->bias)) {
-        lmloss_tensor bt = rows_of(&h->bias, j0, tc);
-        TRY(L->broadcast_row(j->ctx, &bt, &slab));
-      }
-      TRY(L->gemm(j->ctx, 0, 1, 1.0f, &hb, &wt, wants(&h->bias) ? 1.0f : 0.0f, &slab));
+      const lmloss_tensor bt = wants(&h->bias) ? rows_of(&h->bias, j0, tc) : (lmloss_tensor){0};
+      TRY(L->logits(j->ctx, &hb, &wt, &bt, &slab));
       lmloss_tensor dl = view(w + t.dl, h->weight.dtype, dev, n, tc); /* a 16-bit head's */
       dl.row_stride = t.cols;
       lmloss_tensor cols = entries(p, w, p->cols, LMLOSS_I64, dev, first, n, count);
@@ -517,8 +514,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     lmloss_tensor hc = view(w + p.hid, h->hidden.dtype, dev, n, H);
     lmloss_tensor slab = view(w + p.slab, LMLOSS_F32, dev, n, V);
     TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
-    if (wants(&h->bias)) TRY(L->broadcast_row(j->ctx, &h->bias, &slab));
-    TRY(L->gemm(j->ctx, 0, 1, 1.0f, &hc, &h->weight, wants(&h->bias) ? 1.0f : 0.0f, &slab));
+    TRY(L->logits(j->ctx, &hc, &h->weight, &h->bias, &slab));
     lmloss_tensor dl = p.dl_separate ? view(w + p.dl, h->weight.dtype, dev, n, V) : slab;
     lmloss_tensor grad = p.round_dl ? slab : dl; /* where the row op writes the gradient */
     TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &grad : NULL, scale));

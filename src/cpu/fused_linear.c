@@ -79,15 +79,20 @@ static lmloss_status fill(const lmloss_context *ctx, const lmloss_tensor *t, dou
   return LMLOSS_OK;
 }
 
-static lmloss_status broadcast_row(const lmloss_context *ctx, const lmloss_tensor *vec,
-                                   const lmloss_tensor *c) {
+/* The bias goes in first, and the GEMM adds to it (beta = 1). */
+static lmloss_status logits(const lmloss_context *ctx, const lmloss_tensor *h,
+                            const lmloss_tensor *w, const lmloss_tensor *bias,
+                            const lmloss_tensor *c) {
+  const int with_bias = lmloss_present(bias);
+  if (with_bias) {
 #pragma omp parallel for num_threads(lmloss_cpu_threads(ctx))
-  for (int64_t r = 0; r < c->rows; r++) {
-    float *row = lmloss_cpu_row_mut(c, r);
-    for (int64_t j = 0; j < c->cols; j++)
-      row[j] = lmloss_load(vec->data, vec->dtype, j * vec->row_stride);
+    for (int64_t r = 0; r < c->rows; r++) {
+      float *row = lmloss_cpu_row_mut(c, r);
+      for (int64_t j = 0; j < c->cols; j++)
+        row[j] = lmloss_load(bias->data, bias->dtype, j * bias->row_stride);
+    }
   }
-  return LMLOSS_OK;
+  return gemm(ctx, 0, 1, 1.0f, h, w, with_bias ? 1.0f : 0.0f, c);
 }
 
 /* Column sums over the rows in row order, columns in parallel: the result
@@ -135,6 +140,5 @@ static lmloss_status cast(const lmloss_context *ctx, const lmloss_tensor *src,
 
 /* restore_entries, pick_entries and tile_grad: 16-bit heads only. */
 const lmloss_linear_prims lmloss_cpu_linear = {
-    gemm,   select_rows, gather_rows, scatter_rows, fill, broadcast_row,
-    colsum, sum,         cast,        NULL,         NULL, NULL,
+    gemm, select_rows, gather_rows, scatter_rows, fill, logits, colsum, sum, cast, NULL, NULL, NULL,
 };

@@ -5,8 +5,9 @@
  * gathers and scatters, and small reductions, all on the caller's stream.
  * select_rows reads the number of supervised rows back to the host: the
  * one synchronization of a fused-head call (it sizes the GEMMs). The
- * cuBLAS handle is created once per device and thread-safely reused.
+ * cuBLAS handles are created once per device and thread-safely reused.
  */
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <mutex>
 
@@ -18,19 +19,29 @@ static cudaDataType cuda_type(lmloss_dtype d) {
   return d == LMLOSS_F32 ? CUDA_R_32F : d == LMLOSS_BF16 ? CUDA_R_16BF : CUDA_R_16F;
 }
 
-static lmloss_status handle_for(const lmloss_context *ctx, cublasHandle_t *out) {
+/* The cuBLAS and cuBLASLt handles of the current device. */
+static lmloss_status handles_for(const lmloss_context *ctx, cublasHandle_t *out,
+                                 cublasLtHandle_t *lt_out) {
   static std::mutex lock;
   static cublasHandle_t handles[64];
+  static cublasLtHandle_t lts[64];
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev >= 64)
     return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA: no current device");
   std::lock_guard<std::mutex> g(lock);
   if (!handles[dev] && cublasCreate(&handles[dev]) != CUBLAS_STATUS_SUCCESS)
     return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "cuBLAS: cannot create a handle");
+  if (!lts[dev] && cublasLtCreate(&lts[dev]) != CUBLAS_STATUS_SUCCESS)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "cuBLASLt: cannot create a handle");
   if (cublasSetStream(handles[dev], stream_of(ctx)) != CUBLAS_STATUS_SUCCESS)
     return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "cuBLAS: cannot set the stream");
   *out = handles[dev];
+  if (lt_out) *lt_out = lts[dev];
   return LMLOSS_OK;
+}
+
+static cublasComputeType_t compute_type(lmloss_dtype d) {
+  return d == LMLOSS_F32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
 }
 
 /* Row-major c = alpha op(a) op(b) + beta c is column-major
@@ -39,12 +50,11 @@ static lmloss_status gemm(const lmloss_context *ctx, int t_a, int t_b, float alp
                           const lmloss_tensor *a, const lmloss_tensor *b, float beta,
                           const lmloss_tensor *c) {
   cublasHandle_t h = nullptr;
-  lmloss_status s = handle_for(ctx, &h);
+  lmloss_status s = handles_for(ctx, &h, nullptr);
   if (s != LMLOSS_OK) return s;
   const int64_t m = c->rows, n = c->cols, k = t_a ? a->rows : a->cols;
   if (m == 0 || n == 0) return LMLOSS_OK;
-  cublasComputeType_t ct =
-      a->dtype == LMLOSS_F32 ? CUBLAS_COMPUTE_32F_PEDANTIC : CUBLAS_COMPUTE_32F;
+  const cublasComputeType_t ct = compute_type(a->dtype);
   cublasStatus_t st =
       cublasGemmEx(h, t_b ? CUBLAS_OP_T : CUBLAS_OP_N, t_a ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n,
                    (int)m, (int)k, &alpha, b->data, cuda_type(b->dtype), (int)b->row_stride,
@@ -165,34 +175,39 @@ static lmloss_status scatter_rows(const lmloss_context *ctx, const lmloss_tensor
   return copy_rows(ctx, src, list, dst, 0);
 }
 
-/* Element-wise kernels over a [rows, cols] view: fill, cast, broadcast. */
+/* Element-wise kernels over a [rows, cols] view: fill, cast, broadcast.
+ * A row per blockIdx.y, the columns across blockIdx.x: no 64-bit division
+ * per element (which had made the bias broadcast over a chunk's slab
+ * instruction-bound). */
 __global__ void elementwise_kernel(int mode, const void *src, lmloss_dtype sdt, int64_t sstride,
                                    void *dst, lmloss_dtype ddt, int64_t dstride, int64_t rows,
                                    int64_t cols, double v) {
-  const int64_t n = rows * cols;
-  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n;
-       e += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t i = e / cols, j = e % cols;
+  for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
     char *row = (char *)dst + (size_t)(i * dstride) * lmloss_dtype_size(ddt);
-    if (ddt == LMLOSS_I64) {
-      ((int64_t *)row)[j] = (int64_t)v;
-      continue;
+    const char *srow =
+        mode == 1 ? (const char *)src + (size_t)(i * sstride) * lmloss_dtype_size(sdt) : nullptr;
+    for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < cols;
+         j += (int64_t)gridDim.x * blockDim.x) {
+      if (ddt == LMLOSS_I64) {
+        ((int64_t *)row)[j] = (int64_t)v;
+        continue;
+      }
+      float x = (float)v;
+      if (mode == 1) /* cast */
+        x = lmloss_load(srow, sdt, j);
+      if (mode == 2) /* broadcast of a [cols, 1] vector */
+        x = lmloss_load(src, sdt, j * sstride);
+      lmloss_store(row, ddt, j, x);
     }
-    float x = (float)v;
-    if (mode == 1) /* cast */
-      x = lmloss_load((const char *)src + (size_t)(i * sstride) * lmloss_dtype_size(sdt), sdt, j);
-    if (mode == 2) /* broadcast of a [cols, 1] vector */
-      x = lmloss_load(src, sdt, j * sstride);
-    lmloss_store(row, ddt, j, x);
   }
 }
 
 static lmloss_status elementwise(const lmloss_context *ctx, int mode, const lmloss_tensor *src,
                                  const lmloss_tensor *dst, double v) {
-  const int64_t n = dst->rows * dst->cols;
-  if (n == 0) return LMLOSS_OK;
-  const int64_t blocks = (n + 255) / 256;
-  elementwise_kernel<<<(unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, stream_of(ctx)>>>(
+  const int64_t n = dst->rows, bx = (dst->cols + 255) / 256;
+  if (n == 0 || dst->cols == 0) return LMLOSS_OK;
+  const dim3 grid((unsigned)(bx < 64 ? bx : 64), (unsigned)(n < 65535 ? n : 65535));
+  elementwise_kernel<<<grid, 256, 0, stream_of(ctx)>>>(
       mode, src ? src->data : nullptr, src ? src->dtype : LMLOSS_F32, src ? src->row_stride : 0,
       dst->data, dst->dtype, dst->row_stride, dst->rows, dst->cols, v);
   return check_launch("elementwise");
@@ -205,6 +220,66 @@ static lmloss_status fill(const lmloss_context *ctx, const lmloss_tensor *t, dou
 static lmloss_status broadcast_row(const lmloss_context *ctx, const lmloss_tensor *vec,
                                    const lmloss_tensor *c) {
   return elementwise(ctx, 2, vec, c, 0.0);
+}
+
+/* c = h w^T + bias through cuBLASLt's bias epilogue: the bias is added as
+ * the GEMM writes c, where a broadcast pass over c and a GEMM reading c
+ * back (beta = 1) had cost two more passes over the slab. false where
+ * cuBLASLt offers no algorithm for it (then the caller does it that way). */
+static bool logits_lt(const lmloss_context *ctx, cublasLtHandle_t lt, const lmloss_tensor *h,
+                      const lmloss_tensor *w, const lmloss_tensor *bias, const lmloss_tensor *c) {
+  /* column-major: c^T [V, n] = w [H, V]^T h^T [H, n], bias along c^T's rows */
+  const uint64_t V = (uint64_t)c->cols, n = (uint64_t)c->rows, H = (uint64_t)h->cols;
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t lw = nullptr, lh = nullptr, lc = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  const cublasOperation_t tr = CUBLAS_OP_T, nt = CUBLAS_OP_N;
+  const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+  const cudaDataType bt = cuda_type(bias->dtype);
+  const void *bp = bias->data;
+  const size_t no_ws = 0;
+  cublasLtMatmulHeuristicResult_t res = {};
+  int found = 0;
+  bool ok =
+      cublasLtMatmulDescCreate(&op, compute_type(h->dtype), CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &tr, sizeof tr) == 0 &&
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &nt, sizeof nt) == 0 &&
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi) == 0 &&
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof bp) == 0 &&
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt) ==
+          0 &&
+      cublasLtMatrixLayoutCreate(&lw, cuda_type(w->dtype), H, V, w->row_stride) == 0 &&
+      cublasLtMatrixLayoutCreate(&lh, cuda_type(h->dtype), H, n, h->row_stride) == 0 &&
+      cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, V, n, c->row_stride) == 0 &&
+      cublasLtMatmulPreferenceCreate(&pref) == 0 &&
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &no_ws,
+                                           sizeof no_ws) == 0 &&
+      cublasLtMatmulAlgoGetHeuristic(lt, op, lw, lh, lc, lc, pref, 1, &res, &found) == 0 &&
+      found > 0;
+  const float one = 1.0f, zero = 0.0f;
+  if (ok)
+    ok = cublasLtMatmul(lt, op, &one, w->data, lw, h->data, lh, &zero, c->data, lc, c->data, lc,
+                        &res.algo, nullptr, 0, stream_of(ctx)) == CUBLAS_STATUS_SUCCESS;
+  if (pref) cublasLtMatmulPreferenceDestroy(pref);
+  if (lc) cublasLtMatrixLayoutDestroy(lc);
+  if (lh) cublasLtMatrixLayoutDestroy(lh);
+  if (lw) cublasLtMatrixLayoutDestroy(lw);
+  if (op) cublasLtMatmulDescDestroy(op);
+  return ok;
+}
+
+static lmloss_status logits(const lmloss_context *ctx, const lmloss_tensor *h,
+                            const lmloss_tensor *w, const lmloss_tensor *bias,
+                            const lmloss_tensor *c) {
+  if (!lmloss_present(bias)) return gemm(ctx, 0, 1, 1.0f, h, w, 0.0f, c);
+  cublasHandle_t hd = nullptr;
+  cublasLtHandle_t lt = nullptr;
+  lmloss_status s = handles_for(ctx, &hd, &lt);
+  if (s != LMLOSS_OK) return s;
+  if (c->rows == 0 || c->cols == 0) return LMLOSS_OK;
+  if (bias->row_stride == 1 && logits_lt(ctx, lt, h, w, bias, c)) return LMLOSS_OK;
+  s = broadcast_row(ctx, bias, c);
+  return s != LMLOSS_OK ? s : gemm(ctx, 0, 1, 1.0f, h, w, 1.0f, c);
 }
 
 /* Column sums: a thread per column walks the rows in order (coalesced
@@ -460,6 +535,6 @@ static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *s
 
 extern "C" const lmloss_linear_prims lmloss_cuda_linear = {
     lmc::gemm, lmc::select_rows,     lmc::gather_rows,  lmc::scatter_rows,
-    lmc::fill, lmc::broadcast_row,   lmc::colsum,       lmc::sum,
+    lmc::fill, lmc::logits,          lmc::colsum,       lmc::sum,
     lmc::cast, lmc::restore_entries, lmc::pick_entries, lmc::tile_grad,
 };
