@@ -36,7 +36,7 @@ typedef struct {
   lmloss_status (*scatter_rows)(const lmloss_context *, const lmloss_tensor *src,
                                 const int64_t *list, const lmloss_tensor *dst);
   lmloss_status (*fill)(const lmloss_context *, const lmloss_tensor *t, double v);
-  /* c (F32) = h w^T + bias ([cols, 1], on every row; absent: no data) */
+  /* c (F32) = h w^T + bias ([cols, 1] F32, on every row; absent: no data) */
   lmloss_status (*logits)(const lmloss_context *, const lmloss_tensor *h, const lmloss_tensor *w,
                           const lmloss_tensor *bias, const lmloss_tensor *c);
   /* out ([cols, 1]) = beta * out + column sums of a */

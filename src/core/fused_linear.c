@@ -59,7 +59,7 @@ typedef struct {
 typedef struct {
   int64_t rows, K, S; /* S: exact entries kept per row for the vocab tiles */
   size_t hs, dls;     /* bytes of a hidden element; of a dlogits one (0: in place, F32) */
-  size_t list, coef, cols, vals, sums, acc_b, region;
+  size_t list, coef, cols, vals, sums, acc_b, bias32, region;
   size_t slab, dl, hid, dh, dh_acc, aux, ce_ws, total;
   int dl_separate; /* dlogits in the weight's 16-bit dtype, beside the fp32 slab */
   int round_dl;    /* the fp32 gradient rounded into them; dhidden summed in fp32 at dh_acc */
@@ -113,6 +113,8 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
     p->acc_b_f32 = 1;
     p->acc_b = off, off += up((size_t)V * 4);
   }
+  if (wants(&head->bias) && head->bias.dtype != LMLOSS_F32) /* logits' bias: F32 */
+    p->bias32 = off, off += up((size_t)V * 4);
   p->region = off;
   /* A row of the chunk: fp32 logits, 16-bit dlogits, hidden and dhidden,
    * dhidden's fp32 sum when rounded, the small buffers and the CE
@@ -426,7 +428,8 @@ static lmloss_status fill_unvisited(const linear_job *j, const lmloss_linear_pri
  * run on tensor cores; an F32 head's GEMMs (the CPU's, or fp32 ones on a
  * GPU) cost more than the read-modify-write they would save. */
 static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims *L,
-                                 const linear_plan *p, char *w, const int64_t *list, int64_t M) {
+                                 const linear_plan *p, char *w, const int64_t *list, int64_t M,
+                                 const lmloss_tensor *bias) {
   const lmloss_head *h = j->head;
   const lmloss_device dev = h->hidden.device;
   const int64_t H = h->hidden.cols, V = h->weight.rows;
@@ -445,7 +448,7 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
       lmloss_tensor slab = view(w + t.slab, LMLOSS_F32, dev, n, tc);
       slab.row_stride = t.cols; /* the last, narrower tile keeps the rows' alignment */
       if (nb > 1 || j0 == 0) TRY(L->gather_rows(j->ctx, &h->hidden, list + first, &hb));
-      const lmloss_tensor bt = wants(&h->bias) ? rows_of(&h->bias, j0, tc) : (lmloss_tensor){0};
+      const lmloss_tensor bt = wants(bias) ? rows_of(bias, j0, tc) : (lmloss_tensor){0};
       TRY(L->logits(j->ctx, &hb, &wt, &bt, &slab));
       lmloss_tensor dl = view(w + t.dl, h->weight.dtype, dev, n, tc); /* a 16-bit head's */
       dl.row_stride = t.cols;
@@ -499,6 +502,12 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   if (is_ce && j->opt->reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) scale = 1.0 / j->opt->num_items;
   if (scale == 0.0) M = 0; /* mean over zero weight: 0 with a zero gradient */
   TRY(fill_unvisited(j, L));
+  /* the logits GEMMs take an F32 bias (a cuBLASLt epilogue's) */
+  lmloss_tensor bias = h->bias;
+  if (wants(&h->bias) && h->bias.dtype != LMLOSS_F32 && M > 0) {
+    bias = view(w + p.bias32, LMLOSS_F32, dev, V, 1);
+    TRY(L->cast(j->ctx, &h->bias, &bias));
+  }
 
   const int want_grad =
       has_grads(g) && j->kind != LP_FORWARD && !(j->kind == CE_FORWARD && !has_grads(g));
@@ -514,7 +523,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     lmloss_tensor hc = view(w + p.hid, h->hidden.dtype, dev, n, H);
     lmloss_tensor slab = view(w + p.slab, LMLOSS_F32, dev, n, V);
     TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
-    TRY(L->logits(j->ctx, &hc, &h->weight, &h->bias, &slab));
+    TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
     lmloss_tensor dl = p.dl_separate ? view(w + p.dl, h->weight.dtype, dev, n, V) : slab;
     lmloss_tensor grad = p.round_dl ? slab : dl; /* where the row op writes the gradient */
     TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &grad : NULL, scale));
@@ -525,7 +534,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, first, &slab, &dl));
     if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &g->dweight));
   }
-  if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M));
+  if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M, &bias));
   if (want_grad) {
     if (want_dw && nchunks == 0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
     if (wants(&g->dbias)) {

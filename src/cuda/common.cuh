@@ -1189,7 +1189,11 @@ struct Plan {
  * pay: staged chunks of <= 24 KB in 64-thread CTAs (ten rows per SM, two
  * warps idle per CTA waiting for its cluster's parts) took 2.01 ms
  * against 1.67 (CE) and 2.00 against 1.66 (log-probs backward), clusters
- * of 16 at 8192 x 152064 (H200, cc94f5e + the change). Threads: 256, so each
+ * of 16 at 8192 x 152064 (H200, cc94f5e + the change). Nor does one CTA
+ * holding a whole row of up to 64 KB (no cluster, three CTAs per SM):
+ * bf16 4096 x 32768 took 0.202-0.206 ms against 0.194-0.197 (CE) and
+ * 0.209 against 0.207 (log-probs backward) with clusters of two 32 KB
+ * chunks (H200, ec7720c + the change). Threads: 256, so each
  * owns several 16-byte vectors, but 128 for a chunk of fewer than 1024
  * vectors, or 4096 when staged: there the about 800 instructions a warp
  * spends on each row (ncu, ce-grad, 84f54d3: prologue, block max, the

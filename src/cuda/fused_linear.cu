@@ -235,7 +235,7 @@ static bool logits_lt(const lmloss_context *ctx, cublasLtHandle_t lt, const lmlo
   cublasLtMatmulPreference_t pref = nullptr;
   const cublasOperation_t tr = CUBLAS_OP_T, nt = CUBLAS_OP_N;
   const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-  const cudaDataType bt = cuda_type(bias->dtype);
+  const cudaDataType bt = CUDA_R_32F; /* the core passes an F32 bias (see backend.h) */
   const void *bp = bias->data;
   const size_t no_ws = 0;
   cublasLtMatmulHeuristicResult_t res = {};
