@@ -57,7 +57,7 @@ typedef struct {
  * first; from `region` on, the chunk buffers (rows per chunk) and, after
  * the chunks, the vocab tiles' buffers (tile_plan) share the same bytes. */
 typedef struct {
-  int64_t rows, K, S; /* S: exact entries kept per row for the vocab tiles */
+  int64_t rows, K, S; /* S: exact entries kept per row (keep_entries) */
   size_t hs, dls;     /* bytes of a hidden element; of a dlogits one (0: in place, F32) */
   size_t list, coef, cols, vals, sums, acc_b, bias32, region;
   size_t slab, dl, hid, dh, dh_acc, aux, ce_ws, total;
