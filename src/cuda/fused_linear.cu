@@ -283,19 +283,15 @@ static lmloss_status logits(const lmloss_context *ctx, const lmloss_tensor *h,
 }
 
 /* Column sums: a thread per column walks the rows in order (coalesced
- * across the warp, the same order every run), eight rows' loads in flight
- * before their adds (one at a time held dbias's sums over a chunk's slab
- * at about half of HBM bandwidth). */
-template <typename T>
-__global__ void colsum_kernel(const T *a, int64_t astride, int64_t rows, int64_t cols, float beta,
-                              void *out, lmloss_dtype odt, int64_t ostride) {
+ * across the warp, the same order every run). */
+__global__ void colsum_kernel(const void *a, lmloss_dtype adt, int64_t astride, int64_t rows,
+                              int64_t cols, float beta, void *out, lmloss_dtype odt,
+                              int64_t ostride) {
   const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (j >= cols) return;
-  const T *p = a + j;
   float acc = 0.0f;
-#pragma unroll 8
   for (int64_t r = 0; r < rows; r++)
-    acc += tof(p[r * astride]);
+    acc += lmloss_load((const char *)a + (size_t)(r * astride) * lmloss_dtype_size(adt), adt, j);
   const int64_t o = j * ostride;
   const float prev = beta != 0.0f ? beta * lmloss_load(out, odt, o) : 0.0f;
   lmloss_store(out, odt, o, prev + acc);
@@ -304,17 +300,9 @@ __global__ void colsum_kernel(const T *a, int64_t astride, int64_t rows, int64_t
 static lmloss_status colsum(const lmloss_context *ctx, const lmloss_tensor *a, float beta,
                             const lmloss_tensor *out) {
   if (a->cols == 0) return LMLOSS_OK;
-  const unsigned grid = (unsigned)((a->cols + 255) / 256);
-  cudaStream_t st = stream_of(ctx);
-  if (a->dtype == LMLOSS_F32)
-    colsum_kernel<<<grid, 256, 0, st>>>((const float *)a->data, a->row_stride, a->rows, a->cols,
-                                        beta, out->data, out->dtype, out->row_stride);
-  else if (a->dtype == LMLOSS_BF16)
-    colsum_kernel<<<grid, 256, 0, st>>>((const bf16 *)a->data, a->row_stride, a->rows, a->cols,
-                                        beta, out->data, out->dtype, out->row_stride);
-  else
-    colsum_kernel<<<grid, 256, 0, st>>>((const f16 *)a->data, a->row_stride, a->rows, a->cols, beta,
-                                        out->data, out->dtype, out->row_stride);
+  colsum_kernel<<<(unsigned)((a->cols + 255) / 256), 256, 0, stream_of(ctx)>>>(
+      a->data, a->dtype, a->row_stride, a->rows, a->cols, beta, out->data, out->dtype,
+      out->row_stride);
   return check_launch("colsum");
 }
 
