@@ -176,9 +176,10 @@ static lmloss_status scatter_rows(const lmloss_context *ctx, const lmloss_tensor
 }
 
 /* Element-wise kernels over a [rows, cols] view: fill, cast, broadcast.
- * A row per blockIdx.y, the columns across blockIdx.x: no 64-bit division
- * per element (which had made the bias broadcast over a chunk's slab
- * instruction-bound). */
+ * A row per blockIdx.y, the columns across blockIdx.x, so no element's
+ * row and column come from a 64-bit division. Small or rare work (fills,
+ * dbias's cast, the bias broadcast where cuBLASLt declines): measured
+ * once, as the bias broadcast over every slab, 13.2 ms a step (H200). */
 __global__ void elementwise_kernel(int mode, const void *src, lmloss_dtype sdt, int64_t sstride,
                                    void *dst, lmloss_dtype ddt, int64_t dstride, int64_t rows,
                                    int64_t cols, double v) {
