@@ -175,40 +175,34 @@ static lmloss_status scatter_rows(const lmloss_context *ctx, const lmloss_tensor
   return copy_rows(ctx, src, list, dst, 0);
 }
 
-/* Element-wise kernels over a [rows, cols] view: fill, cast, broadcast.
- * A row per blockIdx.y, the columns across blockIdx.x, so no element's
- * row and column come from a 64-bit division. Small or rare work (fills,
- * dbias's cast, the bias broadcast where cuBLASLt declines): measured
- * once, as the bias broadcast over every slab, 13.2 ms a step (H200). */
+/* Element-wise kernels over a [rows, cols] view: fill, cast, broadcast. */
 __global__ void elementwise_kernel(int mode, const void *src, lmloss_dtype sdt, int64_t sstride,
                                    void *dst, lmloss_dtype ddt, int64_t dstride, int64_t rows,
                                    int64_t cols, double v) {
-  for (int64_t i = blockIdx.y; i < rows; i += gridDim.y) {
+  const int64_t n = rows * cols;
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t i = e / cols, j = e % cols;
     char *row = (char *)dst + (size_t)(i * dstride) * lmloss_dtype_size(ddt);
-    const char *srow =
-        mode == 1 ? (const char *)src + (size_t)(i * sstride) * lmloss_dtype_size(sdt) : nullptr;
-    for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < cols;
-         j += (int64_t)gridDim.x * blockDim.x) {
-      if (ddt == LMLOSS_I64) {
-        ((int64_t *)row)[j] = (int64_t)v;
-        continue;
-      }
-      float x = (float)v;
-      if (mode == 1) /* cast */
-        x = lmloss_load(srow, sdt, j);
-      if (mode == 2) /* broadcast of a [cols, 1] vector */
-        x = lmloss_load(src, sdt, j * sstride);
-      lmloss_store(row, ddt, j, x);
+    if (ddt == LMLOSS_I64) {
+      ((int64_t *)row)[j] = (int64_t)v;
+      continue;
     }
+    float x = (float)v;
+    if (mode == 1) /* cast */
+      x = lmloss_load((const char *)src + (size_t)(i * sstride) * lmloss_dtype_size(sdt), sdt, j);
+    if (mode == 2) /* broadcast of a [cols, 1] vector */
+      x = lmloss_load(src, sdt, j * sstride);
+    lmloss_store(row, ddt, j, x);
   }
 }
 
 static lmloss_status elementwise(const lmloss_context *ctx, int mode, const lmloss_tensor *src,
                                  const lmloss_tensor *dst, double v) {
-  const int64_t n = dst->rows, bx = (dst->cols + 255) / 256;
-  if (n == 0 || dst->cols == 0) return LMLOSS_OK;
-  const dim3 grid((unsigned)(bx < 64 ? bx : 64), (unsigned)(n < 65535 ? n : 65535));
-  elementwise_kernel<<<grid, 256, 0, stream_of(ctx)>>>(
+  const int64_t n = dst->rows * dst->cols;
+  if (n == 0) return LMLOSS_OK;
+  const int64_t blocks = (n + 255) / 256;
+  elementwise_kernel<<<(unsigned)(blocks < 65535 ? blocks : 65535), 256, 0, stream_of(ctx)>>>(
       mode, src ? src->data : nullptr, src ? src->dtype : LMLOSS_F32, src ? src->row_stride : 0,
       dst->data, dst->dtype, dst->row_stride, dst->rows, dst->cols, v);
   return check_launch("elementwise");
