@@ -331,6 +331,15 @@ LMLOSS_API lmloss_status lmloss_linear_log_probs_backward(
     const lmloss_tensor *dlogp, const lmloss_tensor *dentropy, const lmloss_head_grads *grads,
     void *workspace, size_t workspace_bytes);
 
+/* Multiplies the gradients present in grads, in place, by scale (F32 [1]
+ * on the head's device), on the context's stream, with no host
+ * synchronization: the upstream gradient of a loss whose gradients a
+ * forward call computed at grad_output 1, known only on the device. */
+LMLOSS_API lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx,
+                                                   const lmloss_head *head,
+                                                   const lmloss_head_grads *grads,
+                                                   const lmloss_tensor *scale);
+
 /* ------------------------------------------------------------------ */
 /* Library                                                             */
 /* ------------------------------------------------------------------ */

@@ -139,6 +139,8 @@ linear_log_probs_backward = _proto("lmloss_linear_log_probs_backward", _status, 
                                    _P(Head), _P(Tensor), _P(Tensor), _P(Transform),
                                    _P(HeadOptions), _P(Tensor), _P(Tensor), _P(HeadGrads),
                                    ctypes.c_void_p, ctypes.c_size_t)
+linear_scale_grads = _proto("lmloss_linear_scale_grads", _status, _P(Context), _P(Head),
+                            _P(HeadGrads), _P(Tensor))
 status_string = _proto("lmloss_status_string", ctypes.c_char_p, ctypes.c_int)
 last_error = _proto("lmloss_last_error", ctypes.c_char_p)
 has_cuda = _proto("lmloss_has_cuda", ctypes.c_int)

@@ -6,7 +6,7 @@
  * shapes agree with lmloss.h, strides are sane, options are in range, the
  * workspace is large enough, and (for host memory) every target and index
  * is in range. Entry points have the public signatures (the row ops: plus
- * coef, below).
+ * keep, below).
  */
 #ifndef LMLOSS_CORE_BACKEND_H
 #define LMLOSS_CORE_BACKEND_H
@@ -39,54 +39,52 @@ typedef struct {
   /* c (F32) = h w^T + bias ([cols, 1] F32, on every row; absent: no data) */
   lmloss_status (*logits)(const lmloss_context *, const lmloss_tensor *h, const lmloss_tensor *w,
                           const lmloss_tensor *bias, const lmloss_tensor *c);
-  /* out ([cols, 1]) = beta * out + column sums of a */
-  lmloss_status (*colsum)(const lmloss_context *, const lmloss_tensor *a, float beta,
-                          const lmloss_tensor *out);
+  /* out ([cols, 1]) = beta * out + column sums of a; with entries
+   * (16-bit heads only, else NULL), a's values at its rows' exact entries
+   * (keep->cols, keep->vals: the first occurrence of a column in a row)
+   * are taken from vals instead of a. */
+  lmloss_status (*colsum)(const lmloss_context *, const lmloss_tensor *a,
+                          const lmloss_grad_keep *entries, float beta, const lmloss_tensor *out);
   /* dst [1] = sum of src [n, 1] (F32), in a fixed order */
   lmloss_status (*sum)(const lmloss_context *, const lmloss_tensor *src, const lmloss_tensor *dst);
   /* dst = src, converted (rounded to nearest even), same shape */
   lmloss_status (*cast)(const lmloss_context *, const lmloss_tensor *src, const lmloss_tensor *dst);
-  /* 16-bit heads only (NULL in a backend without them, as are the two
-   * after it). acc [n, H] (F32) += (v - v rounded to weight's dtype)
-   * weight[c] for each distinct column c = cols[r, s] in [0, V) of row r,
-   * v = vals[r, s] (pick_entries' arrays): the part of the exact entries
-   * that rounding the gradient rows lost, put back into dhidden. */
-  lmloss_status (*restore_entries)(const lmloss_context *, const lmloss_tensor *cols,
-                                   const lmloss_tensor *vals, const lmloss_tensor *weight,
-                                   const lmloss_tensor *acc);
-  /* The exact entries of gradient rows grad [n, V]: for row r, the columns
-   * labels[r, 0..K) (I32/I64; labels may be NULL) and coef[r].a; cols [n, S]
-   * (I64) gets them and vals [n, S] (F32) grad's values there (NaN for a
-   * column outside [0, V)). */
-  lmloss_status (*pick_entries)(const lmloss_context *, const lmloss_tensor *grad,
-                                const lmloss_tensor *labels, const lmloss_grad_coef *coef,
-                                const lmloss_tensor *cols,
-                                const lmloss_tensor *vals); /* S = K + 1 */
+  /* t *= s[0] (s: one F32 in the backend's memory) */
+  lmloss_status (*scale)(const lmloss_context *, const lmloss_tensor *t, const float *s);
+  /* 16-bit heads only (NULL in a backend without them, as is the one
+   * after it). entries: n rows of a row op's lmloss_grad_keep. acc [n, H]
+   * (F32) += (v - v rounded to weight's dtype) weight[c] for each distinct
+   * column c = cols[r, s] in [0, V) of row r, v = vals[r, s]: the part of
+   * the exact entries that rounding the gradient rows lost, put back into
+   * dhidden. */
+  lmloss_status (*restore_entries)(const lmloss_context *, const lmloss_grad_keep *entries,
+                                   const lmloss_tensor *weight, const lmloss_tensor *acc);
   /* A vocab tile of gradient rows: dl [n, t] (the head's 16-bit dtype)
    * from the rows' logits slab [n, t] (F32), which are columns j0..j0+t of
-   * rows V wide: lmloss_grad_coef's shape with coef[r] and
-   * class_weight[j0 + j] (optional [V, 1]), then the entries cols / vals
-   * (pick_entries) that fall in the tile. */
+   * rows V wide: lmloss_grad_coef's shape with keep->coef[r] and
+   * class_weight[j0 + j] (optional [V, 1]), then the exact entries that
+   * fall in the tile. */
   lmloss_status (*tile_grad)(const lmloss_context *, const lmloss_tensor *slab, int64_t j0,
                              const lmloss_transform *, const lmloss_tensor *class_weight,
-                             const lmloss_grad_coef *coef, const lmloss_tensor *cols,
-                             const lmloss_tensor *vals, const lmloss_tensor *dl);
+                             const lmloss_grad_keep *keep, const lmloss_tensor *dl);
 } lmloss_linear_prims;
 
 /* The row ops take the public arguments, plus (for the ops that write a
- * gradient) coef: NULL, or [N] lmloss_grad_coef in the backend's memory,
- * which a backend with 16-bit fused heads (the vocab tiles) fills for
- * every row it writes a gradient for; the others leave it. The fused head
- * asks for it with F32 logits (its slab) only, and the CUDA backend
- * supports that case alone (no 16-bit kernel carries the store). */
+ * gradient) keep: NULL, or lmloss_grad_keep's arrays in the backend's
+ * memory, which a backend with 16-bit fused heads fills for every row it
+ * writes a gradient for (coef, when given: the vocab tiles'; the exact
+ * entries, when given: S = K + 1, 2 for cross-entropy); the others leave
+ * them. The fused head asks for them with F32 logits (its slab) only, and
+ * the CUDA backend supports that case alone (no 16-bit kernel carries the
+ * stores). */
 typedef struct {
   lmloss_status (*cross_entropy)(const lmloss_context *, const lmloss_ce_inputs *,
                                  const lmloss_ce_options *, const lmloss_ce_outputs *, void *,
-                                 size_t, lmloss_grad_coef *coef);
+                                 size_t, lmloss_grad_keep *keep);
   lmloss_status (*cross_entropy_backward)(const lmloss_context *, const lmloss_ce_inputs *,
                                           const lmloss_ce_options *, const lmloss_tensor *dloss,
                                           const lmloss_tensor *dlogits, void *, size_t,
-                                          lmloss_grad_coef *coef);
+                                          lmloss_grad_keep *keep);
   /* index may be absent (K = 0, entropy only). */
   lmloss_status (*log_probs)(const lmloss_context *, const lmloss_tensor *logits,
                              const lmloss_tensor *index, const lmloss_tensor *mask,
@@ -96,7 +94,7 @@ typedef struct {
                                       const lmloss_tensor *index, const lmloss_tensor *mask,
                                       const lmloss_transform *, const lmloss_tensor *dlogp,
                                       const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
-                                      lmloss_grad_coef *coef);
+                                      lmloss_grad_keep *keep);
   lmloss_status (*softmax)(const lmloss_context *, const lmloss_tensor *x, int log,
                            const lmloss_tensor *out);
   lmloss_status (*softmax_backward)(const lmloss_context *, const lmloss_tensor *y,

@@ -16,13 +16,13 @@
  * the backend's primitives.
  *
  * A 16-bit weight gets dlogits in its dtype, so that GEMMs 2 and 3 run on
- * tensor cores. Rounded to bf16, dlogits would cost dhidden more than
- * twice the error of rounding dhidden itself, almost all of it at the
- * row's few large entries (the labels' columns and the argmax); so when
- * dhidden is wanted the row op writes the fp32 gradient in place, dbias
- * sums it, its exact entries are kept (keep_entries), and it is rounded
- * into dlogits: dhidden = dlogits W + what the rounding took from the
- * exact entries times their rows of W, summed in fp32. dW comes from the
+ * tensor cores: the row op reads the fp32 slab and writes them. Rounded to
+ * bf16, dlogits would cost dhidden more than twice the error of rounding
+ * dhidden itself, almost all of it at the row's few large entries (the
+ * labels' columns and the argmax), which the row op forms apart; so it
+ * also keeps their fp32 values (lmloss_grad_keep), and dhidden = dlogits W
+ * + what the rounding took from them times their rows of W, summed in
+ * fp32; dbias sums the rows with those values in place. dW comes from the
  * rounded dlogits alone (within its bound).
  */
 #include <string.h>
@@ -62,7 +62,7 @@ typedef struct {
   size_t list, coef, cols, vals, sums, acc_b, bias32, region;
   size_t slab, dl, hid, dh, dh_acc, aux, ce_ws, total;
   int dl_separate; /* dlogits in the weight's 16-bit dtype, beside the fp32 slab */
-  int round_dl;    /* the fp32 gradient rounded into them; dhidden summed in fp32 at dh_acc */
+  int round_dl;    /* dhidden from them, summed in fp32 at dh_acc with the exact entries */
   int acc_b_f32;
   int tiles;     /* dW may come from vocab tiles: wanted, of a 16-bit head */
   int acc_w_f32; /* a 16-bit dW tile sums over row blocks in fp32 */
@@ -103,7 +103,7 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   p->acc_w_f32 = p->tiles && grads->dweight.dtype != LMLOSS_F32 && hopt->fp32_accumulate;
   size_t off = 0;
   p->list = off, off += up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
-  if (p->tiles || p->round_dl) {                 /* the exact entries */
+  if (p->dl_separate) { /* what the row op keeps (lmloss_grad_keep) */
     p->coef = off, off += up((size_t)N * sizeof(lmloss_grad_coef));
     p->cols = off, off += up((size_t)N * p->S * 8);
     p->vals = off, off += up((size_t)N * p->S * 4);
@@ -260,43 +260,27 @@ static lmloss_tensor rows_of(const lmloss_tensor *t, int64_t first, int64_t n) {
   return v;
 }
 
-/* Whether the exact entries are kept: for the vocab tiles, or for
- * dhidden from rounded dlogits. */
-static int keeps_entries(const linear_plan *p) { return p->tiled || p->round_dl; }
-
-/* The whole-call arrays of the exact entries for compact rows first.. */
-static lmloss_grad_coef *coef_at(const linear_plan *p, char *ws, int64_t first) {
-  return keeps_entries(p) ? (lmloss_grad_coef *)(ws + p->coef) + first : NULL;
-}
-
-static lmloss_tensor entries(const linear_plan *p, char *ws, size_t at, lmloss_dtype dt,
-                             lmloss_device dev, int64_t first, int64_t n, int64_t count) {
-  lmloss_tensor t = view(ws + at, dt, dev, n, count);
-  t.row_stride = p->S;
-  t.data = (char *)t.data + (size_t)(first * p->S) * lmloss_dtype_size(dt);
-  return t;
-}
-
-/* Entries kept per row (keep_entries): the labels' columns and the argmax. */
+/* Entries kept per row: the labels' columns and the argmax. */
 static int64_t entry_count(const linear_job *j, const linear_plan *p) {
   const int is_ce = j->kind == CE_FORWARD || j->kind == CE_BACKWARD;
   return (is_ce ? 1 : j->labels ? p->K : 0) + 1;
 }
 
-/* After a chunk's gradient rows: their exact entries (the row op wrote the
- * coefficients), the labels' columns and the argmax. The vocab tiles put
- * them back, since a recomputed logit one ulp off the max would move dk_a
- * off its exact 0 (an error of the whole entropy gradient there);
- * chunk_dhidden adds what rounding dlogits took from them. */
-static lmloss_status keep_entries(const linear_job *j, const lmloss_linear_prims *L,
-                                  const linear_plan *p, char *ws, int64_t first,
-                                  const lmloss_tensor *grad, const lmloss_tensor *labels) {
-  if (!keeps_entries(p)) return LMLOSS_OK;
-  const int64_t n = grad->rows, count = (labels ? labels->cols : 0) + 1;
-  const lmloss_device dev = j->head->hidden.device;
-  lmloss_tensor cols = entries(p, ws, p->cols, LMLOSS_I64, dev, first, n, count);
-  lmloss_tensor vals = entries(p, ws, p->vals, LMLOSS_F32, dev, first, n, count);
-  return L->pick_entries(j->ctx, grad, labels, coef_at(p, ws, first), &cols, &vals);
+/* What the row op keeps for compact rows first.. (16-bit heads, NULL
+ * otherwise): coef for the vocab tiles, which recompute the gradient from
+ * it, and the exact entries, which the tiles put back (a recomputed logit
+ * one ulp off the max would move dk_a off its exact 0, an error of the
+ * whole entropy gradient there), chunk_dhidden adds what rounding
+ * dlogits took from, and dbias sums. */
+static lmloss_grad_keep *keep_at(const linear_job *j, const linear_plan *p, char *ws,
+                                 int64_t first, lmloss_grad_keep *k) {
+  if (!p->dl_separate) return NULL;
+  k->coef = (lmloss_grad_coef *)(ws + p->coef) + first;
+  k->cols = (int64_t *)(ws + p->cols) + first * p->S;
+  k->vals = (float *)(ws + p->vals) + first * p->S;
+  k->count = entry_count(j, p);
+  k->stride = p->S;
+  return k;
 }
 
 /* The row op of one chunk on the slab; dl = where its gradient goes. */
@@ -309,7 +293,7 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
   const lmloss_context *ctx = j->ctx;
   const int64_t K = p->K, first = c * p->rows;
   const chunk_slots sl = slots(p, ws + p->aux, dev, n);
-  lmloss_grad_coef *coef = dl ? coef_at(p, ws, first) : NULL;
+  lmloss_grad_keep kept, *keep = dl ? keep_at(j, p, ws, first, &kept) : NULL;
   lmloss_tensor lab = sl.labels;
   if (j->labels && K > 0) {
     lab.dtype = j->labels->dtype;
@@ -337,8 +321,7 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
         d = sl.row;
         TRY(L->gather_rows(ctx, j->dloss, list, &d));
       }
-      TRY(ops->cross_entropy_backward(ctx, &in, &o, &d, dl, cws, cwb, coef));
-      return keep_entries(j, L, p, ws, first, dl, &lab);
+      return ops->cross_entropy_backward(ctx, &in, &o, &d, dl, cws, cwb, keep);
     }
     const lmloss_ce_outputs *out = j->out;
     lmloss_ce_outputs co;
@@ -350,13 +333,13 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
     if (wants(&out->entropy)) co.entropy = sl.entropy;
     if (wants(&out->argmax)) co.argmax = sl.argmax;
     if (dl) co.dlogits = *dl;
-    TRY(ops->cross_entropy(ctx, &in, &o, &co, cws, cwb, coef));
+    TRY(ops->cross_entropy(ctx, &in, &o, &co, cws, cwb, keep));
     if (j->opt->reduction == LMLOSS_REDUCE_NONE)
       TRY(L->scatter_rows(ctx, &sl.row, list, &out->loss));
     if (wants(&out->lse)) TRY(L->scatter_rows(ctx, &sl.lse, list, &out->lse));
     if (wants(&out->entropy)) TRY(L->scatter_rows(ctx, &sl.entropy, list, &out->entropy));
     if (wants(&out->argmax)) TRY(L->scatter_rows(ctx, &sl.argmax, list, &out->argmax));
-    return dl ? keep_entries(j, L, p, ws, first, dl, &lab) : LMLOSS_OK;
+    return LMLOSS_OK;
   }
   const lmloss_tensor *idx = K > 0 ? &lab : NULL;
   if (j->kind == LP_FORWARD) {
@@ -370,31 +353,25 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
   lmloss_tensor dlp = sl.per_k, dent = sl.row;
   if (j->dlogp) TRY(L->gather_rows(ctx, j->dlogp, list, &dlp));
   if (j->dentropy) TRY(L->gather_rows(ctx, j->dentropy, list, &dent));
-  TRY(ops->log_probs_backward(ctx, slab, j->dlogp ? idx : NULL, NULL, j->tr, j->dlogp ? &dlp : NULL,
-                              j->dentropy ? &dent : NULL, dl, coef));
-  return keep_entries(j, L, p, ws, first, dl, j->dlogp ? idx : NULL);
+  return ops->log_probs_backward(ctx, slab, j->dlogp ? idx : NULL, NULL, j->tr,
+                                 j->dlogp ? &dlp : NULL, j->dentropy ? &dent : NULL, dl, keep);
 }
 
 /* dhidden of a chunk (compact rows first..) = dl W, scattered back.
- * round_dl: the slab holds the fp32 gradient, rounded into dl (which dW
- * reads next); dhidden = dl W + the rounding error of the exact entries
- * times their rows of W, summed in fp32. */
+ * round_dl: + the rounding error of the exact entries times their rows of
+ * W, summed in fp32. */
 static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prims *L,
                                    const linear_plan *p, char *w, const int64_t *list,
-                                   int64_t first, const lmloss_tensor *slab,
-                                   const lmloss_tensor *dl) {
+                                   int64_t first, const lmloss_tensor *dl) {
   const lmloss_head *h = j->head;
   const lmloss_device dev = h->hidden.device;
   const int64_t n = dl->rows, H = h->hidden.cols;
   lmloss_tensor dh = view(w + p->dh, h->hidden.dtype, dev, n, H);
   if (p->round_dl) {
-    const int64_t count = entry_count(j, p);
+    lmloss_grad_keep kept;
     lmloss_tensor acc = view(w + p->dh_acc, LMLOSS_F32, dev, n, H);
-    lmloss_tensor cols = entries(p, w, p->cols, LMLOSS_I64, dev, first, n, count);
-    lmloss_tensor vals = entries(p, w, p->vals, LMLOSS_F32, dev, first, n, count);
-    TRY(L->cast(j->ctx, slab, dl));
     TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &acc));
-    TRY(L->restore_entries(j->ctx, &cols, &vals, &h->weight, &acc));
+    TRY(L->restore_entries(j->ctx, keep_at(j, p, w, first, &kept), &h->weight, &acc));
     TRY(L->cast(j->ctx, &acc, &dh));
   } else {
     TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &dh));
@@ -435,7 +412,6 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
   const int64_t H = h->hidden.cols, V = h->weight.rows;
   const int is_ce = j->kind == CE_FORWARD || j->kind == CE_BACKWARD;
   const lmloss_transform *tr = is_ce ? &j->opt->transform : j->tr;
-  const int64_t count = entry_count(j, p);
   const tile_plan t = plan_tiles(p, M, H, V);
   const int64_t nb = (M + t.rows - 1) / t.rows;
   for (int64_t j0 = 0; j0 < V; j0 += t.cols) {
@@ -452,10 +428,9 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
       TRY(L->logits(j->ctx, &hb, &wt, &bt, &slab));
       lmloss_tensor dl = view(w + t.dl, h->weight.dtype, dev, n, tc); /* a 16-bit head's */
       dl.row_stride = t.cols;
-      lmloss_tensor cols = entries(p, w, p->cols, LMLOSS_I64, dev, first, n, count);
-      lmloss_tensor vals = entries(p, w, p->vals, LMLOSS_F32, dev, first, n, count);
-      TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL, coef_at(p, w, first), &cols,
-                       &vals, &dl));
+      lmloss_grad_keep kept;
+      TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL,
+                       keep_at(j, p, w, first, &kept), &dl));
       TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hb, b == 0 ? 0.0f : 1.0f, &acc));
     }
     if (t.acc_f32) TRY(L->cast(j->ctx, &acc, &dwt));
@@ -525,13 +500,12 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
     TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
     lmloss_tensor dl = p.dl_separate ? view(w + p.dl, h->weight.dtype, dev, n, V) : slab;
-    lmloss_tensor grad = p.round_dl ? slab : dl; /* where the row op writes the gradient */
-    TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &grad : NULL, scale));
+    TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &dl : NULL, scale));
     if (!want_grad) continue;
     const float beta = c == 0 ? 0.0f : 1.0f;
-    /* in this order: dW reads the dlogits chunk_dhidden rounds */
-    if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &grad, beta, &accb));
-    if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, first, &slab, &dl));
+    lmloss_grad_keep kept;
+    if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &dl, keep_at(j, &p, w, first, &kept), beta, &accb));
+    if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, first, &dl));
     if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &g->dweight));
   }
   if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M, &bias));
@@ -673,4 +647,24 @@ lmloss_linear_log_probs_backward(const lmloss_context *ctx, const lmloss_head *h
                   .dentropy = wants(dentropy) ? dentropy : NULL,
                   .grads = grads};
   return run(&j, ws, ws_bytes);
+}
+
+lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx, const lmloss_head *head,
+                                        const lmloss_head_grads *grads,
+                                        const lmloss_tensor *scale) {
+  const lmloss_head_options hopt = lmloss_head_options_default();
+  TRY(check_head(head, &hopt));
+  if (!grads) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "grads is NULL");
+  TRY(check_grads(head, grads));
+  TRY(lmloss_check_tensor(scale, "scale", LMLOSS_MASK(LMLOSS_F32), 1, 1));
+  const lmloss_tensor *gs[] = {&grads->dhidden, &grads->dweight, &grads->dbias};
+  const lmloss_tensor *ts[] = {gs[0], gs[1], gs[2], scale};
+  TRY(lmloss_check_device(ts, 4, head->hidden.device));
+  const lmloss_backend_ops *ops;
+  TRY(lmloss_pick_backend(ctx, head->hidden.device, &ops));
+  if (!ops->linear)
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "this backend has no fused linear head");
+  for (int i = 0; i < 3; i++)
+    if (wants(gs[i])) TRY(ops->linear->scale(ctx, gs[i], (const float *)scale->data));
+  return LMLOSS_OK;
 }

@@ -97,8 +97,9 @@ static lmloss_status logits(const lmloss_context *ctx, const lmloss_tensor *h,
 
 /* Column sums over the rows in row order, columns in parallel: the result
  * does not depend on the thread count. */
-static lmloss_status colsum(const lmloss_context *ctx, const lmloss_tensor *a, float beta,
-                            const lmloss_tensor *out) {
+static lmloss_status colsum(const lmloss_context *ctx, const lmloss_tensor *a,
+                            const lmloss_grad_keep *entries, float beta, const lmloss_tensor *out) {
+  if (entries) return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CPU: kept entries are 16-bit heads'");
 #pragma omp parallel for num_threads(lmloss_cpu_threads(ctx))
   for (int64_t j0 = 0; j0 < a->cols; j0 += 256) {
     const int64_t n = a->cols - j0 < 256 ? a->cols - j0 : 256;
@@ -138,7 +139,18 @@ static lmloss_status cast(const lmloss_context *ctx, const lmloss_tensor *src,
   return LMLOSS_OK;
 }
 
-/* restore_entries, pick_entries and tile_grad: 16-bit heads only. */
+static lmloss_status scale(const lmloss_context *ctx, const lmloss_tensor *t, const float *s) {
+  const float a = *s;
+#pragma omp parallel for num_threads(lmloss_cpu_threads(ctx))
+  for (int64_t r = 0; r < t->rows; r++) {
+    void *row = lmloss_cpu_row_mut(t, r);
+    for (int64_t j = 0; j < t->cols; j++)
+      lmloss_store(row, t->dtype, j, lmloss_load(row, t->dtype, j) * a);
+  }
+  return LMLOSS_OK;
+}
+
+/* restore_entries and tile_grad: 16-bit heads only. */
 const lmloss_linear_prims lmloss_cpu_linear = {
-    gemm, select_rows, gather_rows, scatter_rows, fill, logits, colsum, sum, cast, NULL, NULL, NULL,
+    gemm, select_rows, gather_rows, scatter_rows, fill, logits, colsum, sum, cast, scale, NULL, NULL,
 };

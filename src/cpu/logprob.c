@@ -48,7 +48,7 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
                                             const lmloss_tensor *index, const lmloss_tensor *mask,
                                             const lmloss_transform *tr, const lmloss_tensor *dlogp,
                                             const lmloss_tensor *dentropy,
-                                            const lmloss_tensor *dlogits, lmloss_grad_coef *coef) {
+                                            const lmloss_tensor *dlogits, lmloss_grad_keep *keep) {
   const int64_t N = logits->rows, V = logits->cols, K = dlogp ? index->cols : 0;
   const lmloss_xform f = lmloss_xform_make(*tr);
   const int nt = lmloss_cpu_row_threads(ctx, N * V);

@@ -46,7 +46,7 @@ struct CeArgs {
   int64_t ams;
   void *dx;
   int64_t dxs;
-  lmloss_grad_coef *coef;  /* optional, with dx */
+  lmloss_grad_keep keep;   /* optional arrays, with dx */
   double *ws_loss, *ws_wt; /* forward: per-row loss and weight */
   const double *den;       /* MEAN with a gradient */
   float grad_output;       /* fused */
@@ -235,11 +235,16 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     const float Pz = (Gce * q.a_coef + Gz) * inv, Qz = Gce * q.smooth; /* z units */
     float F1 = Pz * kx, F0 = Qz * kx;
     if (!ok) F1 = F0 = NAN;
-    if constexpr (std::is_same<In, float>::value) /* the only logits coef is asked with */
-      if (a.coef && rw.rank == 0 && threadIdx.x == 0)
-        a.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, 0.0f, Qz) : lmloss_grad_coef_nan();
     const float m = s.m;
     const long long am = s.a;
+    float *const kv = kept_vals<In>(a.keep, i); /* entries: the target, then the argmax */
+    if constexpr (std::is_same<In, float>::value) /* the only logits keep is asked with */
+      if (rw.rank == 0 && threadIdx.x == 0) {
+        if (a.keep.coef)
+          a.keep.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, 0.0f, Qz) : lmloss_grad_coef_nan();
+        keep_col(a.keep, i, 0, y, a.V);
+        keep_col(a.keep, i, 1, am, a.V);
+      }
     Ref ref;
     ref.set(X, m);
     const float F1s = F1 * ref.s();
@@ -248,6 +253,13 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
      * (-1: elsewhere): one 32-bit compare each per vector. */
     const int vy = y >= ch.jb && y < ch.je ? (int)((y - ch.jb) / NV) : -1;
     const int va = am >= ch.jb && am < ch.je ? (int)((am - ch.jb) / NV) : -1;
+    const auto kout = noting<NV>(
+        out, [&](int v) { return kv && (v == vy || v == va); },
+        [&](int64_t j, float g) {
+          if (j == y) kv[0] = g;
+          if (j == am) kv[1] = g;
+        },
+        ch.jb, a.V);
 
     /* The CTA's next row, copied in by the gradient pass unless ignored. */
     const bool has = a.staged && in < a.N && yn != a.ignore;
@@ -260,7 +272,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
      * 42-84 bytes. */
     auto grad_pass = [&](auto with_cw) {
       second_pass_loops(a.staged, st, part, next, [&](int v, const Raw<In> &rv) {
-        write_grad(X, rv, out, v, X.f.cap > 0.0f, [&](const float *w, float *g) {
+        write_grad(X, rv, kout, v, X.f.cap > 0.0f, [&](const float *w, float *g) {
           if constexpr (decltype(with_cw)::value) {
             const int64_t j0 = ch.jb + (int64_t)v * NV;
 #pragma unroll
@@ -320,7 +332,7 @@ static lmloss_status launch_ce_out(const DevInfo &d, CeArgs &a, bool T, lmloss_d
 static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                             const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
                             const lmloss_tensor *dloss, const lmloss_tensor *dlogits, void *ws,
-                            int mode, lmloss_grad_coef *coef) {
+                            int mode, lmloss_grad_keep *keep) {
   cudaStream_t st = stream_of(ctx);
   DevInfo d;
   lmloss_status s = dev_info(&d);
@@ -369,9 +381,9 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     a.dx = dlogits->data;
     a.dxs = dlogits->row_stride;
     od = dlogits->dtype;
-    a.coef = coef;
-    if (coef && in->logits.dtype != LMLOSS_F32)
-      return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: gradient coefficients of F32 logits only");
+    if (keep) a.keep = *keep;
+    if (keep && in->logits.dtype != LMLOSS_F32)
+      return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: kept gradient entries of F32 logits only");
   }
   if (dloss) {
     a.dloss = (const float *)dloss->data;
@@ -409,17 +421,17 @@ extern "C" lmloss_status lmloss_cuda_cross_entropy(const lmloss_context *ctx,
                                                    const lmloss_ce_inputs *in,
                                                    const lmloss_ce_options *opt,
                                                    const lmloss_ce_outputs *out, void *ws,
-                                                   size_t ws_bytes, lmloss_grad_coef *coef) {
+                                                   size_t ws_bytes, lmloss_grad_keep *keep) {
   (void)ws_bytes;
   const lmloss_tensor *dl = lmloss_present(&out->dlogits) ? &out->dlogits : NULL;
-  return lmc::run_ce(ctx, in, opt, out, NULL, dl, ws, dl ? lmc::CE_FUSED : lmc::CE_FWD, coef);
+  return lmc::run_ce(ctx, in, opt, out, NULL, dl, ws, dl ? lmc::CE_FUSED : lmc::CE_FWD, keep);
 }
 
 extern "C" lmloss_status
 lmloss_cuda_cross_entropy_backward(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                    const lmloss_ce_options *opt, const lmloss_tensor *dloss,
                                    const lmloss_tensor *dlogits, void *ws, size_t ws_bytes,
-                                   lmloss_grad_coef *coef) {
+                                   lmloss_grad_keep *keep) {
   (void)ws_bytes;
-  return lmc::run_ce(ctx, in, opt, NULL, dloss, dlogits, ws, lmc::CE_BWD, coef);
+  return lmc::run_ce(ctx, in, opt, NULL, dloss, dlogits, ws, lmc::CE_BWD, keep);
 }

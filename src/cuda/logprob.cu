@@ -36,7 +36,7 @@ struct LpArgs {
   int64_t dents;
   void *dx;
   int64_t dxs;
-  lmloss_grad_coef *coef; /* optional, backward */
+  lmloss_grad_keep keep; /* optional arrays, backward */
   int cs;
   int64_t chunk;
   int staged;
@@ -161,11 +161,17 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
     const float Pz = -inv * (D + dH * tinv), P2z = -inv * dH; /* z units */
     float c0 = Pz * kx, c1 = P2z * k * kx;
     if (!ok) c0 = c1 = NAN;
-    if constexpr (std::is_same<In, float>::value) /* the only logits coef is asked with */
-      if (a.coef && rw.rank == 0 && threadIdx.x == 0)
-        a.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, P2z, 0.0f) : lmloss_grad_coef_nan();
     const float m = s.m;
     const long long am = s.a;
+    float *const kv = kept_vals<In>(a.keep, i); /* entries: the K indices, then the argmax */
+    if constexpr (std::is_same<In, float>::value) /* the only logits keep is asked with */
+      if (rw.rank == 0 && threadIdx.x == 0) {
+        if (a.keep.coef)
+          a.keep.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, P2z, 0.0f) : lmloss_grad_coef_nan();
+        for (int64_t q = 0; q < a.K; q++)
+          keep_col(a.keep, i, (int)q, ld_index(a.idx, a.idx64, i * a.is + q), a.V);
+        keep_col(a.keep, i, (int)a.K, am, a.V);
+      }
     /* g = e_j (c1 d_j + c0) with d_j = w_j - m = (p'_j - ml) / kh (Ref) */
     Ref ref;
     ref.set(X, m);
@@ -189,8 +195,16 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
     __syncthreads();
 
     const ChunkOut<O, NV> out(drow, ch, a.V);
+    const auto kout = noting<NV>(
+        out, [&](int v) { return kv && ((bm[v >> 5] >> (v & 31)) & 1u); },
+        [&](int64_t j, float g) {
+          for (int64_t q = 0; q < a.K; q++)
+            if (ld_index(a.idx, a.idx64, i * a.is + q) == j) kv[q] = g;
+          if (j == am) kv[a.K] = g;
+        },
+        ch.jb, a.V);
     auto body = [&](int v, const Raw<In> &rv, auto cap) {
-      write_grad(X, rv, out, v, cap, [&](const float *w, float *g) {
+      write_grad(X, rv, kout, v, cap, [&](const float *w, float *g) {
 #pragma unroll
         for (int e = 0; e < NV; e++) {
           if constexpr (T) { /* the clamp keeps C1 p finite at -inf logits */
@@ -319,11 +333,11 @@ lmloss_cuda_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
 extern "C" lmloss_status lmloss_cuda_log_probs_backward(
     const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
     const lmloss_tensor *mask, const lmloss_transform *tr, const lmloss_tensor *dlogp,
-    const lmloss_tensor *dentropy, const lmloss_tensor *dlogits, lmloss_grad_coef *coef) {
+    const lmloss_tensor *dentropy, const lmloss_tensor *dlogits, lmloss_grad_keep *keep) {
   lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
-  a.coef = coef;
-  if (coef && logits->dtype != LMLOSS_F32)
-    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: gradient coefficients of F32 logits only");
+  if (keep) a.keep = *keep;
+  if (keep && logits->dtype != LMLOSS_F32)
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: kept gradient entries of F32 logits only");
   if (lmloss_present(dlogp)) {
     a.dlogp = (const float *)dlogp->data;
     a.dlps = dlogp->row_stride;

@@ -166,6 +166,21 @@ typedef struct {
   int64_t a;
 } lmloss_grad_coef;
 
+/* What a row op keeps of its gradient rows for the fused head, each
+ * array indexed by the op's row r (NULL: not asked for): coef[r], and the
+ * row's exact entries (those a row op forms apart: the K labels' columns,
+ * then the argmax), entry s at cols[r * stride + s] with the final
+ * gradient there, in fp32, at vals[r * stride + s] (NaN for a column
+ * outside [0, V)): what rounding a 16-bit gradient row loses is large
+ * only there. */
+typedef struct {
+  lmloss_grad_coef *coef;
+  int64_t *cols;
+  float *vals;
+  int64_t count;  /* entries per row: K (0 without labels) + 1 */
+  int64_t stride; /* >= count */
+} lmloss_grad_keep;
+
 LMLOSS_HD lmloss_grad_coef lmloss_grad_coef_make(const lmloss_rowstat *s, float p, float p2,
                                                  float q) {
   lmloss_grad_coef g;

@@ -59,7 +59,7 @@ lmloss_status lmloss_ref_log_probs_backward(const lmloss_context *ctx, const lml
                                             const lmloss_tensor *index, const lmloss_tensor *mask,
                                             const lmloss_transform *tr, const lmloss_tensor *dlogp,
                                             const lmloss_tensor *dentropy,
-                                            const lmloss_tensor *dlogits, lmloss_grad_coef *coef) {
+                                            const lmloss_tensor *dlogits, lmloss_grad_keep *keep) {
   int64_t N = logits->rows, V = logits->cols;
   int64_t K = lmloss_present(dlogp) ? index->cols : 0;
   ref_xf f = ref_xf_make(tr);

@@ -865,6 +865,76 @@ static void workspace_in_budget(tgroup *g) {
     }
 }
 
+/* lmloss_linear_scale_grads on the backend under test: each present
+ * gradient times the device scalar, rounded once to its dtype (s = -0.375
+ * makes the fp32 product exact), for a strided dhidden, an odd-sized dW
+ * (a vector tail) and dbias in the weight's dtype; an absent gradient is
+ * skipped. Then its bad input (CPU). */
+static void scale_grads(tgroup *g, lmloss_dtype dt) {
+  const int64_t N = 5, H = 13, V = 37;
+  const double s = -0.375;
+  lmloss_context ctx = tb_ctx();
+  lmloss_tensor hid = host_new(dt, N, H, H), w = host_new(dt, V, H, H), b = host_new(dt, V, 1, 1);
+  lmloss_tensor gh[3] = {host_new(dt, N, H, H + 3), host_new(dt, V, H, H), host_new(dt, V, 1, 1)};
+  lmloss_tensor sc = host_new(LMLOSS_F32, 1, 1, 1), none = {0};
+  tset(&sc, 0, 0, s);
+  for (int q = 0; q < 3; q++) {
+    host_poison(&gh[q]);
+    for (int64_t i = 0; i < gh[q].rows; i++)
+      for (int64_t j = 0; j < gh[q].cols; j++)
+        tset(&gh[q], i, j, rng_normal());
+  }
+  for (int skip = -1; skip < 3; skip++) { /* skip: the gradient left absent */
+    lmloss_tensor d[3], want[3];
+    for (int q = 0; q < 3; q++) {
+      want[q] = host_clone(&gh[q]);
+      if (q != skip)
+        for (int64_t i = 0; i < gh[q].rows; i++)
+          for (int64_t j = 0; j < gh[q].cols; j++)
+            tset(&want[q], i, j, tget(&gh[q], i, j) * s);
+      d[q] = q == skip ? none : dev_clone(&gh[q]);
+    }
+    lmloss_head h = {dev_clone(&hid), dev_clone(&w), dev_clone(&b)};
+    lmloss_head_grads gr = {d[0], d[1], d[2]};
+    lmloss_tensor dsc = dev_clone(&sc);
+    lmloss_status st = lmloss_linear_scale_grads(&ctx, &h, &gr, &dsc);
+    tg_true(g, st == LMLOSS_OK, "%s, gradient %d absent: %s %s", dt_name(dt), skip,
+            lmloss_status_string(st), lmloss_last_error());
+    for (int q = 0; q < 3; q++) {
+      lmloss_tensor got = host_clone(&gh[q]);
+      if (q != skip) dev_fetch(&got, &d[q]);
+      tg_true(g, same_bytes(&got, &want[q]), "%s, gradient %d absent: gradient %d scaled",
+              dt_name(dt), skip, q);
+      host_free(&got), host_free(&want[q]), dev_free(&d[q]);
+    }
+    dev_free(&h.hidden), dev_free(&h.weight), dev_free(&h.bias), dev_free(&dsc);
+  }
+  lmloss_context cpu = lmloss_context_default();
+  cpu.backend = LMLOSS_BACKEND_CPU;
+  lmloss_tensor hf = host_new(LMLOSS_F32, N, H, H), wf = host_new(LMLOSS_F32, V, H, H);
+  lmloss_tensor dwf = host_new(LMLOSS_F32, V, H, H), two = host_new(LMLOSS_F32, 2, 1, 1);
+  lmloss_tensor si = host_new(LMLOSS_I64, 1, 1, 1), dbf = host_new(LMLOSS_F32, V, 1, 1);
+  lmloss_head hh = {hf, wf, none};
+  lmloss_head_grads gw = {none, dwf, none}, gb = {none, none, dbf};
+  host_poison(&dwf);
+  lmloss_tensor dwp = host_clone(&dwf);
+  const lmloss_head_grads *grs[] = {NULL, &gw, &gw, &gb};
+  const lmloss_tensor *scs[] = {&sc, &two, &si, &sc};
+  const lmloss_status want[] = {LMLOSS_ERR_NULL_POINTER, LMLOSS_ERR_BAD_SHAPE, LMLOSS_ERR_BAD_DTYPE,
+                                LMLOSS_ERR_BAD_SHAPE};
+  const char *what[] = {"grads NULL", "scale of 2", "scale I64", "dbias, no bias"};
+  for (int i = 0; i < 4; i++) {
+    lmloss_status st = lmloss_linear_scale_grads(&cpu, &hh, grs[i], scs[i]);
+    tg_true(g, st == want[i] && lmloss_last_error()[0], "scale_grads %s: got %s", what[i],
+            lmloss_status_string(st));
+  }
+  tg_true(g, same_bytes(&dwf, &dwp), "scale_grads: a refused call wrote dweight");
+  host_free(&hid), host_free(&w), host_free(&b), host_free(&sc), host_free(&hf), host_free(&wf);
+  host_free(&dwf), host_free(&dwp), host_free(&two), host_free(&si), host_free(&dbf);
+  for (int q = 0; q < 3; q++)
+    host_free(&gh[q]);
+}
+
 /* ---- the suite ---- */
 
 static const double margins[] = {-1, 0, 5, 17, 30, 50};
@@ -1012,6 +1082,10 @@ int main(void) {
   tg_end(&g);
   tg_begin(&g, "linear workspace within the budget");
   workspace_in_budget(&g);
+  tg_end(&g);
+  tg_begin(&g, "linear gradients scaled by a device scalar");
+  scale_grads(&g, LMLOSS_F32);
+  if (tb_is_cuda()) scale_grads(&g, LMLOSS_BF16);
   tg_end(&g);
   ce_suite(LMLOSS_F32);
   lp_suite(LMLOSS_F32);

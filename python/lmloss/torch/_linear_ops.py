@@ -9,9 +9,10 @@ dweight and dbias in the weight's dtype (summed in fp32, rounded once).
 A cross-entropy reduced to a scalar is the exception: its forward computes
 the gradients too (lmloss_linear_cross_entropy with grads, at an upstream
 gradient of 1), and the backward scales them (in place when eager: no
-second copy of dW) by the upstream scalar, so the logits GEMMs and row
-passes run once per step, not twice; a second backward through the same
-graph (retain_graph=True) recomputes.
+second copy of dW) by the upstream scalar (lmloss_linear_scale_grads: on
+the stream, no host synchronization), so the logits GEMMs and row passes
+run once per step, not twice; a second backward through the same graph
+(retain_graph=True) recomputes.
 On CUDA each call reads the supervised-row count to the host once (the
 C library's one synchronization of the fused head).
 """
@@ -151,6 +152,18 @@ def _lce_setup(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:6], *output[4:])
 
 
+def _scale_grads(ctx, grads, need, dloss):
+    """grads (those in `need`) *= dloss, in place."""
+    hidden, weight, bias = ctx.saved_tensors[:3]
+    keep = []
+    with B.context(hidden, *run_args(ctx.opts[1])) as c:
+        sel = tuple(g if need & f else g.new_empty(0)
+                    for g, f in zip(grads, (NEED_DH, NEED_DW, NEED_DB)))
+        _lib.check(_lib.linear_scale_grads(c, _head(hidden, weight, bias, keep),
+                                           _grads_struct(sel, keep),
+                                           B.view(dloss.reshape(1).to(F32), keep)))
+
+
 def _lce_backward(ctx, dloss, *_):
     saved = ctx.saved_tensors
     need = _need(ctx, saved[2])
@@ -160,9 +173,7 @@ def _lce_backward(ctx, dloss, *_):
         if getattr(ctx, "eager", False):
             ctx.computed = 0  # used up: another backward through this graph recomputes
             grads, ctx.fwd_grads = ctx.fwd_grads, None  # unshared, autograd keeps them as .grad
-            for g, f in zip(grads, (NEED_DH, NEED_DW, NEED_DB)):
-                if need & f:
-                    g.mul_(dloss)
+            _scale_grads(ctx, grads, need, dloss)
         else:
             grads = tuple(g * dloss if need & f else g
                           for g, f in zip(saved[6:], (NEED_DH, NEED_DW, NEED_DB)))
