@@ -323,37 +323,114 @@ static lmloss_status logits(const lmloss_context *ctx, const lmloss_tensor *h,
   return s != LMLOSS_OK ? s : gemm(ctx, 0, 1, 1.0f, h, w, 1.0f, c);
 }
 
-/* Column sums: a thread per column walks the rows in order (coalesced
- * across the warp, the same order every run). With kept entries, a row's
- * value at the first of its entries in column j is the entry's fp32 one
- * (the row's few column indices are one broadcast load each). */
-__global__ void colsum_kernel(const void *a, lmloss_dtype adt, int64_t astride, int64_t rows,
-                              int64_t cols, lmloss_grad_keep kp, float beta, void *out,
-                              lmloss_dtype odt, int64_t ostride) {
-  const int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
-  if (j >= cols) return;
-  float acc = 0.0f;
-  for (int64_t r = 0; r < rows; r++) {
-    float x = lmloss_load((const char *)a + (size_t)(r * astride) * lmloss_dtype_size(adt), adt, j);
-    for (int64_t s = 0; kp.cols && s < kp.count; s++)
-      if (kp.cols[r * kp.stride + s] == j) {
-        x = kp.vals[r * kp.stride + s];
-        break;
-      }
-    acc += x;
+/* Column sums of gradient rows: a CTA per 32 NV columns (NV elements in
+ * 16 bytes), so that a warp reads 512 contiguous bytes of a row; its
+ * eight warps take every eighth row, four rows' loads in flight per lane.
+ * The warps' sums meet in shared memory and are added in warp order.
+ * Then, with kept entries, what rounding took from those in the CTA's
+ * columns (the first of a column in a row) is added in row order: the
+ * CTA reads the entries a batch per thread, and only a batch holding one
+ * of its columns (few do) is walked by each column's thread. So the sum
+ * is that of the rows with the exact entries in place, to fp32 rounding,
+ * in the same order every run. (A thread per column walking every row's
+ * entries took 3.8 ms a step on the H200, bf16 8192 x 152064.) */
+template <typename T>
+__global__ void __launch_bounds__(256)
+    colsum_kernel(const T *a, int64_t astride, int64_t rows, int64_t cols, bool aligned,
+                  lmloss_grad_keep kp, float beta, void *out, lmloss_dtype odt, int64_t ostride) {
+  constexpr int NV = 16 / sizeof(T), W = 8, C = 32 * NV, B = 256; /* C <= B threads */
+  __shared__ float part[W][C], lost[B];
+  __shared__ int hit[B]; /* per batch: the column (from j0) entry t restores, or -1 */
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t j0 = blockIdx.x * (int64_t)C, jl = j0 + lane * NV;
+  float acc[NV] = {};
+  auto add = [&](const Raw<T> &v) {
+    float x[NV];
+    unpack<T, NV>(v, x);
+#pragma unroll
+    for (int e = 0; e < NV; e++)
+      acc[e] += x[e];
+  };
+  if (aligned && jl + NV <= cols) {
+    int64_t r = warp;
+    for (; r + 3 * W < rows; r += 4 * W) {
+      Raw<T> v[4];
+#pragma unroll
+      for (int q = 0; q < 4; q++) /* all four loads in flight before any use */
+        v[q].u = ld16<STREAM>(a + (r + q * W) * astride + jl);
+#pragma unroll
+      for (int q = 0; q < 4; q++)
+        add(v[q]);
+    }
+    for (; r < rows; r += W) {
+      Raw<T> v;
+      v.u = ld16<STREAM>(a + r * astride + jl);
+      add(v);
+    }
+  } else {
+    for (int64_t r = warp; r < rows; r += W)
+#pragma unroll
+      for (int e = 0; e < NV; e++)
+        if (jl + e < cols) acc[e] += tof(a[r * astride + jl + e]);
   }
-  const int64_t o = j * ostride;
-  const float prev = beta != 0.0f ? beta * lmloss_load(out, odt, o) : 0.0f;
-  lmloss_store(out, odt, o, prev + acc);
+#pragma unroll
+  for (int e = 0; e < NV; e++)
+    part[warp][lane * NV + e] = acc[e];
+  __syncthreads();
+  const int t = threadIdx.x;
+  const int64_t j = j0 + t, ne = kp.cols ? rows * kp.count : 0;
+  float sum = 0.0f;
+  if (t < C) {
+#pragma unroll
+    for (int w = 0; w < W; w++)
+      sum += part[w][t];
+  }
+  for (int64_t e0 = 0; e0 < ne; e0 += B) {
+    int h = -1;
+    if (e0 + t < ne) {
+      const int64_t i = (e0 + t) / kp.count, s = (e0 + t) % kp.count;
+      const int64_t *cr = kp.cols + i * kp.stride, c = cr[s];
+      bool seen = c < j0 || c >= j0 + C || c >= cols;
+      for (int64_t q = 0; q < s; q++) /* the row's first entry in column c */
+        seen |= cr[q] == c;
+      if (!seen) {
+        h = (int)(c - j0);
+        lost[t] = kp.vals[i * kp.stride + s] - tof(a[i * astride + c]);
+      }
+    }
+    hit[t] = h;
+    if (__syncthreads_or(h >= 0))
+      for (int q = 0; q < B; q++)
+        if (hit[q] == t) sum += lost[q];
+    __syncthreads();
+  }
+  if (t < C && j < cols) {
+    const int64_t o = j * ostride;
+    const float prev = beta != 0.0f ? beta * lmloss_load(out, odt, o) : 0.0f;
+    lmloss_store(out, odt, o, prev + sum);
+  }
+}
+
+template <typename T>
+static void launch_colsum(const lmloss_context *ctx, const lmloss_tensor *a,
+                          const lmloss_grad_keep &kp, float beta, const lmloss_tensor *out) {
+  constexpr int64_t C = 32 * (16 / sizeof(T));
+  const bool aligned = (a->row_stride * sizeof(T)) % 16 == 0 && (uintptr_t)a->data % 16 == 0;
+  colsum_kernel<T><<<(unsigned)((a->cols + C - 1) / C), 256, 0, stream_of(ctx)>>>(
+      (const T *)a->data, a->row_stride, a->rows, a->cols, aligned, kp, beta, out->data,
+      out->dtype, out->row_stride);
 }
 
 static lmloss_status colsum(const lmloss_context *ctx, const lmloss_tensor *a,
                             const lmloss_grad_keep *entries, float beta, const lmloss_tensor *out) {
   if (a->cols == 0) return LMLOSS_OK;
   const lmloss_grad_keep kp = entries ? *entries : lmloss_grad_keep{};
-  colsum_kernel<<<(unsigned)((a->cols + 255) / 256), 256, 0, stream_of(ctx)>>>(
-      a->data, a->dtype, a->row_stride, a->rows, a->cols, kp, beta, out->data, out->dtype,
-      out->row_stride);
+  if (a->dtype == LMLOSS_BF16)
+    launch_colsum<bf16>(ctx, a, kp, beta, out);
+  else if (a->dtype == LMLOSS_F16)
+    launch_colsum<f16>(ctx, a, kp, beta, out);
+  else
+    launch_colsum<float>(ctx, a, kp, beta, out);
   return check_launch("colsum");
 }
 
