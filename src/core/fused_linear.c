@@ -103,7 +103,8 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   p->acc_w_f32 = p->tiles && grads->dweight.dtype != LMLOSS_F32 && hopt->fp32_accumulate;
   size_t off = 0;
   p->list = off, off += up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
-  if (p->dl_separate) { /* what the row op keeps (lmloss_grad_keep) */
+  /* what the row op keeps for a 16-bit head (lmloss_grad_keep) */
+  if (p->dl_separate) {
     p->coef = off, off += up((size_t)N * sizeof(lmloss_grad_coef));
     p->cols = off, off += up((size_t)N * p->S * 8);
     p->vals = off, off += up((size_t)N * p->S * 4);
@@ -267,13 +268,13 @@ static int64_t entry_count(const linear_job *j, const linear_plan *p) {
 }
 
 /* What the row op keeps for compact rows first.. (16-bit heads, NULL
- * otherwise): coef for the vocab tiles, which recompute the gradient from
- * it, and the exact entries, which the tiles put back (a recomputed logit
- * one ulp off the max would move dk_a off its exact 0, an error of the
- * whole entropy gradient there), chunk_dhidden adds what rounding
- * dlogits took from, and dbias sums. */
-static lmloss_grad_keep *keep_at(const linear_job *j, const linear_plan *p, char *ws,
-                                 int64_t first, lmloss_grad_keep *k) {
+ * otherwise): coef, from which the vocab tiles recompute the gradient,
+ * and the exact entries. The tiles put those back (a recomputed logit one
+ * ulp off the max would move dk_a off its exact 0, an error of the whole
+ * entropy gradient there), chunk_dhidden adds what rounding dlogits took
+ * from them, and dbias sums them in place of their rounded values. */
+static lmloss_grad_keep *keep_at(const linear_job *j, const linear_plan *p, char *ws, int64_t first,
+                                 lmloss_grad_keep *k) {
   if (!p->dl_separate) return NULL;
   k->coef = (lmloss_grad_coef *)(ws + p->coef) + first;
   k->cols = (int64_t *)(ws + p->cols) + first * p->S;
@@ -429,8 +430,8 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
       lmloss_tensor dl = view(w + t.dl, h->weight.dtype, dev, n, tc); /* a 16-bit head's */
       dl.row_stride = t.cols;
       lmloss_grad_keep kept;
-      TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL,
-                       keep_at(j, p, w, first, &kept), &dl));
+      TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL, keep_at(j, p, w, first, &kept),
+                       &dl));
       TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hb, b == 0 ? 0.0f : 1.0f, &acc));
     }
     if (t.acc_f32) TRY(L->cast(j->ctx, &acc, &dwt));

@@ -152,5 +152,6 @@ static lmloss_status scale(const lmloss_context *ctx, const lmloss_tensor *t, co
 
 /* restore_entries and tile_grad: 16-bit heads only. */
 const lmloss_linear_prims lmloss_cpu_linear = {
-    gemm, select_rows, gather_rows, scatter_rows, fill, logits, colsum, sum, cast, scale, NULL, NULL,
+    gemm,   select_rows, gather_rows, scatter_rows, fill, logits,
+    colsum, sum,         cast,        scale,        NULL, NULL,
 };

@@ -237,7 +237,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     if (!ok) F1 = F0 = NAN;
     const float m = s.m;
     const long long am = s.a;
-    float *const kv = kept_vals<In>(a.keep, i); /* entries: the target, then the argmax */
+    float *const kv = kept_vals<In>(a.keep, i);   /* entries: the target, then the argmax */
     if constexpr (std::is_same<In, float>::value) /* the only logits keep is asked with */
       if (rw.rank == 0 && threadIdx.x == 0) {
         if (a.keep.coef)

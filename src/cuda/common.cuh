@@ -771,12 +771,11 @@ __device__ __forceinline__ NotingOut<NV, Out, At, Note> noting(const Out &out, A
  * NaN for a column outside [0, V), which no CTA's chunk holds. */
 template <typename In>
 __device__ __forceinline__ float *kept_vals(const lmloss_grad_keep &kp, int64_t i) {
-  if constexpr (std::is_same<In, float>::value)
-    return kp.vals ? kp.vals + i * kp.stride : nullptr;
+  if constexpr (std::is_same<In, float>::value) return kp.vals ? kp.vals + i * kp.stride : nullptr;
   return nullptr;
 }
-__device__ __forceinline__ void keep_col(const lmloss_grad_keep &kp, int64_t i, int s,
-                                         long long c, int64_t V) {
+__device__ __forceinline__ void keep_col(const lmloss_grad_keep &kp, int64_t i, int s, long long c,
+                                         int64_t V) {
   if (!kp.vals) return;
   kp.cols[i * kp.stride + s] = c;
   if (c < 0 || c >= V) kp.vals[i * kp.stride + s] = NAN;
@@ -1217,11 +1216,15 @@ struct Plan {
  * row's chunk half by half as soon as the half's output is written
  * (second_pass), so its next load overlaps its current arithmetic
  * without a second stage (a two-slot stage was slower, since it cost a
- * CTA per SM). Measured on the H200 (bf16 8192 x 152064, CE fwd+bwd):
- * per-thread cp.async copies, a generic stage pointer and a cluster
- * barrier per row took 2.11 ms (30 instructions per logit issued, 54%
- * of issue slots); the bulk copies and shared addresses 1.92 ms, the
- * pushed partial states 1.80-1.88 ms.
+ * CTA per SM); a cluster per row instead, scheduled by the hardware, was
+ * slower everywhere (H200, c0416f8: CE 1.75 against 1.68 ms and the
+ * log-probs backward 1.80 against 1.65 at bf16 8192 x 152064, 0.21
+ * against 0.20 and 0.23 against 0.21 at 4096 x 32768, softmax fp32
+ * 4096 x 262144 2.73 against 2.41). Measured on the H200 (bf16 8192 x
+ * 152064, CE fwd+bwd): per-thread cp.async copies, a generic stage
+ * pointer and a cluster barrier per row took 2.11 ms (30 instructions per
+ * logit issued, 54% of issue slots); the bulk copies and shared addresses
+ * 1.92 ms, the pushed partial states 1.80-1.88 ms.
  * A row too wide for 16 x 48 KB takes the largest cluster (measured,
  * softmax fp32 V = 262144: 16 x 64 KB, three CTAs per SM, 3.16 ms against
  * 4.21 for 8 x 128 KB, one per SM). Only rows too wide for 16 x (the

@@ -417,8 +417,8 @@ static void launch_colsum(const lmloss_context *ctx, const lmloss_tensor *a,
   constexpr int64_t C = 32 * (16 / sizeof(T));
   const bool aligned = (a->row_stride * sizeof(T)) % 16 == 0 && (uintptr_t)a->data % 16 == 0;
   colsum_kernel<T><<<(unsigned)((a->cols + C - 1) / C), 256, 0, stream_of(ctx)>>>(
-      (const T *)a->data, a->row_stride, a->rows, a->cols, aligned, kp, beta, out->data,
-      out->dtype, out->row_stride);
+      (const T *)a->data, a->row_stride, a->rows, a->cols, aligned, kp, beta, out->data, out->dtype,
+      out->row_stride);
 }
 
 static lmloss_status colsum(const lmloss_context *ctx, const lmloss_tensor *a,

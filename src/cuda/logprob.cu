@@ -163,7 +163,7 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
     if (!ok) c0 = c1 = NAN;
     const float m = s.m;
     const long long am = s.a;
-    float *const kv = kept_vals<In>(a.keep, i); /* entries: the K indices, then the argmax */
+    float *const kv = kept_vals<In>(a.keep, i);   /* entries: the K indices, then the argmax */
     if constexpr (std::is_same<In, float>::value) /* the only logits keep is asked with */
       if (rw.rank == 0 && threadIdx.x == 0) {
         if (a.keep.coef)

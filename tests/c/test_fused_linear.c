@@ -918,12 +918,15 @@ static void scale_grads(tgroup *g, lmloss_dtype dt) {
   lmloss_head_grads gw = {none, dwf, none}, gb = {none, none, dbf};
   host_poison(&dwf);
   lmloss_tensor dwp = host_clone(&dwf);
-  const lmloss_head_grads *grs[] = {NULL, &gw, &gw, &gb};
-  const lmloss_tensor *scs[] = {&sc, &two, &si, &sc};
+  lmloss_tensor on_gpu = sc; /* never read: the device check comes first */
+  on_gpu.device = LMLOSS_CUDA;
+  const lmloss_head_grads *grs[] = {NULL, &gw, &gw, &gb, &gw};
+  const lmloss_tensor *scs[] = {&sc, &two, &si, &sc, &on_gpu};
   const lmloss_status want[] = {LMLOSS_ERR_NULL_POINTER, LMLOSS_ERR_BAD_SHAPE, LMLOSS_ERR_BAD_DTYPE,
-                                LMLOSS_ERR_BAD_SHAPE};
-  const char *what[] = {"grads NULL", "scale of 2", "scale I64", "dbias, no bias"};
-  for (int i = 0; i < 4; i++) {
+                                LMLOSS_ERR_BAD_SHAPE, LMLOSS_ERR_BAD_DEVICE};
+  const char *what[] = {"grads NULL", "scale of 2", "scale I64", "dbias, no bias",
+                        "scale on another device"};
+  for (int i = 0; i < 5; i++) {
     lmloss_status st = lmloss_linear_scale_grads(&cpu, &hh, grs[i], scs[i]);
     tg_true(g, st == want[i] && lmloss_last_error()[0], "scale_grads %s: got %s", what[i],
             lmloss_status_string(st));
