@@ -41,8 +41,8 @@ typedef struct {
                           const lmloss_tensor *bias, const lmloss_tensor *c);
   /* out ([cols, 1]) = beta * out + column sums of a; with entries
    * (16-bit heads only, else NULL), a's values at its rows' exact entries
-   * (keep->cols, keep->vals: the first occurrence of a column in a row)
-   * are taken from vals instead of a. */
+   * (entries->cols, entries->vals: the first occurrence of a column in a
+   * row) are taken from vals instead of a. */
   lmloss_status (*colsum)(const lmloss_context *, const lmloss_tensor *a,
                           const lmloss_grad_keep *entries, float beta, const lmloss_tensor *out);
   /* dst [1] = sum of src [n, 1] (F32), in a fixed order */
@@ -73,7 +73,7 @@ typedef struct {
  * gradient) keep: NULL, or lmloss_grad_keep's arrays in the backend's
  * memory, which a backend with 16-bit fused heads fills for every row it
  * writes a gradient for (coef, when given: the vocab tiles'; the exact
- * entries, when given: S = K + 1, 2 for cross-entropy); the others leave
+ * entries, when given: count = K + 1, 2 for cross-entropy); the others leave
  * them. The fused head asks for them with F32 logits (its slab) only, and
  * the CUDA backend supports that case alone (no 16-bit kernel carries the
  * stores). */
