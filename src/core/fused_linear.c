@@ -284,17 +284,17 @@ static lmloss_grad_keep *keep_at(const linear_job *j, const linear_plan *p, char
   return k;
 }
 
-/* The row op of one chunk on the slab; dl = where its gradient goes. */
+/* The row op of one chunk on the slab; dl = where its gradient goes,
+ * keep = what the row op keeps of it (keep_at). */
 static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *ops,
                                 const linear_plan *p, char *ws, const int64_t *list, int64_t c,
                                 int64_t n, const lmloss_tensor *slab, const lmloss_tensor *dl,
-                                double scale) {
+                                lmloss_grad_keep *keep, double scale) {
   const lmloss_linear_prims *L = ops->linear;
   const lmloss_device dev = j->head->hidden.device;
   const lmloss_context *ctx = j->ctx;
-  const int64_t K = p->K, first = c * p->rows;
+  const int64_t K = p->K;
   const chunk_slots sl = slots(p, ws + p->aux, dev, n);
-  lmloss_grad_keep kept, *keep = dl ? keep_at(j, p, ws, first, &kept) : NULL;
   lmloss_tensor lab = sl.labels;
   if (j->labels && K > 0) {
     lab.dtype = j->labels->dtype;
@@ -363,16 +363,15 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
  * W, summed in fp32. */
 static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prims *L,
                                    const linear_plan *p, char *w, const int64_t *list,
-                                   int64_t first, const lmloss_tensor *dl) {
+                                   const lmloss_grad_keep *keep, const lmloss_tensor *dl) {
   const lmloss_head *h = j->head;
   const lmloss_device dev = h->hidden.device;
   const int64_t n = dl->rows, H = h->hidden.cols;
   lmloss_tensor dh = view(w + p->dh, h->hidden.dtype, dev, n, H);
   if (p->round_dl) {
-    lmloss_grad_keep kept;
     lmloss_tensor acc = view(w + p->dh_acc, LMLOSS_F32, dev, n, H);
     TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &acc));
-    TRY(L->restore_entries(j->ctx, keep_at(j, p, w, first, &kept), &h->weight, &acc));
+    TRY(L->restore_entries(j->ctx, keep, &h->weight, &acc));
     TRY(L->cast(j->ctx, &acc, &dh));
   } else {
     TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &dh));
@@ -501,12 +500,12 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
     TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
     lmloss_tensor dl = p.dl_separate ? view(w + p.dl, h->weight.dtype, dev, n, V) : slab;
-    TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &dl : NULL, scale));
+    lmloss_grad_keep kept, *keep = want_grad ? keep_at(j, &p, w, first, &kept) : NULL;
+    TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &dl : NULL, keep, scale));
     if (!want_grad) continue;
     const float beta = c == 0 ? 0.0f : 1.0f;
-    lmloss_grad_keep kept;
-    if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &dl, keep_at(j, &p, w, first, &kept), beta, &accb));
-    if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, first, &dl));
+    if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &dl, keep, beta, &accb));
+    if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, keep, &dl));
     if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &g->dweight));
   }
   if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M, &bias));

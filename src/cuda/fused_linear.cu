@@ -220,6 +220,14 @@ static lmloss_status broadcast_row(const lmloss_context *ctx, const lmloss_tenso
   return elementwise(ctx, 2, vec, c, 0.0);
 }
 
+/* Whether entry s of a row of kept entries (cols: the row's) is the
+ * first in its column: a label may repeat, or be the argmax. */
+__device__ __forceinline__ bool first_in_row(const int64_t *cols, int64_t s) {
+  for (int64_t q = 0; q < s; q++)
+    if (cols[q] == cols[s]) return false;
+  return true;
+}
+
 /* t *= s[0] over n contiguous elements, 16 bytes per thread and step
  * (torch's in-place multiply by a 0-dim device tensor broadcasts it with
  * a zero stride, which keeps it element by element: 2.7 ms for a bf16
@@ -390,10 +398,7 @@ __global__ void __launch_bounds__(256)
     if (e0 + t < ne) {
       const int64_t i = (e0 + t) / kp.count, s = (e0 + t) % kp.count;
       const int64_t *cr = kp.cols + i * kp.stride, c = cr[s];
-      bool seen = c < j0 || c >= j0 + C || c >= cols;
-      for (int64_t q = 0; q < s; q++) /* the row's first entry in column c */
-        seen |= cr[q] == c;
-      if (!seen) {
+      if (c >= j0 && c < j0 + C && c < cols && first_in_row(cr, s)) {
         h = (int)(c - j0);
         lost[t] = kp.vals[i * kp.stride + s] - tof(a[i * astride + c]);
       }
@@ -455,8 +460,8 @@ static lmloss_status sum(const lmloss_context *ctx, const lmloss_tensor *src,
   return check_launch("sum");
 }
 
-/* Rows of F32 rounded to a 16-bit dtype (a chunk's dlogits, dhidden's
- * fp32 sum): elementwise and memory-bound, a row per blockIdx.y, eight
+/* Rows of F32 rounded to a 16-bit dtype (dhidden's fp32 sum, a dW tile's
+ * or dbias's): elementwise and memory-bound, a row per blockIdx.y, eight
  * columns per thread across blockIdx.x (two 16-byte loads, one 16-byte
  * store where aligned). */
 template <typename O>
@@ -511,11 +516,8 @@ __global__ void restore_kernel(lmloss_grad_keep kp, const W *w, int64_t wstride,
     float *a = acc + r * astride;
     for (int64_t s = 0; s < kp.count; s++) {
       const int64_t c = cr[s];
-      bool seen = false;
-      for (int64_t t = 0; t < s; t++)
-        seen |= cr[t] == c;
       const float v = kp.vals[r * kp.stride + s], rv = tof(fromf<W>(v));
-      if (seen || c < 0 || c >= V || !isfinite(rv) || v == rv) continue;
+      if (c < 0 || c >= V || !isfinite(rv) || v == rv || !first_in_row(cr, s)) continue;
       const float lost = v - rv; /* exact in fp32 */
       for (int64_t k = threadIdx.x; k < H; k += blockDim.x)
         a[k] = fmaf(lost, tof(w[c * wstride + k]), a[k]);
