@@ -1,9 +1,12 @@
 """Peer benchmarks on one GPU, side by side in one run.
 
 lmloss against PyTorch eager, torch.compile (of the same fp32 formulas),
-Liger-Kernel and cut-cross-entropy, on three cases:
+Liger-Kernel and cut-cross-entropy, on four cases:
 
   logprob    log-probs forward, K = 1 (TRL's selective_log_softmax), bf16 logits
+  logprob-grad  log-probs forward + backward (dlogits produced) of GRPO's token
+             loss -A exp(logp - sg(logp)), bf16 logits; Liger-Kernel's GRPO
+             loss kernel on the same logits (its forward saves the lse)
   ce         cross-entropy forward + backward on bf16 logits (dlogits produced)
   linear-ce  fused-head cross-entropy forward + backward, bf16 hidden and head,
              H = 4096 (dhidden and dW produced)
@@ -95,6 +98,43 @@ def logprob_impls():
     return impls
 
 
+def logprob_grad_impls():
+    def with_backward(logp_fn):
+        def make(x, y):
+            xg = x.detach().requires_grad_(True)
+            adv = torch.randn(y.shape[0], device=x.device)
+
+            def run():
+                xg.grad = None
+                lp = logp_fn(xg, y)
+                (-(adv * torch.exp(lp - lp.detach())).mean()).backward()
+            return run
+        return make
+
+    def torch_lp(x, y):
+        return x.float().log_softmax(-1).gather(-1, y[:, None])[:, 0]
+
+    comp = torch.compile(torch_lp, dynamic=True)
+    impls = {"lmloss": with_backward(lambda x, y: lt.log_probs(x, y)),
+             "torch": with_backward(torch_lp), "torch.compile": with_backward(comp)}
+    try:
+        from liger_kernel.ops.grpo_loss import GrpoLossFunction
+
+        def liger(x, y):
+            x3 = torch.cat([x, x[:1]])[None].detach().requires_grad_(True)  # L + 1 positions
+            adv = torch.randn(1, device=x.device)
+
+            def run():
+                x3.grad = None
+                GrpoLossFunction.apply(x3, None, None, y[None], adv, None, 1.0, 0.0, 0.2, 0.2,
+                                       False)[0].backward()
+            return run
+        impls["liger"] = liger
+    except ImportError:
+        pass
+    return impls
+
+
 def ce_impls():
     def with_backward(loss_fn):
         def make(x, y):
@@ -166,8 +206,9 @@ def main():
                     help="only the issues' shapes (logits ops at 8192x152064 and 4096x32768; the "
                          "fused head at 8192x4096x152064, all rows and 25%% supervised, without "
                          "torch.compile), into peers-issue.csv, no plots")
-    ap.add_argument("--case", action="append", choices=["logprob", "ce", "linear-ce"],
-                    help="only this case (repeatable; default: all three)")
+    ap.add_argument("--case", action="append",
+                    choices=["logprob", "logprob-grad", "ce", "linear-ce"],
+                    help="only this case (repeatable; default: all four)")
     ap.add_argument("--plot-only", metavar="CSV")
     ap.add_argument("--device-name", default="")
     args = ap.parse_args()
@@ -182,7 +223,8 @@ def main():
     bw = copy_gbs()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw:.0f} GB/s", flush=True)
     rows_out = []
-    cases = [("logprob", logprob_impls(), 1), ("ce", ce_impls(), 2),
+    cases = [("logprob", logprob_impls(), 1), ("logprob-grad", logprob_grad_impls(), 2),
+             ("ce", ce_impls(), 2),
              ("linear-ce", linear_impls(compiled=not args.issue), 0)]
     cases = [c for c in cases if not args.case or c[0] in args.case]
     for case, impls, passes in cases:

@@ -207,20 +207,32 @@ LMLOSS_API lmloss_status lmloss_cross_entropy_backward(const lmloss_context *ctx
  * index [N, K] I64/I32 with 0 <= index < V (K >= 1; K = 0 only in the
  * entropy-only forms). mask: optional BOOL [N]; a masked-out row (0) is not
  * read, and its logp and entropy read 0 (its gradient row 0).
- * logp: F32/BF16/F16 [N, K]. entropy: optional F32 [N]. */
+ * logp: F32/BF16/F16 [N, K]. entropy: optional F32 [N].
+ * stats: optional F32 [N, 4] (LMLOSS_ROW_STATS columns, V <= 2^24): each
+ * row's max-split sum, for a backward that then reads the logits once. */
 LMLOSS_API lmloss_status lmloss_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
                                           const lmloss_tensor *index, const lmloss_tensor *mask,
                                           const lmloss_transform *transform,
-                                          const lmloss_tensor *logp, const lmloss_tensor *entropy);
+                                          const lmloss_tensor *logp, const lmloss_tensor *entropy,
+                                          const lmloss_tensor *stats);
+
+/* The row statistics the log-probs forward saves: per row the max m (in
+ * units of the softcapped logit), R, the entropy sum t (rowstats.h in the
+ * sources) and the argmax's column as a float (exact: V <= 2^24); a row
+ * without finite statistics saves NaN and -1, a masked-out row 0 and -1.
+ * They hold for the logits, mask and transform they were formed from. */
+#define LMLOSS_ROW_STATS 4
 
 /* dlogits = d/dx of sum_ik dlogp[i,k] logp[i,k] + sum_i dentropy[i] H_i.
  * dlogp: optional F32 [N, K] (absent = 0; index may then be absent too);
  * dentropy: optional F32 [N]; at least one is present. dlogits
- * F32/BF16/F16 [N, V]; may alias logits exactly. */
+ * F32/BF16/F16 [N, V]; may alias logits exactly. stats: optional, what
+ * lmloss_log_probs saved for these logits: the row is then read once (no
+ * reduction pass), with the same numerics; absent, it is recomputed. */
 LMLOSS_API lmloss_status lmloss_log_probs_backward(
     const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
     const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_tensor *dlogp,
-    const lmloss_tensor *dentropy, const lmloss_tensor *dlogits);
+    const lmloss_tensor *dentropy, const lmloss_tensor *dlogits, const lmloss_tensor *stats);
 
 /* entropy [N] F32 of softmax(transform(x)): lmloss_log_probs with K = 0. */
 LMLOSS_API lmloss_status lmloss_entropy(const lmloss_context *ctx, const lmloss_tensor *logits,

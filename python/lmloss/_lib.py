@@ -114,10 +114,11 @@ ce_workspace_size = _proto("lmloss_cross_entropy_workspace_size", ctypes.c_size_
 cross_entropy = _proto("lmloss_cross_entropy", _status, _P(Context), _P(CEInputs),
                        _P(CEOptions), _P(CEOutputs), ctypes.c_void_p, ctypes.c_size_t)
 log_probs = _proto("lmloss_log_probs", _status, _P(Context), _P(Tensor), _P(Tensor), _P(Tensor),
-                   _P(Transform), _P(Tensor), _P(Tensor))
+                   _P(Transform), _P(Tensor), _P(Tensor), _P(Tensor))
 log_probs_backward = _proto("lmloss_log_probs_backward", _status, _P(Context), _P(Tensor),
                             _P(Tensor), _P(Tensor), _P(Transform), _P(Tensor), _P(Tensor),
-                            _P(Tensor))
+                            _P(Tensor), _P(Tensor))
+ROW_STATS = 4  # LMLOSS_ROW_STATS: the floats a row's saved statistics take
 entropy = _proto("lmloss_entropy", _status, _P(Context), _P(Tensor), _P(Transform), _P(Tensor))
 softmax = _proto("lmloss_softmax", _status, _P(Context), _P(Tensor), ctypes.c_int, _P(Tensor))
 softmax_backward = _proto("lmloss_softmax_backward", _status, _P(Context), _P(Tensor),

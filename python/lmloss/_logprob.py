@@ -6,8 +6,8 @@ from . import _lib
 from ._tensor import Rows, index_shape, matrix, optional_vector, out_vector, shape_error, vector
 
 
-def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backend="auto",
-              num_threads=0):
+def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, stats=False,
+              backend="auto", num_threads=0):
     """log softmax(logits / temperature) gathered at index.
 
     logits [..., V] (fp32, fp64 computed in fp32, bf16 as ml_dtypes.bfloat16
@@ -16,6 +16,8 @@ def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backe
     (logp, entropy) with entropy=True (entropy float32 shaped [...]).
     mask: optional bool/uint8 [...]; masked-out rows (0) are not read and
     read 0 in every result. [B, T, V] inputs are one call over B*T rows.
+    stats=True appends the rows' statistics (float32 [..., 4], V <= 2^24),
+    which log_probs_backward takes to read the logits once.
     backend: "auto", "cpu" or "ref"; num_threads: 0 = default.
     """
     ctx = _lib.make_context(backend, num_threads)
@@ -27,31 +29,45 @@ def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backe
     logp = np.empty((x.n, k), dtype=np.float32)
     logp_t = _lib.Tensor(logp.ctypes.data, _lib.F32, _lib.CPU_DEVICE, x.n, k, k)
     ent, ent_t = out_vector(x.n) if entropy else (None, None)
+    st = np.empty((x.n, _lib.ROW_STATS), dtype=np.float32) if stats else None
+    st_t = (_lib.Tensor(st.ctypes.data, _lib.F32, _lib.CPU_DEVICE, x.n, _lib.ROW_STATS,
+                        _lib.ROW_STATS) if stats else None)
     tr = _lib.make_transform(temperature=temperature)
-    _lib.check(_lib.log_probs(ctx, x.t, idx_t, mask_t, tr, logp_t, ent_t))
-    logp = logp.reshape(shape)
-    return (logp, ent.reshape(x.lead)) if entropy else logp
+    _lib.check(_lib.log_probs(ctx, x.t, idx_t, mask_t, tr, logp_t, ent_t, st_t))
+    out = (logp.reshape(shape),) + ((ent.reshape(x.lead),) if entropy else ())
+    out += (st.reshape(x.lead + (_lib.ROW_STATS,)),) if stats else ()
+    return out if len(out) > 1 else out[0]
 
 
 selective_log_softmax = log_probs  # TRL's name: gather(log_softmax(logits), index)
 
 
 def log_probs_backward(logits, index, dlogp, dentropy=None, *, temperature=1.0, mask=None,
-                       backend="auto", num_threads=0):
+                       stats=None, backend="auto", num_threads=0):
     """dlogits = d/dlogits of sum(dlogp * logp) + sum(dentropy * entropy).
 
     Shapes as in log_probs; dlogp (shaped like index) and dentropy (shaped
     [...]) are converted to float32; dlogp may be None when dentropy is
-    given (index may then be None too). Returns dlogits shaped like logits:
+    given (index may then be None too). stats: what log_probs(stats=True)
+    returned for these logits, mask and temperature (then the logits are
+    read once), or None (recomputed). Returns dlogits shaped like logits:
     float32 for fp32/fp64 logits, else the logits' dtype (bf16, fp16).
     """
     ctx = _lib.make_context(backend, num_threads)
     x = Rows(logits, "logits")
     keep, idx_t, dlogp_t, dent_t, _ = backward_args(x, x.n, index, dlogp, dentropy)
     mask_t = optional_vector(mask, x.n, x.lead, "mask", "mask", keep)
+    st_t = None
+    if stats is not None:
+        if np.shape(stats) != x.lead + (_lib.ROW_STATS,):
+            raise shape_error("stats has shape %s, expected %s"
+                              % (np.shape(stats), x.lead + (_lib.ROW_STATS,)))
+        st, st_t = matrix(stats, x.n, _lib.ROW_STATS, "stats", "f32")
+        keep.append(st)
     dx, dx_t = x.empty(x.out_dtype())
     tr = _lib.make_transform(temperature=temperature)
-    _lib.check(_lib.log_probs_backward(ctx, x.t, idx_t, mask_t, tr, dlogp_t, dent_t, dx_t))
+    _lib.check(_lib.log_probs_backward(ctx, x.t, idx_t, mask_t, tr, dlogp_t, dent_t, dx_t,
+                                       st_t))
     return dx.reshape(x.lead + (x.v,))
 
 

@@ -89,12 +89,12 @@ typedef struct {
   lmloss_status (*log_probs)(const lmloss_context *, const lmloss_tensor *logits,
                              const lmloss_tensor *index, const lmloss_tensor *mask,
                              const lmloss_transform *, const lmloss_tensor *logp,
-                             const lmloss_tensor *entropy);
+                             const lmloss_tensor *entropy, const lmloss_tensor *stats);
   lmloss_status (*log_probs_backward)(const lmloss_context *, const lmloss_tensor *logits,
                                       const lmloss_tensor *index, const lmloss_tensor *mask,
                                       const lmloss_transform *, const lmloss_tensor *dlogp,
                                       const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
-                                      lmloss_grad_keep *keep);
+                                      const lmloss_tensor *stats, lmloss_grad_keep *keep);
   lmloss_status (*softmax)(const lmloss_context *, const lmloss_tensor *x, int log,
                            const lmloss_tensor *out);
   lmloss_status (*softmax_backward)(const lmloss_context *, const lmloss_tensor *y,

@@ -346,7 +346,7 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
   if (j->kind == LP_FORWARD) {
     lmloss_tensor lp = sl.per_k, ent_t = sl.row, *ent = wants(j->entropy) ? &ent_t : NULL;
     if (j->logp) lp.dtype = j->logp->dtype, lp.row_stride = K;
-    TRY(ops->log_probs(ctx, slab, idx, NULL, j->tr, j->logp ? &lp : NULL, ent));
+    TRY(ops->log_probs(ctx, slab, idx, NULL, j->tr, j->logp ? &lp : NULL, ent, NULL));
     if (j->logp) TRY(L->scatter_rows(ctx, &lp, list, j->logp));
     if (ent) TRY(L->scatter_rows(ctx, ent, list, j->entropy));
     return LMLOSS_OK;
@@ -355,7 +355,8 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
   if (j->dlogp) TRY(L->gather_rows(ctx, j->dlogp, list, &dlp));
   if (j->dentropy) TRY(L->gather_rows(ctx, j->dentropy, list, &dent));
   return ops->log_probs_backward(ctx, slab, j->dlogp ? idx : NULL, NULL, j->tr,
-                                 j->dlogp ? &dlp : NULL, j->dentropy ? &dent : NULL, dl, keep);
+                                 j->dlogp ? &dlp : NULL, j->dentropy ? &dent : NULL, dl, NULL,
+                                 keep);
 }
 
 /* dhidden of a chunk (compact rows first..) = dl W, scattered back.

@@ -16,10 +16,22 @@ static lmloss_status check_common(const lmloss_context *ctx, const lmloss_tensor
   return LMLOSS_OK;
 }
 
+/* The saved row statistics (LMLOSS_ROW_STATS), when present. */
+static lmloss_status check_stats(const lmloss_tensor *logits, const lmloss_tensor *stats) {
+  if (!lmloss_present(stats)) return LMLOSS_OK;
+  TRY(lmloss_check_tensor(stats, "stats", LMLOSS_MASK(LMLOSS_F32), logits->rows, LMLOSS_ROW_STATS));
+  if (logits->cols > ((int64_t)1 << 24))
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE,
+                       "stats hold the argmax's column as a float: V = %lld exceeds 2^24",
+                       (long long)logits->cols);
+  const lmloss_tensor *ts[] = {stats};
+  return lmloss_check_device(ts, 1, logits->device);
+}
+
 lmloss_status lmloss_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
                                const lmloss_tensor *index, const lmloss_tensor *mask,
                                const lmloss_transform *tr, const lmloss_tensor *logp,
-                               const lmloss_tensor *entropy) {
+                               const lmloss_tensor *entropy, const lmloss_tensor *stats) {
   const lmloss_backend_ops *ops;
   if (!lmloss_present(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
   if (index->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: K must be >= 1");
@@ -28,7 +40,9 @@ lmloss_status lmloss_log_probs(const lmloss_context *ctx, const lmloss_tensor *l
   TRY(lmloss_check_optional(entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), logits->rows, 1));
   const lmloss_tensor *ts[] = {logp, entropy};
   TRY(lmloss_check_device(ts, 2, logits->device));
-  return ops->log_probs(ctx, logits, index, mask, tr, logp, entropy);
+  TRY(check_stats(logits, stats));
+  return ops->log_probs(ctx, logits, index, mask, tr, logp, entropy,
+                        lmloss_present(stats) ? stats : NULL);
 }
 
 lmloss_status lmloss_entropy(const lmloss_context *ctx, const lmloss_tensor *logits,
@@ -38,14 +52,14 @@ lmloss_status lmloss_entropy(const lmloss_context *ctx, const lmloss_tensor *log
   TRY(lmloss_check_tensor(entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), logits->rows, 1));
   const lmloss_tensor *ts[] = {entropy};
   TRY(lmloss_check_device(ts, 1, logits->device));
-  return ops->log_probs(ctx, logits, NULL, NULL, tr, NULL, entropy);
+  return ops->log_probs(ctx, logits, NULL, NULL, tr, NULL, entropy, NULL);
 }
 
 lmloss_status lmloss_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *logits,
                                         const lmloss_tensor *index, const lmloss_tensor *mask,
                                         const lmloss_transform *tr, const lmloss_tensor *dlogp,
-                                        const lmloss_tensor *dentropy,
-                                        const lmloss_tensor *dlogits) {
+                                        const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
+                                        const lmloss_tensor *stats) {
   const lmloss_backend_ops *ops;
   TRY(check_common(ctx, logits, index, mask, tr, &ops));
   int64_t N = logits->rows;
@@ -54,7 +68,9 @@ lmloss_status lmloss_log_probs_backward(const lmloss_context *ctx, const lmloss_
   TRY(lmloss_check_alias(logits, dlogits, "dlogits"));
   const lmloss_tensor *ts[] = {dlogp, dentropy, dlogits};
   TRY(lmloss_check_device(ts, 3, logits->device));
+  TRY(check_stats(logits, stats));
   const lmloss_tensor *idx = lmloss_present(dlogp) ? index : NULL;
   return ops->log_probs_backward(ctx, logits, idx, mask, tr, lmloss_present(dlogp) ? dlogp : NULL,
-                                 lmloss_present(dentropy) ? dentropy : NULL, dlogits, NULL);
+                                 lmloss_present(dentropy) ? dentropy : NULL, dlogits,
+                                 lmloss_present(stats) ? stats : NULL, NULL);
 }

@@ -12,10 +12,11 @@
 lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
                                    const lmloss_tensor *index, const lmloss_tensor *mask,
                                    const lmloss_transform *tr, const lmloss_tensor *logp,
-                                   const lmloss_tensor *entropy) {
+                                   const lmloss_tensor *entropy, const lmloss_tensor *stats) {
   const int64_t N = logits->rows, V = logits->cols, K = index ? index->cols : 0;
   const lmloss_xform f = lmloss_xform_make(*tr);
   const int want_h = lmloss_present(entropy), nt = lmloss_cpu_row_threads(ctx, N * V);
+  static const lmloss_rowstat masked = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, -1};
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
   for (int64_t i = 0; i < N; i++) {
     void *lp = logp ? lmloss_cpu_row_mut(logp, i) : NULL;
@@ -23,13 +24,15 @@ lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tenso
       for (int64_t k = 0; k < K; k++)
         lmloss_store(lp, logp->dtype, k, 0.0f);
       if (want_h) *lmloss_cpu_f32_at(entropy, i) = 0.0f;
+      if (stats) lmloss_rowstat_save(&masked, 1, lmloss_cpu_f32_at(stats, i));
       continue;
     }
     const void *row = lmloss_cpu_row(logits, i);
     lmloss_rowstat s;
     int bad;
-    lmloss_cpu_row_stats(row, logits->dtype, V, &f, NULL, want_h, 0, &s, &bad);
+    lmloss_cpu_row_stats(row, logits->dtype, V, &f, NULL, want_h || stats, 0, &s, &bad);
     const int ok = !bad && lmloss_rowstat_finite(&s);
+    if (stats) lmloss_rowstat_save(&s, ok, lmloss_cpu_f32_at(stats, i));
     for (int64_t k = 0; k < K; k++) {
       const int64_t j = lmloss_index_at(index, i, k);
       const float w = lmloss_xform_w(&f, lmloss_load(row, logits->dtype, j));
@@ -48,7 +51,8 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
                                             const lmloss_tensor *index, const lmloss_tensor *mask,
                                             const lmloss_transform *tr, const lmloss_tensor *dlogp,
                                             const lmloss_tensor *dentropy,
-                                            const lmloss_tensor *dlogits, lmloss_grad_keep *keep) {
+                                            const lmloss_tensor *dlogits,
+                                            const lmloss_tensor *stats, lmloss_grad_keep *keep) {
   const int64_t N = logits->rows, V = logits->cols, K = dlogp ? index->cols : 0;
   const lmloss_xform f = lmloss_xform_make(*tr);
   const int nt = lmloss_cpu_row_threads(ctx, N * V);
@@ -68,9 +72,12 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
     }
     const void *row = lmloss_cpu_row(logits, i);
     lmloss_rowstat s;
-    int bad;
+    int bad = 0;
     const float dh = dentropy ? *lmloss_cpu_f32_at(dentropy, i) : 0.0f;
-    lmloss_cpu_row_stats(row, logits->dtype, V, &f, NULL, dentropy != NULL, 0, &s, &bad);
+    if (stats)
+      s = lmloss_rowstat_load(lmloss_cpu_f32_at(stats, i), V);
+    else
+      lmloss_cpu_row_stats(row, logits->dtype, V, &f, NULL, dentropy != NULL, 0, &s, &bad);
     if (bad || !lmloss_rowstat_finite(&s)) {
       lmloss_cpu_row_fill(g, dlogits->dtype, V, NAN);
       continue;

@@ -9,7 +9,9 @@
  *   dz_j = sum_{k: idx_k = j} dlogp_k - D p_j - dH p_j ((w_j - m) k + t inv)
  * (log p_j + H = (w_j - m) k + t / (1 + R): the log1p(R) cancels
  * analytically), and at the argmax the dlogp part uses 1 - p_a = R inv.
- * An out-of-range index makes its whole gradient row NaN.
+ * An out-of-range index makes its whole gradient row NaN. The backward
+ * takes the row's statistics from its own first pass (lp_bwd) or from the
+ * forward's saved ones (lp_bwd_saved, which reads the row once).
  */
 #include <type_traits>
 
@@ -30,6 +32,8 @@ struct LpArgs {
   int64_t lps;
   float *ent;
   int64_t ents;
+  float *stats; /* LMLOSS_ROW_STATS a row: written (forward) or read (lp_bwd_saved) */
+  int64_t sts;
   const float *dlogp;
   int64_t dlps;
   const float *dent;
@@ -65,6 +69,10 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
         for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x)
           lrow[q] = fromf<O>(0.0f);
         if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = 0.0f;
+        if (a.stats && threadIdx.x == 0) {
+          const lmloss_rowstat none = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, -1};
+          lmloss_rowstat_save(&none, 1, a.stats + i * a.sts);
+        }
       }
       continue;
     }
@@ -92,8 +100,133 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
       lrow[q] = fromf<O>(lp);
     }
     if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = ok ? lmloss_rowstat_entropy(&s) : NAN;
+    if (a.stats && threadIdx.x == 0) lmloss_rowstat_save(&s, ok, a.stats + i * a.sts);
   }
   rw.finish();
+}
+
+/* Row i's upstream gradients: D = sum_k dlogp (every thread sums in the
+ * same order), dH, and whether every index lies in [0, V). */
+struct LpUp {
+  float D, dH;
+  bool idx_ok;
+};
+__device__ __forceinline__ LpUp lp_upstream(const LpArgs &a, int64_t i) {
+  LpUp u = {0.0f, a.dent ? a.dent[i * a.dents] : 0.0f, true};
+  if (a.dlogp) {
+    for (int64_t q = 0; q < a.K; q++) {
+      long long j = ld_index(a.idx, a.idx64, i * a.is + q);
+      if (j < 0 || j >= a.V) u.idx_ok = false;
+      u.D += a.dlogp[i * a.dlps + q];
+    }
+  }
+  return u;
+}
+
+/* Row i's gradient from its statistics s (bad: the row held a NaN or
+ * +inf), in the file comment's form: g = e_j (C1 d_j + C0) away from the
+ * exact entries, which entry() forms. */
+template <bool T> struct LpGrad {
+  lmloss_rowstat s;
+  LpUp up;
+  bool ok;
+  float inv, tinv, kx, c0, c1, C0, C1;
+  Ref ref;
+
+  __device__ __forceinline__ LpGrad(const Xf &X, const lmloss_rowstat &s_, bool bad, const LpUp &u)
+      : s(s_), up(u) {
+    const float k = X.f.k;
+    ok = u.idx_ok && !bad && lmloss_rowstat_finite(&s);
+    inv = 1.0f / (1.0f + s.r);
+    tinv = T ? s.t * inv : 0.0f;
+    /* without softcap dx = k dz, folded into the coefficients (kx) */
+    kx = X.f.cap > 0.0f ? 1.0f : k;
+    c0 = -inv * (u.D + u.dH * tinv) * kx;
+    c1 = -inv * u.dH * k * kx;
+    if (!ok) c0 = c1 = NAN;
+    /* d_j = w_j - m = (p'_j - ml) / kh (Ref) */
+    ref.set(X, s.m);
+    C1 = c1 * ref.s() / X.kh;
+    C0 = (c0 - c1 * ref.ml / X.kh) * ref.s();
+  }
+
+  /* The coefficients of lmloss_grad_coef (z units). */
+  __device__ __forceinline__ float pz() const { return -inv * (up.D + up.dH * tinv); }
+  __device__ __forceinline__ float p2z() const { return -inv * up.dH; }
+
+  /* Flag the vectors of chunk ch holding the argmax or an index in the
+   * bitmap bm (cleared by the caller before a barrier). Contains
+   * __syncthreads: call uniformly. */
+  __device__ __forceinline__ void flag(const LpArgs &a, int64_t i, const Chunk &ch, int NV,
+                                       unsigned *bm) const {
+    __syncthreads();
+    if (threadIdx.x == 0 && s.a >= ch.jb && s.a < ch.je) {
+      int64_t v = (s.a - ch.jb) / NV;
+      atomicOr(&bm[v >> 5], 1u << (v & 31));
+    }
+    if (a.dlogp) {
+      for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x) {
+        long long j = ld_index(a.idx, a.idx64, i * a.is + q);
+        if (j >= ch.jb && j < ch.je) {
+          int64_t v = (j - ch.jb) / NV;
+          atomicOr(&bm[v >> 5], 1u << (v & 31));
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  /* The gradient of NV elements with transformed logits w, away from
+   * the exact entries. */
+  template <int NV>
+  __device__ __forceinline__ void fast(const Xf &X, const float *w, float *g) const {
+#pragma unroll
+    for (int e = 0; e < NV; e++) {
+      if constexpr (T) { /* the clamp keeps C1 p finite at -inf logits */
+        const float p = fmaxf(ref.p(X, w[e]), X.pmin);
+        g[e] = ex2(p) * fmaf(C1, p, C0);
+      } else { /* C1 = 0; a -inf logit gives ex2(-inf) = 0 */
+        g[e] = ex2(ref.p(X, w[e])) * C0;
+      }
+    }
+  }
+
+  /* Column j's gradient (before the softcap's chain rule) if it is an
+   * exact entry (the argmax or an index), with transformed logit w. */
+  __device__ __forceinline__ bool entry(const LpArgs &a, int64_t i, const Xf &X, long long j,
+                                        float w, float *g) const {
+    float Dj = 0.0f;
+    bool hit = j == s.a;
+    if (a.dlogp) {
+      for (int64_t q = 0; q < a.K; q++) {
+        if (ld_index(a.idx, a.idx64, i * a.is + q) == j) {
+          Dj += a.dlogp[i * a.dlps + q];
+          hit = true;
+        }
+      }
+    }
+    if (!hit) return false;
+    const float d = fmaxf(w - s.m, X.dmin), pj = cexp(X, d) * inv;
+    float dl = j == s.a ? Dj * (s.r * inv) - (up.D - Dj) * pj : Dj - up.D * pj;
+    float gz = dl - up.dH * pj * fmaf(d, X.f.k, tinv);
+    *g = ok ? gz * kx : NAN;
+    return true;
+  }
+
+  /* fast, then the exact entries of a vector (j0..) that holds one. */
+  template <int NV>
+  __device__ __forceinline__ void fill(const LpArgs &a, int64_t i, const Xf &X, int64_t j0,
+                                       bool exact, const float *w, float *g) const {
+    fast<NV>(X, w, g);
+    if (!exact) return;
+#pragma unroll
+    for (int e = 0; e < NV; e++)
+      entry(a, i, X, j0 + e, w[e], &g[e]);
+  }
+};
+
+__device__ __forceinline__ bool flagged(const unsigned *bm, int v) {
+  return (bm[v >> 5] >> (v & 31)) & 1u;
 }
 
 /* Same shape as the cross-entropy gradient (see ce_rows). Positions that
@@ -131,17 +264,7 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
       zero_chunk<In, O>(drow, ch, a.V);
       continue;
     }
-    /* Row scalars' inputs; every thread sums dlogp in the same order. */
-    bool idx_ok = true;
-    float D = 0.0f;
-    if (a.dlogp) {
-      for (int64_t q = 0; q < a.K; q++) {
-        long long j = ld_index(a.idx, a.idx64, i * a.is + q);
-        if (j < 0 || j >= a.V) idx_ok = false;
-        D += a.dlogp[i * a.dlps + q];
-      }
-    }
-    const float dH = a.dent ? a.dent[i * a.dents] : 0.0f;
+    const LpUp up = lp_upstream(a, i);
 
     const bool in_al = is_aligned16(row);
     const RowPart<In> part = {row, ch, a.V, in_al};
@@ -152,90 +275,31 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
     Part P = reduce_row(acc, k, T, false, &red, rw, one_max);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
       bm[q] = 0u;
-    const lmloss_rowstat s = P.s;
-    const bool ok = idx_ok && !P.bad && lmloss_rowstat_finite(&s);
-    const float inv = 1.0f / (1.0f + s.r);
-    const float tinv = T ? s.t * inv : 0.0f;
-    /* without softcap dx = k dz, folded into the coefficients (kx) */
-    const float kx = X.f.cap > 0.0f ? 1.0f : k;
-    const float Pz = -inv * (D + dH * tinv), P2z = -inv * dH; /* z units */
-    float c0 = Pz * kx, c1 = P2z * k * kx;
-    if (!ok) c0 = c1 = NAN;
-    const float m = s.m;
-    const long long am = s.a;
+    const LpGrad<T> G(X, P.s, P.bad, up);
     float *const kv = kept_vals<In>(a.keep, i);   /* entries: the K indices, then the argmax */
     if constexpr (std::is_same<In, float>::value) /* the only logits keep is asked with */
       if (rw.rank == 0 && threadIdx.x == 0) {
         if (a.keep.coef)
-          a.keep.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, P2z, 0.0f) : lmloss_grad_coef_nan();
+          a.keep.coef[i] =
+              G.ok ? lmloss_grad_coef_make(&G.s, G.pz(), G.p2z(), 0.0f) : lmloss_grad_coef_nan();
         for (int64_t q = 0; q < a.K; q++)
           keep_col(a.keep, i, (int)q, ld_index(a.idx, a.idx64, i * a.is + q), a.V);
-        keep_col(a.keep, i, (int)a.K, am, a.V);
+        keep_col(a.keep, i, (int)a.K, G.s.a, a.V);
       }
-    /* g = e_j (c1 d_j + c0) with d_j = w_j - m = (p'_j - ml) / kh (Ref) */
-    Ref ref;
-    ref.set(X, m);
-    const float C1 = c1 * ref.s() / X.kh, C0 = (c0 - c1 * ref.ml / X.kh) * ref.s();
-
-    /* Flag the vectors holding the argmax or an index. */
-    __syncthreads();
-    if (threadIdx.x == 0 && am >= ch.jb && am < ch.je) {
-      int64_t v = (am - ch.jb) / NV;
-      atomicOr(&bm[v >> 5], 1u << (v & 31));
-    }
-    if (a.dlogp) {
-      for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x) {
-        long long j = ld_index(a.idx, a.idx64, i * a.is + q);
-        if (j >= ch.jb && j < ch.je) {
-          int64_t v = (j - ch.jb) / NV;
-          atomicOr(&bm[v >> 5], 1u << (v & 31));
-        }
-      }
-    }
-    __syncthreads();
+    G.flag(a, i, ch, NV, bm);
 
     const ChunkOut<O, NV> out(drow, ch, a.V);
     const auto kout = noting<NV>(
-        out, [&](int v) { return kv && ((bm[v >> 5] >> (v & 31)) & 1u); },
+        out, [&](int v) { return kv && flagged(bm, v); },
         [&](int64_t j, float g) {
           for (int64_t q = 0; q < a.K; q++)
             if (ld_index(a.idx, a.idx64, i * a.is + q) == j) kv[q] = g;
-          if (j == am) kv[a.K] = g;
+          if (j == G.s.a) kv[a.K] = g;
         },
         ch.jb, a.V);
     auto body = [&](int v, const Raw<In> &rv, auto cap) {
       write_grad(X, rv, kout, v, cap, [&](const float *w, float *g) {
-#pragma unroll
-        for (int e = 0; e < NV; e++) {
-          if constexpr (T) { /* the clamp keeps C1 p finite at -inf logits */
-            const float p = fmaxf(ref.p(X, w[e]), X.pmin);
-            g[e] = ex2(p) * fmaf(C1, p, C0);
-          } else { /* C1 = 0; a -inf logit gives ex2(-inf) = 0 */
-            g[e] = ex2(ref.p(X, w[e])) * C0;
-          }
-        }
-        if ((bm[v >> 5] >> (v & 31)) & 1u) {
-          const int64_t j0 = ch.jb + (int64_t)v * NV;
-#pragma unroll
-          for (int e = 0; e < NV; e++) {
-            const long long j = j0 + e;
-            float Dj = 0.0f;
-            bool hit = j == am;
-            if (a.dlogp) {
-              for (int64_t q = 0; q < a.K; q++) {
-                if (ld_index(a.idx, a.idx64, i * a.is + q) == j) {
-                  Dj += a.dlogp[i * a.dlps + q];
-                  hit = true;
-                }
-              }
-            }
-            if (!hit) continue;
-            const float d = fmaxf(w[e] - m, X.dmin), pj = cexp(X, d) * inv;
-            float dl = j == am ? Dj * (s.r * inv) - (D - Dj) * pj : Dj - D * pj;
-            float gz = dl - dH * pj * fmaf(d, k, tinv);
-            g[e] = ok ? gz * kx : NAN;
-          }
-        }
+        G.template fill<NV>(a, i, X, ch.jb + (int64_t)v * NV, flagged(bm, v), w, g);
       });
     };
 
@@ -247,6 +311,69 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
   rw.finish();
 }
 
+/* The backward from the forward's saved statistics: no reduction, so
+ * each logit is read once and its gradient written once, a copy's
+ * traffic. Why this shape: a CTA per (row, slice of SAVED_U x SAVED_BS
+ * vectors), blockIdx.y the row; each thread's SAVED_U 16-byte loads are
+ * issued before anything waits (the row's scalars are formed while they
+ * fly), so the loads in flight per SM cover the memory latency without a
+ * persistent grid or a stage. The hot loop has no exact-entry test: the
+ * slice's exact entries (thread q: index q, thread K: the argmax; K <
+ * SAVED_BS) are formed from their logits before any gradient is stored
+ * (dlogits may alias the logits) and stored over the fast form after. */
+constexpr int SAVED_U = 8, SAVED_BS = 256;
+
+template <typename In, typename O, bool T>
+__global__ void __launch_bounds__(SAVED_BS, 3) lp_bwd_saved(LpArgs a) {
+  constexpr int NV = elt<In>::NV;
+  const Xf &X = a.X;
+  const Chunk ch = my_chunk<NV>(a.V, (int64_t)SAVED_U * SAVED_BS * NV, blockIdx.x);
+  for (int64_t i = blockIdx.y; i < a.N; i += gridDim.y) {
+    O *drow = (O *)a.dx + i * a.dxs;
+    if (a.mask && !a.mask[i * a.ms]) {
+      zero_chunk<In, O>(drow, ch, a.V);
+      continue;
+    }
+    const In *row = (const In *)a.x + i * a.xs;
+    const RowPart<In> part = {row, ch, a.V, is_aligned16(row)};
+    Raw<In> rv[SAVED_U];
+#pragma unroll
+    for (int q = 0; q < SAVED_U; q++) {
+      const int v = threadIdx.x + q * SAVED_BS;
+      if (v < ch.nv) rv[q] = part.load(v, false);
+    }
+    const LpGrad<T> G(X, lmloss_rowstat_load(a.stats + i * a.sts, a.V), false, lp_upstream(a, i));
+    const int q = threadIdx.x;
+    const long long c = q == a.K             ? G.s.a
+                        : q < a.K && a.dlogp ? ld_index(a.idx, a.idx64, i * a.is + q)
+                                             : -1;
+    float gc = 0.0f;
+    const bool mine = c >= ch.jb && c < ch.je;
+    if (mine) {
+      const float x = tof(row[c]);
+      G.entry(a, i, X, c, lmloss_xform_w(&X.f, x), &gc);
+      gc *= X.f.cap > 0.0f ? lmloss_xform_dzdx(&X.f, x) : 1.0f;
+    }
+    __syncthreads(); /* the entries' logits are read before any store */
+    const ChunkOut<O, NV> out(drow, ch, a.V);
+    auto run = [&](auto cap) {
+#pragma unroll
+      for (int u = 0; u < SAVED_U; u++) {
+        const int v = threadIdx.x + u * SAVED_BS;
+        if (v < ch.nv)
+          write_grad(X, rv[u], out, v, cap,
+                     [&](const float *w, float *g) { G.template fast<NV>(X, w, g); });
+      }
+    };
+    if (X.f.cap > 0.0f)
+      run(std::true_type{});
+    else
+      run(std::false_type{});
+    __syncthreads(); /* the entries over the fast form */
+    if (mine) drow[c] = fromf<O>(gc);
+  }
+}
+
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
   auto k = T ? lp_fwd<In, O, true> : lp_fwd<In, O, false>;
@@ -254,7 +381,20 @@ static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_
 }
 
 template <typename In, typename O>
+static lmloss_status launch_saved(LpArgs &a, bool T, cudaStream_t st) {
+  const int64_t nv = (a.V + elt<In>::NV - 1) / elt<In>::NV, slice = SAVED_U * SAVED_BS;
+  const dim3 grid((unsigned)((nv + slice - 1) / slice), (unsigned)(a.N < 65535 ? a.N : 65535));
+  if (a.N <= 0) return LMLOSS_OK;
+  if (T)
+    lp_bwd_saved<In, O, true><<<grid, SAVED_BS, 0, st>>>(a);
+  else
+    lp_bwd_saved<In, O, false><<<grid, SAVED_BS, 0, st>>>(a);
+  return check_launch("log_probs_backward (saved statistics)");
+}
+
+template <typename In, typename O>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
+  if (a.stats && a.K < SAVED_BS) return launch_saved<In, O>(a, T, st);
   if (T)
     return launch_rows(lp_bwd<In, O, true, 128>, lp_bwd<In, O, true, 256>, d, elt<In>::NV, 1, 1, st,
                        a, "log_probs_backward");
@@ -313,7 +453,7 @@ extern "C" lmloss_status
 lmloss_cuda_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
                       const lmloss_tensor *index, const lmloss_tensor *mask,
                       const lmloss_transform *tr, const lmloss_tensor *logp,
-                      const lmloss_tensor *entropy) {
+                      const lmloss_tensor *entropy, const lmloss_tensor *stats) {
   lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
   lmloss_dtype od = LMLOSS_F32;
   if (lmloss_present(logp)) {
@@ -327,13 +467,19 @@ lmloss_cuda_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
     a.ent = (float *)entropy->data;
     a.ents = entropy->row_stride;
   }
-  return lmc::run(a, logits->dtype, od, a.ent != NULL, 0, ctx);
+  if (stats) { /* with t, which a backward with dentropy needs */
+    a.stats = (float *)stats->data;
+    a.sts = stats->row_stride;
+  }
+  return lmc::run(a, logits->dtype, od, a.ent || a.stats, 0, ctx);
 }
 
-extern "C" lmloss_status lmloss_cuda_log_probs_backward(
-    const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
-    const lmloss_tensor *mask, const lmloss_transform *tr, const lmloss_tensor *dlogp,
-    const lmloss_tensor *dentropy, const lmloss_tensor *dlogits, lmloss_grad_keep *keep) {
+extern "C" lmloss_status
+lmloss_cuda_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *logits,
+                               const lmloss_tensor *index, const lmloss_tensor *mask,
+                               const lmloss_transform *tr, const lmloss_tensor *dlogp,
+                               const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
+                               const lmloss_tensor *stats, lmloss_grad_keep *keep) {
   lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
   if (keep) a.keep = *keep;
   if (keep && logits->dtype != LMLOSS_F32)
@@ -350,5 +496,11 @@ extern "C" lmloss_status lmloss_cuda_log_probs_backward(
   }
   a.dx = dlogits->data;
   a.dxs = dlogits->row_stride;
+  if (stats) {
+    if (keep)
+      return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: kept entries from saved statistics");
+    a.stats = (float *)stats->data;
+    a.sts = stats->row_stride;
+  }
   return lmc::run(a, logits->dtype, dlogits->dtype, a.dent != NULL, 1, ctx);
 }

@@ -133,6 +133,30 @@ LMLOSS_HD float lmloss_rowstat_entropy(const lmloss_rowstat *s) {
   return s->t / (1.0f + s->r) + log1pf(s->r);
 }
 
+/* A row's statistics as the log-probs forward saves them
+ * (LMLOSS_ROW_STATS floats, lmloss.h): m, r, t and a as a float; a row
+ * without finite statistics (ok = 0) NaN and -1. */
+LMLOSS_HD void lmloss_rowstat_save(const lmloss_rowstat *s, int ok, float *out) {
+  out[0] = ok ? s->m : NAN;
+  out[1] = ok ? s->r : NAN;
+  out[2] = ok ? s->t : NAN;
+  out[3] = ok ? (float)s->a : -1.0f;
+}
+
+/* The saved statistics back, for a row of width V: a column outside
+ * [0, V) (-1, or stats not from these logits) leaves the state empty,
+ * which lmloss_rowstat_finite rejects (a NaN gradient row). */
+LMLOSS_HD lmloss_rowstat lmloss_rowstat_load(const float *in, int64_t V) {
+  lmloss_rowstat s = lmloss_rowstat_empty();
+  const float a = in[3];
+  if (!(a >= 0.0f && a < (float)V)) return s;
+  s.m = in[0];
+  s.r = in[1];
+  s.t = in[2];
+  s.a = (int64_t)a;
+  return s;
+}
+
 /* Per-row coefficients of the cross-entropy gradient in z units:
  *   dce/dz_j = A p_j - B_j,  A = c_y (1 - e) + e C / V,
  *   B_j = c_y (1 - e) [j == y] + e c_j / V.

@@ -22,10 +22,22 @@ static int64_t index_at(const lmloss_tensor *t, int64_t i, int64_t k) {
   return t->dtype == LMLOSS_I64 ? *(const int64_t *)p : (int64_t) * (const int32_t *)p;
 }
 
+static const lmloss_rowstat masked = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, -1};
+
+/* The row statistics (LMLOSS_ROW_STATS) rounded to float, t from H. */
+static void save_stats(const ref_row *st, float *out) {
+  lmloss_rowstat s = lmloss_rowstat_empty();
+  s.m = (float)st->m;
+  s.r = (float)st->r;
+  s.t = (float)((st->ent - st->l1r) * (1.0 + st->r));
+  s.a = st->a;
+  lmloss_rowstat_save(&s, st->finite, out);
+}
+
 lmloss_status lmloss_ref_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
                                    const lmloss_tensor *index, const lmloss_tensor *mask,
                                    const lmloss_transform *tr, const lmloss_tensor *logp,
-                                   const lmloss_tensor *entropy) {
+                                   const lmloss_tensor *entropy, const lmloss_tensor *stats) {
   int64_t N = logits->rows, V = logits->cols;
   int64_t K = lmloss_present(index) && lmloss_present(logp) ? index->cols : 0;
   ref_xf f = ref_xf_make(tr);
@@ -40,11 +52,13 @@ lmloss_status lmloss_ref_log_probs(const lmloss_context *ctx, const lmloss_tenso
     if (row_masked(mask, i)) {
       for (int64_t k = 0; k < K; k++)
         ref_store(lrow, logp->dtype, k, 0.0);
+      if (stats) lmloss_rowstat_save(&masked, 1, (float *)ref_row_mut(stats, i));
     } else {
       ref_load_row(logits, i, x);
       ref_row st;
       ref_row_stats(&f, x, w, V, &st);
       ent = st.ent;
+      if (stats) save_stats(&st, (float *)ref_row_mut(stats, i));
       for (int64_t k = 0; k < K; k++)
         ref_store(lrow, logp->dtype, k,
                   st.finite ? ref_logp(&f, &st, w[index_at(index, i, k)]) : NAN);
@@ -59,7 +73,9 @@ lmloss_status lmloss_ref_log_probs_backward(const lmloss_context *ctx, const lml
                                             const lmloss_tensor *index, const lmloss_tensor *mask,
                                             const lmloss_transform *tr, const lmloss_tensor *dlogp,
                                             const lmloss_tensor *dentropy,
-                                            const lmloss_tensor *dlogits, lmloss_grad_keep *keep) {
+                                            const lmloss_tensor *dlogits,
+                                            const lmloss_tensor *stats, lmloss_grad_keep *keep) {
+  (void)stats; /* the oracle recomputes every row in float64 */
   int64_t N = logits->rows, V = logits->cols;
   int64_t K = lmloss_present(dlogp) ? index->cols : 0;
   ref_xf f = ref_xf_make(tr);

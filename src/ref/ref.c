@@ -15,12 +15,12 @@ lmloss_status lmloss_ref_cross_entropy_backward(const lmloss_context *, const lm
 lmloss_status lmloss_ref_log_probs(const lmloss_context *, const lmloss_tensor *,
                                    const lmloss_tensor *, const lmloss_tensor *,
                                    const lmloss_transform *, const lmloss_tensor *,
-                                   const lmloss_tensor *);
+                                   const lmloss_tensor *, const lmloss_tensor *);
 lmloss_status lmloss_ref_log_probs_backward(const lmloss_context *, const lmloss_tensor *,
                                             const lmloss_tensor *, const lmloss_tensor *,
                                             const lmloss_transform *, const lmloss_tensor *,
                                             const lmloss_tensor *, const lmloss_tensor *,
-                                            lmloss_grad_keep *);
+                                            const lmloss_tensor *, lmloss_grad_keep *);
 lmloss_status lmloss_ref_softmax(const lmloss_context *, const lmloss_tensor *, int,
                                  const lmloss_tensor *);
 lmloss_status lmloss_ref_softmax_backward(const lmloss_context *, const lmloss_tensor *,

@@ -111,46 +111,73 @@ int main(void) {
   tg_end(&g);
 
   tg_begin(&g, "bad input: log-probs, entropy, softmax");
-  expect(lmloss_log_probs(&ctx, NULL, &IDX, NULL, &tr, &LP, &E), LMLOSS_ERR_NULL_POINTER,
+  expect(lmloss_log_probs(&ctx, NULL, &IDX, NULL, &tr, &LP, &E, NULL), LMLOSS_ERR_NULL_POINTER,
          "logits NULL");
-  expect(lmloss_log_probs(&ctx, &X, NULL, NULL, &tr, &LP, &E), LMLOSS_ERR_NULL_POINTER,
+  expect(lmloss_log_probs(&ctx, &X, NULL, NULL, &tr, &LP, &E, NULL), LMLOSS_ERR_NULL_POINTER,
          "index NULL");
-  expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, NULL, &LP, &E), LMLOSS_ERR_NULL_POINTER,
+  expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, NULL, &LP, &E, NULL), LMLOSS_ERR_NULL_POINTER,
          "transform NULL");
-  expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &tr, NULL, &E), LMLOSS_ERR_NULL_POINTER,
+  expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &tr, NULL, &E, NULL), LMLOSS_ERR_NULL_POINTER,
          "logp NULL");
   {
     lmloss_tensor b = X;
     b.dtype = (lmloss_dtype)42;
-    expect(lmloss_log_probs(&ctx, &b, &IDX, NULL, &tr, &LP, &E), LMLOSS_ERR_BAD_DTYPE, "dtype 42");
+    expect(lmloss_log_probs(&ctx, &b, &IDX, NULL, &tr, &LP, &E, NULL), LMLOSS_ERR_BAD_DTYPE,
+           "dtype 42");
     expect(lmloss_entropy(&ctx, &b, &tr, &E), LMLOSS_ERR_BAD_DTYPE, "entropy dtype 42");
     expect(lmloss_softmax(&ctx, &b, 0, &D), LMLOSS_ERR_BAD_DTYPE, "softmax dtype 42");
     b = X, b.row_stride = 3;
-    expect(lmloss_log_probs(&ctx, &b, &IDX, NULL, &tr, &LP, &E), LMLOSS_ERR_BAD_STRIDE, "stride");
+    expect(lmloss_log_probs(&ctx, &b, &IDX, NULL, &tr, &LP, &E, NULL), LMLOSS_ERR_BAD_STRIDE,
+           "stride");
     expect(lmloss_softmax(&ctx, &b, 1, &D), LMLOSS_ERR_BAD_STRIDE, "softmax stride");
     b = IDX, b.cols = V + 1, b.row_stride = V + 1;
-    expect(lmloss_log_probs(&ctx, &X, &b, NULL, &tr, &LP, &E), LMLOSS_ERR_BAD_SHAPE, "K > V");
+    expect(lmloss_log_probs(&ctx, &X, &b, NULL, &tr, &LP, &E, NULL), LMLOSS_ERR_BAD_SHAPE, "K > V");
     tset(&IDX, 2, 1, V);
-    expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &tr, &LP, &E), LMLOSS_ERR_INDEX_OUT_OF_RANGE,
-           "index = V");
+    expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &tr, &LP, &E, NULL),
+           LMLOSS_ERR_INDEX_OUT_OF_RANGE, "index = V");
     tset(&IDX, 2, 1, 3);
     b = LP, b.dtype = LMLOSS_I32;
-    expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &tr, &b, &E), LMLOSS_ERR_BAD_DTYPE, "logp I32");
+    expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &tr, &b, &E, NULL), LMLOSS_ERR_BAD_DTYPE,
+           "logp I32");
     b = E, b.device = LMLOSS_CUDA;
-    expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &tr, &LP, &b), LMLOSS_ERR_BAD_DEVICE,
+    expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &tr, &LP, &b, NULL), LMLOSS_ERR_BAD_DEVICE,
            "mixed devices");
+    /* the saved row statistics: F32 [N, LMLOSS_ROW_STATS], V <= 2^24 */
+    lmloss_tensor S = host_new(LMLOSS_F32, X.rows, LMLOSS_ROW_STATS, LMLOSS_ROW_STATS);
+    b = S, b.dtype = LMLOSS_F16;
+    expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &tr, &LP, &E, &b), LMLOSS_ERR_BAD_DTYPE,
+           "stats F16");
+    b = S, b.cols = 3;
+    expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &tr, &LP, &E, &b), LMLOSS_ERR_BAD_SHAPE,
+           "stats [N, 3]");
+    b = S, b.rows = X.rows - 1;
+    expect(lmloss_log_probs_backward(&ctx, &X, &IDX, NULL, &tr, &LP, NULL, &D, &b),
+           LMLOSS_ERR_BAD_SHAPE, "bwd stats [N - 1, 4]");
+    b = S, b.row_stride = 2;
+    expect(lmloss_log_probs_backward(&ctx, &X, &IDX, NULL, &tr, &LP, NULL, &D, &b),
+           LMLOSS_ERR_BAD_STRIDE, "bwd stats stride 2");
+    b = S, b.device = LMLOSS_CUDA;
+    expect(lmloss_log_probs_backward(&ctx, &X, &IDX, NULL, &tr, &LP, NULL, &D, &b),
+           LMLOSS_ERR_BAD_DEVICE, "bwd stats on another device");
+    lmloss_tensor wide = X; /* never read: the shape is refused first; in place */
+    wide.cols = wide.row_stride = ((int64_t)1 << 24) + 1;
+    expect(lmloss_log_probs_backward(&ctx, &wide, &IDX, NULL, &tr, &LP, NULL, &wide, &S),
+           LMLOSS_ERR_BAD_SHAPE, "stats with V > 2^24");
+    expect(lmloss_log_probs(&ctx, &wide, &IDX, NULL, &tr, &LP, &E, &S), LMLOSS_ERR_BAD_SHAPE,
+           "fwd stats with V > 2^24");
+    host_free(&S);
   }
   lmloss_transform bt = tr;
   bt.temperature = 0.0f;
-  expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &bt, &LP, &E), LMLOSS_ERR_BAD_OPTION,
+  expect(lmloss_log_probs(&ctx, &X, &IDX, NULL, &bt, &LP, &E, NULL), LMLOSS_ERR_BAD_OPTION,
          "temperature 0");
   expect(lmloss_entropy(&ctx, &X, &bt, &E), LMLOSS_ERR_BAD_OPTION, "entropy temperature 0");
   bt = tr, bt.softcap = -1.0f;
-  expect(lmloss_log_probs_backward(&ctx, &X, &IDX, NULL, &bt, &LP, NULL, &D), LMLOSS_ERR_BAD_OPTION,
-         "bwd softcap -1");
-  expect(lmloss_log_probs_backward(&ctx, &X, &IDX, NULL, &tr, NULL, NULL, &D),
+  expect(lmloss_log_probs_backward(&ctx, &X, &IDX, NULL, &bt, &LP, NULL, &D, NULL),
+         LMLOSS_ERR_BAD_OPTION, "bwd softcap -1");
+  expect(lmloss_log_probs_backward(&ctx, &X, &IDX, NULL, &tr, NULL, NULL, &D, NULL),
          LMLOSS_ERR_NULL_POINTER, "no dlogp/dentropy");
-  expect(lmloss_log_probs(&cu, &X, &IDX, NULL, &tr, &LP, &E), LMLOSS_ERR_BAD_DEVICE,
+  expect(lmloss_log_probs(&cu, &X, &IDX, NULL, &tr, &LP, &E, NULL), LMLOSS_ERR_BAD_DEVICE,
          "CUDA on host");
   expect(lmloss_entropy(&ctx, &X, &tr, NULL), LMLOSS_ERR_NULL_POINTER, "entropy NULL");
   expect(lmloss_softmax(&ctx, NULL, 0, &D), LMLOSS_ERR_NULL_POINTER, "softmax x NULL");

@@ -668,9 +668,9 @@ static void lp_run(tgroup *g, const lp_case *c) {
   lmloss_tensor rdl = host_new(LMLOSS_F32, N, V, V);
   lmloss_status sr =
       c->mode == FWD
-          ? lmloss_log_probs(&rctx, &hd.logits, &idx, &mask, &c->tr, &rlogp, &rent)
+          ? lmloss_log_probs(&rctx, &hd.logits, &idx, &mask, &c->tr, &rlogp, &rent, NULL)
           : lmloss_log_probs_backward(&rctx, &hd.logits, use_idx ? &idx : NULL, &mask, &c->tr,
-                                      c->dlogp ? &dlogp : NULL, c->dent ? &dent : NULL, &rdl);
+                                      c->dlogp ? &dlogp : NULL, c->dent ? &dent : NULL, &rdl, NULL);
 
   outs o[3];
   int nrun = c->chunks ? 3 : 1, before = (int)g->fails;

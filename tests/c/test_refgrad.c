@@ -144,7 +144,7 @@ static double lp_obj(void *p, const lmloss_tensor *x) {
   lmloss_context rc = ref_ctx();
   lmloss_tensor lp = host_new(LMLOSS_F32, x->rows, c->idx.cols, c->idx.cols);
   lmloss_tensor h = host_new(LMLOSS_F32, x->rows, 1, 1);
-  lmloss_log_probs(&rc, x, &c->idx, NULL, &c->tr, &lp, &h);
+  lmloss_log_probs(&rc, x, &c->idx, NULL, &c->tr, &lp, &h, NULL);
   double v = 0;
   for (int64_t i = 0; i < x->rows; i++) {
     for (int64_t k = 0; k < c->idx.cols; k++)
@@ -175,13 +175,13 @@ static void lp_group(tgroup *g, int t, double margin) {
   fill_logits(&x, 1.5, tv, margin);
   lmloss_context rc = ref_ctx();
   lmloss_tensor lp = host_new(LMLOSS_F32, N, K, K);
-  lmloss_log_probs(&rc, &x, &c.idx, NULL, &c.tr, &lp, NULL);
+  lmloss_log_probs(&rc, &x, &c.idx, NULL, &c.tr, &lp, NULL, NULL);
   for (int64_t i = 0; i < N; i++)
     for (int64_t k = 0; k < K; k++)
       tg_true(g, tget(&lp, i, k) <= 0, "log p = %g > 0", tget(&lp, i, k));
   if (tg_true(g,
-              lmloss_log_probs_backward(&rc, &x, &c.idx, NULL, &c.tr, &c.dlogp, &c.dent, &grad) ==
-                  LMLOSS_OK,
+              lmloss_log_probs_backward(&rc, &x, &c.idx, NULL, &c.tr, &c.dlogp, &c.dent, &grad,
+                                        NULL) == LMLOSS_OK,
               "ref log-probs backward failed: %s", lmloss_last_error()))
     check_grad(g, lp_obj, &c, &x, &grad, t != 2);
   host_free(&x), host_free(&grad), host_free(&lp), host_free(&c.idx), host_free(&c.dlogp);

@@ -46,6 +46,17 @@ static void check_rows(tgroup *g, const lmloss_tensor *got, const lmloss_tensor 
 }
 
 /* [N, V] outputs: sampled rows, fetched one at a time, against REF. */
+/* The rows check_wide reads, overwritten with 0x5a bytes. */
+static void poison_wide(const shape *s, const lmloss_tensor *dev) {
+  const int64_t rows[] = {0, 1, s->N / 2, s->N - 2, s->N - 1};
+  lmloss_tensor h = host_new(s->dt, 1, s->V, s->V);
+  const size_t es = tensor_bytes(&h) / (size_t)s->V;
+  host_poison(&h);
+  for (int r = 0; r < 5; r++)
+    dev_put((char *)dev->data + (size_t)rows[r] * s->S * es, h.data, (size_t)s->V * es);
+  host_free(&h);
+}
+
 static void check_wide(tgroup *g, const shape *s, const lmloss_tensor *dev,
                        const lmloss_tensor *ref, const char *what) {
   const int64_t rows[] = {0, 1, s->N / 2, s->N - 2, s->N - 1};
@@ -120,8 +131,8 @@ static void run(const shape *s) {
   lmloss_tensor rlp = host_new(LMLOSS_F32, P, 1, 1), rent = host_new(LMLOSS_F32, P, 1, 1);
   lmloss_tensor lp = host_new(LMLOSS_F32, N, 1, 1), ent = host_new(LMLOSS_F32, N, 1, 1);
   lmloss_tensor dlp = dev_clone(&lp), dent = dev_clone(&ent);
-  sr = lmloss_log_probs(&rc, &pat, &tp, NULL, &tr, &rlp, &rent);
-  sg = lmloss_log_probs(&tc, &x, &dtgt, NULL, &tr, &dlp, &dent);
+  sr = lmloss_log_probs(&rc, &pat, &tp, NULL, &tr, &rlp, &rent, NULL);
+  sg = lmloss_log_probs(&tc, &x, &dtgt, NULL, &tr, &dlp, &dent, NULL);
   dev_fetch(&lp, &dlp), dev_fetch(&ent, &dent);
   if (ok(&g, sr, sg, "log-probs"))
     check_rows(&g, &lp, &rlp, "logp"), check_rows(&g, &ent, &rent, "entropy");
@@ -129,9 +140,20 @@ static void run(const shape *s) {
   for (int p = 0; p < P; p++)
     tset(&up, p, 0, rng_uniform() - 0.5);
   lmloss_tensor upn = tiled_small(LMLOSS_F32, N, &up), dup = dev_clone(&upn);
-  sr = lmloss_log_probs_backward(&rc, &pat, &tp, NULL, &tr, &up, NULL, &ref);
-  sg = lmloss_log_probs_backward(&tc, &x, &dtgt, NULL, &tr, &dup, NULL, &out);
+  sr = lmloss_log_probs_backward(&rc, &pat, &tp, NULL, &tr, &up, NULL, &ref, NULL);
+  sg = lmloss_log_probs_backward(&tc, &x, &dtgt, NULL, &tr, &dup, NULL, &out, NULL);
   if (ok(&g, sr, sg, "log-probs backward")) check_wide(&g, s, &out, &ref, "dlogits (log-probs)");
+  /* the same backward from the row statistics the forward saved, over
+   * the checked rows poisoned first */
+  poison_wide(s, &out);
+  lmloss_tensor st = host_new(LMLOSS_F32, N, LMLOSS_ROW_STATS, LMLOSS_ROW_STATS);
+  lmloss_tensor dst = dev_clone(&st);
+  sg = lmloss_log_probs(&tc, &x, &dtgt, NULL, &tr, &dlp, &dent, &dst);
+  if (sg == LMLOSS_OK)
+    sg = lmloss_log_probs_backward(&tc, &x, &dtgt, NULL, &tr, &dup, NULL, &out, &dst);
+  if (ok(&g, sr, sg, "log-probs backward from saved statistics"))
+    check_wide(&g, s, &out, &ref, "dlogits (log-probs, saved statistics)");
+  dev_free(&dst), host_free(&st);
 
   /* softmax */
   sr = lmloss_softmax(&rc, &pat, 0, &ref);

@@ -117,3 +117,35 @@ def test_strided_rows():
     check(lmloss.entropy(wide[:, 3:40]), R.entropy(wide[:, 3:40]))
     idx = np.asfortranarray(topk_index(rng, y, 50, 3))  # strided index: copied
     check(lmloss.log_probs(x, idx), np.take_along_axis(R.log_softmax(x), idx, 1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("form", FORMS)
+def test_backward_from_saved_stats(backend, form):
+    """log_probs(stats=True) and log_probs_backward(stats=...): the same
+    gradient as the recomputing backward (bit-equal on the CPU, whose
+    statistics are the same fp32 ones), shaped [..., 4] like the rows."""
+    if backend == "ref" and form != "f32":
+        pytest.skip("the REF backend's half inputs are covered by the C suite")
+    rng = np.random.default_rng(12)
+    x, y = peaked(rng, 6, 1003, 30, form)
+    idx = topk_index(rng, y, 1003, 2)
+    mask = np.array([1, 1, 0, 1, 1, 1], dtype=bool)
+    kw = dict(temperature=0.7, mask=mask, backend=backend)
+    logp, ent, st = lmloss.log_probs(x, idx, entropy=True, stats=True, **kw)
+    assert st.shape == (6, 4) and st.dtype == np.float32
+    assert np.array_equal(st[mask, 3], R.f64(x)[mask].argmax(1)) and st[2, 3] == -1
+    check(logp, np.array(lmloss.log_probs(x, idx, **kw)), what="logp with stats")
+    g = rng.standard_normal(idx.shape).astype(np.float32)
+    d = rng.standard_normal(6).astype(np.float32)
+    want = lmloss.log_probs_backward(x, idx, g, d, **kw)
+    got = lmloss.log_probs_backward(x, idx, g, d, stats=st, **kw)
+    if backend == "cpu":
+        assert np.array_equal(R.f64(got), R.f64(want))
+    ref, fl = R.log_probs_backward(x, idx, g, d, 0.7, mask)
+    check(got, ref, form=form, bfloor=fl, what="backward from stats")
+    x3 = x.reshape(2, 3, 1003)
+    _, st3 = lmloss.log_probs(x3, y.reshape(2, 3), stats=True, backend=backend)
+    assert st3.shape == (2, 3, 4)
+    with pytest.raises(lmloss.Error, match="stats has shape"):
+        lmloss.log_probs_backward(x, idx, g, stats=st[:, :3], backend=backend)

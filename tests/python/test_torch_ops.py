@@ -14,6 +14,7 @@ import subprocess
 import sys
 import types
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -177,6 +178,23 @@ def test_log_probs_and_entropy_match_reference(k):
     ((rlogp * a.to(F64)).sum() + (rent * b.to(F64)).sum()).backward()
     close(xg.grad, xr.grad)
     assert lt.selective_log_softmax is lt.log_probs
+
+
+def test_log_probs_backward_reads_saved_stats(monkeypatch):
+    """Autograd's backward takes the forward's row statistics (the logits
+    are then read once), and its gradient is the recomputing one's."""
+    x, _ = data()
+    idx = torch.randint(0, 37, (12,), generator=torch.Generator().manual_seed(5))
+    seen, real = [], lmloss._lib.log_probs_backward
+    monkeypatch.setattr(lmloss._lib, "log_probs_backward",
+                        lambda *a: seen.append(a[-1]) or real(*a))
+    xg = x.clone().requires_grad_()
+    logp, ent = lt.log_probs(xg, idx, temperature=0.8, entropy=True)
+    (logp.sum() + ent.sum()).backward()
+    assert len(seen) == 1 and seen[0] is not None
+    want = lmloss.log_probs_backward(x.numpy(), idx.numpy(), np.ones(12, np.float32),
+                                     np.ones(12, np.float32), temperature=0.8)
+    assert torch.equal(xg.grad, torch.from_numpy(want))
 
 
 def test_entropy_softmax_log_softmax_match_reference():

@@ -8,8 +8,9 @@
 #include "math/dtype.h"
 
 static const char *names[OP_COUNT] = {
-    "ce",      "ce-grad",     "ce-bwd",      "logprob",   "logprob-entropy", "logprob-bwd",
-    "softmax", "log-softmax", "softmax-bwd", "linear-ce", "linear-logprob"};
+    "ce",          "ce-grad",           "ce-bwd",  "logprob",     "logprob-entropy",
+    "logprob-bwd", "logprob-bwd-saved", "softmax", "log-softmax", "softmax-bwd",
+    "linear-ce",   "linear-logprob"};
 
 const char *cli_op_name(cli_op op) { return names[op]; }
 
@@ -162,9 +163,13 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
   for (int64_t i = 0; i < N * K; i++)
     d[i] = urand() - 0.5;
   if (op == OP_CE_BWD) c->dloss = make(c, LMLOSS_F32, 1, 1, (double[]){0.75});
-  if (op == OP_LOGPROB_BWD || op == OP_LINEAR_LP) {
+  if (op == OP_LOGPROB_BWD || op == OP_LOGPROB_BWD_SAVED || op == OP_LINEAR_LP) {
     c->dlogp = make(c, LMLOSS_F32, N, K, d);
     if (!plain) c->dent = make(c, LMLOSS_F32, N, 1, d);
+  }
+  if (op == OP_LOGPROB_BWD_SAVED) {
+    c->stats = make(c, LMLOSS_F32, N, LMLOSS_ROW_STATS, NULL);
+    c->stats_logp = make(c, LMLOSS_F32, N, K, NULL);
   }
   free(d), free(tgt);
 
@@ -178,6 +183,7 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
   case OP_CE_GRAD: c->out[n++] = make(c, LMLOSS_F32, 1, 1, NULL); /* fall through */
   case OP_CE_BWD:
   case OP_LOGPROB_BWD:
+  case OP_LOGPROB_BWD_SAVED:
   case OP_SOFTMAX:
   case OP_LOG_SOFTMAX:
   case OP_SOFTMAX_BWD: c->out[n++] = make(c, dt, N, V, NULL); break;
@@ -242,12 +248,21 @@ lmloss_status cli_case_run(cli_case *c, const lmloss_context *ctx) {
     return lmloss_cross_entropy(ctx, &in, &o, &out, c->ws, c->ws_bytes);
   case OP_CE_BWD:
     return lmloss_cross_entropy_backward(ctx, &in, &o, &c->dloss, &c->out[0], c->ws, c->ws_bytes);
-  case OP_LOGPROB: return lmloss_log_probs(ctx, &c->x, &c->idx, NULL, &tr, &c->out[0], NULL);
+  case OP_LOGPROB: return lmloss_log_probs(ctx, &c->x, &c->idx, NULL, &tr, &c->out[0], NULL, NULL);
   case OP_LOGPROB_ENT:
-    return lmloss_log_probs(ctx, &c->x, &c->idx, NULL, &tr, &c->out[0], &c->out[1]);
+    return lmloss_log_probs(ctx, &c->x, &c->idx, NULL, &tr, &c->out[0], &c->out[1], NULL);
   case OP_LOGPROB_BWD:
     return lmloss_log_probs_backward(ctx, &c->x, &c->idx, NULL, &tr, &c->dlogp, &c->dent,
-                                     &c->out[0]);
+                                     &c->out[0], NULL);
+  case OP_LOGPROB_BWD_SAVED:
+    if (!c->stats_ready) {
+      lmloss_status s =
+          lmloss_log_probs(ctx, &c->x, &c->idx, NULL, &tr, &c->stats_logp, NULL, &c->stats);
+      if (s != LMLOSS_OK) return s;
+      c->stats_ready = 1;
+    }
+    return lmloss_log_probs_backward(ctx, &c->x, &c->idx, NULL, &tr, &c->dlogp, &c->dent,
+                                     &c->out[0], &c->stats);
   case OP_SOFTMAX: return lmloss_softmax(ctx, &c->x, 0, &c->out[0]);
   case OP_LOG_SOFTMAX: return lmloss_softmax(ctx, &c->x, 1, &c->out[0]);
   case OP_SOFTMAX_BWD: return lmloss_softmax_backward(ctx, &c->y, &c->x, 0, &c->out[0]);
@@ -289,8 +304,8 @@ double *cli_case_fetch(const cli_case *c, int k, size_t *n, int64_t *cols) {
 }
 
 void cli_case_free(cli_case *c) {
-  lmloss_tensor *ts[] = {&c->x,      &c->idx,    &c->dloss, &c->dlogp, &c->dent,
-                         &c->hidden, &c->weight, &c->bias,  &c->y};
+  lmloss_tensor *ts[] = {&c->x,      &c->idx,  &c->dloss, &c->dlogp, &c->dent,      &c->hidden,
+                         &c->weight, &c->bias, &c->y,     &c->stats, &c->stats_logp};
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
     release(c, ts[i]);
   for (int k = 0; k < c->nout; k++)
@@ -339,9 +354,9 @@ static lmloss_status linear_reference(cli_case *c, const lmloss_context *ctx) {
     s = lmloss_cross_entropy(ctx, &in, &o, &out, ws, wsb);
     free(ws);
   } else {
-    s = lmloss_log_probs(ctx, &xt, &c->idx, NULL, &tr, &c->out[0], &c->out[1]);
+    s = lmloss_log_probs(ctx, &xt, &c->idx, NULL, &tr, &c->out[0], &c->out[1], NULL);
     if (s == LMLOSS_OK)
-      s = lmloss_log_probs_backward(ctx, &xt, &c->idx, NULL, &tr, &c->dlogp, &c->dent, &dlt);
+      s = lmloss_log_probs_backward(ctx, &xt, &c->idx, NULL, &tr, &c->dlogp, &c->dent, &dlt, NULL);
   }
   const int g0 = with_bias ? 1 : 2;
   float *dw = c->out[g0 + 1].data, *db = with_bias ? c->out[3].data : NULL;

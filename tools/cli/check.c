@@ -39,7 +39,8 @@ static double bound(cli_op op, lmloss_dtype dt, int k) {
     return dt == LMLOSS_F32 ? 1e-4 : grad ? 0x1p-6 : 0x1p-7;
   }
   int is_dtype_out = (op == OP_CE_GRAD && k == 1) || op == OP_CE_BWD || op == OP_LOGPROB_BWD ||
-                     op == OP_SOFTMAX || op == OP_LOG_SOFTMAX || op == OP_SOFTMAX_BWD;
+                     op == OP_LOGPROB_BWD_SAVED || op == OP_SOFTMAX || op == OP_LOG_SOFTMAX ||
+                     op == OP_SOFTMAX_BWD;
   return dt != LMLOSS_F32 && is_dtype_out ? 0x1p-8 : 1e-5;
 }
 

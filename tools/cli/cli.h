@@ -34,17 +34,18 @@ static inline double cli_median(double *t, int n) {
 }
 
 typedef enum {
-  OP_CE,          /* CE forward, mean, smoothing + z-loss, lse + entropy */
-  OP_CE_GRAD,     /* CE forward + backward in one pass (dlogits) */
-  OP_CE_BWD,      /* CE backward from dloss */
-  OP_LOGPROB,     /* log-probs forward, K indices */
-  OP_LOGPROB_ENT, /* log-probs + entropy forward */
-  OP_LOGPROB_BWD, /* log-probs backward from dlogp and dentropy */
-  OP_SOFTMAX,     /* softmax forward */
-  OP_LOG_SOFTMAX, /* log-softmax forward */
-  OP_SOFTMAX_BWD, /* softmax backward from y */
-  OP_LINEAR_CE,   /* fused head CE, forward + dhidden, dW, dbias */
-  OP_LINEAR_LP,   /* fused head log-probs + entropy, then their backward */
+  OP_CE,                /* CE forward, mean, smoothing + z-loss, lse + entropy */
+  OP_CE_GRAD,           /* CE forward + backward in one pass (dlogits) */
+  OP_CE_BWD,            /* CE backward from dloss */
+  OP_LOGPROB,           /* log-probs forward, K indices */
+  OP_LOGPROB_ENT,       /* log-probs + entropy forward */
+  OP_LOGPROB_BWD,       /* log-probs backward from dlogp and dentropy */
+  OP_LOGPROB_BWD_SAVED, /* the same from the forward's saved row statistics */
+  OP_SOFTMAX,           /* softmax forward */
+  OP_LOG_SOFTMAX,       /* log-softmax forward */
+  OP_SOFTMAX_BWD,       /* softmax backward from y */
+  OP_LINEAR_CE,         /* fused head CE, forward + dhidden, dW, dbias */
+  OP_LINEAR_LP,         /* fused head log-probs + entropy, then their backward */
   OP_COUNT
 } cli_op;
 
@@ -57,6 +58,10 @@ typedef struct {
   int plain;     /* no ignored rows, no CE options, no dentropy (the bare ops) */
   /* tensors of the case, on dev; outputs listed in out[] */
   lmloss_tensor x, idx, dloss, dlogp, dent, hidden, weight, bias, y;
+  /* OP_LOGPROB_BWD_SAVED: the forward's row statistics (and its log-probs),
+   * formed by the case's first run, on the context it runs on */
+  lmloss_tensor stats, stats_logp;
+  int stats_ready;
   lmloss_tensor out[5];
   int nout;
   void *ws;

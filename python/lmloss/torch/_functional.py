@@ -113,8 +113,10 @@ def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backe
     x = _rows(logits, "logits")
     lead = logits.shape[:-1]
     idx, shape = _index_2d(index, lead)
-    logp, ent = O.log_probs(x, idx, _mask(mask), 1.0, 0.0, float(temperature), bool(entropy),
-                            backend_code(backend), int(num_threads))
+    # the backward then reads the logits once (lmloss_log_probs' stats)
+    stats = x.requires_grad and torch.is_grad_enabled() and x.shape[-1] <= 1 << 24
+    logp, ent, _ = O.log_probs(x, idx, _mask(mask), 1.0, 0.0, float(temperature),
+                               bool(entropy), stats, backend_code(backend), int(num_threads))
     logp = logp.reshape(shape)
     return (logp, ent.reshape(lead)) if entropy else logp
 

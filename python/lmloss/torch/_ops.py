@@ -140,29 +140,37 @@ cross_entropy = Differentiable(cross_entropy, _ce_setup, _ce_backward)
 
 # ---------------------------------------------------------------- log-probs, entropy
 
+def _stats_shape(n, want_stats):
+    """The rows' saved statistics (lmloss_log_probs' stats): [n, 4] or [0]."""
+    return (n, _lib.ROW_STATS) if want_stats else (0,)
+
+
 @custom_op("lmloss::log_probs")
 def log_probs(logits: Tensor, index: Tensor, mask: Optional[Tensor], logit_scale: float,
-              softcap: float, temperature: float, want_entropy: bool, backend: int,
-              num_threads: int) -> tuple[Tensor, Tensor]:
+              softcap: float, temperature: float, want_entropy: bool, want_stats: bool,
+              backend: int, num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
     n, k = index.shape
     logp = logits.new_empty((n, k), dtype=F32)
     ent = logits.new_empty((n,) if want_entropy else (0,), dtype=F32)
+    stats = logits.new_empty(_stats_shape(n, want_stats), dtype=F32)
     keep = []
     with B.context(logits, backend, num_threads) as ctx:
         ent_t = B.view(ent, keep) if want_entropy else None
+        stats_t = B.view(stats, keep) if want_stats else None
         _lib.check(_lib.log_probs(ctx, B.view(logits, keep), B.view(index, keep),
                                   B.ptr(B.view(mask, keep) if mask is not None else None),
                                   B.transform(logit_scale, softcap, temperature),
-                                  B.view(logp, keep), B.ptr(ent_t)))
-    return logp, ent
+                                  B.view(logp, keep), B.ptr(ent_t), B.ptr(stats_t)))
+    return logp, ent, stats
 
 
 @log_probs.register_fake
-def _(logits, index, mask, logit_scale, softcap, temperature, want_entropy, backend,
+def _(logits, index, mask, logit_scale, softcap, temperature, want_entropy, want_stats, backend,
       num_threads):
     n, k = index.shape
     return (logits.new_empty((n, k), dtype=F32),
-            logits.new_empty((n,) if want_entropy else (0,), dtype=F32))
+            logits.new_empty((n,) if want_entropy else (0,), dtype=F32),
+            logits.new_empty(_stats_shape(n, want_stats), dtype=F32))
 
 
 @custom_op("lmloss::entropy")
@@ -185,8 +193,8 @@ def _(logits, logit_scale, softcap, temperature, backend, num_threads):
 @custom_op("lmloss::log_probs_backward")
 def log_probs_backward(logits: Tensor, index: Optional[Tensor], mask: Optional[Tensor],
                        logit_scale: float, softcap: float, temperature: float,
-                       dlogp: Optional[Tensor], dentropy: Optional[Tensor], backend: int,
-                       num_threads: int) -> Tensor:
+                       dlogp: Optional[Tensor], dentropy: Optional[Tensor],
+                       stats: Optional[Tensor], backend: int, num_threads: int) -> Tensor:
     dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     keep = []
 
@@ -199,7 +207,7 @@ def log_probs_backward(logits: Tensor, index: Optional[Tensor], mask: Optional[T
         _lib.check(_lib.log_probs_backward(
             ctx, B.view(logits, keep), opt(index), opt(mask),
             B.transform(logit_scale, softcap, temperature), opt(dlogp, True),
-            opt(dentropy, True), B.view(dlogits, keep)))
+            opt(dentropy, True), B.view(dlogits, keep), opt(stats)))
     return dlogits
 
 
@@ -210,18 +218,18 @@ def _(logits, *rest):
 
 def _lp_setup(ctx, inputs, output):
     logits, index, mask = inputs[:3]
-    ctx.save_for_backward(logits, index, mask)
+    ctx.save_for_backward(logits, index, mask, output[2])
     ctx.transform = inputs[3:6]
-    ctx.want_entropy = inputs[6]
-    ctx.run = inputs[7:]
+    ctx.want_entropy, ctx.want_stats = inputs[6:8]
+    ctx.run = inputs[8:]
 
 
-def _lp_backward(ctx, dlogp, dent):
-    logits, index, mask = ctx.saved_tensors
+def _lp_backward(ctx, dlogp, dent, _dstats):
+    logits, index, mask, stats = ctx.saved_tensors
     dent = dent if ctx.want_entropy else None
     dlogits = call(ctx, log_probs_backward, logits, index, mask, *ctx.transform, dlogp, dent,
-                   *ctx.run)
-    return (dlogits,) + (None,) * 8
+                   stats if ctx.want_stats else None, *ctx.run)
+    return (dlogits,) + (None,) * 9
 
 
 log_probs = Differentiable(log_probs, _lp_setup, _lp_backward)
@@ -235,7 +243,7 @@ def _ent_setup(ctx, inputs, output):
 def _ent_backward(ctx, dent):
     (logits,) = ctx.saved_tensors
     dlogits = call(ctx, log_probs_backward, logits, None, None, *ctx.transform, None, dent,
-                   *ctx.run)
+                   None, *ctx.run)
     return (dlogits,) + (None,) * 5
 
 
