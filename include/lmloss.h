@@ -228,7 +228,9 @@ LMLOSS_API lmloss_status lmloss_log_probs(const lmloss_context *ctx, const lmlos
  * dentropy: optional F32 [N]; at least one is present. dlogits
  * F32/BF16/F16 [N, V]; may alias logits exactly. stats: optional, what
  * lmloss_log_probs saved for these logits: the row is then read once (no
- * reduction pass), with the same numerics; absent, it is recomputed. */
+ * reduction pass), with the same numerics; absent, it is recomputed (as
+ * on CUDA for K > 127, whose saved-statistics kernel forms at most 127
+ * indices per row). */
 LMLOSS_API lmloss_status lmloss_log_probs_backward(
     const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
     const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_tensor *dlogp,
