@@ -98,25 +98,38 @@ def logprob_impls():
     return impls
 
 
-def logprob_grad_impls():
-    def with_backward(logp_fn):
-        def make(x, y):
-            xg = x.detach().requires_grad_(True)
-            adv = torch.randn(y.shape[0], device=x.device)
+def with_backward(loss_fn):
+    """make(*tensors, y) -> run(): loss_fn forward and backward on leaf
+    copies of the tensors (their gradients produced), targets y."""
+    def make(*args):
+        leaves = [t.detach().requires_grad_(True) for t in args[:-1]]
 
-            def run():
-                xg.grad = None
-                lp = logp_fn(xg, y)
-                (-(adv * torch.exp(lp - lp.detach())).mean()).backward()
-            return run
-        return make
+        def run():
+            for t in leaves:
+                t.grad = None
+            loss_fn(*leaves, args[-1]).backward()
+        return run
+    return make
+
+
+def logprob_grad_impls():
+    advantages = {}
+
+    def grpo(logp_fn):  # one advantage per row, drawn once per shape
+        def loss(x, y):
+            if y.shape not in advantages:
+                advantages[y.shape] = torch.randn(y.shape, device=y.device)
+            adv = advantages[y.shape]
+            lp = logp_fn(x, y)
+            return -(adv * torch.exp(lp - lp.detach())).mean()
+        return loss
 
     def torch_lp(x, y):
         return x.float().log_softmax(-1).gather(-1, y[:, None])[:, 0]
 
     comp = torch.compile(torch_lp, dynamic=True)
-    impls = {"lmloss": with_backward(lambda x, y: lt.log_probs(x, y)),
-             "torch": with_backward(torch_lp), "torch.compile": with_backward(comp)}
+    impls = {"lmloss": with_backward(grpo(lambda x, y: lt.log_probs(x, y))),
+             "torch": with_backward(grpo(torch_lp)), "torch.compile": with_backward(grpo(comp))}
     try:
         from liger_kernel.ops.grpo_loss import GrpoLossFunction
 
@@ -136,16 +149,6 @@ def logprob_grad_impls():
 
 
 def ce_impls():
-    def with_backward(loss_fn):
-        def make(x, y):
-            xg = x.detach().requires_grad_(True)
-
-            def run():
-                xg.grad = None
-                loss_fn(xg, y).backward()
-            return run
-        return make
-
     comp = torch.compile(lambda x, y: F.cross_entropy(x.float(), y), dynamic=True)
     impls = {"lmloss": with_backward(lambda x, y: lt.cross_entropy(x, y)),
              "torch": with_backward(lambda x, y: F.cross_entropy(x.float(), y)),
@@ -159,16 +162,6 @@ def ce_impls():
 
 
 def linear_impls(compiled=True):
-    def with_backward(loss_fn):
-        def make(h, w, y):
-            hg, wg = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
-
-            def run():
-                hg.grad = wg.grad = None
-                loss_fn(hg, wg, y).backward()
-            return run
-        return make
-
     eager = lambda h, w, y: F.cross_entropy((h @ w.T).float(), y)
     impls = {"lmloss": with_backward(lambda h, w, y: lt.linear_cross_entropy(h, w, y)),
              "torch": with_backward(eager)}

@@ -16,7 +16,6 @@ lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tenso
   const int64_t N = logits->rows, V = logits->cols, K = index ? index->cols : 0;
   const lmloss_xform f = lmloss_xform_make(*tr);
   const int want_h = lmloss_present(entropy), nt = lmloss_cpu_row_threads(ctx, N * V);
-  static const lmloss_rowstat masked = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, -1};
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
   for (int64_t i = 0; i < N; i++) {
     void *lp = logp ? lmloss_cpu_row_mut(logp, i) : NULL;
@@ -24,7 +23,7 @@ lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tenso
       for (int64_t k = 0; k < K; k++)
         lmloss_store(lp, logp->dtype, k, 0.0f);
       if (want_h) *lmloss_cpu_f32_at(entropy, i) = 0.0f;
-      if (stats) lmloss_rowstat_save(&masked, 1, lmloss_cpu_f32_at(stats, i));
+      if (stats) lmloss_rowstat_save_masked(lmloss_cpu_f32_at(stats, i));
       continue;
     }
     const void *row = lmloss_cpu_row(logits, i);

@@ -69,10 +69,7 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
         for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x)
           lrow[q] = fromf<O>(0.0f);
         if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = 0.0f;
-        if (a.stats && threadIdx.x == 0) {
-          const lmloss_rowstat none = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, -1};
-          lmloss_rowstat_save(&none, 1, a.stats + i * a.sts);
-        }
+        if (a.stats && threadIdx.x == 0) lmloss_rowstat_save_masked(a.stats + i * a.sts);
       }
       continue;
     }
@@ -374,7 +371,8 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
       run(std::true_type{});
     else
       run(std::false_type{});
-    __syncthreads(); /* the entries over the fast form */
+    __syncthreads(); /* the entries over the fast form (a column held
+                        twice, an index at the argmax, gets one value twice) */
     if (mine) drow[c] = fromf<O>(gc);
   }
 }
@@ -387,11 +385,11 @@ static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_
 
 template <typename In, typename O>
 static lmloss_status launch_saved(LpArgs &a, bool T, cudaStream_t st) {
+  if (a.N <= 0) return LMLOSS_OK;
   const int64_t nv = (a.V + elt<In>::NV - 1) / elt<In>::NV, most = SAVED_U * SAVED_BS;
   const int64_t slices = (nv + most - 1) / most;
   a.chunk = (nv + slices - 1) / slices * elt<In>::NV; /* equal slices */
   const dim3 grid((unsigned)slices, (unsigned)(a.N < 65535 ? a.N : 65535));
-  if (a.N <= 0) return LMLOSS_OK;
   if (T)
     lp_bwd_saved<In, O, true><<<grid, SAVED_BS, 0, st>>>(a);
   else

@@ -143,6 +143,12 @@ LMLOSS_HD void lmloss_rowstat_save(const lmloss_rowstat *s, int ok, float *out) 
   out[3] = ok ? (float)s->a : -1.0f;
 }
 
+/* A masked-out row's saved statistics: zeros, and no argmax. */
+LMLOSS_HD void lmloss_rowstat_save_masked(float *out) {
+  out[0] = out[1] = out[2] = 0.0f;
+  out[3] = -1.0f;
+}
+
 /* The saved statistics back, for a row of width V: a column outside
  * [0, V) (-1, or stats not from these logits) leaves the state empty,
  * which lmloss_rowstat_finite rejects (a NaN gradient row). */

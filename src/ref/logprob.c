@@ -22,8 +22,6 @@ static int64_t index_at(const lmloss_tensor *t, int64_t i, int64_t k) {
   return t->dtype == LMLOSS_I64 ? *(const int64_t *)p : (int64_t) * (const int32_t *)p;
 }
 
-static const lmloss_rowstat masked = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, -1};
-
 /* The row statistics (LMLOSS_ROW_STATS) rounded to float, t from H. */
 static void save_stats(const ref_row *st, float *out) {
   lmloss_rowstat s = lmloss_rowstat_empty();
@@ -52,7 +50,7 @@ lmloss_status lmloss_ref_log_probs(const lmloss_context *ctx, const lmloss_tenso
     if (row_masked(mask, i)) {
       for (int64_t k = 0; k < K; k++)
         ref_store(lrow, logp->dtype, k, 0.0);
-      if (stats) lmloss_rowstat_save(&masked, 1, (float *)ref_row_mut(stats, i));
+      if (stats) lmloss_rowstat_save_masked((float *)ref_row_mut(stats, i));
     } else {
       ref_load_row(logits, i, x);
       ref_row st;
