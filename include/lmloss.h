@@ -330,20 +330,28 @@ LMLOSS_API lmloss_status lmloss_linear_cross_entropy_backward(
     const lmloss_ce_options *opt, const lmloss_head_options *hopt, const lmloss_tensor *dloss,
     const lmloss_head_grads *grads, void *workspace, size_t workspace_bytes);
 
-/* Log-probs (and entropy) of the fused head: as lmloss_log_probs. */
+/* Log-probs (and entropy) of the fused head: as lmloss_log_probs, stats
+ * (optional F32 [N, LMLOSS_ROW_STATS]) included. */
 LMLOSS_API lmloss_status lmloss_linear_log_probs(
     const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *index,
     const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_head_options *hopt,
-    const lmloss_tensor *logp, const lmloss_tensor *entropy, void *workspace,
-    size_t workspace_bytes);
+    const lmloss_tensor *logp, const lmloss_tensor *entropy, const lmloss_tensor *stats,
+    void *workspace, size_t workspace_bytes);
 
 /* Gradients from dlogp [N, K] and/or dentropy [N] (entropy's gradient is
- * the real one). */
+ * the real one). stats: optional, what lmloss_linear_log_probs saved for
+ * this head, mask and transform. A 16-bit head whose dweight is wanted and
+ * whose rows take more than one chunk then computes the logits once
+ * instead of twice: the vocab tiles form dhidden as well as dweight,
+ * summing it in fp32 over the tiles (M x H x 4 bytes of the budget, M the
+ * rows the mask keeps). Without room for that sum, with dbias wanted, for
+ * K > 127, or for an F32 head (whose backward computes the logits once
+ * anyway), the statistics are checked and not used. */
 LMLOSS_API lmloss_status lmloss_linear_log_probs_backward(
     const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *index,
     const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_head_options *hopt,
-    const lmloss_tensor *dlogp, const lmloss_tensor *dentropy, const lmloss_head_grads *grads,
-    void *workspace, size_t workspace_bytes);
+    const lmloss_tensor *dlogp, const lmloss_tensor *dentropy, const lmloss_tensor *stats,
+    const lmloss_head_grads *grads, void *workspace, size_t workspace_bytes);
 
 /* Multiplies the gradients present in grads, in place, by scale (F32 [1]
  * on the head's device), on the context's stream, with no host

@@ -135,11 +135,11 @@ linear_cross_entropy_backward = _proto("lmloss_linear_cross_entropy_backward", _
                                        ctypes.c_void_p, ctypes.c_size_t)
 linear_log_probs = _proto("lmloss_linear_log_probs", _status, _P(Context), _P(Head), _P(Tensor),
                           _P(Tensor), _P(Transform), _P(HeadOptions), _P(Tensor), _P(Tensor),
-                          ctypes.c_void_p, ctypes.c_size_t)
+                          _P(Tensor), ctypes.c_void_p, ctypes.c_size_t)
 linear_log_probs_backward = _proto("lmloss_linear_log_probs_backward", _status, _P(Context),
                                    _P(Head), _P(Tensor), _P(Tensor), _P(Transform),
-                                   _P(HeadOptions), _P(Tensor), _P(Tensor), _P(HeadGrads),
-                                   ctypes.c_void_p, ctypes.c_size_t)
+                                   _P(HeadOptions), _P(Tensor), _P(Tensor), _P(Tensor),
+                                   _P(HeadGrads), ctypes.c_void_p, ctypes.c_size_t)
 linear_scale_grads = _proto("lmloss_linear_scale_grads", _status, _P(Context), _P(Head),
                             _P(HeadGrads), _P(Tensor))
 status_string = _proto("lmloss_status_string", ctypes.c_char_p, ctypes.c_int)

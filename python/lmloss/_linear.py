@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _lib
 from ._ce import ce_options, ce_outputs
-from ._logprob import backward_args
+from ._logprob import backward_args, stats_in, stats_out
 from ._tensor import Rows, _code, _rows, absent, index_shape, matrix, out_vector, shape_error
 from ._tensor import optional_vector, tensor
 
@@ -124,8 +124,8 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
 
 
 def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit_scale=1.0,
-                     softcap=0.0, mask=None, entropy=False, memory_budget=None, backend="auto",
-                     num_threads=0):
+                     softcap=0.0, mask=None, entropy=False, stats=False, memory_budget=None,
+                     backend="auto", num_threads=0):
     """log softmax(transform(logits)) gathered at index, logits = hidden
     [..., H] weight[V, H]^T (+ bias [V]); transform as in cross_entropy
     (logit_scale, then softcap, then temperature).
@@ -133,7 +133,9 @@ def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit
     index [...] or [..., K] int64/int32 with 0 <= index < V. Returns float32
     shaped like index, or (logp, entropy) with entropy=True (float32 [...]).
     mask: optional bool/uint8 [...]; masked-out rows (0) are never computed
-    and read 0. memory_budget as in linear_cross_entropy.
+    and read 0. stats=True appends the rows' statistics (float32 [..., 4],
+    V <= 2^24) for linear_log_probs_backward. memory_budget as in
+    linear_cross_entropy.
     """
     ctx = _lib.make_context(backend, num_threads)
     head, hopt = _Head(hidden, weight, bias), _options(memory_budget)
@@ -144,29 +146,35 @@ def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit
     logp = np.empty((head.n, k), dtype=np.float32)
     logp_t = tensor(logp, _lib.F32, head.n, k, k)
     ent, ent_t = out_vector(head.n) if entropy else (None, None)
+    st, st_t = stats_out(head.n) if stats else (None, None)
     tr = _lib.make_transform(logit_scale, softcap, temperature)
     ws, ws_ptr, ws_bytes = _workspace(head, hopt, None, k)
-    _lib.check(_lib.linear_log_probs(ctx, head.t, idx_t, mask_t, tr, hopt, logp_t, ent_t, ws_ptr,
-                                     ws_bytes))
-    logp = logp.reshape(shape)
-    return (logp, ent.reshape(head.x.lead)) if entropy else logp
+    _lib.check(_lib.linear_log_probs(ctx, head.t, idx_t, mask_t, tr, hopt, logp_t, ent_t, st_t,
+                                     ws_ptr, ws_bytes))
+    out = (logp.reshape(shape),) + ((ent.reshape(head.x.lead),) if entropy else ())
+    out += (st.reshape(head.x.lead + (_lib.ROW_STATS,)),) if stats else ()
+    return out if len(out) > 1 else out[0]
 
 
 def linear_log_probs_backward(hidden, weight, index, dlogp, dentropy=None, *, bias=None,
                               temperature=1.0, logit_scale=1.0, softcap=0.0, mask=None,
-                              memory_budget=None, backend="auto", num_threads=0):
+                              stats=None, memory_budget=None, backend="auto", num_threads=0):
     """Gradients of sum(dlogp * logp) + sum(dentropy * entropy) of
     linear_log_probs: returns (dhidden, dweight, dbias), dbias None without
     bias. dlogp (shaped like index) may be None when dentropy ([...]) is
     given; index may then be None too. Logits recomputed chunk by chunk.
+    stats: what linear_log_probs(stats=True) returned for this head, mask
+    and transform; lmloss.h says where they save work (16-bit heads on
+    CUDA), or None.
     """
     ctx = _lib.make_context(backend, num_threads)
     head, hopt = _Head(hidden, weight, bias), _options(memory_budget)
     keep, idx_t, dlogp_t, dent_t, k = backward_args(head.x, head.n, index, dlogp, dentropy)
     mask_t = optional_vector(mask, head.n, head.x.lead, "mask", "mask", keep)
+    st_t = stats_in(stats, head.x, keep)
     tr = _lib.make_transform(logit_scale, softcap, temperature)
     (dh, dw, db), grads = head.grads()
     ws, ws_ptr, ws_bytes = _workspace(head, hopt, grads, k)
     _lib.check(_lib.linear_log_probs_backward(ctx, head.t, idx_t, mask_t, tr, hopt, dlogp_t,
-                                              dent_t, grads, ws_ptr, ws_bytes))
+                                              dent_t, st_t, grads, ws_ptr, ws_bytes))
     return dh, dw, db

@@ -29,9 +29,7 @@ def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, stats
     logp = np.empty((x.n, k), dtype=np.float32)
     logp_t = _lib.Tensor(logp.ctypes.data, _lib.F32, _lib.CPU_DEVICE, x.n, k, k)
     ent, ent_t = out_vector(x.n) if entropy else (None, None)
-    st = np.empty((x.n, _lib.ROW_STATS), dtype=np.float32) if stats else None
-    st_t = (_lib.Tensor(st.ctypes.data, _lib.F32, _lib.CPU_DEVICE, x.n, _lib.ROW_STATS,
-                        _lib.ROW_STATS) if stats else None)
+    st, st_t = stats_out(x.n) if stats else (None, None)
     tr = _lib.make_transform(temperature=temperature)
     _lib.check(_lib.log_probs(ctx, x.t, idx_t, mask_t, tr, logp_t, ent_t, st_t))
     out = (logp.reshape(shape),) + ((ent.reshape(x.lead),) if entropy else ())
@@ -57,18 +55,31 @@ def log_probs_backward(logits, index, dlogp, dentropy=None, *, temperature=1.0, 
     x = Rows(logits, "logits")
     keep, idx_t, dlogp_t, dent_t, _ = backward_args(x, x.n, index, dlogp, dentropy)
     mask_t = optional_vector(mask, x.n, x.lead, "mask", "mask", keep)
-    st_t = None
-    if stats is not None:
-        if np.shape(stats) != x.lead + (_lib.ROW_STATS,):
-            raise shape_error("stats has shape %s, expected %s"
-                              % (np.shape(stats), x.lead + (_lib.ROW_STATS,)))
-        st, st_t = matrix(stats, x.n, _lib.ROW_STATS, "stats", "f32")
-        keep.append(st)
+    st_t = stats_in(stats, x, keep)
     dx, dx_t = x.empty(x.out_dtype())
     tr = _lib.make_transform(temperature=temperature)
     _lib.check(_lib.log_probs_backward(ctx, x.t, idx_t, mask_t, tr, dlogp_t, dent_t, dx_t,
                                        st_t))
     return dx.reshape(x.lead + (x.v,))
+
+
+def stats_out(n):
+    """A new float32 [n, 4] array for the rows' statistics, and its tensor."""
+    st = np.empty((n, _lib.ROW_STATS), dtype=np.float32)
+    return st, _lib.Tensor(st.ctypes.data, _lib.F32, _lib.CPU_DEVICE, n, _lib.ROW_STATS,
+                           _lib.ROW_STATS)
+
+
+def stats_in(stats, x, keep):
+    """The tensor of given statistics ([..., 4] over the rows of x), or None."""
+    if stats is None:
+        return None
+    if np.shape(stats) != x.lead + (_lib.ROW_STATS,):
+        raise shape_error("stats has shape %s, expected %s"
+                          % (np.shape(stats), x.lead + (_lib.ROW_STATS,)))
+    st, st_t = matrix(stats, x.n, _lib.ROW_STATS, "stats", "f32")
+    keep.append(st)
+    return st_t
 
 
 def backward_args(x, n, index, dlogp, dentropy):

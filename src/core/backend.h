@@ -22,7 +22,8 @@ typedef struct {
   lmloss_status (*gemm)(const lmloss_context *, int t_a, int t_b, float alpha,
                         const lmloss_tensor *a, const lmloss_tensor *b, float beta,
                         const lmloss_tensor *c);
-  /* Indices of the rows to keep into list (device memory of the backend):
+  /* Indices of the rows to keep into list, in increasing order (device
+   * memory of the backend):
    * label != ignore for I32/I64 labels, != 0 for BOOL. On the host: their
    * count and the sum of class_weight[label] (of 1s without weights).
    * list has room for N + 2 entries; the last two are scratch. */
@@ -67,7 +68,23 @@ typedef struct {
   lmloss_status (*tile_grad)(const lmloss_context *, const lmloss_tensor *slab, int64_t j0,
                              const lmloss_transform *, const lmloss_tensor *class_weight,
                              const lmloss_grad_keep *keep, const lmloss_tensor *dl);
+  /* The log-probs gradient of a vocab tile from saved statistics (16-bit
+   * heads only, as tile_grad): dl [n, t] from the slab [n, t] (F32: columns
+   * j0..j0+t of rows V wide) and, per row, stats [n, LMLOSS_ROW_STATS],
+   * index [n, K] (absent: K = 0; K <= LMLOSS_SAVED_MAX_K), dlogp [n, K] and
+   * dentropy [n, 1] (each optional). keep (count K + 1): the exact entries
+   * that fall in the tile into keep->vals; at j0 = 0 every entry's column
+   * into keep->cols, and NaN into vals for a column outside [0, V). */
+  lmloss_status (*lp_tile_grad)(const lmloss_context *, const lmloss_tensor *slab, int64_t j0,
+                                int64_t V, const lmloss_transform *, const lmloss_tensor *index,
+                                const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
+                                const lmloss_tensor *stats, const lmloss_grad_keep *keep,
+                                const lmloss_tensor *dl);
 } lmloss_linear_prims;
+
+/* The most indices a row of a backward from saved statistics forms on
+ * CUDA (one thread each, beside the argmax's, in a 128-thread CTA). */
+#define LMLOSS_SAVED_MAX_K 127
 
 /* The row ops take the public arguments, plus (for the ops that write a
  * gradient) keep: NULL, or lmloss_grad_keep's arrays in the backend's

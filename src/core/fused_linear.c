@@ -24,6 +24,12 @@
  * + what the rounding took from them times their rows of W, summed in
  * fp32; dbias sums the rows with those values in place. dW comes from the
  * rounded dlogits alone (within its bound).
+ *
+ * The log-probs backward given the forward's saved row statistics (a
+ * 16-bit head whose dW takes vocab tiles) skips the chunks: the tiles form
+ * the gradient from the statistics and sum dhidden over the tiles in fp32
+ * as well as dW, so the logits are computed once in the backward instead
+ * of twice (saved_rows).
  */
 #include <string.h>
 
@@ -50,6 +56,7 @@ typedef struct {
   const lmloss_head_options *hopt;
   const lmloss_ce_outputs *out;
   const lmloss_tensor *dloss, *logp, *entropy, *dlogp, *dentropy;
+  const lmloss_tensor *stats; /* log-probs: saved (forward) or given (backward) */
   const lmloss_head_grads *grads;
 } linear_job;
 
@@ -77,14 +84,16 @@ static int has_grads(const lmloss_head_grads *g) {
   return g && (wants(&g->dhidden) || wants(&g->dweight) || wants(&g->dbias));
 }
 
-/* Bytes of small per-row buffers (chunk_slots): K * 8 + 5 * 8 + K * 4. */
+/* Bytes of small per-row buffers (chunk_slots): K * 8 + 5 * 8 + K * 4 +
+ * LMLOSS_ROW_STATS * 4. */
 static size_t aux_per_row(int64_t K) { return 64 + (size_t)K * 16; }
 
-/* Bytes of the vocab tiles' buffers: a block of `rows` gathered hidden
- * rows, their logits slab for `cols` columns, its 16-bit gradient, and
- * (acc) the fp32 sum of the dW tile over the row blocks. */
-static size_t tile_bytes(const linear_plan *p, int64_t rows, int64_t cols, int64_t H, int acc) {
-  return up((size_t)rows * H * p->hs) + up((size_t)rows * cols * 4) +
+/* Bytes of the vocab tiles' buffers: a block of `rows` hidden rows
+ * (when gathered), their logits slab for `cols` columns, its 16-bit
+ * gradient, and (acc) the fp32 sum of the dW tile over the row blocks. */
+static size_t tile_bytes(const linear_plan *p, int64_t rows, int64_t cols, int64_t H, int acc,
+                         int gathered) {
+  return (gathered ? up((size_t)rows * H * p->hs) : 0) + up((size_t)rows * cols * 4) +
          up((size_t)rows * cols * p->dls) + (acc ? up((size_t)cols * H * 4) : 0);
 }
 
@@ -124,7 +133,7 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
                          (p->round_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
   const size_t slack = 8 * ALIGN + LMLOSS_CE_WS_HEADER; /* the buffers' rounding */
   int64_t rows = budget > off + slack ? (int64_t)((budget - off - slack) / per_row) : 0;
-  const size_t tiles_min = p->tiles ? tile_bytes(p, 1, 1, H, p->acc_w_f32) : 0;
+  const size_t tiles_min = p->tiles ? tile_bytes(p, 1, 1, H, p->acc_w_f32, 1) : 0;
   if (rows < 1 || budget < off + tiles_min)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
                        "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
@@ -144,37 +153,41 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   return LMLOSS_OK;
 }
 
-/* The vocab tiles' shape in the region: blocks of `rows` supervised rows
- * (all M when their hidden rows take at most half of it), tiles of `cols`
- * columns filling the rest. */
+/* The vocab tiles' shape in the workspace from `base` on: blocks of
+ * `rows` supervised rows (all M when their hidden rows take at most half
+ * of it, or when all_rows), tiles of `cols` columns filling the rest. The
+ * hidden rows are gathered unless every row is supervised (the list is
+ * then 0..N-1). */
 typedef struct {
   int64_t rows, cols;
   size_t hid, slab, dl, acc;
-  int acc_f32;
+  int acc_f32, gathered;
 } tile_plan;
 
-static tile_plan plan_tiles(const linear_plan *p, int64_t M, int64_t H, int64_t V) {
-  const size_t R = p->total - p->region;
+static tile_plan plan_tiles(const linear_plan *p, size_t base, int gathered, int all_rows,
+                            int64_t M, int64_t H, int64_t V) {
+  const size_t R = p->total - base;
   const int64_t few = V < 128 ? V : 128;
   tile_plan t;
-  int64_t B = (int64_t)(R / 2 / ((size_t)H * p->hs));
+  int64_t B = gathered && !all_rows ? (int64_t)(R / 2 / ((size_t)H * p->hs)) : M;
   B = B < M ? B : M;
   B = B > 1 ? B : 1;
-  while (B > 1 && tile_bytes(p, B, few, H, p->acc_w_f32 && B < M) > R)
+  while (!all_rows && B > 1 && tile_bytes(p, B, few, H, p->acc_w_f32 && B < M, gathered) > R)
     B /= 2;
   if (B > 128 && B < M) B -= B % 128;
   t.rows = B;
   t.acc_f32 = p->acc_w_f32 && B < M;
-  const size_t fixed = tile_bytes(p, B, 0, H, 0) + 3 * ALIGN;
+  t.gathered = gathered;
+  const size_t fixed = tile_bytes(p, B, 0, H, 0, gathered) + 3 * ALIGN;
   const size_t per_col = (size_t)B * (4 + p->dls) + (t.acc_f32 ? (size_t)H * 4 : 0);
   int64_t c = R > fixed ? (int64_t)((R - fixed) / per_col) : 1;
   c = c < V ? c : V;
   if (c > 128 && c < V) c -= c % 128;
-  while (c > 1 && tile_bytes(p, B, c, H, t.acc_f32) > R) /* make_plan's minimum always fits */
+  while (c > 1 && tile_bytes(p, B, c, H, t.acc_f32, gathered) > R) /* the minimum fits */
     c--;
   t.cols = c > 1 ? c : 1;
-  t.hid = p->region;
-  t.slab = t.hid + up((size_t)B * H * p->hs);
+  t.hid = base;
+  t.slab = t.hid + (gathered ? up((size_t)B * H * p->hs) : 0);
   t.dl = t.slab + up((size_t)B * t.cols * 4);
   t.acc = t.dl + up((size_t)B * t.cols * p->dls);
   return t;
@@ -237,6 +250,7 @@ typedef struct {
   lmloss_tensor entropy; /* F32, cross-entropy's */
   lmloss_tensor argmax;  /* I64 */
   lmloss_tensor per_k;   /* F32 [n, K]: logp, dlogp */
+  lmloss_tensor stats;   /* F32 [n, LMLOSS_ROW_STATS], log-probs' */
 } chunk_slots;
 
 static chunk_slots slots(const linear_plan *p, char *aux, lmloss_device dev, int64_t n) {
@@ -250,6 +264,8 @@ static chunk_slots slots(const linear_plan *p, char *aux, lmloss_device dev, int
   s.entropy = view(aux + scalars + 3 * R * 8, LMLOSS_F32, dev, n, 1);
   s.argmax = view(aux + scalars + 4 * R * 8, LMLOSS_I64, dev, n, 1);
   s.per_k = view(aux + scalars + 5 * R * 8, LMLOSS_F32, dev, n, K);
+  s.stats =
+      view(aux + scalars + 5 * R * 8 + R * (size_t)K * 4, LMLOSS_F32, dev, n, LMLOSS_ROW_STATS);
   return s;
 }
 
@@ -345,10 +361,12 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
   const lmloss_tensor *idx = K > 0 ? &lab : NULL;
   if (j->kind == LP_FORWARD) {
     lmloss_tensor lp = sl.per_k, ent_t = sl.row, *ent = wants(j->entropy) ? &ent_t : NULL;
+    const lmloss_tensor *st = j->stats ? &sl.stats : NULL;
     if (j->logp) lp.dtype = j->logp->dtype, lp.row_stride = K;
-    TRY(ops->log_probs(ctx, slab, idx, NULL, j->tr, j->logp ? &lp : NULL, ent, NULL));
+    TRY(ops->log_probs(ctx, slab, idx, NULL, j->tr, j->logp ? &lp : NULL, ent, st));
     if (j->logp) TRY(L->scatter_rows(ctx, &lp, list, j->logp));
     if (ent) TRY(L->scatter_rows(ctx, ent, list, j->entropy));
+    if (st) TRY(L->scatter_rows(ctx, st, list, j->stats));
     return LMLOSS_OK;
   }
   lmloss_tensor dlp = sl.per_k, dent = sl.row;
@@ -392,9 +410,59 @@ static lmloss_status fill_unvisited(const linear_job *j, const lmloss_linear_pri
   if (j->kind == LP_FORWARD) {
     if (j->logp) TRY(L->fill(ctx, j->logp, 0.0));
     if (wants(j->entropy)) TRY(L->fill(ctx, j->entropy, 0.0));
+    if (j->stats) { /* a masked row's: lmloss_rowstat_save_masked, 0 0 0 -1 */
+      lmloss_tensor argmax = *j->stats;
+      argmax.data = (float *)argmax.data + (LMLOSS_ROW_STATS - 1);
+      argmax.cols = 1;
+      TRY(L->fill(ctx, j->stats, 0.0));
+      TRY(L->fill(ctx, &argmax, -1.0));
+    }
   }
   if (j->grads && wants(&j->grads->dhidden)) TRY(L->fill(ctx, &j->grads->dhidden, 0.0));
   return LMLOSS_OK;
+}
+
+/* The log-probs backward from saved statistics (see the file comment):
+ * the M supervised rows' statistics and upstream gradients, gathered
+ * once, and dhidden's fp32 sum over the vocab tiles, from the region on;
+ * the tiles' buffers from `end`. */
+typedef struct {
+  lmloss_tensor stats, index, dlogp, dent, acc; /* acc absent without dhidden */
+  size_t end;
+} saved_rows;
+
+static saved_rows saved_layout(const linear_job *j, const linear_plan *p, char *w, int64_t M) {
+  const lmloss_device dev = j->head->hidden.device;
+  const int64_t H = j->head->hidden.cols, K = p->K;
+  saved_rows s;
+  memset(&s, 0, sizeof s);
+  size_t off = p->region;
+  if (wants(&j->grads->dhidden))
+    s.acc = view(w + off, LMLOSS_F32, dev, M, H), off += up((size_t)M * H * 4);
+  s.stats = view(w + off, LMLOSS_F32, dev, M, LMLOSS_ROW_STATS);
+  off += up((size_t)M * LMLOSS_ROW_STATS * 4);
+  if (j->labels) {
+    s.index = view(w + off, j->labels->dtype, dev, M, K), off += up((size_t)M * K * 8);
+    s.dlogp = view(w + off, LMLOSS_F32, dev, M, K), off += up((size_t)M * K * 4);
+  }
+  if (j->dentropy) s.dent = view(w + off, LMLOSS_F32, dev, M, 1), off += up((size_t)M * 4);
+  s.end = off;
+  return s;
+}
+
+/* Whether the saved-statistics schedule runs: the backend has it, the
+ * call allows it (lmloss.h) and its buffers leave the tiles room for all
+ * M rows (one block: dhidden's sum is the fp32 state between tiles) by
+ * min(V, 128) columns; narrower tiles would cost more than the logits
+ * GEMM they save. */
+static int saved_fits(const linear_job *j, const lmloss_linear_prims *L, const linear_plan *p,
+                      const saved_rows *s, int64_t M) {
+  const lmloss_head *h = j->head;
+  const int64_t N = h->hidden.rows, H = h->hidden.cols, V = h->weight.rows;
+  if (!p->tiled || !L->lp_tile_grad || wants(&j->grads->dbias) || p->K > LMLOSS_SAVED_MAX_K)
+    return 0;
+  const int64_t c = V < 128 ? V : 128;
+  return s->end <= p->total && p->total - s->end >= tile_bytes(p, M, c, H, 0, M < N) + 3 * ALIGN;
 }
 
 /* dW of a 16-bit head whose supervised rows took more than one chunk:
@@ -402,18 +470,21 @@ static lmloss_status fill_unvisited(const linear_job *j, const lmloss_linear_pri
  * an fp32 copy for a 16-bit dW), each vocab tile of dW is one GEMM over
  * all M rows (or a few blocks of them), written once. The tile's gradient
  * is recomputed from its logits (one more logits GEMM, in tiles) and the
- * coefficients and exact entries the chunks kept. Worth it where the GEMMs
- * run on tensor cores; an F32 head's GEMMs (the CPU's, or fp32 ones on a
- * GPU) cost more than the read-modify-write they would save. */
+ * coefficients and exact entries the chunks kept, or (saved) formed from
+ * the saved statistics, the tile then adding its part of dhidden too.
+ * Worth it where the GEMMs run on tensor cores; an F32 head's GEMMs (the
+ * CPU's, or fp32 ones on a GPU) cost more than the read-modify-write they
+ * would save. */
 static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims *L,
                                  const linear_plan *p, char *w, const int64_t *list, int64_t M,
-                                 const lmloss_tensor *bias) {
+                                 const lmloss_tensor *bias, const saved_rows *saved) {
   const lmloss_head *h = j->head;
   const lmloss_device dev = h->hidden.device;
   const int64_t H = h->hidden.cols, V = h->weight.rows;
   const int is_ce = j->kind == CE_FORWARD || j->kind == CE_BACKWARD;
   const lmloss_transform *tr = is_ce ? &j->opt->transform : j->tr;
-  const tile_plan t = plan_tiles(p, M, H, V);
+  const tile_plan t =
+      plan_tiles(p, saved ? saved->end : p->region, M < h->hidden.rows, !!saved, M, H, V);
   const int64_t nb = (M + t.rows - 1) / t.rows;
   for (int64_t j0 = 0; j0 < V; j0 += t.cols) {
     const int64_t tc = V - j0 < t.cols ? V - j0 : t.cols;
@@ -421,22 +492,45 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
     const lmloss_tensor acc = t.acc_f32 ? view(w + t.acc, LMLOSS_F32, dev, tc, H) : dwt;
     for (int64_t b = 0; b < nb; b++) {
       const int64_t first = b * t.rows, n = M - first < t.rows ? M - first : t.rows;
-      lmloss_tensor hb = view(w + t.hid, h->hidden.dtype, dev, n, H);
+      lmloss_tensor hb =
+          t.gathered ? view(w + t.hid, h->hidden.dtype, dev, n, H) : rows_of(&h->hidden, first, n);
       lmloss_tensor slab = view(w + t.slab, LMLOSS_F32, dev, n, tc);
       slab.row_stride = t.cols; /* the last, narrower tile keeps the rows' alignment */
-      if (nb > 1 || j0 == 0) TRY(L->gather_rows(j->ctx, &h->hidden, list + first, &hb));
+      if (t.gathered && (nb > 1 || j0 == 0))
+        TRY(L->gather_rows(j->ctx, &h->hidden, list + first, &hb));
       const lmloss_tensor bt = wants(bias) ? rows_of(bias, j0, tc) : (lmloss_tensor){0};
       TRY(L->logits(j->ctx, &hb, &wt, &bt, &slab));
       lmloss_tensor dl = view(w + t.dl, h->weight.dtype, dev, n, tc); /* a 16-bit head's */
       dl.row_stride = t.cols;
-      lmloss_grad_keep kept;
-      TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL, keep_at(j, p, w, first, &kept),
-                       &dl));
+      lmloss_grad_keep kept, *keep = keep_at(j, p, w, first, &kept);
+      if (saved) {
+        lmloss_tensor st = rows_of(&saved->stats, first, n), ix, dlp, dent;
+        if (j->labels)
+          ix = rows_of(&saved->index, first, n), dlp = rows_of(&saved->dlogp, first, n);
+        if (j->dentropy) dent = rows_of(&saved->dent, first, n);
+        TRY(L->lp_tile_grad(j->ctx, &slab, j0, V, tr, j->labels ? &ix : NULL,
+                            j->labels ? &dlp : NULL, j->dentropy ? &dent : NULL, &st, keep, &dl));
+        if (wants(&saved->acc)) {
+          const lmloss_tensor ah = rows_of(&saved->acc, first, n);
+          TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dl, &wt, j0 == 0 ? 0.0f : 1.0f, &ah));
+        }
+      } else {
+        TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL, keep, &dl));
+      }
       TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hb, b == 0 ? 0.0f : 1.0f, &acc));
     }
     if (t.acc_f32) TRY(L->cast(j->ctx, &acc, &dwt));
   }
-  return LMLOSS_OK;
+  if (!saved || !wants(&saved->acc)) return LMLOSS_OK;
+  /* dhidden: the sum, with what rounding dlogits took from the exact
+   * entries, rounded to hidden's dtype; scattered through the gathered
+   * hidden rows' buffer (the tiles took all M rows in one block) */
+  lmloss_grad_keep kept;
+  TRY(L->restore_entries(j->ctx, keep_at(j, p, w, 0, &kept), &h->weight, &saved->acc));
+  if (!t.gathered) return L->cast(j->ctx, &saved->acc, &j->grads->dhidden);
+  lmloss_tensor dh = view(w + t.hid, h->hidden.dtype, dev, M, H);
+  TRY(L->cast(j->ctx, &saved->acc, &dh));
+  return L->scatter_rows(j->ctx, &dh, list, &j->grads->dhidden);
 }
 
 static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
@@ -493,7 +587,19 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   const int64_t nchunks = (M + p.rows - 1) / p.rows;
   const int want_dw = want_grad && wants(&g->dweight);
   p.tiled = want_dw && p.tiles && nchunks > 1;
-  for (int64_t c = 0; c < nchunks; c++) {
+  saved_rows sr;
+  const saved_rows *saved = NULL;
+  if (j->kind == LP_BACKWARD && j->stats) {
+    sr = saved_layout(j, &p, w, M);
+    if (saved_fits(j, L, &p, &sr, M)) {
+      saved = &sr;
+      TRY(L->gather_rows(j->ctx, j->stats, list, &sr.stats));
+      if (j->labels) TRY(L->gather_rows(j->ctx, j->labels, list, &sr.index));
+      if (j->labels) TRY(L->gather_rows(j->ctx, j->dlogp, list, &sr.dlogp));
+      if (j->dentropy) TRY(L->gather_rows(j->ctx, j->dentropy, list, &sr.dent));
+    }
+  }
+  for (int64_t c = 0; !saved && c < nchunks; c++) {
     const int64_t first = c * p.rows, n = M - first < p.rows ? M - first : p.rows;
     const int64_t *lc = list + first;
     lmloss_tensor hc = view(w + p.hid, h->hidden.dtype, dev, n, H);
@@ -509,7 +615,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, keep, &dl));
     if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &g->dweight));
   }
-  if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M, &bias));
+  if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M, &bias, saved));
   if (want_grad) {
     if (want_dw && nchunks == 0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
     if (wants(&g->dbias)) {
@@ -606,13 +712,14 @@ lmloss_status lmloss_linear_log_probs(const lmloss_context *ctx, const lmloss_he
                                       const lmloss_tensor *index, const lmloss_tensor *mask,
                                       const lmloss_transform *tr, const lmloss_head_options *hopt,
                                       const lmloss_tensor *logp, const lmloss_tensor *entropy,
-                                      void *ws, size_t ws_bytes) {
+                                      const lmloss_tensor *stats, void *ws, size_t ws_bytes) {
   TRY(check_head(head, hopt));
   if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
   if (index->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: K must be >= 1");
   TRY(check_lp(head, index, mask, tr));
   TRY(lmloss_check_tensor(logp, "logp", LMLOSS_FLOATS, head->hidden.rows, index->cols));
   TRY(lmloss_check_optional(entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
+  TRY(lmloss_check_stats(stats, head->hidden.rows, head->weight.rows, head->hidden.device));
   linear_job j = {.kind = LP_FORWARD,
                   .ctx = ctx,
                   .head = head,
@@ -621,22 +728,23 @@ lmloss_status lmloss_linear_log_probs(const lmloss_context *ctx, const lmloss_he
                   .tr = tr,
                   .hopt = hopt,
                   .logp = logp,
-                  .entropy = wants(entropy) ? entropy : NULL};
+                  .entropy = wants(entropy) ? entropy : NULL,
+                  .stats = wants(stats) ? stats : NULL};
   return run(&j, ws, ws_bytes);
 }
 
-lmloss_status
-lmloss_linear_log_probs_backward(const lmloss_context *ctx, const lmloss_head *head,
-                                 const lmloss_tensor *index, const lmloss_tensor *mask,
-                                 const lmloss_transform *tr, const lmloss_head_options *hopt,
-                                 const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
-                                 const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
+lmloss_status lmloss_linear_log_probs_backward(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *tr, const lmloss_head_options *hopt,
+    const lmloss_tensor *dlogp, const lmloss_tensor *dentropy, const lmloss_tensor *stats,
+    const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
   TRY(check_head(head, hopt));
   TRY(check_grads(head, grads));
   TRY(check_lp(head, index, mask, tr));
   const int64_t N = head->hidden.rows;
   if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
   TRY(lmloss_check_lp_upstream(index, dlogp, dentropy, N));
+  TRY(lmloss_check_stats(stats, N, head->weight.rows, head->hidden.device));
   linear_job j = {.kind = LP_BACKWARD,
                   .ctx = ctx,
                   .head = head,
@@ -646,6 +754,7 @@ lmloss_linear_log_probs_backward(const lmloss_context *ctx, const lmloss_head *h
                   .hopt = hopt,
                   .dlogp = wants(dlogp) ? dlogp : NULL,
                   .dentropy = wants(dentropy) ? dentropy : NULL,
+                  .stats = wants(stats) ? stats : NULL,
                   .grads = grads};
   return run(&j, ws, ws_bytes);
 }

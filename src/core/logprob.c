@@ -17,17 +17,6 @@ static lmloss_status check_common(const lmloss_context *ctx, const lmloss_tensor
 }
 
 /* The saved row statistics (LMLOSS_ROW_STATS), when present. */
-static lmloss_status check_stats(const lmloss_tensor *logits, const lmloss_tensor *stats) {
-  if (!lmloss_present(stats)) return LMLOSS_OK;
-  TRY(lmloss_check_tensor(stats, "stats", LMLOSS_MASK(LMLOSS_F32), logits->rows, LMLOSS_ROW_STATS));
-  if (logits->cols > ((int64_t)1 << 24))
-    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE,
-                       "stats hold the argmax's column as a float: V = %lld exceeds 2^24",
-                       (long long)logits->cols);
-  const lmloss_tensor *ts[] = {stats};
-  return lmloss_check_device(ts, 1, logits->device);
-}
-
 lmloss_status lmloss_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
                                const lmloss_tensor *index, const lmloss_tensor *mask,
                                const lmloss_transform *tr, const lmloss_tensor *logp,
@@ -40,7 +29,7 @@ lmloss_status lmloss_log_probs(const lmloss_context *ctx, const lmloss_tensor *l
   TRY(lmloss_check_optional(entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), logits->rows, 1));
   const lmloss_tensor *ts[] = {logp, entropy};
   TRY(lmloss_check_device(ts, 2, logits->device));
-  TRY(check_stats(logits, stats));
+  TRY(lmloss_check_stats(stats, logits->rows, logits->cols, logits->device));
   return ops->log_probs(ctx, logits, index, mask, tr, logp, entropy,
                         lmloss_present(stats) ? stats : NULL);
 }
@@ -68,7 +57,7 @@ lmloss_status lmloss_log_probs_backward(const lmloss_context *ctx, const lmloss_
   TRY(lmloss_check_alias(logits, dlogits, "dlogits"));
   const lmloss_tensor *ts[] = {dlogp, dentropy, dlogits};
   TRY(lmloss_check_device(ts, 3, logits->device));
-  TRY(check_stats(logits, stats));
+  TRY(lmloss_check_stats(stats, logits->rows, logits->cols, logits->device));
   const lmloss_tensor *idx = lmloss_present(dlogp) ? index : NULL;
   return ops->log_probs_backward(ctx, logits, idx, mask, tr, lmloss_present(dlogp) ? dlogp : NULL,
                                  lmloss_present(dentropy) ? dentropy : NULL, dlogits,

@@ -171,6 +171,18 @@ lmloss_status lmloss_check_lp_labels(const lmloss_tensor *index, const lmloss_te
   return lmloss_check_transform(tr);
 }
 
+lmloss_status lmloss_check_stats(const lmloss_tensor *stats, int64_t N, int64_t V,
+                                 lmloss_device device) {
+  if (!lmloss_present(stats)) return LMLOSS_OK;
+  TRY(lmloss_check_tensor(stats, "stats", LMLOSS_MASK(LMLOSS_F32), N, LMLOSS_ROW_STATS));
+  if (V > ((int64_t)1 << 24))
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE,
+                       "stats hold the argmax's column as a float: V = %lld exceeds 2^24",
+                       (long long)V);
+  const lmloss_tensor *ts[] = {stats};
+  return lmloss_check_device(ts, 1, device);
+}
+
 lmloss_status lmloss_check_lp_upstream(const lmloss_tensor *index, const lmloss_tensor *dlogp,
                                        const lmloss_tensor *dentropy, int64_t N) {
   if (!lmloss_present(dlogp) && !lmloss_present(dentropy))

@@ -46,6 +46,11 @@ lmloss_status lmloss_check_lp_labels(const lmloss_tensor *index, const lmloss_te
 lmloss_status lmloss_check_lp_upstream(const lmloss_tensor *index, const lmloss_tensor *dlogp,
                                        const lmloss_tensor *dentropy, int64_t N);
 
+/* Saved row statistics (optional F32 [N, LMLOSS_ROW_STATS] on device) of
+ * rows V wide: they hold the argmax's column as a float, so V <= 2^24. */
+lmloss_status lmloss_check_stats(const lmloss_tensor *stats, int64_t N, int64_t V,
+                                 lmloss_device device);
+
 /* The per-row outputs of a cross-entropy call (loss, lse, entropy, argmax). */
 lmloss_status lmloss_check_ce_rows(const lmloss_ce_outputs *out, int64_t N, lmloss_reduction r);
 

@@ -150,8 +150,8 @@ static lmloss_status scale(const lmloss_context *ctx, const lmloss_tensor *t, co
   return LMLOSS_OK;
 }
 
-/* restore_entries and tile_grad: 16-bit heads only. */
+/* restore_entries, tile_grad and lp_tile_grad: 16-bit heads only. */
 const lmloss_linear_prims lmloss_cpu_linear = {
-    gemm,   select_rows, gather_rows, scatter_rows, fill, logits,
-    colsum, sum,         cast,        scale,        NULL, NULL,
+    gemm, select_rows, gather_rows, scatter_rows, fill, logits, colsum,
+    sum,  cast,        scale,       NULL,         NULL, NULL,
 };

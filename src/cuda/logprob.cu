@@ -11,7 +11,8 @@
  * analytically), and at the argmax the dlogp part uses 1 - p_a = R inv.
  * An out-of-range index makes its whole gradient row NaN. The backward
  * takes the row's statistics from its own first pass (lp_bwd) or from the
- * forward's saved ones (lp_bwd_saved, which reads the row once).
+ * forward's saved ones (lp_bwd_saved, which reads the row once; it also
+ * forms the fused head's vocab tiles, lmloss_cuda_lp_tile_grad).
  */
 #include <type_traits>
 
@@ -22,6 +23,10 @@ namespace lmc {
 struct LpArgs {
   const void *x;
   int64_t N, V, xs;
+  /* the indices and the argmax are columns of rows vh wide, of which x
+   * holds V from column j0 on (a fused head's vocab tile: lp_bwd_saved
+   * only); else vh = V, j0 = 0 */
+  int64_t vh, j0;
   const void *idx;
   int idx64;
   int64_t is, K;
@@ -113,7 +118,7 @@ __device__ __forceinline__ LpUp lp_upstream(const LpArgs &a, int64_t i) {
   if (a.dlogp) {
     for (int64_t q = 0; q < a.K; q++) {
       long long j = ld_index(a.idx, a.idx64, i * a.is + q);
-      if (j < 0 || j >= a.V) u.idx_ok = false;
+      if (j < 0 || j >= a.vh) u.idx_ok = false;
       u.D += a.dlogp[i * a.dlps + q];
     }
   }
@@ -203,7 +208,10 @@ template <bool T> struct LpGrad {
       }
     }
     if (!hit) return false;
-    const float d = fmaxf(w - s.m, X.dmin), pj = cexp(X, d) * inv;
+    /* d = 0 at the argmax, as lmloss_rowstat_dk: a recomputed logit (the
+     * fused head's tiles) one ulp off the max would be the row's whole
+     * entropy gradient there */
+    const float d = j == s.a ? 0.0f : fmaxf(w - s.m, X.dmin), pj = cexp(X, d) * inv;
     float dl = j == s.a ? Dj * (s.r * inv) - (up.D - Dj) * pj : Dj - up.D * pj;
     float gz = dl - up.dH * pj * fmaf(d, X.f.k, tinv);
     *g = ok ? gz * kx : NAN;
@@ -322,8 +330,10 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
  * one 53-67%. The hot loop has no exact-entry test: the slice's exact
  * entries (thread q: index q, thread K: the argmax; K < SAVED_BS) are
  * formed from their logits before any gradient is stored (dlogits may
- * alias the logits) and stored over the fast form after. */
+ * alias the logits) and stored over the fast form after, and into the
+ * fused head's kept entries (a.keep) when asked. */
 constexpr int SAVED_U = 8, SAVED_BS = 128;
+static_assert(SAVED_BS == LMLOSS_SAVED_MAX_K + 1, "a thread per index and one for the argmax");
 
 template <typename In, typename O, bool T>
 __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
@@ -344,17 +354,26 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
       const int v = threadIdx.x + q * SAVED_BS;
       if (v < ch.nv) rv[q] = part.load(v, false);
     }
-    const LpGrad<T> G(X, lmloss_rowstat_load(a.stats + i * a.sts, a.V), false, lp_upstream(a, i));
+    const LpGrad<T> G(X, lmloss_rowstat_load(a.stats + i * a.sts, a.vh), false, lp_upstream(a, i));
     const int q = threadIdx.x;
     const long long c = q == a.K             ? G.s.a
                         : q < a.K && a.dlogp ? ld_index(a.idx, a.idx64, i * a.is + q)
                                              : -1;
+    const long long cx = c - a.j0; /* its column in x */
     float gc = 0.0f;
-    const bool mine = c >= ch.jb && c < ch.je;
+    const bool mine = cx >= ch.jb && cx < ch.je;
     if (mine) {
-      const float x = tof(row[c]);
+      const float x = tof(row[cx]);
       G.entry(a, i, X, c, lmloss_xform_w(&X.f, x), &gc);
       gc *= X.f.cap > 0.0f ? lmloss_xform_dzdx(&X.f, x) : 1.0f;
+    }
+    if (a.keep.vals && q <= a.K) { /* entry q: the index's, then the argmax's */
+      const int64_t e = i * a.keep.stride + q;
+      if (a.j0 == 0 && blockIdx.x == 0) {
+        a.keep.cols[e] = c;
+        if (c < 0 || c >= a.vh) a.keep.vals[e] = NAN;
+      }
+      if (mine) a.keep.vals[e] = gc;
     }
     __syncthreads(); /* the entries' logits are read before any store */
     const ChunkOut<O, NV> out(drow, ch, a.V);
@@ -373,7 +392,7 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
       run(std::false_type{});
     __syncthreads(); /* the entries over the fast form (a column held
                         twice, an index at the argmax, gets one value twice) */
-    if (mine) drow[c] = fromf<O>(gc);
+    if (mine) drow[cx] = fromf<O>(gc);
   }
 }
 
@@ -399,7 +418,7 @@ static lmloss_status launch_saved(LpArgs &a, bool T, cudaStream_t st) {
 
 template <typename In, typename O>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  if (a.stats && a.K < SAVED_BS) return launch_saved<In, O>(a, T, st);
+  if (a.stats && a.K <= LMLOSS_SAVED_MAX_K) return launch_saved<In, O>(a, T, st);
   if (T)
     return launch_rows(lp_bwd<In, O, true, 128>, lp_bwd<In, O, true, 256>, d, elt<In>::NV, 1, 1, st,
                        a, "log_probs_backward");
@@ -423,7 +442,7 @@ static LpArgs common_args(const lmloss_tensor *logits, const lmloss_tensor *inde
   LpArgs a = {};
   a.x = logits->data;
   a.N = logits->rows;
-  a.V = logits->cols;
+  a.V = a.vh = logits->cols;
   a.xs = logits->row_stride;
   if (lmloss_present(index)) {
     a.idx = index->data;
@@ -437,6 +456,27 @@ static LpArgs common_args(const lmloss_tensor *logits, const lmloss_tensor *inde
   }
   a.X = make_xf(*tr);
   return a;
+}
+
+/* A backward's upstream gradients, output and saved statistics. */
+static void backward_args(LpArgs &a, const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
+                          const lmloss_tensor *dlogits, const lmloss_tensor *stats) {
+  if (lmloss_present(dlogp)) {
+    a.dlogp = (const float *)dlogp->data;
+    a.dlps = dlogp->row_stride;
+  } else {
+    a.K = 0;
+  }
+  if (lmloss_present(dentropy)) {
+    a.dent = (const float *)dentropy->data;
+    a.dents = dentropy->row_stride;
+  }
+  a.dx = dlogits->data;
+  a.dxs = dlogits->row_stride;
+  if (stats) {
+    a.stats = (float *)stats->data;
+    a.sts = stats->row_stride;
+  }
 }
 
 static lmloss_status run(LpArgs &a, lmloss_dtype in, lmloss_dtype od, bool T, int bwd,
@@ -489,23 +529,28 @@ lmloss_cuda_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *l
   if (keep) a.keep = *keep;
   if (keep && logits->dtype != LMLOSS_F32)
     return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: kept gradient entries of F32 logits only");
-  if (lmloss_present(dlogp)) {
-    a.dlogp = (const float *)dlogp->data;
-    a.dlps = dlogp->row_stride;
-  } else {
-    a.K = 0;
-  }
-  if (lmloss_present(dentropy)) {
-    a.dent = (const float *)dentropy->data;
-    a.dents = dentropy->row_stride;
-  }
-  a.dx = dlogits->data;
-  a.dxs = dlogits->row_stride;
-  if (stats) {
-    if (keep)
-      return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: kept entries from saved statistics");
-    a.stats = (float *)stats->data;
-    a.sts = stats->row_stride;
-  }
+  if (keep && stats) /* the fused head's tiles take lmloss_cuda_lp_tile_grad */
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: kept entries of whole rows from saved "
+                                               "statistics");
+  lmc::backward_args(a, dlogp, dentropy, dlogits, stats);
   return lmc::run(a, logits->dtype, dlogits->dtype, a.dent != NULL, 1, ctx);
+}
+
+/* The fused head's vocab tile (backend.h, lp_tile_grad): the saved
+ * statistics' kernel over columns j0.. of the rows. */
+extern "C" lmloss_status
+lmloss_cuda_lp_tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, int64_t j0,
+                         int64_t V, const lmloss_transform *tr, const lmloss_tensor *index,
+                         const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
+                         const lmloss_tensor *stats, const lmloss_grad_keep *keep,
+                         const lmloss_tensor *dl) {
+  lmc::LpArgs a = lmc::common_args(slab, index, NULL, tr);
+  a.vh = V;
+  a.j0 = j0;
+  a.keep = *keep;
+  lmc::backward_args(a, dlogp, dentropy, dl, stats);
+  const bool T = a.dent != NULL;
+  cudaStream_t st = lmc::stream_of(ctx);
+  if (dl->dtype == LMLOSS_BF16) return lmc::launch_saved<float, lmc::bf16>(a, T, st);
+  return lmc::launch_saved<float, lmc::f16>(a, T, st);
 }

@@ -321,6 +321,7 @@ typedef struct {
   const lmloss_ce_options *opt;
   const lmloss_transform *tr;
   int64_t k;
+  lmloss_tensor *stats; /* log-probs: written by the forward, read by the backward */
 } call_spec;
 
 static lmloss_status call(const call_spec *s, how hw, outs *o);
@@ -366,6 +367,7 @@ static lmloss_status call(const call_spec *s, how hw, outs *o) {
   lmloss_tensor dloss = s->dloss ? dev_clone(s->dloss) : none;
   lmloss_tensor dlogp = s->dlogp ? dev_clone(s->dlogp) : none;
   lmloss_tensor dent = s->dent ? dev_clone(s->dent) : none;
+  lmloss_tensor stats = s->stats ? dev_clone(s->stats) : none;
   outs d = *o;
   lmloss_tensor *src[] = {&o->loss, &o->lse, &o->ent, &o->amax, &o->logp, &o->dh, &o->dw, &o->db};
   lmloss_tensor *dst[] = {&d.loss, &d.lse, &d.ent, &d.amax, &d.logp, &d.dh, &d.dw, &d.db};
@@ -388,17 +390,19 @@ static lmloss_status call(const call_spec *s, how hw, outs *o) {
     st = lmloss_linear_cross_entropy_backward(&ctx, &h, &lab, &tw, &cw, s->opt, &ho, &dloss, &gr,
                                               ws, wsb);
   } else if (s->kind == 10 + FWD) {
-    st = lmloss_linear_log_probs(&ctx, &h, &lab, &mask, s->tr, &ho, &d.logp, &d.ent, ws, wsb);
+    st = lmloss_linear_log_probs(&ctx, &h, &lab, &mask, s->tr, &ho, &d.logp, &d.ent, &stats, ws,
+                                 wsb);
+    if (s->stats) dev_fetch(s->stats, &stats);
   } else {
     st = lmloss_linear_log_probs_backward(&ctx, &h, s->labels ? &lab : NULL, &mask, s->tr, &ho,
-                                          s->dlogp ? &dlogp : NULL, s->dent ? &dent : NULL, &gr, ws,
-                                          wsb);
+                                          s->dlogp ? &dlogp : NULL, s->dent ? &dent : NULL, &stats,
+                                          &gr, ws, wsb);
   }
   for (int i = 0; i < 8; i++)
     dev_fetch(src[i], dst[i]), dev_free(dst[i]);
   dev_free(&h.hidden), dev_free(&h.weight), dev_free(&h.bias), dev_free(&lab), dev_free(&tw);
   dev_free(&cw), dev_free(&mask), dev_free(&dloss), dev_free(&dlogp), dev_free(&dent);
-  dev_free_bytes(ws);
+  dev_free(&stats), dev_free_bytes(ws);
   return st;
 }
 
@@ -600,6 +604,7 @@ typedef struct {
   lmloss_dtype dt, idt, gwdt;
   lmloss_transform tr;
   int bias, mask, entropy, mode, dlogp, dent, no_index, grads, chunks;
+  int saved; /* the forward writes stats; the backward takes a forward's (2: no room for them) */
   double margin, sigma;
 } lp_case;
 
@@ -629,10 +634,37 @@ static outs lp_outs(const lp_case *c, const head_data *hd) {
 
 static void lp_print(const lp_case *c) {
   printf("  case: N=%lld V=%lld K=%lld head=%s mode=%s grads=%s bias=%d margin=%g s=%g cap=%g "
-         "T=%g mask=%d entropy=%d dlogp=%d dentropy=%d no_index=%d\n",
+         "T=%g mask=%d entropy=%d dlogp=%d dentropy=%d no_index=%d saved=%d\n",
          (long long)c->N, (long long)c->V, (long long)c->K, dt_name(c->dt), mode_name[c->mode],
          grads_name[c->grads], c->bias, c->margin, c->tr.logit_scale, c->tr.softcap,
-         c->tr.temperature, c->mask, c->entropy, c->dlogp, c->dent, c->no_index);
+         c->tr.temperature, c->mask, c->entropy, c->dlogp, c->dent, c->no_index, c->saved);
+}
+
+/* Whether the backward read the statistics: run again with every m NaN.
+ * Where lmloss.h says they are used (a 16-bit head with dW and no dbias
+ * wanted, here at the 3-row budget, more than one chunk, with room for
+ * dhidden's sum) dW turns NaN; elsewhere the gradients are o's, bit for
+ * bit. */
+static void stats_read(tgroup *g, const lp_case *c, const call_spec *s, const lmloss_tensor *stats,
+                       const outs *o) {
+  const int used =
+      c->dt != LMLOSS_F32 && want_dw(c->grads) && !(c->bias && want_db(c->grads)) && c->saved == 1;
+  lmloss_tensor bad = host_clone(stats);
+  for (int64_t i = 0; i < bad.rows; i++)
+    tset(&bad, i, 0, NAN);
+  call_spec sb = *s;
+  sb.stats = &bad;
+  outs b = outs_clone(o);
+  outs_poison(&b);
+  lmloss_status st = call(&sb, (how){3 * one_row_budget(s->hd, o, s->k), 0}, &b);
+  int nan = 0;
+  for (int64_t j = 0; j < b.dw.rows; j++)
+    for (int64_t k = 0; k < b.dw.cols; k++)
+      nan |= isnan(tget(&b.dw, j, k));
+  tg_true(g, st == LMLOSS_OK && (used ? nan : outs_same(&b, o)),
+          "statistics %s: status %s, dW NaN %d", used ? "not read" : "read",
+          lmloss_status_string(st), nan);
+  outs_free(&b), host_free(&bad);
 }
 
 static void lp_run(tgroup *g, const lp_case *c) {
@@ -666,9 +698,12 @@ static void lp_run(tgroup *g, const lp_case *c) {
   lmloss_context rctx = ref_ctx();
   lmloss_tensor rlogp = host_new(LMLOSS_F32, N, K, K), rent = host_new(LMLOSS_F32, N, 1, 1);
   lmloss_tensor rdl = host_new(LMLOSS_F32, N, V, V);
+  const int64_t RS = LMLOSS_ROW_STATS;
+  lmloss_tensor stats = {0}, rstats = {0};
+  if (c->saved) stats = host_new(LMLOSS_F32, N, RS, RS), rstats = host_new(LMLOSS_F32, N, RS, RS);
   lmloss_status sr =
       c->mode == FWD
-          ? lmloss_log_probs(&rctx, &hd.logits, &idx, &mask, &c->tr, &rlogp, &rent, NULL)
+          ? lmloss_log_probs(&rctx, &hd.logits, &idx, &mask, &c->tr, &rlogp, &rent, &rstats)
           : lmloss_log_probs_backward(&rctx, &hd.logits, use_idx ? &idx : NULL, &mask, &c->tr,
                                       c->dlogp ? &dlogp : NULL, c->dent ? &dent : NULL, &rdl, NULL);
 
@@ -686,7 +721,19 @@ static void lp_run(tgroup *g, const lp_case *c) {
                  c->dent ? &dent : NULL,
                  NULL,
                  &c->tr,
-                 k};
+                 k,
+                 c->saved ? &stats : NULL};
+  if (c->saved && c->mode == BWD) { /* the statistics of a forward call on this backend */
+    outs fo;
+    memset(&fo, 0, sizeof fo);
+    fo.logp = host_new(LMLOSS_F32, N, K, K);
+    call_spec fs = s;
+    fs.kind = 10 + FWD, fs.labels = &idx, fs.dlogp = fs.dent = NULL, fs.k = K;
+    lmloss_status st = call(&fs, (how){0, 0}, &fo);
+    tg_true(g, st == LMLOSS_OK, "forward for the statistics: %s (%s)", lmloss_status_string(st),
+            lmloss_last_error());
+    outs_free(&fo);
+  }
   size_t b1 = 0;
   for (int r = 0; r < nrun; r++) {
     o[r] = lp_outs(c, &hd);
@@ -701,8 +748,14 @@ static void lp_run(tgroup *g, const lp_case *c) {
       rows_close(g, &o[r].logp, a, FL_TOL, "logp");
       if (c->entropy) rows_close(g, &o[r].ent, b, FL_TOL, "entropy");
       free(a), free(b);
+      if (c->saved) { /* m, R, t and the argmax's column */
+        double *e = to_f64(&rstats);
+        rows_close(g, &stats, e, FL_TOL, "stats");
+        free(e);
+      }
     } else {
       grads_close(g, &hd, &o[r].dh, &o[r].dw, &o[r].db, &rdl);
+      if (c->saved && r == 1) stats_read(g, c, &s, &stats, &o[r]);
     }
     if (r > 0) outs_agree(g, &o[r], &o[0], c->dt != LMLOSS_F32);
   }
@@ -716,7 +769,7 @@ static void lp_run(tgroup *g, const lp_case *c) {
   for (int r = 0; r < nrun; r++)
     outs_free(&o[r]);
   host_free(&idx), host_free(&mask), host_free(&dlogp), host_free(&dent);
-  host_free(&rlogp), host_free(&rent), host_free(&rdl);
+  host_free(&rlogp), host_free(&rent), host_free(&rdl), host_free(&stats), host_free(&rstats);
   head_free(&hd);
   free(tv);
 }
@@ -775,7 +828,7 @@ static void bad_input(tgroup *g) {
          lmloss_linear_cross_entropy_backward(&ctx, NULL, &t, NULL, NULL, &opt, &ho, &dloss, &gr,
                                               ws, wsb),
          LMLOSS_ERR_NULL_POINTER, &o, &p, "CE backward: head NULL");
-  expect(g, lmloss_linear_log_probs(&ctx, NULL, &idx, NULL, &tr, &ho, &o.logp, NULL, ws, wsb),
+  expect(g, lmloss_linear_log_probs(&ctx, NULL, &idx, NULL, &tr, &ho, &o.logp, NULL, NULL, ws, wsb),
          LMLOSS_ERR_NULL_POINTER, &o, &p, "log-probs: head NULL");
   expect(g, lmloss_linear_workspace_size(NULL, &ho, &gr, 1, &bytes), LMLOSS_ERR_NULL_POINTER, &o,
          &p, "workspace size: head NULL");
@@ -783,7 +836,7 @@ static void bad_input(tgroup *g) {
     lmloss_head h = {hid, w16, none};
     expect(g, lmloss_linear_cross_entropy(&ctx, &h, &t, NULL, NULL, &opt, &ho, &out, &gr, ws, wsb),
            LMLOSS_ERR_BAD_DTYPE, &o, &p, "CE: hidden F32, weight BF16");
-    expect(g, lmloss_linear_log_probs(&ctx, &h, &idx, NULL, &tr, &ho, &o.logp, NULL, ws, wsb),
+    expect(g, lmloss_linear_log_probs(&ctx, &h, &idx, NULL, &tr, &ho, &o.logp, NULL, NULL, ws, wsb),
            LMLOSS_ERR_BAD_DTYPE, &o, &p, "log-probs: hidden F32, weight BF16");
     h.weight = w9;
     expect(g, lmloss_linear_cross_entropy(&ctx, &h, &t, NULL, NULL, &opt, &ho, &out, &gr, ws, wsb),
@@ -802,8 +855,8 @@ static void bad_input(tgroup *g) {
          lmloss_linear_cross_entropy(&ctx, &head, &t, NULL, NULL, &opt, &ho, &out, &grb, ws, wsb),
          LMLOSS_OK, &o, &p, "CE: dbias without bias");
   expect(g,
-         lmloss_linear_log_probs_backward(&ctx, &head, &idx, NULL, &tr, &ho, &dloss, NULL, &grb, ws,
-                                          wsb),
+         lmloss_linear_log_probs_backward(&ctx, &head, &idx, NULL, &tr, &ho, &dloss, NULL, NULL,
+                                          &grb, ws, wsb),
          LMLOSS_OK, &o, &p, "log-probs backward: dbias without bias");
   {
     lmloss_head h = {hid16, w16, none};
@@ -813,7 +866,7 @@ static void bad_input(tgroup *g) {
     lmloss_head_grads g16 = {dh16, o.dw, none};
     expect(g, lmloss_linear_cross_entropy(&ctx, &h, &t, NULL, NULL, &opt, &ho, &out, &g16, ws, wsb),
            LMLOSS_ERR_UNSUPPORTED, &o, &p, "CE: BF16 head on the CPU backend");
-    expect(g, lmloss_linear_log_probs(&ctx, &h, &idx, NULL, &tr, &ho, &o.logp, NULL, ws, wsb),
+    expect(g, lmloss_linear_log_probs(&ctx, &h, &idx, NULL, &tr, &ho, &o.logp, NULL, NULL, ws, wsb),
            LMLOSS_ERR_UNSUPPORTED, &o, &p, "log-probs: BF16 head on the CPU backend");
     expect(g,
            lmloss_linear_cross_entropy_backward(&ctx, &h, &t, NULL, NULL, &opt, &ho, &dloss, &g16,
@@ -830,6 +883,22 @@ static void bad_input(tgroup *g) {
            LMLOSS_ERR_WORKSPACE_TOO_SMALL, &o, &p, "CE: budget of 16 bytes");
     expect(g, lmloss_linear_workspace_size(&hb, &h2, &grb, 1, &bytes),
            LMLOSS_ERR_WORKSPACE_TOO_SMALL, &o, &p, "workspace size: budget of 16 bytes");
+  }
+  { /* saved statistics: [N, LMLOSS_ROW_STATS] F32 */
+    lmloss_tensor st3 = host_new(LMLOSS_F32, N, LMLOSS_ROW_STATS - 1, LMLOSS_ROW_STATS - 1);
+    lmloss_tensor st16 = host_new(LMLOSS_BF16, N, LMLOSS_ROW_STATS, LMLOSS_ROW_STATS);
+    expect(g,
+           lmloss_linear_log_probs(&ctx, &head, &idx, NULL, &tr, &ho, &o.logp, NULL, &st3, ws, wsb),
+           LMLOSS_ERR_BAD_SHAPE, &o, &p, "log-probs: stats with 3 columns");
+    expect(
+        g,
+        lmloss_linear_log_probs(&ctx, &head, &idx, NULL, &tr, &ho, &o.logp, NULL, &st16, ws, wsb),
+        LMLOSS_ERR_BAD_DTYPE, &o, &p, "log-probs: BF16 stats");
+    expect(g,
+           lmloss_linear_log_probs_backward(&ctx, &head, &idx, NULL, &tr, &ho, &dloss, NULL, &st3,
+                                            &gr, ws, wsb),
+           LMLOSS_ERR_BAD_SHAPE, &o, &p, "log-probs backward: stats with 3 columns");
+    host_free(&st3), host_free(&st16);
   }
   tset(&t, 2, 0, (double)V);
   expect(g, lmloss_linear_cross_entropy(&ctx, &head, &t, NULL, NULL, &opt, &ho, &out, &gr, ws, wsb),
@@ -1040,6 +1109,7 @@ static void lp_suite(lmloss_dtype dt) {
     c.dt = dt, c.tr = trs[k % 5], c.mask = k % 4 >= 2, c.entropy = k % 3 != 2, c.bias = k % 2;
     c.idt = k % 2 ? LMLOSS_I32 : LMLOSS_I64;
     c.margin = c.tr.temperature < 1 || c.tr.softcap > 0 ? (k % 2 ? 17 : -1) : margins[k % 6];
+    c.saved = k % 4 == 1 || k % 4 == 2;
     rng_seed(3000 + k);
     lp_run(&g, &c);
   }
@@ -1055,6 +1125,28 @@ static void lp_suite(lmloss_dtype dt) {
     c.margin = c.tr.temperature < 1 || c.tr.softcap > 0 ? (k % 2 ? 17 : -1) : margins[k % 6];
     c.chunks = (k / 2) % 2;
     rng_seed(4000 + k);
+    lp_run(&g, &c);
+  }
+  tg_end(&g);
+
+  /* Where the statistics are used (a 16-bit head, dW wanted, more than
+   * one chunk, no dbias: the 1-row and 3-row budgets, whichever leave the
+   * tiles room) and where they are not (a bias's gradient, F32 heads). */
+  snprintf(name, sizeof name, "linear log-probs backward from saved statistics (%s)", dn);
+  tg_begin(&g, name);
+  for (int k = 0; k < 12; k++) {
+    lp_case c = lp_base(12, k % 3 ? 1003 : 4099, k % 2 ? 3 : 1);
+    c.dt = dt, c.mode = BWD, c.saved = 1, c.chunks = 1, c.tr = trs[k % 5], c.mask = k % 4 >= 2;
+    c.dlogp = k % 3 != 1, c.dent = k % 3 != 0, c.no_index = k % 2,
+    c.grads = k % 6 ? G_ALL : G_NO_DH;
+    c.bias = k == 5, c.idt = k % 4 == 1 ? LMLOSS_I32 : LMLOSS_I64;
+    c.gwdt = dt == LMLOSS_BF16 && k % 2 ? LMLOSS_BF16 : LMLOSS_F32;
+    c.margin = c.tr.temperature < 1 || c.tr.softcap > 0 ? (k % 2 ? 17 : -1) : margins[k % 6];
+    if (k == 11) { /* dhidden's fp32 sum (40 x 240 x 4 bytes) outgrows 3 rows' budget */
+      c.N = 40, c.V = 67, c.K = 2, c.H0 = 200, c.mask = 0, c.saved = 2;
+      c.gwdt = dt == LMLOSS_BF16 ? LMLOSS_BF16 : LMLOSS_F32;
+    }
+    rng_seed(6000 + k);
     lp_run(&g, &c);
   }
   tg_end(&g);

@@ -274,6 +274,32 @@ def test_log_probs_backward(which, tr):
     tensor_close(db, rdb, what="dbias")
 
 
+def test_log_probs_stats():
+    """stats=True: those of log_probs over the logits; the backward takes
+    them (a float32 head's recomputes: lmloss.h) with the same gradients."""
+    rng = np.random.default_rng(12)
+    n, v = 10, 1003
+    y = targets(rng, n, v)
+    hid, w, b = make_head(rng, n, v, 30, y)
+    mask = rng.random(n) < 0.7
+    logp, ent, st = lmloss.linear_log_probs(hid, w, y, bias=b, mask=mask, entropy=True,
+                                            stats=True, temperature=0.9)
+    x = (logits64(hid, w, b)).astype(np.float32)
+    _, _, ref = lmloss.log_probs(x, y, mask=mask, entropy=True, stats=True, temperature=0.9)
+    assert st.shape == (n, 4) and st.dtype == np.float32
+    assert np.array_equal(st[:, 3], ref[:, 3]) and np.all(st[~mask] == [0, 0, 0, -1])
+    rows_close(st[:, :3], R.f64(ref[:, :3]), what="stats")
+    dlogp = rng.standard_normal(n).astype(np.float32)
+    dent = rng.standard_normal(n).astype(np.float32)
+    kw = dict(bias=b, mask=mask, temperature=0.9)
+    got = lmloss.linear_log_probs_backward(hid, w, y, dlogp, dent, stats=st, **kw)
+    want = lmloss.linear_log_probs_backward(hid, w, y, dlogp, dent, **kw)
+    for a, e in zip(got, want):
+        assert np.array_equal(a, e)
+    with pytest.raises(lmloss.Error, match="BAD_SHAPE"):
+        lmloss.linear_log_probs_backward(hid, w, y, dlogp, dent, stats=st[:5], **kw)
+
+
 def test_log_probs_chunks():
     rng = np.random.default_rng(4)
     n, v = 11, 1003

@@ -167,10 +167,9 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
     c->dlogp = make(c, LMLOSS_F32, N, K, d);
     if (!plain) c->dent = make(c, LMLOSS_F32, N, 1, d);
   }
-  if (op == OP_LOGPROB_BWD_SAVED) {
+  if (op == OP_LOGPROB_BWD_SAVED || op == OP_LINEAR_LP)
     c->stats = make(c, LMLOSS_F32, N, LMLOSS_ROW_STATS, NULL);
-    c->stats_logp = make(c, LMLOSS_F32, N, K, NULL);
-  }
+  if (op == OP_LOGPROB_BWD_SAVED) c->stats_logp = make(c, LMLOSS_F32, N, K, NULL);
   free(d), free(tgt);
 
   int n = 0;
@@ -281,11 +280,12 @@ lmloss_status cli_case_run(cli_case *c, const lmloss_context *ctx) {
   }
   lmloss_head head = {c->hidden, c->weight, {0}};
   lmloss_head_grads g = {c->out[2], c->out[3], {0}};
+  /* the backward from the forward's statistics, as lmloss.torch runs it */
   lmloss_status s = lmloss_linear_log_probs(ctx, &head, &c->idx, NULL, &tr, &ho, &c->out[0],
-                                            &c->out[1], c->ws, c->ws_bytes);
+                                            &c->out[1], &c->stats, c->ws, c->ws_bytes);
   if (s != LMLOSS_OK) return s;
   return lmloss_linear_log_probs_backward(ctx, &head, &c->idx, NULL, &tr, &ho, &c->dlogp, &c->dent,
-                                          &g, c->ws, c->ws_bytes);
+                                          &c->stats, &g, c->ws, c->ws_bytes);
 }
 
 double *cli_case_fetch(const cli_case *c, int k, size_t *n, int64_t *cols) {

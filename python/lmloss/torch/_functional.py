@@ -233,9 +233,12 @@ def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit
     h, w, b = _head(hidden, weight, bias)
     lead = hidden.shape[:-1]
     idx, shape = _index_2d(index, lead)
-    logp, ent = L.linear_log_probs(h, w, b, idx, _mask(mask), float(logit_scale),
-                                   float(softcap), float(temperature), bool(entropy),
-                                   _budget(memory_budget), backend_code(backend),
-                                   int(num_threads))
+    # the backward then computes the logits once (lmloss_linear_log_probs' stats)
+    grad = any(t is not None and t.requires_grad for t in (h, w, b))
+    stats = grad and torch.is_grad_enabled() and w.shape[0] <= 1 << 24
+    logp, ent, _ = L.linear_log_probs(h, w, b, idx, _mask(mask), float(logit_scale),
+                                      float(softcap), float(temperature), bool(entropy), stats,
+                                      _budget(memory_budget), backend_code(backend),
+                                      int(num_threads))
     logp = logp.reshape(shape)
     return (logp, ent.reshape(lead)) if entropy else logp

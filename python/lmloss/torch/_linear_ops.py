@@ -3,7 +3,8 @@ hidden [N, H] x weight [V, H]^T (+ bias [V]), never holding the [N, V]
 logits. hidden, weight and bias share one dtype (the public functions in
 lmloss.torch cast them). The backward ops recompute the logits chunk by
 chunk (lmloss_linear_cross_entropy_backward with dloss on the device,
-lmloss_linear_log_probs_backward) and return only the gradients autograd
+lmloss_linear_log_probs_backward, given the forward's row statistics
+where the logits need a gradient) and return only the gradients autograd
 asks for (an empty [0] tensor for the others): dhidden in hidden's dtype,
 dweight and dbias in the weight's dtype (summed in fp32, rounded once).
 A cross-entropy reduced to a scalar is the exception: its forward computes
@@ -26,7 +27,7 @@ from torch import Tensor
 from .. import _lib
 from . import _bridge as B
 from ._dispatch import Differentiable, call, custom_op
-from ._ops import F32, _ce_opt, _extras, _loss, _reduction_name, run_args
+from ._ops import F32, _ce_opt, _extras, _loss, _reduction_name, _stats_shape, run_args
 
 NEED_DH, NEED_DW, NEED_DB = 1, 2, 4
 
@@ -190,11 +191,12 @@ linear_cross_entropy = Differentiable(linear_cross_entropy, _lce_setup, _lce_bac
 @custom_op("lmloss::linear_log_probs")
 def linear_log_probs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor,
                      mask: Optional[Tensor], logit_scale: float, softcap: float,
-                     temperature: float, want_entropy: bool, memory_budget: int, backend: int,
-                     num_threads: int) -> tuple[Tensor, Tensor]:
+                     temperature: float, want_entropy: bool, want_stats: bool, memory_budget: int,
+                     backend: int, num_threads: int) -> tuple[Tensor, Tensor, Tensor]:
     n, k = index.shape
     logp = hidden.new_empty((n, k), dtype=F32)
     ent = hidden.new_empty((n,) if want_entropy else (0,), dtype=F32)
+    stats = hidden.new_empty(_stats_shape(n, want_stats), dtype=F32)
     keep, hopt = [], _hopt(memory_budget)
     with B.context(hidden, backend, num_threads) as ctx:
         head = _head(hidden, weight, bias, keep)
@@ -202,24 +204,27 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ind
         _lib.check(_lib.linear_log_probs(
             ctx, head, B.view(index, keep), B.ptr(B.view(mask, keep)),
             B.transform(logit_scale, softcap, temperature), hopt, B.view(logp, keep),
-            B.ptr(B.view(ent, keep) if want_entropy else None), addr, nbytes))
-    return logp, ent
+            B.ptr(B.view(ent, keep) if want_entropy else None),
+            B.ptr(B.view(stats, keep) if want_stats else None), addr, nbytes))
+    return logp, ent, stats
 
 
 @linear_log_probs.register_fake
 def _(hidden, weight, bias, index, mask, logit_scale, softcap, temperature, want_entropy,
-      memory_budget, backend, num_threads):
+      want_stats, memory_budget, backend, num_threads):
     n, k = index.shape
     return (hidden.new_empty((n, k), dtype=F32),
-            hidden.new_empty((n,) if want_entropy else (0,), dtype=F32))
+            hidden.new_empty((n,) if want_entropy else (0,), dtype=F32),
+            hidden.new_empty(_stats_shape(n, want_stats), dtype=F32))
 
 
 @custom_op("lmloss::linear_log_probs_backward")
 def linear_log_probs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                               index: Tensor, mask: Optional[Tensor], logit_scale: float,
                               softcap: float, temperature: float, dlogp: Tensor,
-                              dentropy: Optional[Tensor], memory_budget: int, backend: int,
-                              num_threads: int, need: int) -> tuple[Tensor, Tensor, Tensor]:
+                              dentropy: Optional[Tensor], stats: Optional[Tensor],
+                              memory_budget: int, backend: int, num_threads: int,
+                              need: int) -> tuple[Tensor, Tensor, Tensor]:
     grads = _grads(hidden, weight, bias, need)
     keep, hopt = [], _hopt(memory_budget)
     with B.context(hidden, backend, num_threads) as ctx:
@@ -229,7 +234,8 @@ def linear_log_probs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Ten
         _lib.check(_lib.linear_log_probs_backward(
             ctx, head, B.view(index, keep), B.ptr(B.view(mask, keep)),
             B.transform(logit_scale, softcap, temperature), hopt,
-            B.view(dlogp.to(F32), keep), B.ptr(dent), gs, addr, nbytes))
+            B.view(dlogp.to(F32), keep), B.ptr(dent),
+            B.ptr(B.view(stats, keep) if stats is not None else None), gs, addr, nbytes))
     return grads
 
 
@@ -239,16 +245,18 @@ def _(hidden, weight, bias, *rest):
 
 
 def _llp_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:5])
-    ctx.transform, ctx.want_entropy, ctx.run = inputs[5:8], inputs[8], inputs[9:]
+    ctx.save_for_backward(*inputs[:5], output[2])
+    ctx.transform, ctx.want_entropy, ctx.want_stats = inputs[5:8], inputs[8], inputs[9]
+    ctx.run = inputs[10:]
 
 
-def _llp_backward(ctx, dlogp, dent):
-    saved = ctx.saved_tensors
+def _llp_backward(ctx, dlogp, dent, _dstats):
+    *saved, stats = ctx.saved_tensors
     need = _need(ctx, saved[2])
     grads = call(ctx, linear_log_probs_backward, *saved, *ctx.transform, dlogp,
-                                      dent if ctx.want_entropy else None, *ctx.run, need)
-    return _back(grads, need, 9)
+                 dent if ctx.want_entropy else None, stats if ctx.want_stats else None,
+                 *ctx.run, need)
+    return _back(grads, need, 10)
 
 
 linear_log_probs = Differentiable(linear_log_probs, _llp_setup, _llp_backward)
