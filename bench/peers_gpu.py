@@ -10,6 +10,8 @@ Liger-Kernel and cut-cross-entropy, on four cases:
   ce         cross-entropy forward + backward on bf16 logits (dlogits produced)
   linear-ce  fused-head cross-entropy forward + backward, bf16 hidden and head,
              H = 4096 (dhidden and dW produced)
+  linear-logprob-grad  GRPO's token loss (as logprob-grad) through the fused
+             head, same shapes as linear-ce (dhidden and dW produced)
 
 over vocabulary sizes 32k-262k (N = 4096) and N from 1k to 32k (V = 152064).
 Time: median of 10 CUDA-event samples after a warm-up, each over 5 calls queued
@@ -112,18 +114,22 @@ def with_backward(loss_fn):
     return make
 
 
+_advantages = {}
+
+
+def grpo(logp_fn):
+    """GRPO's token loss -A exp(logp - sg(logp)) of logp_fn(*tensors, y),
+    one advantage per row, drawn once per shape."""
+    def loss(*args):
+        y = args[-1]
+        if y.shape not in _advantages:
+            _advantages[y.shape] = torch.randn(y.shape, device=y.device)
+        lp = logp_fn(*args)
+        return -(_advantages[y.shape] * torch.exp(lp - lp.detach())).mean()
+    return loss
+
+
 def logprob_grad_impls():
-    advantages = {}
-
-    def grpo(logp_fn):  # one advantage per row, drawn once per shape
-        def loss(x, y):
-            if y.shape not in advantages:
-                advantages[y.shape] = torch.randn(y.shape, device=y.device)
-            adv = advantages[y.shape]
-            lp = logp_fn(x, y)
-            return -(adv * torch.exp(lp - lp.detach())).mean()
-        return loss
-
     def torch_lp(x, y):
         return x.float().log_softmax(-1).gather(-1, y[:, None])[:, 0]
 
@@ -181,6 +187,16 @@ def linear_impls(compiled=True):
     return impls
 
 
+def linear_logprob_grad_impls(compiled=True):
+    def eager(h, w, y):
+        return (h @ w.T).float().log_softmax(-1).gather(-1, y[:, None])[:, 0]
+    impls = {"lmloss": with_backward(grpo(lambda h, w, y: lt.linear_log_probs(h, w, y))),
+             "torch": with_backward(grpo(eager))}
+    if compiled:
+        impls["torch.compile"] = with_backward(grpo(torch.compile(eager, dynamic=True)))
+    return impls
+
+
 def gemm_ms(h, w, reps):
     dl = torch.randn(h.shape[0], w.shape[0], device=DEV, dtype=h.dtype)
 
@@ -200,8 +216,9 @@ def main():
                          "fused head at 8192x4096x152064, all rows and 25%% supervised, without "
                          "torch.compile), into peers-issue.csv, no plots")
     ap.add_argument("--case", action="append",
-                    choices=["logprob", "logprob-grad", "ce", "linear-ce"],
-                    help="only this case (repeatable; default: all four)")
+                    choices=["logprob", "logprob-grad", "ce", "linear-ce",
+                             "linear-logprob-grad"],
+                    help="only this case (repeatable; default: all five)")
     ap.add_argument("--plot-only", metavar="CSV")
     ap.add_argument("--device-name", default="")
     args = ap.parse_args()
@@ -218,20 +235,23 @@ def main():
     rows_out = []
     cases = [("logprob", logprob_impls(), 1), ("logprob-grad", logprob_grad_impls(), 2),
              ("ce", ce_impls(), 2),
-             ("linear-ce", linear_impls(compiled=not args.issue), 0)]
+             ("linear-ce", linear_impls(compiled=not args.issue), 0),
+             ("linear-logprob-grad", linear_logprob_grad_impls(compiled=not args.issue), 0)]
     cases = [c for c in cases if not args.case or c[0] in args.case]
     for case, impls, passes in cases:
+        head = case.startswith("linear")
         sweeps = [("V", v, 4096) for v in VOCABS] + [("N", 152064, n) for n in ROWS]
         if args.issue:
-            sweeps = ([("N", 152064, 8192), ("25% supervised", 152064, 8192)]
-                      if case == "linear-ce" else [("N", 152064, 8192), ("V", 32768, 4096)])
+            sweeps = ([("N", 152064, 8192), ("25% supervised", 152064, 8192)] if case == "linear-ce"
+                      else [("N", 152064, 8192)] if head
+                      else [("N", 152064, 8192), ("V", 32768, 4096)])
         for sweep, V, N in sweeps:
-            if case == "linear-ce" and N > 16384:
+            if head and N > 16384:
                 continue
             y = torch.randint(0, V, (N,), device=DEV)
             if sweep == "25% supervised":  # every fourth row supervised, the rest ignored
                 y[torch.arange(N, device=DEV) % 4 != 3] = -100
-            if case == "linear-ce":
+            if head:
                 h = torch.randn(N, H, device=DEV, dtype=torch.bfloat16)
                 w = torch.randn(V, H, device=DEV, dtype=torch.bfloat16) * 0.02
                 limit = gemm_ms(h, w, 3 if args.issue else reps)
@@ -243,7 +263,7 @@ def main():
             for name, make in impls.items():
                 try:
                     fn = make(*args_)
-                    ms = timed(fn, reps if case != "linear-ce" or not args.issue else 3)
+                    ms = timed(fn, 3 if head and args.issue else reps)
                     mib = peak_mib(fn)
                 except Exception as e:  # a peer that cannot run this shape
                     print(f"  {case} {name} V={V} N={N}: {type(e).__name__}: {str(e)[:80]}")

@@ -1,10 +1,13 @@
 """Where a fused-head step's GPU time goes, kernel by kernel (torch.profiler).
 
     python bench/profile_gpu.py [--n 8192] [--v 152064] [--h 4096] [--supervised 1.0] [--bias]
+                                [--logprob] [--budget BYTES]
 
 One warm-up, then one lmloss.torch.linear_cross_entropy forward+backward
 (bf16 hidden and head, dhidden and dW produced; with --bias a bias and its
-gradient too) under the profiler: each
+gradient too; with --logprob GRPO's head instead: linear_log_probs with
+entropy, the loss sum(A logp) + 0.01 sum(entropy), rows masked where not
+supervised) under the profiler: each
 kernel's total CUDA time, calls and share, grouped by name, and the step's
 wall time, so that GEMMs, row passes and gaps can be told apart.
 """
@@ -23,6 +26,8 @@ def main():
     ap.add_argument("--h", type=int, default=4096)
     ap.add_argument("--supervised", type=float, default=1.0)
     ap.add_argument("--bias", action="store_true")
+    ap.add_argument("--logprob", action="store_true")
+    ap.add_argument("--budget", type=int, default=None, help="memory_budget (default: the C one)")
     args = ap.parse_args()
     dev = "cuda"
     h = torch.randn(args.n, args.h, device=dev, dtype=torch.bfloat16).requires_grad_()
@@ -30,13 +35,22 @@ def main():
     b = ((torch.randn(args.v, device=dev, dtype=torch.bfloat16) * 0.5).requires_grad_()
          if args.bias else None)
     y = torch.randint(0, args.v, (args.n,), device=dev)
-    y[torch.rand(args.n, device=dev) >= args.supervised] = -100
+    keep = torch.rand(args.n, device=dev) < args.supervised
+    y[~keep] = -100
+    adv = torch.randn(args.n, device=dev)
+
+    def loss():
+        if not args.logprob:
+            return lt.linear_cross_entropy(h, w, y, bias=b, memory_budget=args.budget)
+        logp, ent = lt.linear_log_probs(h, w, y.clamp(min=0), bias=b, mask=keep, entropy=True,
+                                        memory_budget=args.budget)
+        return (adv * logp).sum() + 0.01 * ent.sum()
 
     def step():
         h.grad = w.grad = None
         if b is not None:
             b.grad = None
-        lt.linear_cross_entropy(h, w, y, bias=b).backward()
+        loss().backward()
 
     step()
     torch.cuda.synchronize()
