@@ -74,7 +74,10 @@ typedef struct {
    * index [n, K] (absent: K = 0; K <= LMLOSS_SAVED_MAX_K), dlogp [n, K] and
    * dentropy [n, 1] (each optional). keep (count K + 1): the exact entries
    * that fall in the tile into keep->vals; at j0 = 0 every entry's column
-   * into keep->cols, and NaN into vals for a column outside [0, V). */
+   * into keep->cols, and NaN into vals for a column outside [0, V). dl may
+   * lie over the slab (the same data, each dl row at the start of its
+   * slab row) when t <= LMLOSS_TILE_INPLACE_COLS: a row's tile is read
+   * whole before any of it is written. */
   lmloss_status (*lp_tile_grad)(const lmloss_context *, const lmloss_tensor *slab, int64_t j0,
                                 int64_t V, const lmloss_transform *, const lmloss_tensor *index,
                                 const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
@@ -85,6 +88,9 @@ typedef struct {
 /* The most indices a row of a backward from saved statistics forms on
  * CUDA (one thread each, beside the argmax's, in a 128-thread CTA). */
 #define LMLOSS_SAVED_MAX_K 127
+/* The widest tile lp_tile_grad writes over its slab (CUDA: one CTA holds
+ * a row's tile in registers, SAVED_U x SAVED_BS x 4 floats). */
+#define LMLOSS_TILE_INPLACE_COLS 4096
 
 /* The row ops take the public arguments, plus (for the ops that write a
  * gradient) keep: NULL, or lmloss_grad_keep's arrays in the backend's

@@ -90,11 +90,12 @@ static size_t aux_per_row(int64_t K) { return 64 + (size_t)K * 16; }
 
 /* Bytes of the vocab tiles' buffers: a block of `rows` hidden rows
  * (when gathered), their logits slab for `cols` columns, its 16-bit
- * gradient, and (acc) the fp32 sum of the dW tile over the row blocks. */
+ * gradient (unless written over the slab: inplace), and (acc) the fp32
+ * sum of the dW tile over the row blocks. */
 static size_t tile_bytes(const linear_plan *p, int64_t rows, int64_t cols, int64_t H, int acc,
-                         int gathered) {
+                         int gathered, int inplace) {
   return (gathered ? up((size_t)rows * H * p->hs) : 0) + up((size_t)rows * cols * 4) +
-         up((size_t)rows * cols * p->dls) + (acc ? up((size_t)cols * H * 4) : 0);
+         (inplace ? 0 : up((size_t)rows * cols * p->dls)) + (acc ? up((size_t)cols * H * 4) : 0);
 }
 
 static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_options *hopt,
@@ -133,7 +134,7 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
                          (p->round_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
   const size_t slack = 8 * ALIGN + LMLOSS_CE_WS_HEADER; /* the buffers' rounding */
   int64_t rows = budget > off + slack ? (int64_t)((budget - off - slack) / per_row) : 0;
-  const size_t tiles_min = p->tiles ? tile_bytes(p, 1, 1, H, p->acc_w_f32, 1) : 0;
+  const size_t tiles_min = p->tiles ? tile_bytes(p, 1, 1, H, p->acc_w_f32, 1, 0) : 0;
   if (rows < 1 || budget < off + tiles_min)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
                        "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
@@ -155,40 +156,51 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
 
 /* The vocab tiles' shape in the workspace from `base` on: blocks of
  * `rows` supervised rows (all M when their hidden rows take at most half
- * of it, or when all_rows), tiles of `cols` columns filling the rest.
- * Hidden rows are gathered, or (only when every row is supervised: the
- * list is then 0..N-1) read in place. */
+ * of it, or from saved statistics), tiles of `cols` columns filling the
+ * rest. Hidden rows are gathered, or (only when every row is supervised:
+ * the list is then 0..N-1) read in place. From saved statistics the
+ * gradient may be written over the slab (lp_tile_grad, at most
+ * LMLOSS_TILE_INPLACE_COLS columns): 4 bytes a logit rather than 6, where
+ * that makes the tiles wider. */
 typedef struct {
   int64_t rows, cols;
   size_t hid, slab, dl, acc;
-  int acc_f32, gathered;
+  int acc_f32, gathered, inplace;
 } tile_plan;
 
-static tile_plan plan_tiles(const linear_plan *p, size_t base, int gathered, int all_rows,
-                            int64_t M, int64_t H, int64_t V) {
+static tile_plan plan_tiles(const linear_plan *p, size_t base, int gathered, int saved, int64_t M,
+                            int64_t H, int64_t V) {
+  const int all_rows = saved;
   const size_t R = p->total - base;
   const int64_t few = V < 128 ? V : 128;
   tile_plan t;
   int64_t B = gathered && !all_rows ? (int64_t)(R / 2 / ((size_t)H * p->hs)) : M;
   B = B < M ? B : M;
   B = B > 1 ? B : 1;
-  while (!all_rows && B > 1 && tile_bytes(p, B, few, H, p->acc_w_f32 && B < M, gathered) > R)
+  while (!all_rows && B > 1 && tile_bytes(p, B, few, H, p->acc_w_f32 && B < M, gathered, 0) > R)
     B /= 2;
   if (B > 128 && B < M) B -= B % 128;
   t.rows = B;
   t.acc_f32 = p->acc_w_f32 && B < M;
   t.gathered = gathered;
-  const size_t fixed = tile_bytes(p, B, 0, H, 0, gathered) + 3 * ALIGN;
+  const size_t fixed = tile_bytes(p, B, 0, H, 0, gathered, 0) + 3 * ALIGN;
   const size_t per_col = (size_t)B * (4 + p->dls) + (t.acc_f32 ? (size_t)H * 4 : 0);
   int64_t c = R > fixed ? (int64_t)((R - fixed) / per_col) : 1;
   c = c < V ? c : V;
+  t.inplace = 0;
+  if (saved) { /* B = M, no dW accumulator */
+    int64_t ci = R > fixed ? (int64_t)((R - fixed) / ((size_t)B * 4)) : 1;
+    ci = ci < V ? ci : V;
+    ci = ci < LMLOSS_TILE_INPLACE_COLS ? ci : LMLOSS_TILE_INPLACE_COLS;
+    if (ci > c) c = ci, t.inplace = 1;
+  }
   if (c > 128 && c < V) c -= c % 128;
-  while (c > 1 && tile_bytes(p, B, c, H, t.acc_f32, gathered) > R) /* the minimum fits */
+  while (c > 1 && tile_bytes(p, B, c, H, t.acc_f32, gathered, t.inplace) > R) /* the minimum fits */
     c--;
   t.cols = c > 1 ? c : 1;
   t.hid = base;
   t.slab = t.hid + (gathered ? up((size_t)B * H * p->hs) : 0);
-  t.dl = t.slab + up((size_t)B * t.cols * 4);
+  t.dl = t.inplace ? t.slab : t.slab + up((size_t)B * t.cols * 4);
   t.acc = t.dl + up((size_t)B * t.cols * p->dls);
   return t;
 }
@@ -462,7 +474,7 @@ static int saved_fits(const linear_job *j, const lmloss_linear_prims *L, const l
   if (!p->tiled || !L->lp_tile_grad || wants(&j->grads->dbias) || p->K > LMLOSS_SAVED_MAX_K)
     return 0;
   const int64_t c = V < 128 ? V : 128;
-  return s->end <= p->total && p->total - s->end >= tile_bytes(p, M, c, H, 0, M < N) + 3 * ALIGN;
+  return s->end <= p->total && p->total - s->end >= tile_bytes(p, M, c, H, 0, M < N, 1) + 3 * ALIGN;
 }
 
 /* dW of a 16-bit head whose supervised rows took more than one chunk:
@@ -488,8 +500,7 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
    * sum narrows; the CE tiles so widened took the fused CE 1.3 ms longer
    * (H200, bf16 8192 x 152064 x 4096: 70.7-70.9 against 69.2-69.7 ms). */
   const int gathered = M < h->hidden.rows || !saved;
-  const tile_plan t =
-      plan_tiles(p, saved ? saved->end : p->region, gathered, !!saved, M, H, V);
+  const tile_plan t = plan_tiles(p, saved ? saved->end : p->region, gathered, !!saved, M, H, V);
   const int64_t nb = (M + t.rows - 1) / t.rows;
   for (int64_t j0 = 0; j0 < V; j0 += t.cols) {
     const int64_t tc = V - j0 < t.cols ? V - j0 : t.cols;
@@ -505,8 +516,8 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
         TRY(L->gather_rows(j->ctx, &h->hidden, list + first, &hb));
       const lmloss_tensor bt = wants(bias) ? rows_of(bias, j0, tc) : (lmloss_tensor){0};
       TRY(L->logits(j->ctx, &hb, &wt, &bt, &slab));
-      lmloss_tensor dl = view(w + t.dl, h->weight.dtype, dev, n, tc); /* a 16-bit head's */
-      dl.row_stride = t.cols;
+      lmloss_tensor dl = view(w + t.dl, h->weight.dtype, dev, n, tc);    /* a 16-bit head's */
+      dl.row_stride = t.inplace ? t.cols * 4 / (int64_t)p->dls : t.cols; /* the slab's rows */
       lmloss_grad_keep kept, *keep = keep_at(j, p, w, first, &kept);
       if (saved) {
         lmloss_tensor st = rows_of(&saved->stats, first, n), ix, dlp, dent;

@@ -334,6 +334,7 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
  * fused head's kept entries (a.keep) when asked. */
 constexpr int SAVED_U = 8, SAVED_BS = 128;
 static_assert(SAVED_BS == LMLOSS_SAVED_MAX_K + 1, "a thread per index and one for the argmax");
+static_assert(SAVED_U * SAVED_BS * 4 == LMLOSS_TILE_INPLACE_COLS, "a tile row of floats per CTA");
 
 template <typename In, typename O, bool T>
 __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
@@ -549,6 +550,9 @@ lmloss_cuda_lp_tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, i
   a.j0 = j0;
   a.keep = *keep;
   lmc::backward_args(a, dlogp, dentropy, dl, stats);
+  if (dl->data == slab->data && slab->cols > LMLOSS_TILE_INPLACE_COLS) /* backend.h */
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: a tile of %lld columns written over itself",
+                       (long long)slab->cols);
   const bool T = a.dent != NULL;
   cudaStream_t st = lmc::stream_of(ctx);
   if (dl->dtype == LMLOSS_BF16) return lmc::launch_saved<float, lmc::bf16>(a, T, st);
