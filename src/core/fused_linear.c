@@ -477,6 +477,22 @@ static int saved_fits(const linear_job *j, const lmloss_linear_prims *L, const l
   return s->end <= p->total && p->total - s->end >= tile_bytes(p, M, c, H, 0, M < N, 1) + 3 * ALIGN;
 }
 
+/* Whether the call runs from saved statistics (*on), and then their
+ * buffers, gathered for the M supervised rows. */
+static lmloss_status saved_start(const linear_job *j, const lmloss_linear_prims *L,
+                                 const linear_plan *p, char *w, const int64_t *list, int64_t M,
+                                 saved_rows *s, int *on) {
+  if (j->kind != LP_BACKWARD || !j->stats) return LMLOSS_OK;
+  *s = saved_layout(j, p, w, M);
+  if (!saved_fits(j, L, p, s, M)) return LMLOSS_OK;
+  *on = 1;
+  TRY(L->gather_rows(j->ctx, j->stats, list, &s->stats));
+  if (j->labels) TRY(L->gather_rows(j->ctx, j->labels, list, &s->index));
+  if (j->labels) TRY(L->gather_rows(j->ctx, j->dlogp, list, &s->dlogp));
+  if (j->dentropy) TRY(L->gather_rows(j->ctx, j->dentropy, list, &s->dent));
+  return LMLOSS_OK;
+}
+
 /* dW of a 16-bit head whose supervised rows took more than one chunk:
  * rather than sum dW over the chunks (V x H read and written per chunk, in
  * an fp32 copy for a 16-bit dW), each vocab tile of dW is one GEMM over
@@ -604,17 +620,9 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   const int want_dw = want_grad && wants(&g->dweight);
   p.tiled = want_dw && p.tiles && nchunks > 1;
   saved_rows sr;
-  const saved_rows *saved = NULL;
-  if (j->kind == LP_BACKWARD && j->stats) {
-    sr = saved_layout(j, &p, w, M);
-    if (saved_fits(j, L, &p, &sr, M)) {
-      saved = &sr;
-      TRY(L->gather_rows(j->ctx, j->stats, list, &sr.stats));
-      if (j->labels) TRY(L->gather_rows(j->ctx, j->labels, list, &sr.index));
-      if (j->labels) TRY(L->gather_rows(j->ctx, j->dlogp, list, &sr.dlogp));
-      if (j->dentropy) TRY(L->gather_rows(j->ctx, j->dentropy, list, &sr.dent));
-    }
-  }
+  int from_saved = 0;
+  TRY(saved_start(j, L, &p, w, list, M, &sr, &from_saved));
+  const saved_rows *saved = from_saved ? &sr : NULL;
   for (int64_t c = 0; !saved && c < nchunks; c++) {
     const int64_t first = c * p.rows, n = M - first < p.rows ? M - first : p.rows;
     const int64_t *lc = list + first;

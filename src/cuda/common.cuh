@@ -1240,14 +1240,17 @@ struct Plan {
  * bf16 4096 x 32768 took 0.202-0.206 ms against 0.194-0.197 (CE) and
  * 0.209 against 0.207 (log-probs backward) with clusters of two 32 KB
  * chunks (H200, ec7720c + the change). Threads: 256, so each
- * owns several 16-byte vectors, but 128 for a chunk of fewer than 8192
+ * owns several 16-byte vectors, but 128 for a chunk of fewer than 16384
  * vectors (4096 when staged): there the about 800 instructions a warp
  * spends on each row (ncu, ce-grad, 84f54d3: prologue, block max, the
  * merge, the row scalars) are paid by half the warps, and more CTAs
- * (rows) share an SM. Measured for one-pass rows (H200, bf16, 4096 x
- * 32768, 128 threads below 8192 vectors against below 1024): log-probs
+ * (rows) share an SM. Measured for one-pass rows (H200, bf16): at 4096 x
+ * 32768, 128 threads below 8192 vectors against below 1024, log-probs
  * 0.079-0.080 against 0.089-0.090 ms, + entropy 0.080-0.081 against
- * 0.093-0.094, CE forward 0.128-0.130 against 0.144-0.145. */
+ * 0.093-0.094, CE forward 0.128-0.130 against 0.144-0.145; below 16384
+ * against below 8192, log-probs 0.138-0.141 against 0.146-0.147 ms at
+ * 4096 x 65536, 0.493-0.497 against 0.515-0.516 at 8192 x 128256, + entropy
+ * 0.513-0.514 against 0.545-0.546 there, CE forward even (0.787-0.790). */
 static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
                              size_t extra_per_vector_bits, int maxcs) {
   Plan p = {};
@@ -1269,7 +1272,7 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
   }
   const int64_t nvc = (nvec + p.cs - 1) / p.cs;
   p.chunk = nvc * NV;
-  p.bs = nvc >= (p.staged ? 4096 : 8192) ? MAX_ROW_THREADS : 128;
+  p.bs = nvc >= (p.staged ? 4096 : 16384) ? MAX_ROW_THREADS : 128;
   p.smem =
       (p.staged ? (size_t)nvc * 16 : 0) + (size_t)((nvc + 31) / 32) * 4 * extra_per_vector_bits;
   return p;
