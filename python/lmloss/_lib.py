@@ -119,6 +119,7 @@ log_probs_backward = _proto("lmloss_log_probs_backward", _status, _P(Context), _
                             _P(Tensor), _P(Tensor), _P(Transform), _P(Tensor), _P(Tensor),
                             _P(Tensor), _P(Tensor))
 ROW_STATS = 4  # LMLOSS_ROW_STATS: the floats a row's saved statistics take
+STATS_MAX_V = 1 << 24  # they hold the argmax's column as a float
 entropy = _proto("lmloss_entropy", _status, _P(Context), _P(Tensor), _P(Transform), _P(Tensor))
 softmax = _proto("lmloss_softmax", _status, _P(Context), _P(Tensor), ctypes.c_int, _P(Tensor))
 softmax_backward = _proto("lmloss_softmax_backward", _status, _P(Context), _P(Tensor),

@@ -422,9 +422,9 @@ static lmloss_status fill_unvisited(const linear_job *j, const lmloss_linear_pri
   if (j->kind == LP_FORWARD) {
     if (j->logp) TRY(L->fill(ctx, j->logp, 0.0));
     if (wants(j->entropy)) TRY(L->fill(ctx, j->entropy, 0.0));
-    if (j->stats) { /* a masked row's: lmloss_rowstat_save_masked, 0 0 0 -1 */
+    if (j->stats) { /* a masked row's, as lmloss_rowstat_save_masked: 0, no argmax */
       lmloss_tensor argmax = *j->stats;
-      argmax.data = (float *)argmax.data + (LMLOSS_ROW_STATS - 1);
+      argmax.data = (float *)argmax.data + LMLOSS_STAT_A;
       argmax.cols = 1;
       TRY(L->fill(ctx, j->stats, 0.0));
       TRY(L->fill(ctx, &argmax, -1.0));

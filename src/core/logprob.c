@@ -16,7 +16,6 @@ static lmloss_status check_common(const lmloss_context *ctx, const lmloss_tensor
   return LMLOSS_OK;
 }
 
-/* The saved row statistics (LMLOSS_ROW_STATS), when present. */
 lmloss_status lmloss_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
                                const lmloss_tensor *index, const lmloss_tensor *mask,
                                const lmloss_transform *tr, const lmloss_tensor *logp,

@@ -627,15 +627,25 @@ static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *s
 
 } // namespace lmc
 
-extern "C" lmloss_status lmloss_cuda_lp_tile_grad(
-    const lmloss_context *ctx, const lmloss_tensor *slab, int64_t j0, int64_t V,
-    const lmloss_transform *tr, const lmloss_tensor *index, const lmloss_tensor *dlogp,
-    const lmloss_tensor *dentropy, const lmloss_tensor *stats, const lmloss_grad_keep *keep,
-    const lmloss_tensor *dl); /* logprob.cu */
+extern "C" lmloss_status
+lmloss_cuda_lp_tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, int64_t j0,
+                         int64_t V, const lmloss_transform *tr, const lmloss_tensor *index,
+                         const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
+                         const lmloss_tensor *stats, const lmloss_grad_keep *keep,
+                         const lmloss_tensor *dl); /* logprob.cu */
 
 extern "C" const lmloss_linear_prims lmloss_cuda_linear = {
-    lmc::gemm, lmc::select_rows, lmc::gather_rows,     lmc::scatter_rows,
-    lmc::fill, lmc::logits,      lmc::colsum,          lmc::sum,
-    lmc::cast, lmc::scale,       lmc::restore_entries, lmc::tile_grad,
+    lmc::gemm,
+    lmc::select_rows,
+    lmc::gather_rows,
+    lmc::scatter_rows,
+    lmc::fill,
+    lmc::logits,
+    lmc::colsum,
+    lmc::sum,
+    lmc::cast,
+    lmc::scale,
+    lmc::restore_entries,
+    lmc::tile_grad,
     lmloss_cuda_lp_tile_grad,
 };

@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
 }
 
 /* Row i's upstream gradients: D = sum_k dlogp (every thread sums in the
- * same order), dH, and whether every index lies in [0, V). */
+ * same order), dH, and whether every index lies in [0, vh). */
 struct LpUp {
   float D, dH;
   bool idx_ok;

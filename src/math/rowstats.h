@@ -133,20 +133,23 @@ LMLOSS_HD float lmloss_rowstat_entropy(const lmloss_rowstat *s) {
   return s->t / (1.0f + s->r) + log1pf(s->r);
 }
 
-/* A row's statistics as the log-probs forward saves them
- * (LMLOSS_ROW_STATS floats, lmloss.h): m, r, t and a as a float; a row
- * without finite statistics (ok = 0) NaN and -1. */
+/* A saved row's columns (LMLOSS_ROW_STATS of them, lmloss.h). */
+enum { LMLOSS_STAT_M, LMLOSS_STAT_R, LMLOSS_STAT_T, LMLOSS_STAT_A };
+typedef char lmloss_stat_columns_fit[LMLOSS_STAT_A + 1 == LMLOSS_ROW_STATS ? 1 : -1];
+
+/* A row's statistics as the log-probs forward saves them: m, r, t and a
+ * as a float; a row without finite statistics (ok = 0) NaN and -1. */
 LMLOSS_HD void lmloss_rowstat_save(const lmloss_rowstat *s, int ok, float *out) {
-  out[0] = ok ? s->m : NAN;
-  out[1] = ok ? s->r : NAN;
-  out[2] = ok ? s->t : NAN;
-  out[3] = ok ? (float)s->a : -1.0f;
+  out[LMLOSS_STAT_M] = ok ? s->m : NAN;
+  out[LMLOSS_STAT_R] = ok ? s->r : NAN;
+  out[LMLOSS_STAT_T] = ok ? s->t : NAN;
+  out[LMLOSS_STAT_A] = ok ? (float)s->a : -1.0f;
 }
 
-/* A masked-out row's saved statistics: zeros, and no argmax. */
+/* A masked-out row's saved statistics: zeros, and no argmax (-1). */
 LMLOSS_HD void lmloss_rowstat_save_masked(float *out) {
-  out[0] = out[1] = out[2] = 0.0f;
-  out[3] = -1.0f;
+  out[LMLOSS_STAT_M] = out[LMLOSS_STAT_R] = out[LMLOSS_STAT_T] = 0.0f;
+  out[LMLOSS_STAT_A] = -1.0f;
 }
 
 /* The saved statistics back, for a row of width V: a column outside
@@ -154,11 +157,11 @@ LMLOSS_HD void lmloss_rowstat_save_masked(float *out) {
  * which lmloss_rowstat_finite rejects (a NaN gradient row). */
 LMLOSS_HD lmloss_rowstat lmloss_rowstat_load(const float *in, int64_t V) {
   lmloss_rowstat s = lmloss_rowstat_empty();
-  const float a = in[3];
+  const float a = in[LMLOSS_STAT_A];
   if (!(a >= 0.0f && a < (float)V)) return s;
-  s.m = in[0];
-  s.r = in[1];
-  s.t = in[2];
+  s.m = in[LMLOSS_STAT_M];
+  s.r = in[LMLOSS_STAT_R];
+  s.t = in[LMLOSS_STAT_T];
   s.a = (int64_t)a;
   return s;
 }

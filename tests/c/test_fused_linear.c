@@ -646,7 +646,7 @@ static void lp_print(const lp_case *c) {
  * dhidden's sum) dW turns NaN; elsewhere the gradients are o's, bit for
  * bit. */
 static void stats_read(tgroup *g, const lp_case *c, const call_spec *s, const lmloss_tensor *stats,
-                       const outs *o) {
+                       how hw, const outs *o) {
   const int used =
       c->dt != LMLOSS_F32 && want_dw(c->grads) && !(c->bias && want_db(c->grads)) && c->saved == 1;
   lmloss_tensor bad = host_clone(stats);
@@ -656,7 +656,7 @@ static void stats_read(tgroup *g, const lp_case *c, const call_spec *s, const lm
   sb.stats = &bad;
   outs b = outs_clone(o);
   outs_poison(&b);
-  lmloss_status st = call(&sb, (how){3 * one_row_budget(s->hd, o, s->k), 0}, &b);
+  lmloss_status st = call(&sb, hw, &b);
   int nan = 0;
   for (int64_t j = 0; j < b.dw.rows; j++)
     for (int64_t k = 0; k < b.dw.cols; k++)
@@ -755,7 +755,7 @@ static void lp_run(tgroup *g, const lp_case *c) {
       }
     } else {
       grads_close(g, &hd, &o[r].dh, &o[r].dw, &o[r].db, &rdl);
-      if (c->saved && r == 1) stats_read(g, c, &s, &stats, &o[r]);
+      if (c->saved && r == 1) stats_read(g, c, &s, &stats, hw, &o[r]);
     }
     if (r > 0) outs_agree(g, &o[r], &o[0], c->dt != LMLOSS_F32);
   }

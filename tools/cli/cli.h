@@ -45,7 +45,7 @@ typedef enum {
   OP_LOG_SOFTMAX,       /* log-softmax forward */
   OP_SOFTMAX_BWD,       /* softmax backward from y */
   OP_LINEAR_CE,         /* fused head CE, forward + dhidden, dW, dbias */
-  OP_LINEAR_LP,         /* fused head log-probs + entropy, then their backward */
+  OP_LINEAR_LP,         /* fused head log-probs + entropy, then their backward from its stats */
   OP_COUNT
 } cli_op;
 
@@ -58,8 +58,9 @@ typedef struct {
   int plain;     /* no ignored rows, no CE options, no dentropy (the bare ops) */
   /* tensors of the case, on dev; outputs listed in out[] */
   lmloss_tensor x, idx, dloss, dlogp, dent, hidden, weight, bias, y;
-  /* OP_LOGPROB_BWD_SAVED: the forward's row statistics (and its log-probs),
-   * formed by the case's first run, on the context it runs on */
+  /* The forward's row statistics: OP_LOGPROB_BWD_SAVED's (and its
+   * log-probs), formed by the case's first run on the context it runs on;
+   * OP_LINEAR_LP's, formed by each run's forward */
   lmloss_tensor stats, stats_logp;
   int stats_ready;
   lmloss_tensor out[5];

@@ -103,6 +103,13 @@ def _index_2d(index, lead):
     return _index(index).reshape(-1, index.shape[-1]), index.shape
 
 
+def _save_stats(v, *inputs):
+    """Whether a log-probs forward over rows v wide saves the rows'
+    statistics for its backward: an input needs a gradient and v fits them."""
+    return (torch.is_grad_enabled() and v <= _lib.STATS_MAX_V
+            and any(t is not None and t.requires_grad for t in inputs))
+
+
 def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backend="auto",
               num_threads=0):
     """log softmax(logits / temperature) gathered at index, as lmloss.log_probs:
@@ -114,9 +121,9 @@ def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backe
     lead = logits.shape[:-1]
     idx, shape = _index_2d(index, lead)
     # the backward then reads the logits once (lmloss_log_probs' stats)
-    stats = x.requires_grad and torch.is_grad_enabled() and x.shape[-1] <= 1 << 24
     logp, ent, _ = O.log_probs(x, idx, _mask(mask), 1.0, 0.0, float(temperature),
-                               bool(entropy), stats, backend_code(backend), int(num_threads))
+                               bool(entropy), _save_stats(x.shape[-1], x), backend_code(backend),
+                               int(num_threads))
     logp = logp.reshape(shape)
     return (logp, ent.reshape(lead)) if entropy else logp
 
@@ -234,11 +241,9 @@ def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit
     lead = hidden.shape[:-1]
     idx, shape = _index_2d(index, lead)
     # the backward then computes the logits once (lmloss_linear_log_probs' stats)
-    grad = any(t is not None and t.requires_grad for t in (h, w, b))
-    stats = grad and torch.is_grad_enabled() and w.shape[0] <= 1 << 24
     logp, ent, _ = L.linear_log_probs(h, w, b, idx, _mask(mask), float(logit_scale),
-                                      float(softcap), float(temperature), bool(entropy), stats,
-                                      _budget(memory_budget), backend_code(backend),
-                                      int(num_threads))
+                                      float(softcap), float(temperature), bool(entropy),
+                                      _save_stats(w.shape[0], h, w, b), _budget(memory_budget),
+                                      backend_code(backend), int(num_threads))
     logp = logp.reshape(shape)
     return (logp, ent.reshape(lead)) if entropy else logp
