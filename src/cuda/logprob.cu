@@ -344,6 +344,9 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   const Xf &X = a.X;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, blockIdx.x);
+  /* dlogits alias the logits exactly or not at all (lmloss_check_alias;
+   * the fused head's in-place tiles share the slab's pointer) */
+  const bool in_place = a.dx == a.x;
   for (int64_t i = blockIdx.y; i < a.N; i += gridDim.y) {
     O *drow = (O *)a.dx + i * a.dxs;
     if (a.mask && !a.mask[i * a.ms]) {
@@ -383,9 +386,7 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
     /* the entries' logits are read before any store over them: in place
      * only (elsewhere the stores go out while the entries' dependent
      * loads, index then logit, are in flight) */
-    const bool alias = (const char *)drow < (const char *)(row + a.V) &&
-                       (const char *)row < (const char *)(drow + a.V);
-    if (alias) __syncthreads();
+    if (in_place) __syncthreads();
     const ChunkOut<O, NV> out(drow, ch, a.V);
     auto run = [&](auto cap) {
 #pragma unroll
