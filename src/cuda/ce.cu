@@ -17,7 +17,7 @@
  */
 #include <type_traits>
 
-#include "common.cuh"
+#include "held.cuh"
 
 namespace lmc {
 
@@ -309,8 +309,110 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
   rw.finish();
 }
 
+/* The held plan (held.cuh) takes a gradient row whose options add no
+ * per-element or per-row work beyond the plain loss: no softcap, label
+ * smoothing, class weights, DFT, entropy or argmax output, or kept
+ * entries (z-loss, token weights, scale and temperature are per-row
+ * coefficients). */
+static bool ce_held_applies(const CeArgs &a, bool T) {
+  return a.mode != CE_FWD && a.eps == 0.0f && !a.cw && !a.dft && a.X.f.cap == 0.0f && !T &&
+         !a.amax && !a.keep.coef && !a.keep.vals;
+}
+
+/* The plain CE gradient row, held (see ce_held_applies). The row's
+ * scalars are loaded with its vectors, not before them: a target waited
+ * for first held back every load of the row. So an ignored row is read
+ * too, and left as it was (or zeroed). The target's own logit comes from
+ * the registers of the thread that holds it, which writes the loss. */
+template <typename In, typename O> __global__ void HELD_BOUNDS ce_held(CeArgs a) {
+  constexpr int NV = elt<In>::NV;
+  __shared__ HeldSmem sm;
+  const int64_t i = blockIdx.x / a.cs;
+  const long long y = ld_index(a.tgt, a.tgt64, i * a.ts);
+  const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
+  const float dl = a.mode == CE_FUSED ? a.grad_output
+                                      : a.dloss[a.reduction == LMLOSS_REDUCE_NONE ? i * a.dls : 0];
+  const double den = a.reduction == LMLOSS_REDUCE_MEAN ? *a.den : 1.0;
+  HeldRow<In> h(a.cs, a.chunk, a.V);
+  h.load((const In *)a.x + i * a.xs, a.V);
+  O *drow = (O *)a.dx + i * a.dxs;
+  const bool lead = h.rank == 0 && threadIdx.x == 0, fwd = a.mode == CE_FUSED;
+  if (y == a.ignore) { /* the whole cluster returns here */
+    if (lead && fwd) {
+      if (a.reduction == LMLOSS_REDUCE_NONE)
+        a.loss[i * a.ls] = 0.0f;
+      else
+        a.ws_loss[i] = a.ws_wt[i] = 0.0;
+      if (a.lse) a.lse[i * a.lses] = 0.0f;
+    }
+    if (a.zero_ignored) zero_chunk<In, O>(drow, h.ch, a.V);
+    return;
+  }
+  h.arrive(&sm);
+  const Xf &X = a.X;
+  const float k = X.f.k;
+  const bool fin = h.stats(X, &sm);
+  const bool y_ok = y >= 0 && y < a.V, ok = fin && y_ok;
+  const float m = h.m, l1r = log1pf(h.rs), inv = 1.0f / (1.0f + h.rs);
+  const double lse = (double)m * k + l1r;
+  if (lead && fwd) {
+    if (a.lse) a.lse[i * a.lses] = fin ? (float)lse : NAN;
+    if (!y_ok) { /* no CTA holds the target */
+      if (a.reduction == LMLOSS_REDUCE_NONE)
+        a.loss[i * a.ls] = NAN;
+      else
+        a.ws_loss[i] = NAN, a.ws_wt[i] = 0.0;
+    }
+  }
+  float G = dl;
+  if (a.reduction == LMLOSS_REDUCE_MEAN)
+    G = den != 0.0 ? (float)(G / den) : 0.0f;
+  else if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS)
+    G = (float)(G / a.num_items);
+  G *= tw;
+  const float Gz = G * 2.0f * a.zl * (float)lse;
+  const float F1s = ok ? (G + Gz) * inv * k * h.ref.s() : NAN; /* dx_j = p_j F1 off the target */
+  /* The target's entry, by the thread that holds it (v = vy, element ey). */
+  const int64_t jy = y - h.ch.jb;
+  const int vy = y_ok && jy >= 0 && y < h.ch.je ? (int)(jy / NV) : -1, ey = (int)(jy % NV);
+  float gy = 0.0f;
+  if (vy >= 0 && h.holds(vy)) {
+    const float xy = h.at(vy, ey);
+    const float py = cexp(X, fmaxf(xy - m, X.dmin)) * inv;
+    const lmloss_ce_coef q = {1.0f, 1.0f, 0.0f};
+    lmloss_rowstat s = lmloss_rowstat_empty();
+    s.r = h.rs;
+    gy = ok ? (G * lmloss_ce_grad_z(&q, &s, py, 1.0f, 1, xy == m) + Gz * py) * k : NAN;
+    if (fwd) {
+      const double ly = (double)(m - xy) * k + l1r; /* lse - z_y, exact 0 gap at the max */
+      const double li = ok ? (double)tw * (ly + (double)a.zl * lse * lse) : NAN;
+      if (a.reduction == LMLOSS_REDUCE_NONE)
+        a.loss[i * a.ls] = (float)li;
+      else
+        a.ws_loss[i] = li, a.ws_wt[i] = 1.0;
+    }
+  }
+  const ChunkOut<O, NV> out(drow, h.ch, a.V);
+  h.each([&](int v, const float *x) {
+    float g[NV];
+#pragma unroll
+    for (int e = 0; e < NV; e++)
+      g[e] = ex2(h.ref.p(X, x[e])) * F1s; /* -inf: ex2(-inf) = 0 */
+    if (v == vy) {
+#pragma unroll
+      for (int e = 0; e < NV; e++)
+        if (e == ey) g[e] = gy;
+    }
+    out.store(v, g);
+  });
+}
+
 template <typename In, typename O>
 static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
+  lmloss_status s;
+  if (ce_held_applies(a, T) &&
+      launch_held(ce_held<In, O>, d, elt<In>::NV, st, a, "cross_entropy", &s))
+    return s;
   if (T)
     return launch_rows(ce_rows<In, O, true, 128>, ce_rows<In, O, true, 256>, d, elt<In>::NV,
                        a.mode != CE_FWD, 0, st, a, "cross_entropy");

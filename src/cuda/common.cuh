@@ -1251,11 +1251,10 @@ struct Plan {
  * against below 8192, log-probs 0.138-0.141 against 0.146-0.147 ms at
  * 4096 x 65536, 0.493-0.497 against 0.515-0.516 at 8192 x 128256, + entropy
  * 0.513-0.514 against 0.545-0.546 there, CE forward even (0.787-0.790).
- * Nor, as these kernels stand, does a row held in registers by a cluster
- * per row (8-16 vectors a thread): a standalone probe without options ran
- * at 91-96% of copy bandwidth, but inside these kernels 18-41%, their
- * per-row code outweighing 64 elements a thread (BENCHMARKS.md,
- * fourteenth session). */
+ * The plain forms of the two-pass ops take the held plan instead
+ * (held.cuh: the row in registers, lean per-row code); this plan serves
+ * their options, whose per-row code outweighed 64 elements a thread when
+ * the held plan carried it (BENCHMARKS.md, fourteenth session). */
 static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
                              size_t extra_per_vector_bits, int maxcs) {
   Plan p = {};

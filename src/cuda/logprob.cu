@@ -16,7 +16,7 @@
  */
 #include <type_traits>
 
-#include "common.cuh"
+#include "held.cuh"
 
 namespace lmc {
 
@@ -316,6 +316,61 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
   rw.finish();
 }
 
+/* The held plan (held.cuh) takes the recomputing backward of one index a
+ * row without the entropy's gradient, softcap or kept entries. The row's
+ * scalars (mask, index, upstream gradient) are loaded with its vectors,
+ * not before them (see ce_held): a masked row is read too. */
+static bool lp_held_applies(const LpArgs &a, bool T) {
+  return !a.stats && !T && a.dlogp && a.K == 1 && a.vh == a.V && a.X.f.cap == 0.0f &&
+         !a.keep.coef && !a.keep.vals;
+}
+
+template <typename In, typename O> __global__ void HELD_BOUNDS lp_held(LpArgs a) {
+  constexpr int NV = elt<In>::NV;
+  __shared__ HeldSmem sm;
+  const int64_t i = blockIdx.x / a.cs;
+  const bool on = !a.mask || a.mask[i * a.ms];
+  const long long j = ld_index(a.idx, a.idx64, i * a.is);
+  const float D = a.dlogp[i * a.dlps];
+  HeldRow<In> h(a.cs, a.chunk, a.V);
+  h.load((const In *)a.x + i * a.xs, a.V);
+  O *drow = (O *)a.dx + i * a.dxs;
+  if (!on) { /* the whole cluster returns here */
+    zero_chunk<In, O>(drow, h.ch, a.V);
+    return;
+  }
+  h.arrive(&sm);
+  const Xf &X = a.X;
+  const float k = X.f.k;
+  const bool ok = h.stats(X, &sm) && j >= 0 && j < a.V;
+  const float m = h.m, inv = 1.0f / (1.0f + h.rs);
+  const float C0 = ok ? -inv * D * k * h.ref.s() : NAN; /* dx = e_j C0 off the index */
+  /* The index's entry (LpGrad::entry for K = 1), by the thread holding it;
+   * 1 - p there is R / (1 + R) at the max. */
+  const int64_t jj = j - h.ch.jb;
+  const int vj = ok && jj >= 0 && j < h.ch.je ? (int)(jj / NV) : -1, ej = (int)(jj % NV);
+  float gj = 0.0f;
+  if (vj >= 0 && h.holds(vj)) {
+    const float x = h.at(vj, ej);
+    const bool top = x == m;
+    const float pj = cexp(X, top ? 0.0f : fmaxf(x - m, X.dmin)) * inv;
+    gj = (top ? D * (h.rs * inv) : D - D * pj) * k;
+  }
+  const ChunkOut<O, NV> out(drow, h.ch, a.V);
+  h.each([&](int v, const float *x) {
+    float g[NV];
+#pragma unroll
+    for (int e = 0; e < NV; e++)
+      g[e] = ex2(h.ref.p(X, x[e])) * C0; /* -inf: ex2(-inf) = 0 */
+    if (v == vj) {
+#pragma unroll
+      for (int e = 0; e < NV; e++)
+        if (e == ej) g[e] = gj;
+    }
+    out.store(v, g);
+  });
+}
+
 /* The backward from the forward's saved statistics: no reduction, so
  * each logit is read once and its gradient written once, a copy's
  * traffic. Why this shape: a CTA per (row, slice of at most SAVED_U x
@@ -430,6 +485,10 @@ static lmloss_status launch_saved(LpArgs &a, bool T, cudaStream_t st) {
 template <typename In, typename O>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
   if (a.stats && a.K <= LMLOSS_SAVED_MAX_K) return launch_saved<In, O>(a, T, st);
+  lmloss_status s;
+  if (lp_held_applies(a, T) &&
+      launch_held(lp_held<In, O>, d, elt<In>::NV, st, a, "log_probs_backward", &s))
+    return s;
   if (T)
     return launch_rows(lp_bwd<In, O, true, 128>, lp_bwd<In, O, true, 256>, d, elt<In>::NV, 1, 1, st,
                        a, "log_probs_backward");

@@ -13,7 +13,7 @@
  *            dx_a = dy_a (-expm1(y_a)) - exp(y_a) sum_{k != a} dy_k
  * so the argmax entry never forms 1 - y_a.
  */
-#include "common.cuh"
+#include "held.cuh"
 
 namespace lmc {
 
@@ -75,6 +75,40 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     second_pass(a.staged, st, part, next, a.log != 0, body);
   }
   rw.finish();
+}
+
+/* The held plan (held.cuh) of sm_fwd, for a row it holds. */
+template <typename In, typename O> __global__ void HELD_BOUNDS sm_held(SmArgs a) {
+  constexpr int NV = elt<In>::NV;
+  __shared__ HeldSmem sm;
+  const int64_t i = blockIdx.x / a.cs;
+  HeldRow<In> h(a.cs, a.chunk, a.V);
+  h.load((const In *)a.x + i * a.xs, a.V);
+  h.arrive(&sm);
+  const Xf &X = a.X;
+  const bool ok = h.stats(X, &sm);
+  const float m = h.m;
+  float inv = 1.0f / (1.0f + h.rs), l1r = log1pf(h.rs);
+  if (!ok) inv = l1r = NAN;
+  const float invs = inv * h.ref.s();
+  const ChunkOut<O, NV> out((O *)a.y + i * a.ys, h.ch, a.V);
+  if (a.log) {
+    h.each([&](int v, const float *x) {
+      float y[NV];
+#pragma unroll
+      for (int e = 0; e < NV; e++)
+        y[e] = (x[e] - m) - l1r;
+      out.store(v, y);
+    });
+  } else {
+    h.each([&](int v, const float *x) {
+      float y[NV];
+#pragma unroll
+      for (int e = 0; e < NV; e++)
+        y[e] = ex2(h.ref.p(X, x[e])) * invs; /* -inf: ex2(-inf) = 0 */
+      out.store(v, y);
+    });
+  }
 }
 
 /* Backward state of a partial row: first argmax a of y with y_a, dy_a, and
@@ -175,6 +209,8 @@ __global__ void __launch_bounds__(512) sm_bwd(SbArgs a) {
 
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, SmArgs &a, cudaStream_t st) {
+  lmloss_status s;
+  if (launch_held(sm_held<In, O>, d, elt<In>::NV, st, a, "softmax", &s)) return s;
   return launch_rows(sm_fwd<In, O>, sm_fwd<In, O>, d, elt<In>::NV, 1, 0, st, a, "softmax");
 }
 

@@ -401,5 +401,31 @@ int main(void) {
   }
   tg_end(&g);
 
+  /* The plain options (a gradient; no softcap, smoothing, class weights,
+   * DFT, entropy or argmax): on CUDA the held plan (src/cuda/held.cuh),
+   * which the groups above reach only in part: peaked, tied and
+   * non-finite rows, -inf over whole CTA chunks, rows of one to sixteen
+   * CTAs, with the per-row options it keeps. */
+  tg_begin(&g, "ce plain options: margins, ties, non-finite and wide rows");
+  static const int specials[] = {PLAIN, TIES, NONFINITE, NEGINF, NEGINF_HEAD};
+  for (int k = 0; k < 40; k++) {
+    const int64_t V = (int64_t[]){1003, 4096, 151936, 262144}[k % 4];
+    ce_case c = base(V > 4096 ? 2 : 6, V);
+    c.outs = 0, c.mode = FUSED + k % 3, c.margin = margins[k % 9], c.special = specials[k % 5];
+    c.xdt = fdts[(k / 3) % 3], c.gdt = c.mode == INPLACE ? c.xdt : fdts[(k / 4) % 3];
+    c.idt = k % 2 ? LMLOSS_I32 : LMLOSS_I64;
+    c.stride = k % 7 == 3 ? V + 8 : V;
+    c.opt.reduction = (lmloss_reduction)(k % 4), c.opt.num_items = 37.5;
+    c.opt.grad_output = 0.75f;
+    c.opt.z_loss = k % 2 ? 1e-3f : 0.0f;
+    c.opt.transform.temperature = k % 5 == 2 ? 0.7f : 1.0f;
+    c.tw = k % 3 == 0;
+    c.ignore_frac = k % 3 == 1 ? 0.3 : 0.0;
+    c.opt.zero_ignored_rows = k % 6 != 4;
+    rng_seed(600 + k);
+    run_case(&g, &c);
+  }
+  tg_end(&g);
+
   return test_finish();
 }

@@ -334,6 +334,22 @@ int main(void) {
     run_case(&g, &c);
   }
   tg_end(&g);
+  /* One index, no entropy gradient, recomputed: on CUDA the held plan
+   * (src/cuda/held.cuh), with rows of one to sixteen CTAs. */
+  tg_begin(&g, "log-probs backward of one index, recomputed: margins, ties, non-finite rows");
+  for (int k = 0; k < 24; k++) {
+    const int64_t V = (int64_t[]){1003, 4096, 151936, 262144}[k % 4];
+    lp_case c = base(V > 4096 ? 4 : 6, V, 1);
+    c.ent = 0, c.dent = 0, c.dlogp = 1, c.saved = 0;
+    c.ties = k % 3 == 1, c.nonfinite = k % 3 == 2, c.mask = k % 2;
+    c.margin = margins[k % 9], c.xdt = fdts[k % 3], c.odt = fdts[(k / 3) % 3];
+    c.idt = k % 2 ? LMLOSS_I32 : LMLOSS_I64;
+    c.inplace = k % 5 == 4, c.odt = c.inplace ? c.xdt : c.odt;
+    c.tr.temperature = k % 4 == 1 ? 0.7f : 1.0f;
+    rng_seed(1600 + k);
+    run_case(&g, &c);
+  }
+  tg_end(&g);
   tg_begin(&g, "log-probs backward from saved statistics");
   for (int k = 0; k < 9; k++) {
     rng_seed(1500 + k);

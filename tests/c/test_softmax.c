@@ -114,5 +114,14 @@ int main(void) {
              1);
   }
   tg_end(&g);
+  /* Rows CUDA's held plan (src/cuda/held.cuh) spreads over clusters of 8
+   * and 16 CTAs. */
+  tg_begin(&g, "softmax/log-softmax, V = 131072 and 262144");
+  for (int k = 0; k < 12; k++) {
+    rng_seed(7100 + k);
+    run_case(&g, 2, k % 2 ? 262144 : 131072, (k / 2) % 2, fdts[k % 3], fdts[(k / 3) % 3],
+             margins[(3 * k) % 9], k % 4 == 3, 0);
+  }
+  tg_end(&g);
   return test_finish();
 }

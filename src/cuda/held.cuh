@@ -1,0 +1,310 @@
+/*
+ * held.cuh - the held row plan: a two-pass row (a gradient or a softmax)
+ * kept in registers from its load to its store, by one cluster of CTAs a
+ * row (non-persistent: the hardware schedules the clusters).
+ *
+ * Why this shape: such a row must move in once and out once. Each thread
+ * loads all its vectors (64 elements: 8 16-byte vectors of 16-bit logits,
+ * 16 of fp32) before it uses any, so the CTA's whole chunk is in flight at
+ * once with no stage in shared memory and no second read; 256 threads hold
+ * 16384 elements, a cluster of 16 a row of 262144 (one CTA a row below
+ * sm_90, which has no clusters). The statistics take two CTA barriers (the
+ * CTA's max, then the max-split sum about it, so the warps merge by plain
+ * adds) and, in a cluster, one push of each CTA's (m, R) into every peer's
+ * shared memory, counted on the peer's mbarrier: no cluster barrier after
+ * the start, none at exit (each CTA waits for every part pushed into it,
+ * and a release fence there waited for the stores in flight). The code a
+ * row costs besides its elements is kept to about the reductions: a
+ * standalone probe of this shape ran at 91-96% of copy bandwidth, and the
+ * same plan built over the staged kernels' general per-row code (options,
+ * general merges) at 18-41% (BENCHMARKS.md, fourteenth session). So the
+ * plan serves the ops' plain forms (see each op's *_held_applies); the
+ * others keep make_plan's.
+ */
+#ifndef LMLOSS_CUDA_HELD_CUH
+#define LMLOSS_CUDA_HELD_CUH
+
+#include "common.cuh"
+
+namespace lmc {
+
+constexpr int HELD_THREADS = 256; /* the most a CTA runs (held_plan) */
+constexpr int HELD_ELEMS = 64;    /* elements a thread holds */
+constexpr int HELD_MAX_CS = 16;
+
+struct HeldSmem {
+  float wmax[HELD_THREADS / 32];
+  float wsum[HELD_THREADS / 32];
+  int wties[HELD_THREADS / 32];
+  uint4 parts[HELD_MAX_CS]; /* rank q's (m, R), pushed by q */
+  alignas(8) unsigned long long bar;
+};
+
+#define HELD_BOUNDS __launch_bounds__(HELD_THREADS, 2)
+
+template <typename In> struct HeldRow {
+  static constexpr int NV = elt<In>::NV, U = HELD_ELEMS / NV;
+  uint4 r[U]; /* not Raw<In>: its 16-bit view had each load's registers
+                repacked, waiting for it, before the next load went out */
+  Chunk ch;
+  int rank, cs;
+  float m, rs; /* the row's max (w = x) and max-split sum R about it */
+  Ref ref;     /* set at m */
+
+  __device__ __forceinline__ HeldRow(int cs_, int64_t chunk, int64_t V)
+      : rank((int)(blockIdx.x % cs_)), cs(cs_) {
+    ch = my_chunk<NV>(V, chunk, rank);
+  }
+  __device__ __forceinline__ int vec(int u) const { return threadIdx.x + u * blockDim.x; }
+  __device__ __forceinline__ Raw<In> raw(int u) const {
+    Raw<In> q;
+    q.u = r[u];
+    return q;
+  }
+
+  /* Issue every load of the thread's vectors (-inf past the chunk). The
+   * whole vectors of an aligned row are one predicated 16-byte load each,
+   * straight into their registers: loads in branches (load_vec's element
+   * path beside them) had ptxas copy each result into its register before
+   * the next load went out, one load in flight per thread (ncu, the
+   * softmax: 4.78 ms, 37% of DRAM bandwidth, the stalls on those copies).
+   * The rest (an unaligned row's vectors, the one crossing V) follow with
+   * element loads. */
+  __device__ __forceinline__ void load(const In *row, int64_t V) {
+    Raw<In> ninf;
+#pragma unroll
+    for (int e = 0; e < NV; e++)
+      ninf.e[e] = neg_inf<In>();
+    const uint4 *base = (const uint4 *)(row + ch.jb);
+    const int whole = is_aligned16(row) ? (int)((ch.je - ch.jb) / NV) : 0;
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int v = vec(u);
+      r[u] = v < whole ? __ldcs(base + v) : ninf.u;
+    }
+    if (whole < ch.nv) {
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        const int v = vec(u);
+        if (v >= whole && v < ch.nv)
+          r[u] = load_vec<In, STREAM>(row, ch.jb + (int64_t)v * NV, V, false).u;
+      }
+    }
+  }
+
+  /* In a cluster: the mbarrier the peers' parts land on, made visible to
+   * them by a cluster barrier whose wait stats() takes before pushing.
+   * Call uniformly over the cluster, after load() (the loads in flight). */
+  __device__ __forceinline__ void arrive(HeldSmem *sm) const {
+#ifdef LMLOSS_SM90
+    if (cs == 1) return;
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&sm->bar)) : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+    (void)sm;
+#endif
+  }
+
+  /* The row's m and rs in every thread of the cluster; true when they are
+   * finite (no NaN, +inf or all -inf). Within the CTA, R about its max M
+   * is the sum over the elements below M plus the occurrences of M but
+   * one, which the threads holding M count apart. Contains __syncthreads:
+   * call uniformly. */
+  __device__ __forceinline__ bool stats(const Xf &X, HeldSmem *sm) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    float t = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < U; u++)
+      t = max_nan(t, raw_max(raw(u)));
+    float M = t;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+      M = max_nan(M, __shfl_xor_sync(0xffffffffu, M, off));
+    if (lane == 0) sm->wmax[w] = M;
+    __syncthreads();
+    M = sm->wmax[0];
+    for (int q = 1; q < nw; q++)
+      M = max_nan(M, sm->wmax[q]);
+    ref.set(X, M);
+    float s = 0.0f;
+    int ties = 0;
+    if (__all_sync(0xffffffffu, t < M)) {
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        float x[NV];
+        unpack<In, NV>(raw(u), x);
+#pragma unroll
+        for (int e = 0; e < NV; e++)
+          s += ex2(ref.p(X, x[e])); /* -inf: ex2(-inf) = 0 */
+      }
+    } else { /* a warp holding M (16-bit rows tie there often): no divergence */
+#pragma unroll
+      for (int u = 0; u < U; u++) {
+        float x[NV];
+        unpack<In, NV>(raw(u), x);
+#pragma unroll
+        for (int e = 0; e < NV; e++) {
+          const float p = ex2(ref.p(X, x[e]));
+          s += x[e] < M ? p : 0.0f;
+          ties += x[e] == M;
+        }
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      s += __shfl_xor_sync(0xffffffffu, s, off);
+      ties += __shfl_xor_sync(0xffffffffu, ties, off);
+    }
+    if (lane == 0) sm->wsum[w] = s, sm->wties[w] = ties;
+    __syncthreads();
+    s = sm->wsum[0];
+    ties = sm->wties[0];
+    for (int q = 1; q < nw; q++)
+      s += sm->wsum[q], ties += sm->wties[q];
+    lmloss_rowstat st = lmloss_rowstat_empty();
+    if (M != -INFINITY) { /* else this CTA saw only -inf: an empty part */
+      st.m = M;
+      st.r = fmaf(s, ref.s(), (float)(ties - 1));
+      st.a = rank;
+    }
+#ifdef LMLOSS_SM90
+    if (cs > 1) {
+      asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+      const unsigned bar = smem_addr(&sm->bar);
+      if (threadIdx.x < cs)
+        st_async16(mapa(smem_addr(&sm->parts[rank]), threadIdx.x),
+                   make_uint4(__float_as_uint(st.m), __float_as_uint(st.r), (unsigned)st.a, 0u),
+                   mapa(bar, threadIdx.x));
+      if (threadIdx.x == 0) mbar_expect(bar, 16u * cs);
+      mbar_wait(bar, 0);
+      /* every warp merges the cs parts by the same butterfly: the same
+       * state, bit for bit, in every CTA */
+      const int q = lane & (HELD_MAX_CS - 1);
+      st = lmloss_rowstat_empty();
+      if (q < cs) {
+        const uint4 p = sm->parts[q];
+        st.m = __uint_as_float(p.x);
+        st.r = __uint_as_float(p.y);
+        st.a = (int)p.z;
+      }
+#pragma unroll
+      for (int off = HELD_MAX_CS / 2; off > 0; off >>= 1) {
+        lmloss_rowstat o = lmloss_rowstat_empty();
+        o.m = __shfl_xor_sync(0xffffffffu, st.m, off);
+        o.r = __shfl_xor_sync(0xffffffffu, st.r, off);
+        o.a = __shfl_xor_sync(0xffffffffu, (int)st.a, off);
+        st = lmloss_rowstat_merge(st, o, X.f.k);
+      }
+      ref.set(X, st.m);
+    }
+#endif
+    m = st.m;
+    rs = st.r;
+    return lmloss_rowstat_finite(&st);
+  }
+
+  /* Whether this thread holds vector v of the chunk, and its element e
+   * then (selects, not a register array indexed at run time). */
+  __device__ __forceinline__ bool holds(int v) const {
+    return v < ch.nv && v % (int)blockDim.x == (int)threadIdx.x;
+  }
+  __device__ __forceinline__ float at(int v, int e) const {
+    Raw<In> q = raw(0);
+#pragma unroll
+    for (int u = 1; u < U; u++)
+      if (vec(u) == v) q.u = r[u];
+    float x[NV];
+    unpack<In, NV>(q, x);
+    float y = x[0];
+#pragma unroll
+    for (int i = 1; i < NV; i++)
+      if (i == e) y = x[i];
+    return y;
+  }
+
+  /* f(v, x) for each of the thread's vectors in the chunk, x its NV
+   * elements as floats. */
+  template <typename F> __device__ __forceinline__ void each(F f) const {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      const int v = vec(u);
+      if (v < ch.nv) {
+        float x[NV];
+        unpack<In, NV>(raw(u), x);
+        f(v, x);
+      }
+    }
+  }
+};
+
+/* Where the held plan applies to a row of V (cs = 0: it does not): the
+ * fewest CTAs that hold it, rounded up to a power of two, each of as few
+ * warps as hold its chunk. Clusters of a power of two fill a GPC's CTA
+ * slots: at bf16 8192 x 152064 (H200) clusters of 16 CTAs of 160 threads
+ * ran CE at 56.7% of copy bandwidth where the fewest, 10 of 256, ran at
+ * 45.7% (before the loads were fixed, see load). Clusters of more than 8
+ * are non-portable: launch_held checks the device can schedule one. */
+struct HeldPlan {
+  int cs, bs;
+  int64_t chunk;
+};
+
+static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV) {
+  HeldPlan p = {0, 0, 0};
+  const int64_t u = HELD_ELEMS / NV, nvec = (V + NV - 1) / NV;
+  const int64_t need = (nvec + HELD_THREADS * u - 1) / (HELD_THREADS * u);
+  int cs = 1;
+  while (cs < need)
+    cs *= 2;
+  if (N <= 0 || V <= 0 || cs > (d.cc_major >= 9 ? HELD_MAX_CS : 1) || N > INT_MAX / cs) return p;
+  const int64_t nvc = (nvec + cs - 1) / cs;
+  p.cs = cs;
+  p.chunk = nvc * NV;
+  p.bs = (int)(32 * ((nvc + 32 * u - 1) / (32 * u)));
+  return p;
+}
+
+/* Launch kernel over N rows by the held plan, setting the args' cs and
+ * chunk; false (nothing launched) where the plan does not apply, *s the
+ * launch's status otherwise. */
+template <typename K, typename A>
+static bool launch_held(K kernel, const DevInfo &d, int NV, cudaStream_t st, A &args,
+                        const char *what, lmloss_status *s) {
+  const HeldPlan p = held_plan(d, args.N, args.V, NV);
+  if (p.cs == 0) return false;
+  cudaError_t e = cudaSuccess;
+  if (p.cs > 8) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (e != cudaSuccess) {
+    *s = lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA %s: cluster attribute: %s", what,
+                     cudaGetErrorString(e));
+    return true;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cfg.gridDim = dim3((unsigned)(args.N * p.cs));
+  cfg.blockDim = dim3(p.bs);
+  cfg.stream = st;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = p.cs;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.cs > 1 ? 1 : 0;
+  if (p.cs > 8 && resident_clusters(kernel, cfg, p.cs, d) < 1) return false;
+  args.cs = p.cs;
+  args.chunk = p.chunk;
+  args.staged = 0;
+  e = cudaLaunchKernelEx(&cfg, kernel, args);
+  if (e != cudaSuccess)
+    *s = lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA %s launch: %s", what, cudaGetErrorString(e));
+  else
+    *s = check_launch(what);
+  return true;
+}
+
+} // namespace lmc
+
+#endif
