@@ -7,7 +7,8 @@
  *                     supervised rows into the workspace header, so the
  *                     row kernel can scale gradients in the same pass.
  *   ce_rows           per row: statistics, loss, optional outputs, and
- *                     the gradient row when asked.
+ *                     the gradient row when asked (ce_held instead for
+ *                     the plain gradient rows of held.cuh's plan).
  *   [ce_finalize]     reduced losses: fixed-order sum of the per-row
  *                     losses and weights kept in the workspace (double).
  * Workspace: header (256 bytes: [0] denominator, double), then per-row
@@ -63,6 +64,17 @@ struct CeArgs {
 __device__ __forceinline__ double row_weight(const CeArgs &a, long long y) {
   if (y == a.ignore || y < 0 || y >= a.V) return 0.0;
   return a.cw ? (double)a.cw[y * a.cws] : 1.0;
+}
+
+/* The upstream gradient of a row's loss: dl (grad_output or dloss)
+ * through the reduction (den: MEAN's denominator) and its token weight. */
+__device__ __forceinline__ float ce_upstream(const CeArgs &a, float dl, double den, float tw) {
+  float G = dl;
+  if (a.reduction == LMLOSS_REDUCE_MEAN)
+    G = den != 0.0 ? (float)(G / den) : 0.0f;
+  else if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS)
+    G = (float)(G / a.num_items);
+  return G * tw;
 }
 
 /* One 1024-thread block: a fixed-order double sum over rows (deterministic,
@@ -220,13 +232,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     }
     if (!grad) continue;
 
-    /* Upstream gradient of this row's loss. */
-    float G = dl;
-    if (a.reduction == LMLOSS_REDUCE_MEAN)
-      G = den != 0.0 ? (float)(G / den) : 0.0f;
-    else if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS)
-      G = (float)(G / a.num_items);
-    G *= tw;
+    const float G = ce_upstream(a, dl, den, tw);
     const float Gce = a.dft ? G * py : G;
     const float Gz = G * 2.0f * a.zl * (float)lse;
     /* dz_j = e_j F1 - F0 c_j away from the target and the argmax; without
@@ -364,14 +370,8 @@ template <typename In, typename O> __global__ void HELD_BOUNDS ce_held(CeArgs a)
         a.ws_loss[i] = NAN, a.ws_wt[i] = 0.0;
     }
   }
-  float G = dl;
-  if (a.reduction == LMLOSS_REDUCE_MEAN)
-    G = den != 0.0 ? (float)(G / den) : 0.0f;
-  else if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS)
-    G = (float)(G / a.num_items);
-  G *= tw;
+  const float G = ce_upstream(a, dl, den, tw);
   const float Gz = G * 2.0f * a.zl * (float)lse;
-  const float F1s = ok ? (G + Gz) * inv * k * h.ref.s() : NAN; /* dx_j = p_j F1 off the target */
   /* The target's entry, by the thread that holds it (v = vy, element ey). */
   const int64_t jy = y - h.ch.jb;
   const int vy = y_ok && jy >= 0 && y < h.ch.je ? (int)(jy / NV) : -1, ey = (int)(jy % NV);
@@ -392,19 +392,8 @@ template <typename In, typename O> __global__ void HELD_BOUNDS ce_held(CeArgs a)
         a.ws_loss[i] = li, a.ws_wt[i] = 1.0;
     }
   }
-  const ChunkOut<O, NV> out(drow, h.ch, a.V);
-  h.each([&](int v, const float *x) {
-    float g[NV];
-#pragma unroll
-    for (int e = 0; e < NV; e++)
-      g[e] = ex2(h.ref.p(X, x[e])) * F1s; /* -inf: ex2(-inf) = 0 */
-    if (v == vy) {
-#pragma unroll
-      for (int e = 0; e < NV; e++)
-        if (e == ey) g[e] = gy;
-    }
-    out.store(v, g);
-  });
+  /* dx_j = k (G + Gz) p_j off the target */
+  h.store_exp(X, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? (G + Gz) * inv * k : NAN, vy, ey, gy);
 }
 
 template <typename In, typename O>

@@ -1282,6 +1282,24 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
   return p;
 }
 
+/* A launch of grid CTAs of bs threads in clusters of cs (none when cs =
+ * 1); attr holds the cluster's dimension. */
+static inline cudaLaunchConfig_t cluster_launch(unsigned grid, int bs, size_t smem, int cs,
+                                                cudaStream_t st, cudaLaunchAttribute *attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(bs);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = cs;
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = cs > 1 ? 1 : 0;
+  return cfg;
+}
+
 /* How many clusters of cs CTAs (CTAs when cs = 1) of this configuration
  * the device holds at once; 0 where it cannot schedule one. Cached per
  * kernel, device and configuration: the occupancy query costs host time
@@ -1342,18 +1360,9 @@ static lmloss_status launch_rows(K k128, K k256, const DevInfo &d, int NV, int t
       return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA %s: attributes (shared memory %zu): %s",
                          what, p.smem, cudaGetErrorString(e));
     const int64_t maxrows = (int64_t)0x7fffffff / p.cs;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    cfg.gridDim = dim3((unsigned)((args.N < maxrows ? args.N : maxrows) * p.cs));
-    cfg.blockDim = dim3(p.bs);
-    cfg.dynamicSmemBytes = p.smem;
-    cfg.stream = st;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = p.cs;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = p.cs > 1 ? 1 : 0;
+    cudaLaunchAttribute attr;
+    cudaLaunchConfig_t cfg = cluster_launch(
+        (unsigned)((args.N < maxrows ? args.N : maxrows) * p.cs), p.bs, p.smem, p.cs, st, &attr);
     const int resident = p.cs > 8 || p.staged ? resident_clusters(kernel, cfg, p.cs, d) : 0;
     if (p.cs > 8 && resident < 1) continue; /* try clusters of 8 */
     if (p.staged && resident > 0 && resident < (int64_t)cfg.gridDim.x / p.cs)

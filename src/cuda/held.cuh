@@ -4,22 +4,24 @@
  * row (non-persistent: the hardware schedules the clusters).
  *
  * Why this shape: such a row must move in once and out once. Each thread
- * loads all its vectors (64 elements: 8 16-byte vectors of 16-bit logits,
- * 16 of fp32) before it uses any, so the CTA's whole chunk is in flight at
- * once with no stage in shared memory and no second read; 256 threads hold
- * 16384 elements, a cluster of 16 a row of 262144 (one CTA a row below
- * sm_90, which has no clusters). The statistics take two CTA barriers (the
- * CTA's max, then the max-split sum about it, so the warps merge by plain
- * adds) and, in a cluster, one push of each CTA's (m, R) into every peer's
- * shared memory, counted on the peer's mbarrier: no cluster barrier after
- * the start, none at exit (each CTA waits for every part pushed into it,
- * and a release fence there waited for the stores in flight). The code a
- * row costs besides its elements is kept to about the reductions: a
- * standalone probe of this shape ran at 91-96% of copy bandwidth, and the
- * same plan built over the staged kernels' general per-row code (options,
- * general merges) at 18-41% (BENCHMARKS.md, fourteenth session). So the
- * plan serves the ops' plain forms (see each op's *_held_applies); the
- * others keep make_plan's.
+ * loads all its vectors (16 of 16 bytes: 64 fp32 elements, 128 16-bit
+ * ones) before it uses any, so the CTA's whole chunk is in flight at once
+ * with no stage in shared memory and no second read; 256 threads hold 64
+ * KB, a cluster of 16 a row of 1 MB (one CTA a row below sm_90, which has
+ * no clusters). Two CTAs share an SM (128 registers), so each CTA's loads
+ * must cover the other's reductions: 8 vectors a thread left bf16 CE at
+ * 56-59% of copy bandwidth, 16 took it to 65-76% and the fp32 softmax to
+ * 89% (H200). The statistics take two CTA barriers (the CTA's max, then
+ * the max-split sum about it, so the warps merge by plain adds) and, in a
+ * cluster, one push of each CTA's (m, R) into every peer's shared memory,
+ * counted on the peer's mbarrier: no cluster barrier after the start,
+ * none at exit (each CTA waits for every part pushed into it, and a
+ * release fence there waited for the stores in flight). The code a row
+ * costs besides its elements is kept to about the reductions: the same
+ * plan built over the staged kernels' general per-row code (options,
+ * general merges) ran at 18-41% (BENCHMARKS.md, fourteenth session). So
+ * the plan serves the ops' plain forms (see each op's *_held_applies);
+ * the others keep make_plan's.
  */
 #ifndef LMLOSS_CUDA_HELD_CUH
 #define LMLOSS_CUDA_HELD_CUH
@@ -29,7 +31,7 @@
 namespace lmc {
 
 constexpr int HELD_THREADS = 256; /* the most a CTA runs (held_plan) */
-constexpr int HELD_ELEMS = 64;    /* elements a thread holds */
+constexpr int HELD_VECS = 16;     /* 16-byte vectors a thread holds */
 constexpr int HELD_MAX_CS = 16;
 
 struct HeldSmem {
@@ -43,7 +45,7 @@ struct HeldSmem {
 #define HELD_BOUNDS __launch_bounds__(HELD_THREADS, 2)
 
 template <typename In> struct HeldRow {
-  static constexpr int NV = elt<In>::NV, U = HELD_ELEMS / NV;
+  static constexpr int NV = elt<In>::NV, U = HELD_VECS;
   uint4 r[U]; /* not Raw<In>: its 16-bit view had each load's registers
                 repacked, waiting for it, before the next load went out */
   Chunk ch;
@@ -238,15 +240,44 @@ template <typename In> struct HeldRow {
       }
     }
   }
+
+  /* Store c exp(k (x_j - m)) for every element, but g at element e of
+   * vector v (an exact entry; v = -1: none): the softmax, and the
+   * gradients away from their exact entries. */
+  template <typename Out>
+  __device__ __forceinline__ void store_exp(const Xf &X, const Out &out, float c, int v, int e,
+                                            float g) const {
+    const float cr = c * ref.s(); /* the row factor 2^-ml of Ref */
+    each([&](int w, const float *x) {
+      float y[NV];
+#pragma unroll
+      for (int i = 0; i < NV; i++)
+        y[i] = ex2(ref.p(X, x[i])) * cr; /* -inf: ex2(-inf) = 0 */
+      if (w == v) {
+#pragma unroll
+        for (int i = 0; i < NV; i++)
+          if (i == e) y[i] = g;
+      }
+      out.store(w, y);
+    });
+  }
 };
 
 /* Where the held plan applies to a row of V (cs = 0: it does not): the
  * fewest CTAs that hold it, rounded up to a power of two, each of as few
- * warps as hold its chunk. Clusters of a power of two fill a GPC's CTA
- * slots: at bf16 8192 x 152064 (H200) clusters of 16 CTAs of 160 threads
- * ran CE at 56.7% of copy bandwidth where the fewest, 10 of 256, ran at
- * 45.7% (before the loads were fixed, see load). Clusters of more than 8
- * are non-portable: launch_held checks the device can schedule one. */
+ * warps as hold its chunk; in a cluster only where the chunks are at
+ * least 3/4 full (48 KB). Clusters of a power of two fill a GPC's CTA
+ * slots: at bf16 8192 x 152064 (H200, 8 vectors a thread) clusters of 16
+ * CTAs of 160 threads ran CE at 56.7% of copy bandwidth where the fewest,
+ * 10 of 256, ran at 45.7%. A cluster pays its exchange once a row, which
+ * a full chunk covers and a part-full one does not (16 vectors a thread,
+ * against the staged plan): the fp32 softmax at 4096 x 262144, 16 CTAs of
+ * 64 KB, 89.2-89.3% against 82.6-83.4%; bf16 CE and the log-probs
+ * backward at 8192 x 152064, 8 CTAs of 38 KB, 65.1-65.2% and 66.5-66.7%
+ * against 69.4% and 70.3-70.4%; one CTA a row (bf16 4096 x 32768), 75.8-
+ * 76.2% and 81.7-83.0% against 67.0-67.3% and 61.4-63.7%. Clusters of
+ * more than 8 are non-portable: launch_held checks the device can
+ * schedule one. */
 struct HeldPlan {
   int cs, bs;
   int64_t chunk;
@@ -254,13 +285,14 @@ struct HeldPlan {
 
 static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV) {
   HeldPlan p = {0, 0, 0};
-  const int64_t u = HELD_ELEMS / NV, nvec = (V + NV - 1) / NV;
+  const int64_t u = HELD_VECS, nvec = (V + NV - 1) / NV;
   const int64_t need = (nvec + HELD_THREADS * u - 1) / (HELD_THREADS * u);
   int cs = 1;
   while (cs < need)
     cs *= 2;
   if (N <= 0 || V <= 0 || cs > (d.cc_major >= 9 ? HELD_MAX_CS : 1) || N > INT_MAX / cs) return p;
   const int64_t nvc = (nvec + cs - 1) / cs;
+  if (cs > 1 && 4 * nvc < 3 * HELD_THREADS * u) return p;
   p.cs = cs;
   p.chunk = nvc * NV;
   p.bs = (int)(32 * ((nvc + 32 * u - 1) / (32 * u)));
@@ -282,17 +314,9 @@ static bool launch_held(K kernel, const DevInfo &d, int NV, cudaStream_t st, A &
                      cudaGetErrorString(e));
     return true;
   }
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  cfg.gridDim = dim3((unsigned)(args.N * p.cs));
-  cfg.blockDim = dim3(p.bs);
-  cfg.stream = st;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = p.cs;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.cs > 1 ? 1 : 0;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg =
+      cluster_launch((unsigned)(args.N * p.cs), p.bs, 0, p.cs, st, &attr);
   if (p.cs > 8 && resident_clusters(kernel, cfg, p.cs, d) < 1) return false;
   args.cs = p.cs;
   args.chunk = p.chunk;

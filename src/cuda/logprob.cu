@@ -10,9 +10,10 @@
  * (log p_j + H = (w_j - m) k + t / (1 + R): the log1p(R) cancels
  * analytically), and at the argmax the dlogp part uses 1 - p_a = R inv.
  * An out-of-range index makes its whole gradient row NaN. The backward
- * takes the row's statistics from its own first pass (lp_bwd) or from the
- * forward's saved ones (lp_bwd_saved, which reads the row once; it also
- * forms the fused head's vocab tiles, lmloss_cuda_lp_tile_grad).
+ * takes the row's statistics from its own first pass (lp_bwd, or lp_held
+ * for one index and no entropy gradient) or from the forward's saved ones
+ * (lp_bwd_saved, which reads the row once; it also forms the fused head's
+ * vocab tiles, lmloss_cuda_lp_tile_grad).
  */
 #include <type_traits>
 
@@ -344,7 +345,6 @@ template <typename In, typename O> __global__ void HELD_BOUNDS lp_held(LpArgs a)
   const float k = X.f.k;
   const bool ok = h.stats(X, &sm) && j >= 0 && j < a.V;
   const float m = h.m, inv = 1.0f / (1.0f + h.rs);
-  const float C0 = ok ? -inv * D * k * h.ref.s() : NAN; /* dx = e_j C0 off the index */
   /* The index's entry (LpGrad::entry for K = 1), by the thread holding it;
    * 1 - p there is R / (1 + R) at the max. */
   const int64_t jj = j - h.ch.jb;
@@ -356,19 +356,8 @@ template <typename In, typename O> __global__ void HELD_BOUNDS lp_held(LpArgs a)
     const float pj = cexp(X, top ? 0.0f : fmaxf(x - m, X.dmin)) * inv;
     gj = (top ? D * (h.rs * inv) : D - D * pj) * k;
   }
-  const ChunkOut<O, NV> out(drow, h.ch, a.V);
-  h.each([&](int v, const float *x) {
-    float g[NV];
-#pragma unroll
-    for (int e = 0; e < NV; e++)
-      g[e] = ex2(h.ref.p(X, x[e])) * C0; /* -inf: ex2(-inf) = 0 */
-    if (v == vj) {
-#pragma unroll
-      for (int e = 0; e < NV; e++)
-        if (e == ej) g[e] = gj;
-    }
-    out.store(v, g);
-  });
+  /* dx_j = -k D p_j off the index */
+  h.store_exp(X, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? -inv * D * k : NAN, vj, ej, gj);
 }
 
 /* The backward from the forward's saved statistics: no reduction, so

@@ -90,7 +90,6 @@ template <typename In, typename O> __global__ void HELD_BOUNDS sm_held(SmArgs a)
   const float m = h.m;
   float inv = 1.0f / (1.0f + h.rs), l1r = log1pf(h.rs);
   if (!ok) inv = l1r = NAN;
-  const float invs = inv * h.ref.s();
   const ChunkOut<O, NV> out((O *)a.y + i * a.ys, h.ch, a.V);
   if (a.log) {
     h.each([&](int v, const float *x) {
@@ -101,13 +100,7 @@ template <typename In, typename O> __global__ void HELD_BOUNDS sm_held(SmArgs a)
       out.store(v, y);
     });
   } else {
-    h.each([&](int v, const float *x) {
-      float y[NV];
-#pragma unroll
-      for (int e = 0; e < NV; e++)
-        y[e] = ex2(h.ref.p(X, x[e])) * invs; /* -inf: ex2(-inf) = 0 */
-      out.store(v, y);
-    });
+    h.store_exp(X, out, inv, -1, 0, 0.0f);
   }
 }
 

@@ -114,8 +114,8 @@ int main(void) {
              1);
   }
   tg_end(&g);
-  /* Rows CUDA's held plan (src/cuda/held.cuh) spreads over clusters of 8
-   * and 16 CTAs. */
+  /* Rows CUDA's held plan (src/cuda/held.cuh) spreads over clusters of up
+   * to 16 CTAs. */
   tg_begin(&g, "softmax/log-softmax, V = 131072 and 262144");
   for (int k = 0; k < 12; k++) {
     rng_seed(7100 + k);
