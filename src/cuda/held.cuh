@@ -64,13 +64,13 @@ template <typename In> struct HeldRow {
     return q;
   }
 
-  /* Issue every load of the thread's vectors (-inf past the chunk). The
-   * whole vectors of an aligned row are one predicated 16-byte load each,
-   * straight into their registers: loads in branches (load_vec's element
-   * path beside them) had ptxas copy each result into its register before
-   * the next load went out, one load in flight per thread (ncu, the
-   * softmax: 4.78 ms, 37% of DRAM bandwidth, the stalls on those copies).
-   * The rest (an unaligned row's vectors, the one crossing V) follow with
+  /* Issue every load of the thread's vectors (-inf past the chunk) of a
+   * 16-byte aligned row (launch_held). The whole vectors are one
+   * predicated 16-byte load each, straight into their registers: loads in
+   * branches (load_vec's element path beside them) had ptxas copy each
+   * result into its register before the next load went out, one load in
+   * flight per thread (ncu, the softmax: 4.78 ms, 37% of DRAM bandwidth,
+   * the stalls on those copies). The vector crossing V follows with
    * element loads. */
   __device__ __forceinline__ void load(const In *row, int64_t V) {
     Raw<In> ninf;
@@ -78,7 +78,7 @@ template <typename In> struct HeldRow {
     for (int e = 0; e < NV; e++)
       ninf.e[e] = neg_inf<In>();
     const uint4 *base = (const uint4 *)(row + ch.jb);
-    const int whole = is_aligned16(row) ? (int)((ch.je - ch.jb) / NV) : 0;
+    const int whole = (int)((ch.je - ch.jb) / NV);
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int v = vec(u);
@@ -305,6 +305,9 @@ static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV)
 template <typename K, typename A>
 static bool launch_held(K kernel, const DevInfo &d, int NV, cudaStream_t st, A &args,
                         const char *what, lmloss_status *s) {
+  /* An unaligned row's vectors would be element loads (see load): its
+   * loads would not all be in flight at once. */
+  if ((uintptr_t)args.x % 16 != 0 || args.xs * (16 / NV) % 16 != 0) return false;
   const HeldPlan p = held_plan(d, args.N, args.V, NV);
   if (p.cs == 0) return false;
   cudaError_t e = cudaSuccess;

@@ -405,7 +405,7 @@ int main(void) {
    * DFT, entropy or argmax): on CUDA the held plan (src/cuda/held.cuh),
    * which the groups above reach only in part: peaked, tied and
    * non-finite rows, -inf over whole CTA chunks, rows of one to sixteen
-   * CTAs, with the per-row options it keeps. */
+   * CTAs, with the per-row options it keeps (aligned rows: odd k). */
   tg_begin(&g, "ce plain options: margins, ties, non-finite and wide rows");
   static const int specials[] = {PLAIN, TIES, NONFINITE, NEGINF, NEGINF_HEAD};
   for (int k = 0; k < 40; k++) {
@@ -414,7 +414,7 @@ int main(void) {
     c.outs = 0, c.mode = FUSED + k % 3, c.margin = margins[k % 9], c.special = specials[k % 5];
     c.xdt = fdts[(k / 3) % 3], c.gdt = c.mode == INPLACE ? c.xdt : fdts[(k / 4) % 3];
     c.idt = k % 2 ? LMLOSS_I32 : LMLOSS_I64;
-    c.stride = k % 7 == 3 ? V + 8 : V;
+    c.stride = k % 2 ? (V + 7) / 8 * 8 + (k % 7 == 3 ? 8 : 0) : V; /* 16-byte aligned rows */
     c.opt.reduction = (lmloss_reduction)(k % 4), c.opt.num_items = 37.5;
     c.opt.grad_output = 0.75f;
     c.opt.z_loss = k % 2 ? 1e-3f : 0.0f;

@@ -8,9 +8,9 @@
 static const lmloss_dtype fdts[] = {LMLOSS_F32, LMLOSS_BF16, LMLOSS_F16};
 static const double margins[] = {-1, 0, 5, 17, 20, 30, 50, 100, 1000};
 
-static void run_case(tgroup *g, int64_t N, int64_t V, int log, lmloss_dtype xdt, lmloss_dtype odt,
-                     double margin, int inplace, int special) {
-  lmloss_tensor x = host_new(xdt, N, V, V + (margin > 10 ? 2 : 0));
+static void run_case(tgroup *g, int64_t N, int64_t V, int64_t pad, int log, lmloss_dtype xdt,
+                     lmloss_dtype odt, double margin, int inplace, int special) {
+  lmloss_tensor x = host_new(xdt, N, V, V + pad);
   host_poison(&x);
   int64_t *t0 = malloc(sizeof(int64_t) * (size_t)N);
   for (int64_t i = 0; i < N; i++)
@@ -102,25 +102,27 @@ int main(void) {
       for (int m = 0; m < 9; m++)
         for (int d = 0; d < 3; d++) {
           rng_seed(5000 + 1000 * log + 50 * v + 3 * m + d);
-          run_case(&g, Vs[v] >= 40001 ? 2 : 5, Vs[v], log, fdts[d], fdts[(d + m) % 3], margins[m],
-                   (m + d) % 4 == 3, 0);
+          run_case(&g, Vs[v] >= 40001 ? 2 : 5, Vs[v], margins[m] > 10 ? 2 : 0, log, fdts[d],
+                   fdts[(d + m) % 3], margins[m], (m + d) % 4 == 3, 0);
         }
       tg_end(&g);
     }
   tg_begin(&g, "softmax/log-softmax NaN/+inf/all -inf rows, -inf");
   for (int k = 0; k < 12; k++) {
     rng_seed(7000 + k);
-    run_case(&g, 6, k % 2 ? 17 : 1003, k % 2, fdts[k % 3], fdts[k % 3], k % 3 ? 30 : -1, k % 4 == 3,
-             1);
+    run_case(&g, 6, k % 2 ? 17 : 1003, k % 3 ? 2 : 0, k % 2, fdts[k % 3], fdts[k % 3],
+             k % 3 ? 30 : -1, k % 4 == 3, 1);
   }
   tg_end(&g);
-  /* Rows CUDA's held plan (src/cuda/held.cuh) spreads over clusters of up
-   * to 16 CTAs. */
-  tg_begin(&g, "softmax/log-softmax, V = 131072 and 262144");
-  for (int k = 0; k < 12; k++) {
+  /* Rows in 16-byte aligned strides, which CUDA's held plan
+   * (src/cuda/held.cuh) takes: one CTA with the vector crossing V, and
+   * clusters of up to 16 CTAs. */
+  tg_begin(&g, "softmax/log-softmax, aligned rows: V = 1003, 131072, 262144");
+  for (int k = 0; k < 18; k++) {
+    const int64_t V = (int64_t[]){1003, 131072, 262144}[k % 3];
     rng_seed(7100 + k);
-    run_case(&g, 2, k % 2 ? 262144 : 131072, (k / 2) % 2, fdts[k % 3], fdts[(k / 3) % 3],
-             margins[(3 * k) % 9], k % 4 == 3, 0);
+    run_case(&g, V == 1003 ? 6 : 2, V, V == 1003 ? 5 : 8 * (k % 2), (k / 3) % 2, fdts[k % 3],
+             fdts[(k / 3) % 3], margins[(2 * k) % 9], k % 4 == 3, V == 1003 && k % 2);
   }
   tg_end(&g);
   return test_finish();
