@@ -77,6 +77,17 @@ __device__ __forceinline__ float ce_upstream(const CeArgs &a, float dl, double d
   return G * tw;
 }
 
+/* Row i's loss li: the output itself (NONE), or its loss and weight wt
+ * (the MEAN denominator's share) for ce_finalize. */
+__device__ __forceinline__ void put_loss(const CeArgs &a, int64_t i, double li, double wt) {
+  if (a.reduction == LMLOSS_REDUCE_NONE) {
+    a.loss[i * a.ls] = (float)li;
+  } else {
+    a.ws_loss[i] = li;
+    a.ws_wt[i] = wt;
+  }
+}
+
 /* One 1024-thread block: a fixed-order double sum over rows (deterministic,
  * N is small next to N x V). */
 __device__ __forceinline__ double block_sum(double v, double *sh) {
@@ -154,12 +165,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     if (y == a.ignore) {
       if (rw.rank == 0 && threadIdx.x == 0) {
         if (a.mode == CE_FWD || a.mode == CE_FUSED) {
-          if (a.reduction == LMLOSS_REDUCE_NONE)
-            a.loss[i * a.ls] = 0.0f;
-          else {
-            a.ws_loss[i] = 0.0;
-            a.ws_wt[i] = 0.0;
-          }
+          put_loss(a, i, 0.0, 0.0);
           if (a.lse) a.lse[i * a.lses] = 0.0f;
           if (a.ent) a.ent[i * a.ents] = 0.0f;
           if (a.amax) a.amax[i * a.ams] = -1;
@@ -219,12 +225,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     if (!ok) li = NAN;
 
     if (rw.rank == 0 && threadIdx.x == 0 && a.mode != CE_BWD) {
-      if (a.reduction == LMLOSS_REDUCE_NONE)
-        a.loss[i * a.ls] = (float)li;
-      else {
-        a.ws_loss[i] = li;
-        a.ws_wt[i] = y_ok ? (double)cy : 0.0;
-      }
+      put_loss(a, i, li, y_ok ? (double)cy : 0.0);
       const bool fin = !P.bad && lmloss_rowstat_finite(&s);
       if (a.lse) a.lse[i * a.lses] = fin ? (float)lse : NAN;
       if (a.ent) a.ent[i * a.ents] = fin ? lmloss_rowstat_entropy(&s) : NAN;
@@ -345,10 +346,7 @@ template <typename In, typename O> __global__ void HELD_BOUNDS ce_held(CeArgs a)
   const bool lead = h.rank == 0 && threadIdx.x == 0, fwd = a.mode == CE_FUSED;
   if (y == a.ignore) { /* the whole cluster returns here */
     if (lead && fwd) {
-      if (a.reduction == LMLOSS_REDUCE_NONE)
-        a.loss[i * a.ls] = 0.0f;
-      else
-        a.ws_loss[i] = a.ws_wt[i] = 0.0;
+      put_loss(a, i, 0.0, 0.0);
       if (a.lse) a.lse[i * a.lses] = 0.0f;
     }
     if (a.zero_ignored) zero_chunk<In, O>(drow, h.ch, a.V);
@@ -363,12 +361,7 @@ template <typename In, typename O> __global__ void HELD_BOUNDS ce_held(CeArgs a)
   const double lse = (double)m * k + l1r;
   if (lead && fwd) {
     if (a.lse) a.lse[i * a.lses] = fin ? (float)lse : NAN;
-    if (!y_ok) { /* no CTA holds the target */
-      if (a.reduction == LMLOSS_REDUCE_NONE)
-        a.loss[i * a.ls] = NAN;
-      else
-        a.ws_loss[i] = NAN, a.ws_wt[i] = 0.0;
-    }
+    if (!y_ok) put_loss(a, i, NAN, 0.0); /* no CTA holds the target */
   }
   const float G = ce_upstream(a, dl, den, tw);
   const float Gz = G * 2.0f * a.zl * (float)lse;
@@ -385,11 +378,7 @@ template <typename In, typename O> __global__ void HELD_BOUNDS ce_held(CeArgs a)
     gy = ok ? (G * lmloss_ce_grad_z(&q, &s, py, 1.0f, 1, xy == m) + Gz * py) * k : NAN;
     if (fwd) {
       const double ly = (double)(m - xy) * k + l1r; /* lse - z_y, exact 0 gap at the max */
-      const double li = ok ? (double)tw * (ly + (double)a.zl * lse * lse) : NAN;
-      if (a.reduction == LMLOSS_REDUCE_NONE)
-        a.loss[i * a.ls] = (float)li;
-      else
-        a.ws_loss[i] = li, a.ws_wt[i] = 1.0;
+      put_loss(a, i, ok ? (double)tw * (ly + (double)a.zl * lse * lse) : NAN, 1.0);
     }
   }
   /* dx_j = k (G + Gz) p_j off the target */
