@@ -4,15 +4,17 @@
  * row (non-persistent: the hardware schedules the clusters).
  *
  * Why this shape: such a row must move in once and out once. Each thread
- * loads all its vectors (16 of 16 bytes: 64 fp32 elements, 128 16-bit
- * ones) before it uses any, so the CTA's whole chunk is in flight at once
- * with no stage in shared memory and no second read; 256 threads hold 64
- * KB, a cluster of 16 a row of 1 MB (one CTA a row below sm_90, which has
- * no clusters). Two CTAs share an SM (128 registers), so each CTA's loads
- * must cover the other's reductions: 8 vectors a thread left bf16 CE at
- * 56-59% of copy bandwidth, 16 took it to 65-76% and the fp32 softmax to
- * 89% (H200). The statistics take two CTA barriers (the CTA's max, then
- * the max-split sum about it, so the warps merge by plain adds) and, in a
+ * loads all its vectors (64 KB a CTA: 256 threads of 16 vectors of 16
+ * bytes, or 128 threads of 32) before it uses any, so the CTA's whole
+ * chunk is in flight at once with no stage in shared memory and no second
+ * read; a cluster of 16 holds a row of 1 MB (one CTA a row below sm_90,
+ * which has no clusters). Two CTAs of 256 threads share an SM (128
+ * registers), three of 128 (168), so that each CTA's loads cover the
+ * others' reductions: 8 vectors a thread left bf16 CE at 56-59% of copy
+ * bandwidth, 16 took it to 65-76% and the fp32 softmax to 89% (H200);
+ * held_plan says which CTA a row takes. The statistics take two CTA
+ * barriers (the CTA's max, then the max-split sum about it, so the warps
+ * merge by plain adds) and, in a
  * cluster, one push of each CTA's (m, R) into every peer's shared memory,
  * counted on the peer's mbarrier: no cluster barrier after the start,
  * none at exit (each CTA waits for every part pushed into it, and a
@@ -31,7 +33,7 @@
 namespace lmc {
 
 constexpr int HELD_THREADS = 256; /* the most a CTA runs (held_plan) */
-constexpr int HELD_VECS = 16;     /* 16-byte vectors a thread holds */
+constexpr int HELD_VECS = 4096;   /* 16-byte vectors a CTA holds: T threads of 4096 / T */
 constexpr int HELD_MAX_CS = 16;
 
 struct HeldSmem {
@@ -42,10 +44,11 @@ struct HeldSmem {
   alignas(8) unsigned long long bar;
 };
 
-#define HELD_BOUNDS __launch_bounds__(HELD_THREADS, 2)
+/* T threads of 64 KB in registers: two CTAs an SM at 256, three at 128 */
+#define HELD_BOUNDS(T) __launch_bounds__(T, (T) == 256 ? 2 : 3)
 
-template <typename In> struct HeldRow {
-  static constexpr int NV = elt<In>::NV, U = HELD_VECS;
+template <typename In, int T> struct HeldRow {
+  static constexpr int NV = elt<In>::NV, U = HELD_VECS / T;
   uint4 r[U]; /* not Raw<In>: its 16-bit view had each load's registers
                 repacked, waiting for it, before the next load went out */
   Chunk ch;
@@ -61,6 +64,15 @@ template <typename In> struct HeldRow {
   __device__ __forceinline__ Raw<In> raw(int u) const {
     Raw<In> q;
     q.u = r[u];
+    return q;
+  }
+  /* raw(u) for a second sweep that only some threads take: opaque, so
+   * that the compiler does not keep the first sweep's unpacked elements
+   * (128 floats a thread) live for it, in spilled registers. */
+  __device__ __forceinline__ Raw<In> raw_again(int u) const {
+    Raw<In> q;
+    q.u = r[u];
+    asm("" : "+r"(q.u.x), "+r"(q.u.y), "+r"(q.u.z), "+r"(q.u.w));
     return q;
   }
 
@@ -112,9 +124,16 @@ template <typename In> struct HeldRow {
 
   /* The row's m and rs in every thread of the cluster; true when they are
    * finite (no NaN, +inf or all -inf). Within the CTA, R about its max M
-   * is the sum over the elements below M plus the occurrences of M but
-   * one, which the threads holding M count apart. Contains __syncthreads:
-   * call uniformly. */
+   * is S - 1, S the sum of every term (about 1 at each occurrence of M).
+   * Where S < 2, R's low bits would be lost in a thread's sum that holds
+   * an occurrence, so a thread holding M whose own sum is below 2 sums
+   * again without the occurrences, counting them apart (R then = the sum
+   * + the count - 1, exact at a peaked row); where its sum is 2 or more,
+   * R >= 1 and its error is the sum's. A thread's plain sum costs an FMA,
+   * an ex2 and an add an element: with the occurrences counted in every
+   * warp holding M (16-bit rows tie at their max often: 300 times a bf16
+   * bench row of 152064) CE ran 22 instructions an element, ~10 of them
+   * in that sum (ncu, H200). Contains __syncthreads: call uniformly. */
   __device__ __forceinline__ bool stats(const Xf &X, HeldSmem *sm) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     float t = -INFINITY;
@@ -133,20 +152,20 @@ template <typename In> struct HeldRow {
     ref.set(X, M);
     float s = 0.0f;
     int ties = 0;
-    if (__all_sync(0xffffffffu, t < M)) {
+#pragma unroll
+    for (int u = 0; u < U; u++) {
+      float x[NV];
+      unpack<In, NV>(raw(u), x);
+#pragma unroll
+      for (int e = 0; e < NV; e++)
+        s += ex2(ref.p(X, x[e])); /* -inf: ex2(-inf) = 0 */
+    }
+    if (t == M && !(s >= 2.0f)) { /* see the comment above */
+      s = 0.0f;
 #pragma unroll
       for (int u = 0; u < U; u++) {
         float x[NV];
-        unpack<In, NV>(raw(u), x);
-#pragma unroll
-        for (int e = 0; e < NV; e++)
-          s += ex2(ref.p(X, x[e])); /* -inf: ex2(-inf) = 0 */
-      }
-    } else { /* a warp holding M (16-bit rows tie there often): no divergence */
-#pragma unroll
-      for (int u = 0; u < U; u++) {
-        float x[NV];
-        unpack<In, NV>(raw(u), x);
+        unpack<In, NV>(raw_again(u), x);
 #pragma unroll
         for (int e = 0; e < NV; e++) {
           const float p = ex2(ref.p(X, x[e]));
@@ -227,89 +246,91 @@ template <typename In> struct HeldRow {
     return y;
   }
 
-  /* f(v, x) for each of the thread's vectors in the chunk, x its NV
-   * elements as floats. */
-  template <typename F> __device__ __forceinline__ void each(F f) const {
+  /* out.store of f(x, y) for each of the thread's vectors in the chunk
+   * (x its NV elements as floats, y the NV values to store): one branch a
+   * whole vector, element stores in the other branch (the vector crossing
+   * V, an unaligned output row). Three branches a vector (in the chunk,
+   * whole, the exact entry) took 0.7-1.2 of CE's 22-25 instructions an
+   * element (ncu, H200); the element stores in a sweep after the whole
+   * vectors kept every register live through them, spilled. */
+  template <typename O, typename F>
+  __device__ __forceinline__ void put(const ChunkOut<O, NV> &out, F f) const {
 #pragma unroll
     for (int u = 0; u < U; u++) {
+      float x[NV], y[NV];
+      unpack<In, NV>(raw(u), x);
+      f(x, y);
       const int v = vec(u);
-      if (v < ch.nv) {
-        float x[NV];
-        unpack<In, NV>(raw(u), x);
-        f(v, x);
-      }
+      if (v < out.whole)
+        store_whole<O, NV>(out.base + v * NV, y);
+      else if (v < ch.nv)
+        out.store(v, y);
     }
   }
 
-  /* Store c exp(k (x_j - m)) for every element, but g at element e of
-   * vector v (an exact entry; v = -1: none): the softmax, and the
-   * gradients away from their exact entries. */
-  template <typename Out>
-  __device__ __forceinline__ void store_exp(const Xf &X, const Out &out, float c, int v, int e,
-                                            float g) const {
+  /* Store c exp(k (x_j - m)) for every element, then g at element e of
+   * vector v where this thread holds it (an exact entry; v = -1: none):
+   * the softmax, and the gradients away from their exact entries. */
+  template <typename O>
+  __device__ __forceinline__ void store_exp(const Xf &X, const ChunkOut<O, NV> &out, float c, int v,
+                                            int e, float g) const {
     const float cr = c * ref.s(); /* the row factor 2^-ml of Ref */
-    each([&](int w, const float *x) {
-      float y[NV];
+    put(out, [&](const float *x, float *y) {
 #pragma unroll
       for (int i = 0; i < NV; i++)
         y[i] = ex2(ref.p(X, x[i])) * cr; /* -inf: ex2(-inf) = 0 */
-      if (w == v) {
-#pragma unroll
-        for (int i = 0; i < NV; i++)
-          if (i == e) y[i] = g;
-      }
-      out.store(w, y);
     });
+    if (v >= 0 && holds(v)) out.base[v * NV + e] = fromf<O>(g); /* after its vector's store */
   }
 };
 
-/* Where the held plan applies to a row of V (cs = 0: it does not): the
- * fewest CTAs that hold it, rounded up to a power of two, each of as few
- * warps as hold its chunk; in a cluster only where the chunks are at
- * least 3/4 full (48 KB). Clusters of a power of two fill a GPC's CTA
- * slots: at bf16 8192 x 152064 (H200, 8 vectors a thread) clusters of 16
- * CTAs of 160 threads ran CE at 56.7% of copy bandwidth where the fewest,
- * 10 of 256, ran at 45.7%. A cluster pays its exchange once a row, which
- * a full chunk covers and a part-full one does not (16 vectors a thread,
- * against the staged plan): the fp32 softmax at 4096 x 262144, 16 CTAs of
- * 64 KB, 89.2-89.3% against 82.6-83.4%; bf16 CE and the log-probs
- * backward at 8192 x 152064, 8 CTAs of 38 KB, 65.1-65.2% and 66.5-66.7%
- * against 69.4% and 70.3-70.4%; one CTA a row (bf16 4096 x 32768), 75.8-
- * 76.2% and 81.7-83.0% against 67.0-67.3% and 61.4-63.7%. Clusters of
- * more than 8 are non-portable: launch_held checks the device can
- * schedule one. */
+/* Where the held plan applies to a row of V (cs = 0: it does not): one
+ * CTA of 256 threads where it holds the row, else a cluster of the fewest
+ * CTAs of 128 threads that hold it; each of as few warps as hold its
+ * chunk, in a cluster only where the chunks are at least 3/4 full (48
+ * KB). Measured side by side (H200, bf16 CE and log-probs backward, % of
+ * copy bandwidth, 2026-12-01): one CTA a row (4096 x 32768), 256 threads
+ * 84.9% and 90.8%, 128 threads 72.3% and 71.4%; at 8192 x 152064, 5 CTAs
+ * of 128 threads (59 KB each, three an SM) 77.0% and 71.8%, 8 (a power
+ * of two, 38 KB) 65.6% and 63.1%, the staged plan 69.3% and 70.0%; the
+ * fp32 softmax at 4096 x 262144, 16 CTAs of 64 KB, 88.4% at 128 threads
+ * and 88.5% at 256, the staged plan 83.7%. A cluster pays its exchange
+ * once a row, which a part-full chunk does not cover (8 of 38 KB, above;
+ * at 256 threads 65.1% against the staged plan's 69.4%). Clusters of more
+ * than 8 are non-portable: launch_held checks the device can schedule
+ * one. */
 struct HeldPlan {
-  int cs, bs;
+  int cs, bs, threads;
   int64_t chunk;
 };
 
 static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV) {
-  HeldPlan p = {0, 0, 0};
-  const int64_t u = HELD_VECS, nvec = (V + NV - 1) / NV;
-  const int64_t need = (nvec + HELD_THREADS * u - 1) / (HELD_THREADS * u);
-  int cs = 1;
-  while (cs < need)
-    cs *= 2;
-  if (N <= 0 || V <= 0 || cs > (d.cc_major >= 9 ? HELD_MAX_CS : 1) || N > INT_MAX / cs) return p;
-  const int64_t nvc = (nvec + cs - 1) / cs;
-  if (cs > 1 && 4 * nvc < 3 * HELD_THREADS * u) return p;
+  HeldPlan p = {0, 0, 0, 0};
+  const int64_t nvec = (V + NV - 1) / NV, need = (nvec + HELD_VECS - 1) / HELD_VECS;
+  if (N <= 0 || V <= 0 || need > (d.cc_major >= 9 ? HELD_MAX_CS : 1) || N > INT_MAX / need)
+    return p;
+  const int cs = (int)need, T = cs == 1 ? 256 : 128;
+  const int64_t nvc = (nvec + cs - 1) / cs, u = HELD_VECS / T;
+  if (cs > 1 && 4 * nvc < 3 * HELD_VECS) return p;
   p.cs = cs;
+  p.threads = T;
   p.chunk = nvc * NV;
   p.bs = (int)(32 * ((nvc + 32 * u - 1) / (32 * u)));
   return p;
 }
 
-/* Launch kernel over N rows by the held plan, setting the args' cs and
- * chunk; false (nothing launched) where the plan does not apply, *s the
- * launch's status otherwise. */
+/* Launch the kernel of the plan's CTA (k256: 256 threads, k128: 128)
+ * over N rows, setting the args' cs and chunk; false (nothing launched)
+ * where the plan does not apply, *s the launch's status otherwise. */
 template <typename K, typename A>
-static bool launch_held(K kernel, const DevInfo &d, int NV, cudaStream_t st, A &args,
+static bool launch_held(K k256, K k128, const DevInfo &d, int NV, cudaStream_t st, A &args,
                         const char *what, lmloss_status *s) {
   /* An unaligned row's vectors would be element loads (see load): its
    * loads would not all be in flight at once. */
   if ((uintptr_t)args.x % 16 != 0 || args.xs * (16 / NV) % 16 != 0) return false;
   const HeldPlan p = held_plan(d, args.N, args.V, NV);
   if (p.cs == 0) return false;
+  const K kernel = p.threads == 256 ? k256 : k128;
   cudaError_t e = cudaSuccess;
   if (p.cs > 8) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   if (e != cudaSuccess) {

@@ -78,11 +78,11 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
 }
 
 /* The held plan (held.cuh) of sm_fwd, for a row it holds. */
-template <typename In, typename O> __global__ void HELD_BOUNDS sm_held(SmArgs a) {
+template <typename In, typename O, int T> __global__ void HELD_BOUNDS(T) sm_held(SmArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
   const int64_t i = blockIdx.x / a.cs;
-  HeldRow<In> h(a.cs, a.chunk, a.V);
+  HeldRow<In, T> h(a.cs, a.chunk, a.V);
   h.load((const In *)a.x + i * a.xs, a.V);
   h.arrive(&sm);
   const Xf &X = a.X;
@@ -92,12 +92,10 @@ template <typename In, typename O> __global__ void HELD_BOUNDS sm_held(SmArgs a)
   if (!ok) inv = l1r = NAN;
   const ChunkOut<O, NV> out((O *)a.y + i * a.ys, h.ch, a.V);
   if (a.log) {
-    h.each([&](int v, const float *x) {
-      float y[NV];
+    h.put(out, [&](const float *x, float *y) {
 #pragma unroll
       for (int e = 0; e < NV; e++)
         y[e] = (x[e] - m) - l1r;
-      out.store(v, y);
     });
   } else {
     h.store_exp(X, out, inv, -1, 0, 0.0f);
@@ -203,7 +201,8 @@ __global__ void __launch_bounds__(512) sm_bwd(SbArgs a) {
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, SmArgs &a, cudaStream_t st) {
   lmloss_status s;
-  if (launch_held(sm_held<In, O>, d, elt<In>::NV, st, a, "softmax", &s)) return s;
+  if (launch_held(sm_held<In, O, 256>, sm_held<In, O, 128>, d, elt<In>::NV, st, a, "softmax", &s))
+    return s;
   return launch_rows(sm_fwd<In, O>, sm_fwd<In, O>, d, elt<In>::NV, 1, 0, st, a, "softmax");
 }
 

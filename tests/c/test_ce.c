@@ -9,7 +9,7 @@
 
 enum { FWD, FUSED, INPLACE, BWD };
 static const char *mode_name[] = {"fwd", "fused", "inplace", "bwd"};
-enum { PLAIN, NONFINITE, NEGINF, NEGINF_HEAD, TIES, ALL_IGNORED };
+enum { PLAIN, NONFINITE, NEGINF, NEGINF_HEAD, TIES, ALL_IGNORED, NEAR_TOP };
 
 typedef struct {
   int64_t N, V, stride;
@@ -176,6 +176,12 @@ static void build_inputs(const ce_case *c, lmloss_ce_inputs *in, int64_t *tv) {
         tset(&in->logits, i, rng_int(V), mx);
       if (i % 2 && tv[i] >= 0) tset(&in->logits, i, tv[i], mx);
     }
+  if (c->special == NEAR_TOP) /* 1-3 entries 0.5-1 below the target, in its 16-byte vector */
+    for (int64_t i = 0; i < N; i++)
+      for (int64_t d = 1; tv[i] >= 0 && d <= 1 + i % 3; d++) {
+        const int64_t j = (tv[i] & ~(int64_t)3) + ((tv[i] + d) & 3);
+        if (j < V) tset(&in->logits, i, j, tget(&in->logits, i, tv[i]) - 0.25 * (d + 1));
+      }
   if (c->special == NEGINF)
     for (int64_t i = 0; i < N; i++)
       for (int64_t j = 0; j < V; j++)
@@ -423,6 +429,25 @@ int main(void) {
     c.ignore_frac = k % 3 == 1 ? 0.3 : 0.0;
     c.opt.zero_ignored_rows = k % 6 != 4;
     rng_seed(600 + k);
+    run_case(&g, &c);
+  }
+  tg_end(&g);
+
+  /* CUDA's held plan: a thread holding the max sums its terms again
+   * without the max where its own sum is below 2 (held.cuh, stats). A
+   * peaked max with 1-3 entries 0.5-1 below it in its own vector puts
+   * that sum on either side of 2, the rest of the row far below. */
+  tg_begin(&g, "ce near-max entries beside a peaked max");
+  for (int k = 0; k < 12; k++) {
+    const int64_t V = (int64_t[]){1003, 4096, 151936}[k % 3];
+    ce_case c = base(6, V);
+    c.outs = 0, c.mode = FUSED + k % 3, c.margin = (double[]){17, 30, 100, 20}[k % 4];
+    c.special = NEAR_TOP;
+    c.xdt = fdts[(k / 3) % 3], c.gdt = c.mode == INPLACE ? c.xdt : fdts[k % 3];
+    c.stride = k % 2 ? (V + 7) / 8 * 8 : V; /* 16-byte aligned rows */
+    c.opt.reduction = (lmloss_reduction)(k % 4);
+    c.opt.z_loss = k % 2 ? 1e-3f : 0.0f;
+    rng_seed(700 + k);
     run_case(&g, &c);
   }
   tg_end(&g);
