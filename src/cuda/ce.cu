@@ -19,6 +19,7 @@
 #include <type_traits>
 
 #include "held.cuh"
+#include "staged.cuh"
 
 namespace lmc {
 
@@ -130,7 +131,7 @@ __global__ void ce_finalize(CeArgs a, float *loss) {
   }
 }
 
-/* Shaped as make_plan (common.cuh) says. With a gradient: one row per
+/* Shaped as make_plan (staged.cuh) says. With a gradient: one row per
  * cluster; the gradient needs the row statistics before its first write,
  * so each CTA stages its chunk and writes the gradient from shared memory
  * after the cluster has merged the row state. Forward only: the same

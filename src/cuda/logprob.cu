@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "held.cuh"
+#include "staged.cuh"
 
 namespace lmc {
 
@@ -52,7 +53,7 @@ struct LpArgs {
   int staged;
 };
 
-/* One pass over the row, launched as make_plan (common.cuh) plans a
+/* One pass over the row, launched as make_plan (staged.cuh) plans a
  * one-pass row: one CTA streaming it through registers (see first_pass).
  * The chunk, cluster and stage parameters are the shared row machinery's
  * (rank 0 gathers the K log-probs after the merge). Four CTAs per SM (64

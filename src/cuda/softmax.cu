@@ -14,6 +14,7 @@
  * so the argmax entry never forms 1 - y_a.
  */
 #include "held.cuh"
+#include "staged.cuh"
 
 namespace lmc {
 
