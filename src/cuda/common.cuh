@@ -16,7 +16,6 @@
 #ifndef LMLOSS_CUDA_COMMON_CUH
 #define LMLOSS_CUDA_COMMON_CUH
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -39,8 +38,6 @@ extern "C" {
 #endif
 
 namespace lmc {
-
-namespace cg = cooperative_groups;
 
 constexpr float LN2 = 0.693147180559945309f;
 constexpr double LOG2E = 1.4426950408889634074;

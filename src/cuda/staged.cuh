@@ -9,9 +9,13 @@
 #ifndef LMLOSS_CUDA_STAGED_CUH
 #define LMLOSS_CUDA_STAGED_CUH
 
+#include <cooperative_groups.h>
+
 #include "common.cuh"
 
 namespace lmc {
+
+namespace cg = cooperative_groups;
 
 /* Vector v of a CTA's chunk of a gradient row: w = the transform of the
  * logits x, then fill(w, g) gives the gradient in z units (times k where
