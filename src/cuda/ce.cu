@@ -332,7 +332,8 @@ static bool ce_held_applies(const CeArgs &a, bool T) {
  * for first held back every load of the row. So an ignored row is read
  * too, and left as it was (or zeroed). The target's own logit comes from
  * the registers of the thread that holds it, which writes the loss. */
-template <typename In, typename O, int T> __global__ void HELD_BOUNDS(T) ce_held(CeArgs a) {
+template <typename In, typename O, bool CLUSTER>
+__global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
   const int64_t i = blockIdx.x / a.cs;
@@ -341,7 +342,7 @@ template <typename In, typename O, int T> __global__ void HELD_BOUNDS(T) ce_held
   const float dl = a.mode == CE_FUSED ? a.grad_output
                                       : a.dloss[a.reduction == LMLOSS_REDUCE_NONE ? i * a.dls : 0];
   const double den = a.reduction == LMLOSS_REDUCE_MEAN ? *a.den : 1.0;
-  HeldRow<In, T> h(a.cs, a.chunk, a.V);
+  HeldRow<In, held_threads(NV, CLUSTER)> h(a.cs, a.chunk, a.V);
   h.load((const In *)a.x + i * a.xs, a.V);
   O *drow = (O *)a.dx + i * a.dxs;
   const bool lead = h.rank == 0 && threadIdx.x == 0, fwd = a.mode == CE_FUSED;
@@ -389,8 +390,8 @@ template <typename In, typename O, int T> __global__ void HELD_BOUNDS(T) ce_held
 template <typename In, typename O>
 static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
   lmloss_status s;
-  if (ce_held_applies(a, T) && launch_held(ce_held<In, O, 256>, ce_held<In, O, 128>, d, elt<In>::NV,
-                                           st, a, "cross_entropy", &s))
+  if (ce_held_applies(a, T) && launch_held(ce_held<In, O, false>, ce_held<In, O, true>, d,
+                                           elt<In>::NV, st, a, "cross_entropy", &s))
     return s;
   if (T)
     return launch_rows(ce_rows<In, O, true, 128>, ce_rows<In, O, true, 256>, d, elt<In>::NV,

@@ -13,11 +13,11 @@
  * bytes, or 128 threads of 32) before it uses any, so the CTA's whole
  * chunk is in flight at once with no stage in shared memory and no second
  * read; a cluster of 16 holds a row of 1 MB (one CTA a row below sm_90,
- * which has no clusters). Two CTAs of 256 threads share an SM (128
- * registers), three of 128 (168), so that each CTA's loads cover the
- * others' reductions: 8 vectors a thread left bf16 CE at 56-59% of copy
- * bandwidth, 16 took it to 65-76% and the fp32 softmax to 89% (H200);
- * held_plan says which CTA a row takes. The statistics take two CTA
+ * which has no clusters). Two or three CTAs share an SM (held_threads),
+ * so that each CTA's loads cover the others' reductions: 8 vectors a
+ * thread left bf16 CE at 56-59% of copy bandwidth, 16 took it to 65-76%
+ * and the fp32 softmax to 89% (H200); held_plan says which CTA a row
+ * takes. The statistics take two CTA
  * barriers (the CTA's max, then the max-split sum about it, so the warps
  * merge by plain adds) and, in a
  * cluster, one push of each CTA's (m, R) into every peer's shared memory,
@@ -49,8 +49,15 @@ struct HeldSmem {
   alignas(8) unsigned long long bar;
 };
 
-/* T threads of 64 KB in registers: two CTAs an SM at 256, three at 128 */
-#define HELD_BOUNDS(T) __launch_bounds__(T, (T) == 256 ? 2 : 3)
+/* Threads of a held CTA (64 KB in registers either way): one CTA a row
+ * runs 256, two an SM (128 registers); a cluster's CTAs share an SM three
+ * at a time, of 256 threads (80 registers) with 16-bit logits, of 128
+ * (168) with fp32 ones, whose 256-thread form spilled (held_plan). */
+__host__ __device__ constexpr int held_threads(int NV, bool cluster) {
+  return cluster && NV == 4 ? 128 : 256;
+}
+#define HELD_BOUNDS(In, CLUSTER)                                                                   \
+  __launch_bounds__(held_threads(elt<In>::NV, CLUSTER), (CLUSTER) ? 3 : 2)
 
 template <typename In, int T> struct HeldRow {
   static constexpr int NV = elt<In>::NV, U = HELD_VECS / T;
@@ -295,20 +302,24 @@ template <typename In, int T> struct HeldRow {
 };
 
 /* Where the held plan applies to a row of V (cs = 0: it does not): one
- * CTA of 256 threads where it holds the row, else a cluster of the fewest
- * CTAs of 128 threads that hold it; each of as few warps as hold its
- * chunk, in a cluster only where the chunks are at least 3/4 full (48
- * KB). Measured side by side (H200, bf16 CE and log-probs backward, % of
- * copy bandwidth, 2026-12-01): one CTA a row (4096 x 32768), 256 threads
- * 84.9% and 90.8%, 128 threads 72.3% and 71.4%; at 8192 x 152064, 5 CTAs
- * of 128 threads (59 KB each, three an SM) 77.0% and 71.8%, 8 (a power
- * of two, 38 KB) 65.6% and 63.1%, the staged plan 69.3% and 70.0%; the
- * fp32 softmax at 4096 x 262144, 16 CTAs of 64 KB, 88.4% at 128 threads
- * and 88.5% at 256, the staged plan 83.7%. A cluster pays its exchange
- * once a row, which a part-full chunk does not cover (8 of 38 KB, above;
- * at 256 threads 65.1% against the staged plan's 69.4%). Clusters of more
- * than 8 are non-portable: launch_held checks the device can schedule
- * one. */
+ * CTA where it holds the row, else a cluster of the fewest CTAs that hold
+ * it (of held_threads threads); each of as few warps as hold its chunk,
+ * in a cluster only where the chunks are at least 3/4 full (48 KB).
+ * Measured side by side (H200, bf16 CE and log-probs backward, % of copy
+ * bandwidth, 2026-12-01): one CTA a row (4096 x 32768), 256 threads two
+ * an SM 84.9% and 90.8%, three an SM 81% and 89%, 128 threads 72.3% and
+ * 71.4%; at 8192 x 152064, 5 CTAs of 59 KB three an SM, of 256 threads
+ * 80.7-80.9% and 85.2-85.9% (fp16 80.4-80.7% and 84.8-85.9%, the bf16
+ * softmax at 4096 x 262144 84%), of 128 threads 76.6% and 71.2-71.6%
+ * (fp16 73.4-73.9% and 77.7-78.2%, the bf16 softmax 74.5%); 8 CTAs of
+ * 128 threads (a power of two, 38 KB) 65.6% and 63.1%, the staged plan
+ * 69.3% and 70.0%; the fp32 softmax at 4096 x 262144, 16 CTAs of 64 KB,
+ * 88.8-89.2% at 128 threads three an SM, 88.5% at 256 two an SM, 82% at
+ * 256 three an SM (spilling), the staged plan 83.7%. A cluster pays its
+ * exchange once a row, which a part-full chunk does not cover (8 of 38
+ * KB, above; at 256 threads 65.1% against the staged plan's 69.4%).
+ * Clusters of more than 8 are non-portable: launch_held checks the device
+ * can schedule one. */
 struct HeldPlan {
   int cs, bs, threads;
   int64_t chunk;
@@ -319,7 +330,7 @@ static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV)
   const int64_t nvec = (V + NV - 1) / NV, need = (nvec + HELD_VECS - 1) / HELD_VECS;
   if (N <= 0 || V <= 0 || need > (d.cc_major >= 9 ? HELD_MAX_CS : 1) || N > INT_MAX / need)
     return p;
-  const int cs = (int)need, T = cs == 1 ? 256 : 128;
+  const int cs = (int)need, T = held_threads(NV, cs > 1);
   const int64_t nvc = (nvec + cs - 1) / cs, u = HELD_VECS / T;
   if (cs > 1 && 4 * nvc < 3 * HELD_VECS) return p;
   p.cs = cs;
@@ -329,18 +340,19 @@ static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV)
   return p;
 }
 
-/* Launch the kernel of the plan's CTA (k256: 256 threads, k128: 128)
- * over N rows, setting the args' cs and chunk; false (nothing launched)
- * where the plan does not apply, *s the launch's status otherwise. */
+/* Launch the kernel of the plan's CTA (one: one CTA a row, cluster: a
+ * cluster's) over N rows, setting the args' cs and chunk; false (nothing
+ * launched) where the plan does not apply, *s the launch's status
+ * otherwise. */
 template <typename K, typename A>
-static bool launch_held(K k256, K k128, const DevInfo &d, int NV, cudaStream_t st, A &args,
+static bool launch_held(K one, K cluster, const DevInfo &d, int NV, cudaStream_t st, A &args,
                         const char *what, lmloss_status *s) {
   /* An unaligned row's vectors would be element loads (see load): its
    * loads would not all be in flight at once. */
   if ((uintptr_t)args.x % 16 != 0 || args.xs * (16 / NV) % 16 != 0) return false;
   const HeldPlan p = held_plan(d, args.N, args.V, NV);
   if (p.cs == 0) return false;
-  const K kernel = p.threads == 256 ? k256 : k128;
+  const K kernel = p.cs == 1 ? one : cluster;
   cudaError_t e = cudaSuccess;
   if (p.cs > 8) e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   if (e != cudaSuccess) {

@@ -327,14 +327,15 @@ static bool lp_held_applies(const LpArgs &a, bool T) {
          !a.keep.coef && !a.keep.vals;
 }
 
-template <typename In, typename O, int T> __global__ void HELD_BOUNDS(T) lp_held(LpArgs a) {
+template <typename In, typename O, bool CLUSTER>
+__global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
   const int64_t i = blockIdx.x / a.cs;
   const bool on = !a.mask || a.mask[i * a.ms];
   const long long j = ld_index(a.idx, a.idx64, i * a.is);
   const float D = a.dlogp[i * a.dlps];
-  HeldRow<In, T> h(a.cs, a.chunk, a.V);
+  HeldRow<In, held_threads(NV, CLUSTER)> h(a.cs, a.chunk, a.V);
   h.load((const In *)a.x + i * a.xs, a.V);
   O *drow = (O *)a.dx + i * a.dxs;
   if (!on) { /* the whole cluster returns here */
@@ -476,8 +477,8 @@ template <typename In, typename O>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
   if (a.stats && a.K <= LMLOSS_SAVED_MAX_K) return launch_saved<In, O>(a, T, st);
   lmloss_status s;
-  if (lp_held_applies(a, T) && launch_held(lp_held<In, O, 256>, lp_held<In, O, 128>, d, elt<In>::NV,
-                                           st, a, "log_probs_backward", &s))
+  if (lp_held_applies(a, T) && launch_held(lp_held<In, O, false>, lp_held<In, O, true>, d,
+                                           elt<In>::NV, st, a, "log_probs_backward", &s))
     return s;
   if (T)
     return launch_rows(lp_bwd<In, O, true, 128>, lp_bwd<In, O, true, 256>, d, elt<In>::NV, 1, 1, st,

@@ -79,11 +79,12 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
 }
 
 /* The held plan (held.cuh) of sm_fwd, for a row it holds. */
-template <typename In, typename O, int T> __global__ void HELD_BOUNDS(T) sm_held(SmArgs a) {
+template <typename In, typename O, bool CLUSTER>
+__global__ void HELD_BOUNDS(In, CLUSTER) sm_held(SmArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
   const int64_t i = blockIdx.x / a.cs;
-  HeldRow<In, T> h(a.cs, a.chunk, a.V);
+  HeldRow<In, held_threads(NV, CLUSTER)> h(a.cs, a.chunk, a.V);
   h.load((const In *)a.x + i * a.xs, a.V);
   h.arrive(&sm);
   const Xf &X = a.X;
@@ -202,7 +203,8 @@ __global__ void __launch_bounds__(512) sm_bwd(SbArgs a) {
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, SmArgs &a, cudaStream_t st) {
   lmloss_status s;
-  if (launch_held(sm_held<In, O, 256>, sm_held<In, O, 128>, d, elt<In>::NV, st, a, "softmax", &s))
+  if (launch_held(sm_held<In, O, false>, sm_held<In, O, true>, d, elt<In>::NV, st, a, "softmax",
+                  &s))
     return s;
   return launch_rows(sm_fwd<In, O>, sm_fwd<In, O>, d, elt<In>::NV, 1, 0, st, a, "softmax");
 }
