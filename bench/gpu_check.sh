@@ -129,16 +129,17 @@ if [ "${1:-}" = "kernels" ]; then
   for op in logprob ce-grad logprob-bwd; do
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section SchedulerStats \
       --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats \
-      --section SourceCounters --section MemoryWorkloadAnalysis -k regex:'lp_|ce_rows' -c 1 \
+      --section SourceCounters --section MemoryWorkloadAnalysis -k regex:'lp_|ce_rows|ce_held' -c 1 \
       "$L" bench $op --plain --device cuda --dtype bf16 --shape 8192,152064 --reps 1 \
       >"$OUT/ncu-$op.txt" 2>&1
   done
   # executed instructions and stall samples per SASS line of the two gradient kernels
   for op in ce-grad logprob-bwd; do
-    ncu --clock-control none --section SourceCounters -k regex:'ce_rows|lp_bwd' -c 1 \
+    ncu --clock-control none --section SourceCounters -k regex:'ce_held|lp_held' -c 1 \
       --page source --print-source sass --csv "$L" bench $op --plain --device cuda \
       --dtype bf16 --shape 8192,152064 --reps 1 2>&1 | gzip >"$OUT/ncu-$op-sass.csv.gz"
-    python3 bench/sass_stalls.py "$OUT/ncu-$op-sass.csv.gz" | tee "$OUT/sass-stalls-$op.txt"
+    python3 bench/sass_stalls.py "$OUT/ncu-$op-sass.csv.gz" --ctas 5 --warps 8 |
+      tee "$OUT/sass-stalls-$op.txt"
   done
   grep -hE "^  [a-z_]+<|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Cluster Size|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|Executed Ipc A" \
     "$OUT"/ncu-*.txt
