@@ -17,9 +17,8 @@
  * so that each CTA's loads cover the others' reductions: 8 vectors a
  * thread left bf16 CE at 56-59% of copy bandwidth, 16 took it to 65-76%
  * and the fp32 softmax to 89% (H200); held_plan says which CTA a row
- * takes. The statistics take two CTA
- * barriers (the CTA's max, then the max-split sum about it, so the warps
- * merge by plain adds) and, in a
+ * takes. The statistics take two CTA barriers (the CTA's max, then the
+ * max-split sum about it, so the warps merge by plain adds) and, in a
  * cluster, one push of each CTA's (m, R) into every peer's shared memory,
  * counted on the peer's mbarrier: no cluster barrier after the start,
  * none at exit (each CTA waits for every part pushed into it, and a
