@@ -342,7 +342,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   const float dl = a.mode == CE_FUSED ? a.grad_output
                                       : a.dloss[a.reduction == LMLOSS_REDUCE_NONE ? i * a.dls : 0];
   const double den = a.reduction == LMLOSS_REDUCE_MEAN ? *a.den : 1.0;
-  HeldRow<In, held_threads(NV, CLUSTER)> h(a.cs, a.chunk, a.V);
+  HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
   h.load((const In *)a.x + i * a.xs, a.V);
   O *drow = (O *)a.dx + i * a.dxs;
   const bool lead = h.rank == 0 && threadIdx.x == 0, fwd = a.mode == CE_FUSED;
@@ -387,7 +387,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
     gy = ok ? (G * lmloss_ce_grad_z(&q, &s, py, 1.0f, 1, xy == m) + Gz * py) * k : NAN;
     if (fwd) {
       const double ly = (double)(m - xy) * k + l1r(); /* lse - z_y, exact 0 gap at the max */
-      const double zt = a.zl != 0.0f ? (double)a.zl * lse() * lse() : 0.0;
+      const double L = a.zl != 0.0f ? lse() : 0.0, zt = (double)a.zl * L * L;
       put_loss(a, i, ok ? (double)tw * (ly + zt) : NAN, 1.0);
     }
   }

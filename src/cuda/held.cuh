@@ -61,8 +61,10 @@ __host__ __device__ constexpr int held_threads(int NV, bool cluster) {
 #define HELD_BOUNDS(In, CLUSTER)                                                                   \
   __launch_bounds__(held_threads(elt<In>::NV, CLUSTER), (CLUSTER) ? 3 : 2)
 
-template <typename In, int T> struct HeldRow {
-  static constexpr int NV = elt<In>::NV, U = HELD_VECS / T;
+/* The row's chunk in a held CTA, one CTA a row or a cluster's
+ * (HELD_BOUNDS(In, CLUSTER) is its kernel's bound). */
+template <typename In, bool CLUSTER> struct HeldRow {
+  static constexpr int NV = elt<In>::NV, U = HELD_VECS / held_threads(NV, CLUSTER);
   uint4 r[U]; /* not Raw<In>: its 16-bit view had each load's registers
                 repacked, waiting for it, before the next load went out */
   Chunk ch;
@@ -323,12 +325,12 @@ template <typename In, int T> struct HeldRow {
  * Clusters of more than 8 are non-portable: launch_held checks the device
  * can schedule one. */
 struct HeldPlan {
-  int cs, bs, threads;
+  int cs, bs;
   int64_t chunk;
 };
 
 static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV) {
-  HeldPlan p = {0, 0, 0, 0};
+  HeldPlan p = {0, 0, 0};
   const int64_t nvec = (V + NV - 1) / NV, need = (nvec + HELD_VECS - 1) / HELD_VECS;
   if (N <= 0 || V <= 0 || need > (d.cc_major >= 9 ? HELD_MAX_CS : 1) || N > INT_MAX / need)
     return p;
@@ -336,7 +338,6 @@ static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV)
   const int64_t nvc = (nvec + cs - 1) / cs, u = HELD_VECS / T;
   if (cs > 1 && 4 * nvc < 3 * HELD_VECS) return p;
   p.cs = cs;
-  p.threads = T;
   p.chunk = nvc * NV;
   p.bs = (int)(32 * ((nvc + 32 * u - 1) / (32 * u)));
   return p;

@@ -335,7 +335,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
   const bool on = !a.mask || a.mask[i * a.ms];
   const long long j = ld_index(a.idx, a.idx64, i * a.is);
   const float D = a.dlogp[i * a.dlps];
-  HeldRow<In, held_threads(NV, CLUSTER)> h(a.cs, a.chunk, a.V);
+  HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
   h.load((const In *)a.x + i * a.xs, a.V);
   O *drow = (O *)a.dx + i * a.dxs;
   if (!on) { /* the whole cluster returns here */

@@ -84,7 +84,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) sm_held(SmArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
   const int64_t i = blockIdx.x / a.cs;
-  HeldRow<In, held_threads(NV, CLUSTER)> h(a.cs, a.chunk, a.V);
+  HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
   h.load((const In *)a.x + i * a.xs, a.V);
   h.arrive(&sm);
   const Xf &X = a.X;
