@@ -163,8 +163,9 @@ template <typename In, bool CLUSTER> struct HeldRow {
     if (lane == 0) sm->wmax[w] = M;
     __syncthreads();
     M = sm->wmax[0];
-    for (int q = 1; q < nw; q++)
-      M = max_nan(M, sm->wmax[q]);
+#pragma unroll
+    for (int q = 1; q < HELD_THREADS / 32; q++)
+      if (q < nw) M = max_nan(M, sm->wmax[q]);
     ref.set(X, M);
     float s = 0.0f;
     int ties = 0;
@@ -199,8 +200,9 @@ template <typename In, bool CLUSTER> struct HeldRow {
     __syncthreads();
     s = sm->wsum[0];
     ties = sm->wties[0];
-    for (int q = 1; q < nw; q++)
-      s += sm->wsum[q], ties += sm->wties[q];
+#pragma unroll
+    for (int q = 1; q < HELD_THREADS / 32; q++)
+      if (q < nw) s += sm->wsum[q], ties += sm->wties[q];
     lmloss_rowstat st = lmloss_rowstat_empty();
     if (M != -INFINITY) { /* else this CTA saw only -inf: an empty part */
       st.m = M;
@@ -217,30 +219,42 @@ template <typename In, bool CLUSTER> struct HeldRow {
                    mapa(bar, threadIdx.x));
       if (threadIdx.x == 0) mbar_expect(bar, 16u * cs);
       mbar_wait(bar, 0);
-      /* every warp merges the cs parts by the same butterfly: the same
-       * state, bit for bit, in every CTA */
-      const int q = lane & (HELD_MAX_CS - 1);
-      st = lmloss_rowstat_empty();
-      if (q < cs) {
-        const uint4 p = sm->parts[q];
-        st.m = __uint_as_float(p.x);
-        st.r = __uint_as_float(p.y);
-        st.a = (int)p.z;
-      }
-#pragma unroll
-      for (int off = HELD_MAX_CS / 2; off > 0; off >>= 1) {
-        lmloss_rowstat o = lmloss_rowstat_empty();
-        o.m = __shfl_xor_sync(0xffffffffu, st.m, off);
-        o.r = __shfl_xor_sync(0xffffffffu, st.r, off);
-        o.a = __shfl_xor_sync(0xffffffffu, (int)st.a, off);
-        st = lmloss_rowstat_merge(st, o, X.f.k);
-      }
+      st = merge_parts(X, sm);
       ref.set(X, st.m);
     }
 #endif
     m = st.m;
     rs = st.r;
     return lmloss_rowstat_finite(&st);
+  }
+
+  /* The cs parts merged by lmloss_rowstat_merge's rule, lane q of each
+   * 16 holding part q: the largest m (NaN never: it reaches R) at its
+   * lowest rank leads with its R, and each other nonempty part adds
+   * (1 + R) exp((m_q - m) k) (cexp, as the elements' terms), summed by an
+   * xor butterfly, whose adds commute: the same state, bit for bit, in
+   * every thread of the cluster. A butterfly of lmloss_rowstat_merge
+   * itself ran four dependent shuffles and merges (~45 instructions
+   * each) between the exchange and the stores; a loop over the parts in
+   * every thread spilled (fp16 CE 204 bytes against 72). */
+  __device__ __forceinline__ lmloss_rowstat merge_parts(const Xf &X, const HeldSmem *sm) const {
+    const int q = threadIdx.x & (HELD_MAX_CS - 1);
+    const uint4 p = sm->parts[q < cs ? q : 0];
+    const bool has = q < cs && (int)p.z >= 0;
+    const float mq = __uint_as_float(p.x), rq = __uint_as_float(p.y);
+    float M = has ? mq : -INFINITY;
+#pragma unroll
+    for (int off = HELD_MAX_CS / 2; off > 0; off >>= 1)
+      M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, off, HELD_MAX_CS));
+    const unsigned tops = __ballot_sync(0xffffffffu, has && mq == M) & 0xffffu;
+    const int lead = tops ? __ffs(tops) - 1 : -1;
+    float t = !has ? 0.0f : q == lead ? rq : (1.0f + rq) * cexp(X, mq - M);
+#pragma unroll
+    for (int off = HELD_MAX_CS / 2; off > 0; off >>= 1)
+      t += __shfl_xor_sync(0xffffffffu, t, off, HELD_MAX_CS);
+    lmloss_rowstat st = lmloss_rowstat_empty();
+    if (lead >= 0) st.m = M, st.r = t, st.a = lead;
+    return st;
   }
 
   /* Whether this thread holds vector v of the chunk, and its element e
