@@ -331,7 +331,11 @@ static bool ce_held_applies(const CeArgs &a, bool T) {
  * scalars are loaded with its vectors, not before them: a target waited
  * for first held back every load of the row. So an ignored row is read
  * too, and left as it was (or zeroed). The target's own logit comes from
- * the registers of the thread that holds it, which writes the loss. */
+ * the registers of the thread that holds it, which writes the loss.
+ * (ptxas still moves the target into a uniform register ahead of the
+ * cluster kernels' loads, waiting for it; copied into shared memory by
+ * thread 0 instead, CE ran 2-4 points of copy bandwidth slower: branch
+ * wip/ce-target-fetch, H200, 2026-12-02.) */
 template <typename In, typename O, bool CLUSTER>
 __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   constexpr int NV = elt<In>::NV;

@@ -235,8 +235,9 @@ template <typename In, bool CLUSTER> struct HeldRow {
    * xor butterfly, whose adds commute: the same state, bit for bit, in
    * every thread of the cluster. A butterfly of lmloss_rowstat_merge
    * itself ran four dependent shuffles and merges (~45 instructions
-   * each) between the exchange and the stores; a loop over the parts in
-   * every thread spilled (fp16 CE 204 bytes against 72). */
+   * each) between the exchange and the stores: bf16 CE at 8192 x 152064
+   * 82.1-82.4% of copy bandwidth against 86.5%, the log-probs backward
+   * 84.3-85.9% against 88.8-89.9% (H200, 2026-12-02). */
   __device__ __forceinline__ lmloss_rowstat merge_parts(const Xf &X, const HeldSmem *sm) const {
     const int q = threadIdx.x & (HELD_MAX_CS - 1);
     const uint4 p = sm->parts[q < cs ? q : 0];
