@@ -328,26 +328,26 @@ static bool ce_held_applies(const CeArgs &a, bool T) {
 }
 
 /* The plain CE gradient row, held (see ce_held_applies). The row's
- * scalars are loaded with its vectors, not before them: a target waited
- * for first held back every load of the row. So an ignored row is read
- * too, and left as it was (or zeroed). The target's own logit comes from
- * the registers of the thread that holds it, which writes the loss.
- * (ptxas still moves the target into a uniform register ahead of the
- * cluster kernels' loads, waiting for it; copied into shared memory by
- * thread 0 instead, CE ran 2-4 points of copy bandwidth slower: branch
- * wip/ce-target-fetch, H200, 2026-12-02.) */
+ * scalars are loaded after its vectors, in the source too: written
+ * before them, ptxas moved the target into a uniform register ahead of
+ * the row's loads (waiting for it there), and bf16 CE at 8192 x 152064
+ * ran at PLACEHOLDER of copy bandwidth against PLACEHOLDER (H200,
+ * 2026-12-02). So an ignored row is read too, and left as it was (or
+ * zeroed). The target's own logit comes from the registers of the
+ * thread that holds it, which writes the loss. */
 template <typename In, typename O, bool CLUSTER>
 __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
   const int64_t i = blockIdx.x / a.cs;
+  HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
+  const In *xrow = (const In *)a.x + i * a.xs;
+  h.load(xrow, a.V);
   const long long y = ld_index(a.tgt, a.tgt64, i * a.ts);
   const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
   const float dl = a.mode == CE_FUSED ? a.grad_output
                                       : a.dloss[a.reduction == LMLOSS_REDUCE_NONE ? i * a.dls : 0];
   const double den = a.reduction == LMLOSS_REDUCE_MEAN ? *a.den : 1.0;
-  HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
-  h.load((const In *)a.x + i * a.xs, a.V);
   O *drow = (O *)a.dx + i * a.dxs;
   const bool lead = h.rank == 0 && threadIdx.x == 0, fwd = a.mode == CE_FUSED;
   if (y == a.ignore) { /* the whole cluster returns here */
@@ -396,14 +396,16 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
     }
   }
   /* dx_j = k (G + Gz) p_j off the target */
-  h.store_exp(X, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? (G + Gz) * inv * k : NAN, vy, ey, gy);
+  h.store_exp(X, xrow, a.V, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? (G + Gz) * inv * k : NAN, vy, ey,
+              gy);
 }
 
 template <typename In, typename O>
 static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
   lmloss_status s;
-  if (ce_held_applies(a, T) && launch_held(ce_held<In, O, false>, ce_held<In, O, true>, d,
-                                           elt<In>::NV, st, a, "cross_entropy", &s))
+  if (ce_held_applies(a, T) &&
+      launch_held(ce_held<In, O, false>, ce_held<In, O, true>, d, elt<In>::NV, a.dx,
+                  a.dxs * (int64_t)sizeof(O), st, a, "cross_entropy", &s))
     return s;
   if (T)
     return launch_rows(ce_rows<In, O, true, 128>, ce_rows<In, O, true, 256>, d, elt<In>::NV,

@@ -61,6 +61,37 @@ __host__ __device__ constexpr int held_threads(int NV, bool cluster) {
 #define HELD_BOUNDS(In, CLUSTER)                                                                   \
   __launch_bounds__(held_threads(elt<In>::NV, CLUSTER), (CLUSTER) ? 3 : 2)
 
+/* The elementwise max of two vectors (NaN where either holds one), in the
+ * packed type: the thread's vectors reduced so, then one raw_max, ran
+ * bf16 CE at 8192 x 152064 0.3-0.5 points of copy bandwidth above a
+ * raw_max a vector (gpu-out-x/grow.cu, H200, 2026-12-02). */
+template <typename H2>
+__device__ __forceinline__ uint4 packed_vmax(const uint4 &a, const uint4 &b) {
+  H2 p[4], q[4];
+  memcpy(p, &a, sizeof p);
+  memcpy(q, &b, sizeof q);
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+    p[i] = __hmax2_nan(p[i], q[i]);
+  uint4 y;
+  memcpy(&y, p, sizeof y);
+  return y;
+}
+__device__ __forceinline__ Raw<float> raw_vmax(Raw<float> a, const Raw<float> &b) {
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+    a.e[i] = max_nan(a.e[i], b.e[i]);
+  return a;
+}
+__device__ __forceinline__ Raw<bf16> raw_vmax(Raw<bf16> a, const Raw<bf16> &b) {
+  a.u = packed_vmax<__nv_bfloat162>(a.u, b.u);
+  return a;
+}
+__device__ __forceinline__ Raw<f16> raw_vmax(Raw<f16> a, const Raw<f16> &b) {
+  a.u = packed_vmax<__half2>(a.u, b.u);
+  return a;
+}
+
 /* The row's chunk in a held CTA, one CTA a row or a cluster's
  * (HELD_BOUNDS(In, CLUSTER) is its kernel's bound). */
 template <typename In, bool CLUSTER> struct HeldRow {
@@ -152,10 +183,11 @@ template <typename In, bool CLUSTER> struct HeldRow {
    * in that sum (ncu, H200). Contains __syncthreads: call uniformly. */
   __device__ __forceinline__ bool stats(const Xf &X, HeldSmem *sm) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    float t = -INFINITY;
+    Raw<In> vm = raw(0); /* see raw_vmax */
 #pragma unroll
-    for (int u = 0; u < U; u++)
-      t = max_nan(t, raw_max(raw(u)));
+    for (int u = 1; u < U; u++)
+      vm = raw_vmax(vm, raw(u));
+    const float t = raw_max(vm);
     float M = t;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1)
@@ -278,40 +310,44 @@ template <typename In, bool CLUSTER> struct HeldRow {
   }
 
   /* out.store of f(x, y) for each of the thread's vectors in the chunk
-   * (x its NV elements as floats, y the NV values to store): one branch a
-   * whole vector, element stores in the other branch (the vector crossing
-   * V, an unaligned output row). Three branches a vector (in the chunk,
-   * whole, the exact entry) took 0.7-1.2 of CE's 22-25 instructions an
-   * element (ncu, H200); the element stores in a sweep after the whole
-   * vectors kept every register live through them, spilled. The whole
-   * test is ChunkOut::store's own, taken first here so that the vectors
-   * past the chunk skip the element path: out.store for every vector,
-   * with ChunkOut bounded by the chunk's end, ran bf16 CE at 8192 x
-   * 152064 at 73.5% of copy bandwidth against 76.8% (5 CTAs of 128
-   * threads, 7% of their vectors past the chunk; H200, 2026-12-01). */
+   * (x its NV elements as floats, y the NV values to store) of row: the
+   * sweep stores whole vectors only, and the one vector crossing V (the
+   * output row is 16-byte aligned: launch_held) is read again from the
+   * row and stored by elements after it. The element path inside the
+   * sweep, one branch a vector (out.store's), cost ptxas registers
+   * through the whole sweep: bf16 CE at 8192 x 152064 (no crossing
+   * vector) ran at 85.3% of copy bandwidth against 91.2% (gpu-out-x/
+   * grow.cu, H200, 2026-12-02); the crossing vector taken from the
+   * registers instead, before the sweep, spilled in it. */
   template <typename O, typename F>
-  __device__ __forceinline__ void put(const ChunkOut<O, NV> &out, F f) const {
+  __device__ __forceinline__ void put(const In *row, int64_t V, const ChunkOut<O, NV> &out,
+                                      F f) const {
 #pragma unroll
     for (int u = 0; u < U; u++) {
       float x[NV], y[NV];
       unpack<In, NV>(raw(u), x);
       f(x, y);
       const int v = vec(u);
-      if (v < out.whole)
-        store_whole<O, NV>(out.base + v * NV, y);
-      else if (v < ch.nv)
-        out.store(v, y);
+      if (v < out.whole) store_whole<O, NV>(out.base + v * NV, y);
+    }
+    const int v = out.whole;
+    if (v < ch.nv && holds(v)) {
+      float x[NV], y[NV];
+      unpack<In, NV>(load_vec<In, STREAM>(row, ch.jb + (int64_t)v * NV, V, false), x);
+      f(x, y);
+      out.store(v, y);
     }
   }
 
-  /* Store c exp(k (x_j - m)) for every element, then g at element e of
+  /* Store c exp(k (x_j - m)) for every element of row, then g at element e of
    * vector v where this thread holds it (an exact entry; v = -1: none):
    * the softmax, and the gradients away from their exact entries. */
   template <typename O>
-  __device__ __forceinline__ void store_exp(const Xf &X, const ChunkOut<O, NV> &out, float c, int v,
-                                            int e, float g) const {
+  __device__ __forceinline__ void store_exp(const Xf &X, const In *row, int64_t V,
+                                            const ChunkOut<O, NV> &out, float c, int v, int e,
+                                            float g) const {
     const float cr = c * ref.s(); /* the row factor 2^-ml of Ref */
-    put(out, [&](const float *x, float *y) {
+    put(row, V, out, [&](const float *x, float *y) {
 #pragma unroll
       for (int i = 0; i < NV; i++)
         y[i] = ex2(ref.p(X, x[i])) * cr; /* -inf: ex2(-inf) = 0 */
@@ -359,15 +395,18 @@ static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV)
 }
 
 /* Launch the kernel of the plan's CTA (one: one CTA a row, cluster: a
- * cluster's) over N rows, setting the args' cs and chunk; false (nothing
- * launched) where the plan does not apply, *s the launch's status
- * otherwise. */
+ * cluster's) over N rows of output rows out_row_bytes apart from out,
+ * setting the args' cs and chunk; false (nothing launched) where the plan
+ * does not apply, *s the launch's status otherwise. */
 template <typename K, typename A>
-static bool launch_held(K one, K cluster, const DevInfo &d, int NV, cudaStream_t st, A &args,
-                        const char *what, lmloss_status *s) {
-  /* An unaligned row's vectors would be element loads (see load): its
-   * loads would not all be in flight at once. */
+static bool launch_held(K one, K cluster, const DevInfo &d, int NV, const void *out,
+                        int64_t out_row_bytes, cudaStream_t st, A &args, const char *what,
+                        lmloss_status *s) {
+  /* An unaligned input row's vectors would be element loads (see load):
+   * its loads would not all be in flight at once. An unaligned output
+   * row's would be element stores (see put). */
   if ((uintptr_t)args.x % 16 != 0 || args.xs * (16 / NV) % 16 != 0) return false;
+  if ((uintptr_t)out % 16 != 0 || out_row_bytes % 16 != 0) return false;
   const HeldPlan p = held_plan(d, args.N, args.V, NV);
   if (p.cs == 0) return false;
   const K kernel = p.cs == 1 ? one : cluster;

@@ -332,11 +332,13 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
   const int64_t i = blockIdx.x / a.cs;
+  HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
+  const In *xrow = (const In *)a.x + i * a.xs;
+  h.load(xrow, a.V);
+  /* after the row's loads (see ce_held) */
   const bool on = !a.mask || a.mask[i * a.ms];
   const long long j = ld_index(a.idx, a.idx64, i * a.is);
   const float D = a.dlogp[i * a.dlps];
-  HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
-  h.load((const In *)a.x + i * a.xs, a.V);
   O *drow = (O *)a.dx + i * a.dxs;
   if (!on) { /* the whole cluster returns here */
     zero_chunk<In, O>(drow, h.ch, a.V);
@@ -359,7 +361,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
     gj = (top ? D * (h.rs * inv) : D - D * pj) * k;
   }
   /* dx_j = -k D p_j off the index */
-  h.store_exp(X, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? -inv * D * k : NAN, vj, ej, gj);
+  h.store_exp(X, xrow, a.V, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? -inv * D * k : NAN, vj, ej, gj);
 }
 
 /* The backward from the forward's saved statistics: no reduction, so
@@ -477,8 +479,9 @@ template <typename In, typename O>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
   if (a.stats && a.K <= LMLOSS_SAVED_MAX_K) return launch_saved<In, O>(a, T, st);
   lmloss_status s;
-  if (lp_held_applies(a, T) && launch_held(lp_held<In, O, false>, lp_held<In, O, true>, d,
-                                           elt<In>::NV, st, a, "log_probs_backward", &s))
+  if (lp_held_applies(a, T) &&
+      launch_held(lp_held<In, O, false>, lp_held<In, O, true>, d, elt<In>::NV, a.dx,
+                  a.dxs * (int64_t)sizeof(O), st, a, "log_probs_backward", &s))
     return s;
   if (T)
     return launch_rows(lp_bwd<In, O, true, 128>, lp_bwd<In, O, true, 256>, d, elt<In>::NV, 1, 1, st,

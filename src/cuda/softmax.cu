@@ -85,7 +85,8 @@ __global__ void HELD_BOUNDS(In, CLUSTER) sm_held(SmArgs a) {
   __shared__ HeldSmem sm;
   const int64_t i = blockIdx.x / a.cs;
   HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
-  h.load((const In *)a.x + i * a.xs, a.V);
+  const In *xrow = (const In *)a.x + i * a.xs;
+  h.load(xrow, a.V);
   h.arrive(&sm);
   const Xf &X = a.X;
   const bool ok = h.stats(X, &sm);
@@ -94,13 +95,13 @@ __global__ void HELD_BOUNDS(In, CLUSTER) sm_held(SmArgs a) {
   if (!ok) inv = l1r = NAN;
   const ChunkOut<O, NV> out((O *)a.y + i * a.ys, h.ch, a.V);
   if (a.log) {
-    h.put(out, [&](const float *x, float *y) {
+    h.put(xrow, a.V, out, [&](const float *x, float *y) {
 #pragma unroll
       for (int e = 0; e < NV; e++)
         y[e] = (x[e] - m) - l1r;
     });
   } else {
-    h.store_exp(X, out, inv, -1, 0, 0.0f);
+    h.store_exp(X, xrow, a.V, out, inv, -1, 0, 0.0f);
   }
 }
 
@@ -203,8 +204,8 @@ __global__ void __launch_bounds__(512) sm_bwd(SbArgs a) {
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, SmArgs &a, cudaStream_t st) {
   lmloss_status s;
-  if (launch_held(sm_held<In, O, false>, sm_held<In, O, true>, d, elt<In>::NV, st, a, "softmax",
-                  &s))
+  if (launch_held(sm_held<In, O, false>, sm_held<In, O, true>, d, elt<In>::NV, a.y,
+                  a.ys * (int64_t)sizeof(O), st, a, "softmax", &s))
     return s;
   return launch_rows(sm_fwd<In, O>, sm_fwd<In, O>, d, elt<In>::NV, 1, 0, st, a, "softmax");
 }
