@@ -313,12 +313,13 @@ template <typename In, bool CLUSTER> struct HeldRow {
    * (x its NV elements as floats, y the NV values to store) of row: the
    * sweep stores whole vectors only, and the one vector crossing V (the
    * output row is 16-byte aligned: launch_held) is read again from the
-   * row and stored by elements after it. The element path inside the
-   * sweep, one branch a vector (out.store's), cost ptxas registers
-   * through the whole sweep: bf16 CE at 8192 x 152064 (no crossing
-   * vector) ran at 85.3% of copy bandwidth against 91.2% (gpu-out-x/
-   * grow.cu, H200, 2026-12-02); the crossing vector taken from the
-   * registers instead, before the sweep, spilled in it. */
+   * row (in place too: nothing has been stored over it) and stored by
+   * elements after it, by the thread that holds it. The element path
+   * inside the sweep, one branch a vector (out.store's), cost ptxas
+   * registers through the whole sweep: bf16 CE at 8192 x 152064 (no
+   * crossing vector) ran at 85.3% of copy bandwidth against 91.2%
+   * (gpu-out-x/grow.cu, H200, 2026-12-02); the crossing vector taken
+   * from the registers instead, before the sweep, spilled in it. */
   template <typename O, typename F>
   __device__ __forceinline__ void put(const In *row, int64_t V, const ChunkOut<O, NV> &out,
                                       F f) const {
@@ -395,9 +396,10 @@ static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV)
 }
 
 /* Launch the kernel of the plan's CTA (one: one CTA a row, cluster: a
- * cluster's) over N rows of output rows out_row_bytes apart from out,
- * setting the args' cs and chunk; false (nothing launched) where the plan
- * does not apply, *s the launch's status otherwise. */
+ * cluster's) over the args' N rows, whose output rows start at out,
+ * out_row_bytes apart; it sets the args' cs and chunk. False (nothing
+ * launched) where the plan does not apply, *s the launch's status
+ * otherwise. */
 template <typename K, typename A>
 static bool launch_held(K one, K cluster, const DevInfo &d, int NV, const void *out,
                         int64_t out_row_bytes, cudaStream_t st, A &args, const char *what,

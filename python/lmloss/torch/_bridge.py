@@ -97,6 +97,10 @@ def context(t, backend, num_threads):
     if not t.is_cuda:
         yield ctx
         return
+    if t.device.index == torch.cuda.current_device():  # no switch to make (host time)
+        ctx.stream = torch.cuda.current_stream(t.device).cuda_stream
+        yield ctx
+        return
     with torch.cuda.device(t.device):
         ctx.stream = torch.cuda.current_stream(t.device).cuda_stream
         yield ctx

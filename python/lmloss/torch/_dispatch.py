@@ -41,7 +41,19 @@ class Differentiable:
     def __call__(self, *args):
         if _tracing(args[0]):
             return self.op(*args)
+        if not _needs_graph(args):  # e.g. a no_grad forward: the body alone, no autograd node
+            return self.body(*args)
         return _Eager.apply(*args, self)
+
+
+def _needs_graph(args):
+    """Whether autograd records this call: grad mode on and a tensor input requiring grad."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    return False
 
 
 def _tracing(x):
