@@ -97,11 +97,8 @@ def context(t, backend, num_threads):
     if not t.is_cuda:
         yield ctx
         return
-    if t.device.index == torch.cuda.current_device():  # no switch to make (host time)
-        ctx.stream = torch.cuda.current_stream(t.device).cuda_stream
-        yield ctx
-        return
-    with torch.cuda.device(t.device):
+    current = t.device.index == torch.cuda.current_device()  # then no switch (host time)
+    with contextlib.nullcontext() if current else torch.cuda.device(t.device):
         ctx.stream = torch.cuda.current_stream(t.device).cuda_stream
         yield ctx
 
