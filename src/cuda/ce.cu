@@ -396,8 +396,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
     }
   }
   /* dx_j = k (G + Gz) p_j off the target */
-  h.store_exp(X, xrow, a.V, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? (G + Gz) * inv * k : NAN, vy, ey,
-              gy);
+  h.store_exp(X, xrow, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? (G + Gz) * inv * k : NAN, vy, ey, gy);
 }
 
 template <typename In, typename O>

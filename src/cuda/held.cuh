@@ -321,8 +321,7 @@ template <typename In, bool CLUSTER> struct HeldRow {
    * (gpu-out-x/grow.cu, H200, 2026-12-02); the crossing vector taken
    * from the registers instead, before the sweep, spilled in it. */
   template <typename O, typename F>
-  __device__ __forceinline__ void put(const In *row, int64_t V, const ChunkOut<O, NV> &out,
-                                      F f) const {
+  __device__ __forceinline__ void put(const In *row, const ChunkOut<O, NV> &out, F f) const {
 #pragma unroll
     for (int u = 0; u < U; u++) {
       float x[NV], y[NV];
@@ -334,7 +333,8 @@ template <typename In, bool CLUSTER> struct HeldRow {
     const int v = out.whole;
     if (v < ch.nv && holds(v)) {
       float x[NV], y[NV];
-      unpack<In, NV>(load_vec<In, STREAM>(row, ch.jb + (int64_t)v * NV, V, false), x);
+      /* a chunk ends inside a vector only at V: ch.je = V */
+      unpack<In, NV>(load_vec<In, STREAM>(row, ch.jb + (int64_t)v * NV, ch.je, false), x);
       f(x, y);
       out.store(v, y);
     }
@@ -344,11 +344,10 @@ template <typename In, bool CLUSTER> struct HeldRow {
    * vector v where this thread holds it (an exact entry; v = -1: none):
    * the softmax, and the gradients away from their exact entries. */
   template <typename O>
-  __device__ __forceinline__ void store_exp(const Xf &X, const In *row, int64_t V,
-                                            const ChunkOut<O, NV> &out, float c, int v, int e,
-                                            float g) const {
+  __device__ __forceinline__ void store_exp(const Xf &X, const In *row, const ChunkOut<O, NV> &out,
+                                            float c, int v, int e, float g) const {
     const float cr = c * ref.s(); /* the row factor 2^-ml of Ref */
-    put(row, V, out, [&](const float *x, float *y) {
+    put(row, out, [&](const float *x, float *y) {
 #pragma unroll
       for (int i = 0; i < NV; i++)
         y[i] = ex2(ref.p(X, x[i])) * cr; /* -inf: ex2(-inf) = 0 */

@@ -361,7 +361,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
     gj = (top ? D * (h.rs * inv) : D - D * pj) * k;
   }
   /* dx_j = -k D p_j off the index */
-  h.store_exp(X, xrow, a.V, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? -inv * D * k : NAN, vj, ej, gj);
+  h.store_exp(X, xrow, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? -inv * D * k : NAN, vj, ej, gj);
 }
 
 /* The backward from the forward's saved statistics: no reduction, so

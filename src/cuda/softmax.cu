@@ -95,13 +95,13 @@ __global__ void HELD_BOUNDS(In, CLUSTER) sm_held(SmArgs a) {
   if (!ok) inv = l1r = NAN;
   const ChunkOut<O, NV> out((O *)a.y + i * a.ys, h.ch, a.V);
   if (a.log) {
-    h.put(xrow, a.V, out, [&](const float *x, float *y) {
+    h.put(xrow, out, [&](const float *x, float *y) {
 #pragma unroll
       for (int e = 0; e < NV; e++)
         y[e] = (x[e] - m) - l1r;
     });
   } else {
-    h.store_exp(X, xrow, a.V, out, inv, -1, 0, 0.0f);
+    h.store_exp(X, xrow, out, inv, -1, 0, 0.0f);
   }
 }
 
