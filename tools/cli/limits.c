@@ -48,7 +48,7 @@ double cli_limit_exp_pass_ms(const float *x, int64_t n, int threads) {
   return cli_median(t, 7);
 }
 
-double cli_limit_copy_gbs(lmloss_device dev, size_t bytes) {
+double cli_limit_copy_gbs(lmloss_device dev, size_t bytes, int queue) {
 #ifdef LMLOSS_CLI_CUDA
   void *a = cli_alloc(dev, bytes), *b = cli_alloc(dev, bytes);
   cudaEvent_t e0, e1;
@@ -56,20 +56,21 @@ double cli_limit_copy_gbs(lmloss_device dev, size_t bytes) {
   float t[20];
   for (int r = -2; r < 20; r++) {
     cudaEventRecord(e0, 0);
-    cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0);
+    for (int q = 0; q < queue; q++)
+      cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, 0);
     cudaEventRecord(e1, 0);
     cudaEventSynchronize(e1);
     if (r >= 0) cudaEventElapsedTime(&t[r], e0, e1);
   }
   double d[20];
   for (int r = 0; r < 20; r++)
-    d[r] = t[r];
+    d[r] = t[r] / queue;
   cli_median(d, 20);
   cudaEventDestroy(e0), cudaEventDestroy(e1);
   cli_free(dev, a), cli_free(dev, b);
   return 2.0 * bytes / (d[10] * 1e6);
 #else
-  (void)dev, (void)bytes;
+  (void)dev, (void)bytes, (void)queue;
   return 0;
 #endif
 }

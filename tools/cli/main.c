@@ -13,7 +13,7 @@ static void usage(FILE *f) {
              "                       random and on peaked rows, fp32 and bf16; prints a\n"
              "                       pass/fail table; exit status 1 on any failure\n"
              "  bench [OP...] [--device cpu|cuda] [--shape N,V[,H]] [--dtype f32|bf16|f16]\n"
-             "        [--threads T] [--reps R] [--plain] [--supervised F] [--csv]\n"
+             "        [--threads T] [--reps R] [--queue Q] [--plain] [--supervised F] [--csv]\n"
              "                       time ops and compare each with the machine's limit\n"
              "                       measured in the same run (CPU: a read+exp pass over the\n"
              "                       logits; CUDA: device copy bandwidth; fused head: its\n"
@@ -21,7 +21,10 @@ static void usage(FILE *f) {
              "                       20%% ignored rows, K = 2 and an entropy gradient; --plain\n"
              "                       drops them (K = 1). --supervised F: the CE ops ignore all\n"
              "                       but a fraction F of the rows, spread evenly (the limits\n"
-             "                       stay those of all rows). OPs (default: all):\n"
+             "                       stay those of all rows). --queue Q (CUDA): each timed\n"
+             "                       sample is Q calls queued back to back (the copy's too),\n"
+             "                       per call; at 1 (default) each call's host time before its\n"
+             "                       first kernel counts. OPs (default: all):\n"
              "                       ");
   for (int o = 0; o < OP_COUNT; o++)
     fprintf(f, "%s%s", cli_op_name((cli_op)o), o + 1 < OP_COUNT ? ", " : "\n");
