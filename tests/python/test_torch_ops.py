@@ -151,8 +151,15 @@ def test_sixteen_bit_logits_accumulate_in_fp32(dtype):
 def test_strided_rows_are_passed_without_copy():
     big, y = data(v=50)
     x = big[:, :37]
-    view, stride = _bridge.rows_view(x)
-    assert view.data_ptr() == x.data_ptr() and stride == 50
+    keep = []
+    view = _bridge.view(x, keep)
+    assert keep == [x] and view.data == x.data_ptr() and view.row_stride == 50
+    keep = []
+    col = _bridge.view(big[:, 3], keep)  # 1-D, evenly spaced: [N, 1], row stride 50
+    assert col.data == big[:, 3].data_ptr() and (col.rows, col.cols, col.row_stride) == (12, 1, 50)
+    keep = []
+    _bridge.view(big[:, ::2], keep)  # strided last axis: copied
+    assert keep[0].is_contiguous() and keep[0].data_ptr() != big.data_ptr()
     xg = x.clone().requires_grad_()
     close(lt.cross_entropy(x, y.clamp(max=36)), lt.cross_entropy(xg, y.clamp(max=36)))
     close(lt.log_probs(x, y.clamp(0, 36)), lt.log_probs(xg, y.clamp(0, 36)))

@@ -11,7 +11,6 @@ meeting a library built without CUDA raises lmloss.Error
 (LMLOSS_ERR_UNSUPPORTED) before any call.
 """
 
-import contextlib
 import ctypes
 
 import torch
@@ -40,33 +39,28 @@ def backend_code(backend):
     return BACKENDS[backend]
 
 
-def rows_view(t):
-    """t (2-D [rows, cols]) with a contiguous last axis and evenly spaced
-    rows, as (tensor to keep alive, row_stride in elements)."""
-    rows, cols = t.shape
-    dense = max(cols, 1)
-    if rows <= 1:
-        return (t, dense) if (cols <= 1 or t.stride(1) == 1) else (t.contiguous(), dense)
-    if (cols <= 1 or t.stride(1) == 1) and t.stride(0) >= dense:
-        return t, t.stride(0)
-    t = t.contiguous()
-    return t, dense
-
-
 def view(t, keep):
     """lmloss_tensor of a 2-D tensor, or of a 1-D tensor as [N, 1]; an absent
-    (zeroed) one for None. Tensors the C call reads are appended to keep."""
+    (zeroed) one for None, as the module docstring says. Tensors the C call
+    reads are appended to keep. Shape and strides are read once: this runs
+    a few times in every call."""
     if t is None:
         return _lib.Tensor()
-    if t.dim() == 1:
-        t = t.unsqueeze(1)
-    t, stride = rows_view(t)
-    keep.append(t)
     code = _CODES.get(t.dtype)
     if code is None:
         raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "dtype %s not supported" % t.dtype)
-    dev = CUDA_DEVICE if t.is_cuda else _lib.CPU_DEVICE
-    return _lib.Tensor(t.data_ptr(), code, dev, t.shape[0], t.shape[1], stride)
+    if t.dim() == 1:
+        (rows,), (s0,), cols, s1 = t.shape, t.stride(), 1, 1
+    else:
+        (rows, cols), (s0, s1) = t.shape, t.stride()
+    dense = max(cols, 1)
+    if (cols <= 1 or s1 == 1) and (rows <= 1 or s0 >= dense):
+        stride = s0 if rows > 1 else dense
+    else:
+        t, stride = t.contiguous(), dense
+    keep.append(t)
+    return _lib.Tensor(t.data_ptr(), code, CUDA_DEVICE if t.is_cuda else _lib.CPU_DEVICE, rows,
+                       cols, stride)
 
 
 def ptr(t):
@@ -86,21 +80,32 @@ def check_device(t):
                          % t.device)
 
 
-@contextlib.contextmanager
-def context(t, backend, num_threads):
-    """lmloss_context for tensor t's device: the current CUDA stream of that
-    device (with it made current) for CUDA tensors."""
-    check_device(t)
-    ctx = _lib.context_default()
-    ctx.backend = int(backend)
-    ctx.num_threads = int(num_threads)
-    if not t.is_cuda:
-        yield ctx
-        return
-    current = t.device.index == torch.cuda.current_device()  # then no switch (host time)
-    with contextlib.nullcontext() if current else torch.cuda.device(t.device):
-        ctx.stream = torch.cuda.current_stream(t.device).cuda_stream
-        yield ctx
+class context:
+    """with context(t, backend, num_threads) as ctx: the lmloss_context for
+    tensor t's device: the current CUDA stream of that device (with it made
+    current, where it is not) for CUDA tensors. A class, not a generator:
+    its cost is host time in every call."""
+
+    __slots__ = ("t", "ctx", "switch")
+
+    def __init__(self, t, backend, num_threads):
+        check_device(t)
+        self.t, self.ctx, self.switch = t, _lib.context_default(), None
+        self.ctx.backend = int(backend)
+        self.ctx.num_threads = int(num_threads)
+
+    def __enter__(self):
+        t = self.t
+        if t.is_cuda:
+            if t.device.index != torch.cuda.current_device():
+                self.switch = torch.cuda.device(t.device)
+                self.switch.__enter__()
+            self.ctx.stream = torch.cuda.current_stream(t.device).cuda_stream
+        return self.ctx
+
+    def __exit__(self, *exc):
+        if self.switch is not None:
+            self.switch.__exit__(*exc)
 
 
 def workspace(nbytes, device):
