@@ -5,7 +5,7 @@
  * minimum: the logits read once, plus the gradient written once where
  * there is one), or the fused head's three GEMMs alone. On CUDA a
  * sample is --queue calls queued back to back between two events (the
- * copy's too), timed per call: at 1 (the default) a call's own host work
+ * copy's and the GEMMs' too), timed per call: at 1 (the default) a call's own host work
  * before its first kernel counts; above 1 it overlaps the device work of
  * the call before, as in a training step.
  */
@@ -149,7 +149,7 @@ int cmd_bench(int argc, char **argv) {
     double limit_ms = 0, frac = 0;
     char limit[64] = "";
     if (lin) {
-      limit_ms = cli_limit_gemm_ms(&c, reps);
+      limit_ms = cli_limit_gemm_ms(&c, reps, queue);
       frac = ms / limit_ms;
       snprintf(limit, sizeof limit, "%.3fx its 3 GEMMs (%.2f ms)", frac, limit_ms);
     } else if (dev == LMLOSS_CPU) {

@@ -98,7 +98,7 @@ void cli_sync(lmloss_device dev);
 /* Limits measured on this machine, in the same run as the timings. */
 double cli_limit_exp_pass_ms(const float *x, int64_t n, int threads);  /* CPU */
 double cli_limit_copy_gbs(lmloss_device dev, size_t bytes, int queue); /* CUDA D2D */
-double cli_limit_gemm_ms(const cli_case *c, int reps);                 /* the op's GEMMs */
+double cli_limit_gemm_ms(const cli_case *c, int reps, int queue);      /* the op's GEMMs */
 
 int cmd_check(int argc, char **argv);
 int cmd_bench(int argc, char **argv);

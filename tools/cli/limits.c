@@ -88,8 +88,8 @@ static void cu_gemm(cublasHandle_t h, int ta, int tb, int64_t m, int64_t n, int6
 #endif
 
 /* The op's three GEMMs alone: logits = h W^T (fp32), dhidden = dl W
- * (hidden dtype), dW = dl^T h (fp32). */
-double cli_limit_gemm_ms(const cli_case *c, int reps) {
+ * (hidden dtype), dW = dl^T h (fp32); on CUDA queue times a sample. */
+double cli_limit_gemm_ms(const cli_case *c, int reps, int queue) {
   const int64_t N = c->N, V = c->V, H = c->H;
   double *t = malloc(sizeof(double) * (size_t)reps), ms;
   if (c->dev == LMLOSS_CPU) {
@@ -123,14 +123,16 @@ double cli_limit_gemm_ms(const cli_case *c, int reps) {
     cudaEventCreate(&e0), cudaEventCreate(&e1);
     for (int r = -2; r < reps; r++) {
       cudaEventRecord(e0, 0);
-      cu_gemm(hd, 0, 1, N, V, H, c->hidden.data, H, at, c->weight.data, H, logits, V, CUDA_R_32F);
-      cu_gemm(hd, 0, 0, N, H, V, dl, V, at, c->weight.data, H, dh, H, at);
-      cu_gemm(hd, 1, 0, V, H, N, dl, V, at, c->hidden.data, H, dw, H, CUDA_R_32F);
+      for (int q = 0; q < queue; q++) {
+        cu_gemm(hd, 0, 1, N, V, H, c->hidden.data, H, at, c->weight.data, H, logits, V, CUDA_R_32F);
+        cu_gemm(hd, 0, 0, N, H, V, dl, V, at, c->weight.data, H, dh, H, at);
+        cu_gemm(hd, 1, 0, V, H, N, dl, V, at, c->hidden.data, H, dw, H, CUDA_R_32F);
+      }
       cudaEventRecord(e1, 0);
       cudaEventSynchronize(e1);
       float f;
       cudaEventElapsedTime(&f, e0, e1);
-      if (r >= 0) t[r] = f;
+      if (r >= 0) t[r] = f / queue;
     }
     cudaEventDestroy(e0), cudaEventDestroy(e1);
     cublasDestroy(hd);

@@ -22,7 +22,7 @@ static void usage(FILE *f) {
              "                       drops them (K = 1). --supervised F: the CE ops ignore all\n"
              "                       but a fraction F of the rows, spread evenly (the limits\n"
              "                       stay those of all rows). --queue Q (CUDA): each timed\n"
-             "                       sample is Q calls queued back to back (the copy's too),\n"
+             "                       sample is Q calls queued back to back (the limit's too),\n"
              "                       per call; at 1 (default) each call's host time before its\n"
              "                       first kernel counts. OPs (default: all):\n"
              "                       ");
