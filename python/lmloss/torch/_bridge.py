@@ -49,10 +49,11 @@ def view(t, keep):
     code = _CODES.get(t.dtype)
     if code is None:
         raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "dtype %s not supported" % t.dtype)
-    if t.dim() == 1:
-        (rows,), (s0,), cols, s1 = t.shape, t.stride(), 1, 1
+    if t.dim() == 1:  # as [N, 1]
+        rows, cols, s0, s1 = t.shape[0], 1, t.stride(0), 1
     else:
-        (rows, cols), (s0, s1) = t.shape, t.stride()
+        rows, cols = t.shape
+        s0, s1 = t.stride()
     dense = max(cols, 1)
     if (cols <= 1 or s1 == 1) and (rows <= 1 or s0 >= dense):
         stride = s0 if rows > 1 else dense
