@@ -218,8 +218,8 @@ __device__ __forceinline__ constexpr bool flag_on(std::integral_constant<bool, F
   return F;
 }
 
-/* The max of a vector's w (NaN if it holds one): in the input's own
- * packed type where w = x, else through the transform. */
+/* The max of a vector's raw elements (NaN if it holds one), in the
+ * input's own packed type (vec_max transforms it). */
 __device__ __forceinline__ float max4(float a, float b, float c, float d) {
   return max_nan(max_nan(a, b), max_nan(c, d));
 }
