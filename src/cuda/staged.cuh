@@ -541,14 +541,14 @@ struct Stage {
  * first half while the second is in flight, and notes the first slot
  * holding its own max; acc is seeded with the CTA's max, then adds every
  * slot, taking the argmax out of that noted slot; the return value says
- * whether the CTA's max is finite (then reduce_row can just add). The
- * loops are compiled apart with and without softcap.
+ * whether the CTA's max is finite (then reduce_row can just add).
  * Unstaged: register loads, four in flight per thread (keep: held in L2
  * for the second pass); acc is raised to the warp's max before each batch
  * of four. A one-pass row (!keep, aligned) takes its whole batches without
  * bounds checks from one base (in the two-pass kernels, where unstaged
  * rows are rare, that second loop would cost registers). Each vector is
- * transformed and added to acc (with label smoothing's sums where sm.on). */
+ * transformed and added to acc (with label smoothing's sums where sm.on).
+ * Both forms' loops are compiled apart with and without softcap. */
 template <bool T, typename In>
 __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart<In> &p, bool keep,
                                            const Xf &X, Smooth sm, Acc &acc, RedSmem *red) {
@@ -602,10 +602,9 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
     };
     return X.f.cap > 0.0f ? sweep(std::true_type{}) : sweep(std::false_type{});
   }
-  /* Compiled apart with and without softcap, as the staged sweep: left to
-   * the compiler, the log-probs forward tested the softcap once per
-   * vector, 5% more instructions (ncu), 0.589-0.602 against 0.558 ms
-   * (H200, bf16 8192 x 152064, 2026-12-02). */
+  /* Left to the compiler, the log-probs forward tested the softcap once
+   * per vector here: 5% more instructions (ncu), 0.589-0.602 against
+   * 0.558 ms (H200, bf16 8192 x 152064, 2026-12-02). */
   auto stream = [&](auto capped) {
     constexpr bool CAP = decltype(capped)::value;
     auto step = [&](int64_t v, const Raw<In> &rv) {
