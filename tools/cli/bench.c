@@ -5,9 +5,9 @@
  * minimum: the logits read once, plus the gradient written once where
  * there is one), or the fused head's three GEMMs alone. On CUDA a
  * sample is --queue calls queued back to back between two events (the
- * copy's and the GEMMs' too), timed per call: at 1 (the default) a call's own host work
- * before its first kernel counts; above 1 it overlaps the device work of
- * the call before, as in a training step.
+ * copy's and the GEMMs' too), timed per call: at 1 (the default) a call's
+ * own host work before its first kernel counts; above 1 it overlaps the
+ * device work of the call before, as in a training step.
  */
 #include <stdio.h>
 #include <stdlib.h>

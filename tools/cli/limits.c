@@ -14,14 +14,14 @@
 #include <time.h>
 
 #include "cli.h"
+#include "cpu/dispatch.h"
 
 #ifdef LMLOSS_CLI_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #endif
 
-__attribute__((target_clones("avx512f", "avx2,fma", "default"))) static float
-exp_pass(const float *x, int64_t n, int threads) {
+LMLOSS_CPU_DISPATCH static float exp_pass(const float *x, int64_t n, int threads) {
   float total = 0.0f;
 #pragma omp parallel for num_threads(threads) reduction(+ : total) schedule(static)
   for (int64_t b = 0; b < n; b += 4096) {
