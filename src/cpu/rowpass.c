@@ -17,8 +17,8 @@ const char *lmloss_cpu_isa_name(void) {
  * of many subnormal terms can be a normal number). Cody-Waite reduction,
  * degree-6 Taylor on |r| <= ln2/2 (error 1.7e-7); 2^n is applied as
  * 2^(n+64) 2^-64, so the one rounding into the subnormals happens last.
- * Pure arithmetic, so a loop that calls it can vectorize (see
- * block_sums for where gcc does not). */
+ * Pure arithmetic, so a loop that calls it can vectorize: in the AVX-512
+ * and x86-64-v3 clones, the latter only under -fno-trapping-math. */
 static inline float exp_neg(float hi, float lo) {
   const float magic = 12582912.0f;       /* 1.5 * 2^23: round to nearest */
   float h = hi > -104.0f ? hi : -104.0f; /* -inf and NaN stay convertible */
@@ -123,14 +123,14 @@ static inline const float *block_w(const void *row, lmloss_dtype dt, int64_t j0,
  * block, so every element here is "j != a" and simply adds (a tie adds its
  * exp(0) = 1), and the loop also returns the block's max so the caller can
  * check the assumption. Always inlined with constant flags: one
- * branch-free loop per call site (vectorized in the AVX-512 clone). */
+ * branch-free loop per call site (vectorized in the AVX-512 and x86-64-v3 clones). */
 static inline __attribute__((always_inline)) void
 block_sums(const float *restrict buf, int n, float m, float k, int unit_k, const float *cw,
            int need_t, int need_u, int careful, lmloss_rowstat *b, float *mb_out, int *nans) {
   /* careful: r in runs of 256 added in double. Where this loop is not
-   * vectorized (gcc 12 reports control flow in it for the x86-64-v3 and
-   * portable clones) r is one running float sum, and a peaked row's 1002
-   * equal terms came out 1.2e-5 high (AVX2 EPYC, tests/python
+   * vectorized (the portable clone: no FMA; the x86-64-v3 one before
+   * -fno-trapping-math) r is one running float sum, and a peaked row's
+   * 1002 equal terms came out 1.2e-5 high (AVX2 EPYC, tests/python
    * test_collapse_margin_30). The careful block is a row's first and any
    * that raises its max; the common one keeps its single run. */
   const int run = careful ? 256 : n;
