@@ -4,7 +4,7 @@
  * picking one through an ifunc. Never -march=native: the shipped library
  * runs on any x86-64. Each name is one clone: "avx2,fma" made two, and
  * the AVX2 one called libm's fmaf (an AVX2 EPYC ran the log-probs at
- * 4096 x 32768 in 2524 ms, 596-720 ms as x86-64-v3, 147 ms once its
+ * 4096 x 32768 in 2524 ms, 596-720 ms as x86-64-v3, 133-147 ms once its
  * row loops vectorized: -fno-trapping-math, CMakeLists.txt).
  */
 #ifndef LMLOSS_CPU_DISPATCH_H
