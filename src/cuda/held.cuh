@@ -373,6 +373,10 @@ template <typename In, bool CLUSTER> struct HeldRow {
  * 256 three an SM (spilling), the staged plan 83.7%. A cluster pays its
  * exchange once a row, which a part-full chunk does not cover (8 of 38
  * KB, above; at 256 threads 65.1% against the staged plan's 69.4%).
+ * Nor do more CTAs fill the GPU better: bf16 CE's kernel at 8192 x
+ * 152064 in clusters of 5 (held_plan's; 69 resident, 345 CTAs) ran
+ * 90.0-90.2%, of 6 (62 resident) 85.3%, of 7 (69) 89.6-89.7%, of 8 (62)
+ * 85.6-85.8% (gpu-out-x/ceh.cu, 2026-12-02).
  * Clusters of more than 8 are non-portable: launch_held checks the device
  * can schedule one. */
 struct HeldPlan {
