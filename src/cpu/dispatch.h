@@ -6,6 +6,8 @@
  * the AVX2 one called libm's fmaf (an AVX2 EPYC ran the log-probs at
  * 4096 x 32768 in 2524 ms, 596-720 ms as x86-64-v3, 133-147 ms once its
  * row loops vectorized: -fno-trapping-math, CMakeLists.txt).
+ * lmloss_cpu_isa_name (rowpass.c) asks the loader's questions in the same
+ * order: change the two together.
  */
 #ifndef LMLOSS_CPU_DISPATCH_H
 #define LMLOSS_CPU_DISPATCH_H

@@ -376,7 +376,7 @@ template <typename In, bool CLUSTER> struct HeldRow {
  * Nor do more CTAs fill the GPU better: bf16 CE's kernel at 8192 x
  * 152064 in clusters of 5 (held_plan's; 69 resident, 345 CTAs) ran
  * 90.0-90.2%, of 6 (62 resident) 85.3%, of 7 (69) 89.6-89.7%, of 8 (62)
- * 85.6-85.8% (gpu-out-x/ceh.cu, 2026-12-02).
+ * 85.6-85.8% (gpu-out-x/ceh.cu on branch wip/s23-ce, 2026-12-02).
  * Clusters of more than 8 are non-portable: launch_held checks the device
  * can schedule one. */
 struct HeldPlan {
