@@ -342,7 +342,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   const int64_t i = blockIdx.x / a.cs;
   HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
   const In *xrow = (const In *)a.x + i * a.xs;
-  h.load(xrow, a.V);
+  h.load<true>(xrow, a.V);
   const long long y = ld_index(a.tgt, a.tgt64, i * a.ts);
   const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
   const float dl = a.mode == CE_FUSED ? a.grad_output

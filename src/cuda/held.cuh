@@ -129,9 +129,20 @@ template <typename In, bool CLUSTER> struct HeldRow {
    * branches (load_vec's element path beside them) had ptxas copy each
    * result into its register before the next load went out, one load in
    * flight per thread (ncu, the softmax: 4.78 ms, 37% of DRAM bandwidth,
-   * the stalls on those copies). The vector crossing V follows with
-   * element loads. */
-  __device__ __forceinline__ void load(const In *row, int64_t V) {
+   * the stalls on those copies). NC: plain non-coherent loads
+   * (ld.global.nc, __ldg), else evict-first ones (ld.global.cs, __ldcs).
+   * In the harness (gpu-out-x/ceh3.cu on branch wip/s24-ce), interleaved
+   * in one process, bf16 CE's row kernel at 8192 x 152064 ran at
+   * 91.2-91.5% of copy bandwidth with NC against 90.1%, a load-and-store
+   * kernel of this shape 92.7% against 89.5% (.L1::no_allocate 90.1-90.3%,
+   * .cs.L2::256B 89.2%); the library's CE call 89.9-90.0% against
+   * 88.8-89.2%, the log-probs backward 92.6-92.9% against 90.0-90.3%
+   * (H200, 2026-12-02). The softmax keeps evict-first loads: fp32 at 4096
+   * x 262144 ran 90.7-90.8% with NC against 91.9-92.0%. Each element is
+   * read before any CTA stores over it (in place too), so the read-only
+   * path sees no stale line. The vector crossing V follows with element
+   * loads. */
+  template <bool NC> __device__ __forceinline__ void load(const In *row, int64_t V) {
     Raw<In> ninf;
 #pragma unroll
     for (int e = 0; e < NV; e++)
@@ -141,7 +152,7 @@ template <typename In, bool CLUSTER> struct HeldRow {
 #pragma unroll
     for (int u = 0; u < U; u++) {
       const int v = vec(u);
-      r[u] = v < whole ? __ldcs(base + v) : ninf.u;
+      r[u] = v < whole ? (NC ? __ldg(base + v) : __ldcs(base + v)) : ninf.u;
     }
     if (whole < ch.nv) {
 #pragma unroll

@@ -334,7 +334,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
   const int64_t i = blockIdx.x / a.cs;
   HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
   const In *xrow = (const In *)a.x + i * a.xs;
-  h.load(xrow, a.V);
+  h.load<true>(xrow, a.V);
   /* after the row's loads (see ce_held) */
   const bool on = !a.mask || a.mask[i * a.ms];
   const long long j = ld_index(a.idx, a.idx64, i * a.is);

@@ -86,7 +86,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) sm_held(SmArgs a) {
   const int64_t i = blockIdx.x / a.cs;
   HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
   const In *xrow = (const In *)a.x + i * a.xs;
-  h.load(xrow, a.V);
+  h.load<false>(xrow, a.V);
   h.arrive(&sm);
   const Xf &X = a.X;
   const bool ok = h.stats(X, &sm);
