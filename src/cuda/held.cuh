@@ -136,7 +136,7 @@ template <typename In, bool CLUSTER> struct HeldRow {
    * 91.2-91.5% of copy bandwidth with NC against 90.1%, a load-and-store
    * kernel of this shape 92.7% against 89.5% (.L1::no_allocate 90.1-90.3%,
    * .cs.L2::256B 89.2%); the library's CE call 89.9-90.0% against
-   * 88.8-89.2%, the log-probs backward 92.6-92.9% against 90.0-90.3%
+   * 88.8-89.3%, the log-probs backward 92.6-92.9% against 90.0-90.3%
    * (H200, 2026-12-02). The softmax keeps evict-first loads: fp32 at 4096
    * x 262144 ran 90.7-90.8% with NC against 91.9-92.0%. Each element is
    * read before any CTA stores over it (in place too), so the read-only
