@@ -305,9 +305,10 @@ __device__ __forceinline__ void bulk_copy(unsigned dst, const void *src, unsigne
                "l"(src), "r"(bytes), "r"(bar)
                : "memory");
 }
-#else
-/* Below sm_90: 16-byte asynchronous copies by each thread of its own
- * slots, one commit group per half. */
+#endif
+/* 16-byte asynchronous copies into shared memory by each thread of its
+ * own slots (sm_80 and up): the staged plan's below sm_90, the held
+ * plan's shared slots. */
 __device__ __forceinline__ void cp_async16(unsigned dst, const void *src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
@@ -317,7 +318,6 @@ __device__ __forceinline__ void cp_async_commit() {
 template <int N> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
-#endif
 
 /* ------------------------------------------------------------------ */
 /* A CTA's chunk of a row, its output, and the row's scalars           */

@@ -11,23 +11,23 @@
  * Why this shape: such a row must move in once and out once. Each thread
  * loads all its vectors (64 KB a CTA: 256 threads of 16 vectors of 16
  * bytes, or 128 threads of 32) before it uses any, so the CTA's whole
- * chunk is in flight at once with no stage in shared memory and no second
- * read; a cluster of 16 holds a row of 1 MB (one CTA a row below sm_90,
- * which has no clusters). Two or three CTAs share an SM (held_threads),
- * so that each CTA's loads cover the others' reductions: 8 vectors a
- * thread left bf16 CE at 56-59% of copy bandwidth, 16 took it to 65-76%
- * and the fp32 softmax to 89% (H200); held_plan says which CTA a row
- * takes. The statistics take two CTA barriers (the CTA's max, then the
- * max-split sum about it, so the warps merge by plain adds) and, in a
- * cluster, one push of each CTA's (m, R) into every peer's shared memory,
- * counted on the peer's mbarrier: no cluster barrier after the start,
- * none at exit (each CTA waits for every part pushed into it, and a
- * release fence there waited for the stores in flight). The code a row
- * costs besides its elements is kept to about the reductions: the same
- * plan built over the staged kernels' general per-row code (options,
- * general merges) ran at 18-41% (BENCHMARKS.md, fourteenth session). So
- * the plan serves the ops' plain forms (see each op's *_held_applies);
- * the others keep make_plan's.
+ * chunk is in flight at once with no second read (S of a thread's
+ * vectors go to shared memory, see HeldRow); a cluster of 16 holds a row
+ * of 1 MB (one CTA a row below sm_90, which has no clusters). Two or
+ * three CTAs share an SM (held_threads), so that each CTA's loads cover
+ * the others' reductions: 8 vectors a thread left bf16 CE at 56-59% of
+ * copy bandwidth, 16 took it to 65-76% and the fp32 softmax to 89%
+ * (H200); held_plan says which CTA a row takes. The statistics take two
+ * CTA barriers (the CTA's max, then the max-split sum about it, so the
+ * warps merge by plain adds) and, in a cluster, one push of each CTA's
+ * (m, R) into every peer's shared memory, counted on the peer's mbarrier:
+ * no cluster barrier after the start, none at exit (each CTA waits for
+ * every part pushed into it, and a release fence there waited for the
+ * stores in flight). The code a row costs besides its elements is kept to
+ * about the reductions: the same plan built over the staged kernels'
+ * general per-row code (options, general merges) ran at 18-41%
+ * (BENCHMARKS.md, fourteenth session). So the plan serves the ops' plain
+ * forms (see each op's *_held_applies); the others keep make_plan's.
  */
 #ifndef LMLOSS_CUDA_HELD_CUH
 #define LMLOSS_CUDA_HELD_CUH
@@ -39,6 +39,7 @@ namespace lmc {
 constexpr int HELD_THREADS = 256; /* the most a CTA runs (HeldSmem's per-warp parts) */
 constexpr int HELD_VECS = 4096;   /* 16-byte vectors a CTA holds: T threads of 4096 / T */
 constexpr int HELD_MAX_CS = 16;
+constexpr int HELD_SHARED_SLOTS = 2; /* CE's and the log-probs backward's (HeldRow's S) */
 
 struct HeldSmem {
   float wmax[HELD_THREADS / 32];
@@ -93,24 +94,48 @@ __device__ __forceinline__ Raw<f16> raw_vmax(Raw<f16> a, const Raw<f16> &b) {
 }
 
 /* The row's chunk in a held CTA, one CTA a row or a cluster's
- * (HELD_BOUNDS(In, CLUSTER) is its kernel's bound). */
-template <typename In, bool CLUSTER> struct HeldRow {
+ * (HELD_BOUNDS(In, CLUSTER) is its kernel's bound). S of each thread's
+ * vectors go to shared memory (cp.async; 8 KB a CTA of 256 threads at
+ * S = 2), the rest to registers. With all 16 in registers (80 a thread at
+ * three CTAs an SM) bf16 CE's kernel spilled 64 bytes a thread, and the
+ * spills' lines went out to DRAM under the streaming rows (ncu: 2.57 GB
+ * written for a 2.49 GB gradient, 87.1M L2 write sectors for 77.8M); at
+ * S = 2 it spills 4 bytes (ncu at S = 4: 2.48 GB, 79.2M sectors). In the
+ * library (H200, 2026-12-03, bench --queue 5, against S = 0 in the same
+ * call): bf16 8192 x 152064 CE 93.3-93.6% of copy bandwidth against
+ * 89.7-90.0%, the log-probs backward 94.6-95.0% against 92.6-92.8% (fp16
+ * CE 91.4% against 86.1%, fp32 at 4096 x 152064 95.1% against 91.6%);
+ * neither moved at 4096 x 32768 (one CTA a row). The softmax lost with
+ * it (bf16 4096 x 32768 90.3-90.9% against 95.5-96.0%, fp32 4096 x
+ * 262144 90.6% against 92.8-92.9%), so it keeps S = 0. In a harness
+ * (gpu-out-x/ceh11.cu) S = 4 ran CE's kernel 0.5 points below S = 2. */
+template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
   static constexpr int NV = elt<In>::NV, U = HELD_VECS / held_threads(NV, CLUSTER);
-  uint4 r[U]; /* not Raw<In>: its 16-bit view had each load's registers
-                repacked, waiting for it, before the next load went out */
+  static constexpr int UR = U - S; /* slots u < UR in registers */
+  /* not Raw<In>: its 16-bit view had each load's registers repacked,
+   * waiting for it, before the next load went out */
+  uint4 r[UR];
+  HeldSmem *sm;
+  uint4 *sl; /* the shared slots, [S][HELD_THREADS] (none where S = 0) */
   Chunk ch;
   int rank, cs;
   float m, rs; /* the row's max (w = x) and max-split sum R about it */
   Ref ref;     /* set at m */
 
-  __device__ __forceinline__ HeldRow(int cs_, int64_t chunk, int64_t V)
-      : rank((int)(blockIdx.x % cs_)), cs(cs_) {
+  __device__ __forceinline__ HeldRow(HeldSmem *sm_, uint4 *sl_, int cs_, int64_t chunk, int64_t V)
+      : sm(sm_), sl(sl_), rank((int)(blockIdx.x % cs_)), cs(cs_) {
     ch = my_chunk<NV>(V, chunk, rank);
   }
   __device__ __forceinline__ int vec(int u) const { return threadIdx.x + u * blockDim.x; }
+  __device__ __forceinline__ uint4 &slot(int u) {
+    return u < UR ? r[u] : sl[(u - UR) * HELD_THREADS + threadIdx.x];
+  }
+  __device__ __forceinline__ uint4 slot(int u) const {
+    return u < UR ? r[u] : sl[(u - UR) * HELD_THREADS + threadIdx.x];
+  }
   __device__ __forceinline__ Raw<In> raw(int u) const {
     Raw<In> q;
-    q.u = r[u];
+    q.u = slot(u);
     return q;
   }
   /* raw(u) for a second sweep that only some threads take: opaque, so
@@ -118,7 +143,7 @@ template <typename In, bool CLUSTER> struct HeldRow {
    * (128 floats a thread) live for it, in spilled registers. */
   __device__ __forceinline__ Raw<In> raw_again(int u) const {
     Raw<In> q;
-    q.u = r[u];
+    q.u = slot(u);
     asm("" : "+r"(q.u.x), "+r"(q.u.y), "+r"(q.u.z), "+r"(q.u.w));
     return q;
   }
@@ -150,24 +175,38 @@ template <typename In, bool CLUSTER> struct HeldRow {
     const uint4 *base = (const uint4 *)(row + ch.jb);
     const int whole = (int)((ch.je - ch.jb) / NV);
 #pragma unroll
-    for (int u = 0; u < U; u++) {
+    for (int u = 0; u < UR; u++) {
       const int v = vec(u);
       r[u] = v < whole ? (NC ? __ldg(base + v) : __ldcs(base + v)) : ninf.u;
     }
+#pragma unroll
+    for (int u = UR; u < U; u++) {
+      const int v = vec(u);
+      if (v < whole)
+        cp_async16(smem_addr(&slot(u)), base + v);
+      else
+        slot(u) = ninf.u;
+    }
+    if (S > 0) cp_async_commit();
     if (whole < ch.nv) {
 #pragma unroll
       for (int u = 0; u < U; u++) {
         const int v = vec(u);
         if (v >= whole && v < ch.nv)
-          r[u] = load_vec<In, STREAM>(row, ch.jb + (int64_t)v * NV, V, false).u;
+          slot(u) = load_vec<In, STREAM>(row, ch.jb + (int64_t)v * NV, V, false).u;
       }
     }
+  }
+  /* Wait for the shared slots' copies: before their first read, and
+   * before a CTA that loaded a row leaves without reading it. */
+  __device__ __forceinline__ void settle() const {
+    if (S > 0) cp_async_wait<0>();
   }
 
   /* In a cluster: the mbarrier the peers' parts land on, made visible to
    * them by a cluster barrier whose wait stats() takes before pushing.
    * Call uniformly over the cluster, after load() (the loads in flight). */
-  __device__ __forceinline__ void arrive(HeldSmem *sm) const {
+  __device__ __forceinline__ void arrive() const {
 #ifdef LMLOSS_SM90
     if (cs == 1) return;
     if (threadIdx.x == 0) {
@@ -175,8 +214,6 @@ template <typename In, bool CLUSTER> struct HeldRow {
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-#else
-    (void)sm;
 #endif
   }
 
@@ -192,8 +229,9 @@ template <typename In, bool CLUSTER> struct HeldRow {
    * warp holding M (16-bit rows tie at their max often: 300 times a bf16
    * bench row of 152064) CE ran 22 instructions an element, ~10 of them
    * in that sum (ncu, H200). Contains __syncthreads: call uniformly. */
-  __device__ __forceinline__ bool stats(const Xf &X, HeldSmem *sm) {
+  __device__ __forceinline__ bool stats(const Xf &X) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    settle();
     Raw<In> vm = raw(0); /* see raw_vmax */
 #pragma unroll
     for (int u = 1; u < U; u++)
@@ -310,7 +348,7 @@ template <typename In, bool CLUSTER> struct HeldRow {
     Raw<In> q = raw(0);
 #pragma unroll
     for (int u = 1; u < U; u++)
-      if (vec(u) == v) q.u = r[u];
+      if (vec(u) == v) q.u = slot(u);
     float x[NV];
     unpack<In, NV>(q, x);
     float y = x[0];

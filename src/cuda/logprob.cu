@@ -331,8 +331,9 @@ template <typename In, typename O, bool CLUSTER>
 __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
+  __shared__ uint4 slots[HELD_SHARED_SLOTS * HELD_THREADS];
   const int64_t i = blockIdx.x / a.cs;
-  HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
+  HeldRow<In, CLUSTER, HELD_SHARED_SLOTS> h(&sm, slots, a.cs, a.chunk, a.V);
   const In *xrow = (const In *)a.x + i * a.xs;
   h.load<true>(xrow, a.V);
   /* after the row's loads (see ce_held) */
@@ -342,12 +343,13 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
   O *drow = (O *)a.dx + i * a.dxs;
   if (!on) { /* the whole cluster returns here */
     zero_chunk<In, O>(drow, h.ch, a.V);
+    h.settle();
     return;
   }
-  h.arrive(&sm);
+  h.arrive();
   const Xf &X = a.X;
   const float k = X.f.k;
-  const bool ok = h.stats(X, &sm) && j >= 0 && j < a.V;
+  const bool ok = h.stats(X) && j >= 0 && j < a.V;
   const float m = h.m, inv = 1.0f / (1.0f + h.rs);
   /* The index's entry (LpGrad::entry for K = 1), by the thread holding it;
    * 1 - p there is R / (1 + R) at the max. */

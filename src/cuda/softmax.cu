@@ -84,12 +84,12 @@ __global__ void HELD_BOUNDS(In, CLUSTER) sm_held(SmArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
   const int64_t i = blockIdx.x / a.cs;
-  HeldRow<In, CLUSTER> h(a.cs, a.chunk, a.V);
+  HeldRow<In, CLUSTER> h(&sm, nullptr, a.cs, a.chunk, a.V);
   const In *xrow = (const In *)a.x + i * a.xs;
   h.load<false>(xrow, a.V);
-  h.arrive(&sm);
+  h.arrive();
   const Xf &X = a.X;
-  const bool ok = h.stats(X, &sm);
+  const bool ok = h.stats(X);
   const float m = h.m;
   float inv = 1.0f / (1.0f + h.rs), l1r = log1pf(h.rs);
   if (!ok) inv = l1r = NAN;
