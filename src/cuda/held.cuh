@@ -36,7 +36,7 @@
 
 namespace lmc {
 
-constexpr int HELD_THREADS = 256; /* the most a CTA runs (HeldSmem's per-warp parts) */
+constexpr int HELD_THREADS = 256; /* the most a CTA runs (HeldSmem's parts, HeldSlots) */
 constexpr int HELD_VECS = 4096;   /* 16-byte vectors a CTA holds: T threads of 4096 / T */
 constexpr int HELD_MAX_CS = 16;
 constexpr int HELD_SHARED_SLOTS = 2; /* CE's and the log-probs backward's (HeldRow's S) */
@@ -48,6 +48,10 @@ struct HeldSmem {
   uint4 parts[HELD_MAX_CS]; /* rank q's (m, R), pushed by q */
   alignas(8) unsigned long long bar;
 };
+
+/* A held CTA's S shared slots a thread (HeldRow; HeldSlots<0>: none). */
+template <int S> struct HeldSlots { uint4 v[S][HELD_THREADS]; };
+template <> struct HeldSlots<0> {};
 
 /* Threads of a held CTA (64 KB in registers either way): one CTA a row
  * runs 256, two an SM (128 registers); a cluster's CTAs share an SM three
@@ -116,22 +120,27 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
    * waiting for it, before the next load went out */
   uint4 r[UR];
   HeldSmem *sm;
-  uint4 *sl; /* the shared slots, [S][HELD_THREADS] (none where S = 0) */
+  HeldSlots<S> *sl;
   Chunk ch;
   int rank, cs;
   float m, rs; /* the row's max (w = x) and max-split sum R about it */
   Ref ref;     /* set at m */
 
-  __device__ __forceinline__ HeldRow(HeldSmem *sm_, uint4 *sl_, int cs_, int64_t chunk, int64_t V)
+  __device__ __forceinline__ HeldRow(HeldSmem *sm_, HeldSlots<S> *sl_, int cs_, int64_t chunk,
+                                     int64_t V)
       : sm(sm_), sl(sl_), rank((int)(blockIdx.x % cs_)), cs(cs_) {
     ch = my_chunk<NV>(V, chunk, rank);
   }
   __device__ __forceinline__ int vec(int u) const { return threadIdx.x + u * blockDim.x; }
-  __device__ __forceinline__ uint4 &slot(int u) {
-    return u < UR ? r[u] : sl[(u - UR) * HELD_THREADS + threadIdx.x];
+  /* slot u of this thread: a register, or shared memory from UR on */
+  __device__ __forceinline__ const uint4 &slot(int u) const {
+    if constexpr (S == 0)
+      return r[u];
+    else
+      return u < UR ? r[u] : sl->v[u - UR][threadIdx.x];
   }
-  __device__ __forceinline__ uint4 slot(int u) const {
-    return u < UR ? r[u] : sl[(u - UR) * HELD_THREADS + threadIdx.x];
+  __device__ __forceinline__ uint4 &slot(int u) {
+    return const_cast<uint4 &>(static_cast<const HeldRow *>(this)->slot(u));
   }
   __device__ __forceinline__ Raw<In> raw(int u) const {
     Raw<In> q;
@@ -187,7 +196,7 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
       else
         slot(u) = ninf.u;
     }
-    if (S > 0) cp_async_commit();
+    if constexpr (S > 0) cp_async_commit();
     if (whole < ch.nv) {
 #pragma unroll
       for (int u = 0; u < U; u++) {
@@ -200,7 +209,7 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
   /* Wait for the shared slots' copies: before their first read, and
    * before a CTA that loaded a row leaves without reading it. */
   __device__ __forceinline__ void settle() const {
-    if (S > 0) cp_async_wait<0>();
+    if constexpr (S > 0) cp_async_wait<0>();
   }
 
   /* In a cluster: the mbarrier the peers' parts land on, made visible to

@@ -331,9 +331,9 @@ template <typename In, typename O, bool CLUSTER>
 __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
-  __shared__ uint4 slots[HELD_SHARED_SLOTS * HELD_THREADS];
+  __shared__ HeldSlots<HELD_SHARED_SLOTS> slots;
   const int64_t i = blockIdx.x / a.cs;
-  HeldRow<In, CLUSTER, HELD_SHARED_SLOTS> h(&sm, slots, a.cs, a.chunk, a.V);
+  HeldRow<In, CLUSTER, HELD_SHARED_SLOTS> h(&sm, &slots, a.cs, a.chunk, a.V);
   const In *xrow = (const In *)a.x + i * a.xs;
   h.load<true>(xrow, a.V);
   /* after the row's loads (see ce_held) */
