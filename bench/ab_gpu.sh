@@ -25,7 +25,7 @@ cp -r CMakeLists.txt include src tests tools "$B_TREE"/ && patch -s -d "$B_TREE"
   exit 1
 build() {
   cmake -S "$1" -B "$1/build-gpu" -DCMAKE_BUILD_TYPE=Release -DLMLOSS_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null 2>&1 &&
+    -DLMLOSS_CUDA_ARCHITECTURES=90 >/dev/null 2>&1 &&
     cmake --build "$1/build-gpu" -j "$(($(nproc) / 2))" 2>&1 | grep -E "error|warning: "
 }
 date >>"$OUT/ab.txt"

@@ -27,7 +27,7 @@ OUT=${OUT:-gpu-out}
 BUILD=${BUILD:-build-gpu}
 mkdir -p "$OUT"
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DLMLOSS_CUDA=ON \
-  -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null || exit 1
+  -DLMLOSS_CUDA_ARCHITECTURES=90 >/dev/null || exit 1
 cmake --build "$BUILD" -j "$(nproc)" 2>&1 | grep -E "error|warning: " ; [ -x "$BUILD/lmloss" ] || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test command of the README and of CI: builds the library (with the
-# CUDA backend when nvcc is present), runs the C tests (ctest), the Python
+# CUDA backend when nvcc and a GPU are present, for that GPU; or, GPU or
+# not, for the architectures in $LMLOSS_CUDA_ARCHITECTURES, e.g. 90: CI's),
+# runs the C tests (ctest), the Python
 # tests (pytest), checks that `pip install .` gives a working package, and
 # runs the C tests again under AddressSanitizer + UBSan.
 # GPU: LMLOSS_TEST_BACKEND=cuda runs the same C suite on the CUDA backend.
@@ -12,7 +14,9 @@ python3 -c "import numpy, pytest, ml_dtypes" 2>/dev/null ||
   python3 -m pip install -q numpy pytest ml_dtypes
 
 echo "== build (Release)"
-cmake -S . -B build -DCMAKE_BUILD_TYPE=Release >/dev/null
+# passed even when empty, so that a value cached by an earlier run is reset
+cmake -S . -B build -DCMAKE_BUILD_TYPE=Release \
+  -DLMLOSS_CUDA_ARCHITECTURES="${LMLOSS_CUDA_ARCHITECTURES:-}" | { grep "lmloss:" || true; }
 cmake --build build -j"$jobs"
 
 echo "== C tests"
