@@ -152,8 +152,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
    * next row's target and its logit are prefetched into L1 during this
    * row, the upstream gradient and weights are loaded before pass 1.
    * Loaded where they were used, each stalled every warp of the CTA every
-   * row (ncu, ce-grad, 8ce9185: 4% of the stall samples on the target, its
-   * logit and the MEAN denominator); a prefetch, not a load carried to the
+   * row; a prefetch, not a load carried to the
    * next row, since the compiler moves a uniform load's value into a
    * uniform register right after the load, which waits for it. */
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
@@ -276,8 +275,8 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     /* The gradient pass, one loop per class-weight case (a runtime branch
      * in one loop let the compiler hoist the weights' 64-bit addressing
      * into every vector). The softcap stays a test per vector: a loop per
-     * softcap case as well (second_pass) made the 128-thread kernel spill
-     * 42-84 bytes. */
+     * softcap case as well (second_pass) made the 128-thread kernel
+     * spill. */
     auto grad_pass = [&](auto with_cw) {
       second_pass_loops(a.staged, st, part, next, [&](int v, const Raw<In> &rv) {
         write_grad(X, rv, kout, v, X.f.cap > 0.0f, [&](const float *w, float *g) {
@@ -330,8 +329,7 @@ static bool ce_held_applies(const CeArgs &a, bool T) {
 /* The plain CE gradient row, held (see ce_held_applies). The row's
  * scalars are loaded after its vectors, in the source too: written
  * before them, ptxas moved the target into a uniform register ahead of
- * the row's loads (waiting for it there): bf16 CE at 8192 x 152064 ran
- * at 87.7-87.8% of copy bandwidth against 88.4% (H200, 2026-12-02). So
+ * the row's loads (waiting for it there). So
  * an ignored row is read too, and left as it was (or zeroed). The
  * target's own logit comes from the registers of the thread that holds
  * it, which writes the loss. */
@@ -361,10 +359,9 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
     return;
   }
   /* G formed while the row's loads fly, and log(1 + R) and the lse below
-   * only where used: ncu found CE at 2324 instructions a warp a row
-   * against the log-probs backward's 2198, these per-row scalars in every
-   * thread after the statistics; the two changes took bf16 CE at 8192 x
-   * 152064 from 81.0-81.5% to 82.5-82.8% of copy bandwidth (H200). */
+   * only where used: formed in every thread after the statistics, these
+   * per-row scalars made CE's per-row code longer than the log-probs
+   * backward's. */
   const float G = ce_upstream(a, dl, den, tw);
   h.arrive();
   const Xf &X = a.X;

@@ -246,9 +246,8 @@ __device__ __forceinline__ unsigned smem_addr(const void *p) {
 }
 /* Shared-memory accesses by 32-bit shared address: through a generic
  * pointer the compiler re-derived the cluster window of the dynamic
- * stage (S2UR SR_CgaCtaId, four uniform instructions) on every vector
- * (ncu's per-line counts, ce-grad, 54980e5). Volatile keeps them after
- * the waits for the copies that fill them. */
+ * stage (S2UR SR_CgaCtaId, four uniform instructions) on every vector.
+ * Volatile keeps them after the waits for the copies that fill them. */
 __device__ __forceinline__ uint4 lds16(unsigned a) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -342,10 +341,9 @@ template <int NV> __device__ __forceinline__ Chunk my_chunk(int64_t V, int64_t c
  * whole vector (the row 16-byte aligned, the vector inside the chunk) is
  * one vector store at base + v NV, the rest (an unaligned row, the
  * vector that crosses V) element stores below lim. Per-vector 64-bit
- * address and bounds arithmetic (the former store_vec) was about a third
- * of the gradient pass's executed instructions (ncu's per-line counts,
- * ce-grad, 84f54d3). Three values only: a first form that also kept the
- * row, its bounds and flags made the kernels spill. */
+ * address and bounds arithmetic was a large share of the gradient pass's
+ * instructions. Three values only: a form that also kept the row, its
+ * bounds and flags made the kernels spill. */
 template <typename O, int NV> struct ChunkOut {
   O *base;     /* the chunk's first element */
   int64_t lim; /* elements from base to the end of the row */
@@ -354,7 +352,7 @@ template <typename O, int NV> struct ChunkOut {
   __device__ __forceinline__ ChunkOut(O *row, const Chunk &c, int64_t V)
       : base(row + c.jb), lim(V - c.jb), whole(is_aligned16(row) ? (int)((c.je - c.jb) / NV) : 0) {
     /* opaque: held in registers, not recomputed from the kernel's
-     * parameters for every vector (six instructions each, ncu, 1986d60) */
+     * parameters for every vector */
     asm("" : "+l"(base));
     asm("" : "+r"(whole));
   }

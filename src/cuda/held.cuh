@@ -3,10 +3,8 @@
  * kept in registers from its load to its store, by one cluster of CTAs a
  * row (non-persistent: the hardware schedules the clusters). A grid of
  * the resident clusters whose CTAs loop over rows, each loading its next
- * row behind its stores, ran bf16 CE at 57-67% of copy bandwidth against
- * 77% at 8192 x 152064 and 77% against 85% at 4096 x 32768 (H200,
- * 2026-12-01; branch wip/persist; not profiled). A new CTA issues all its
- * loads at once; a looping one issued its next row's one behind each store.
+ * row behind its stores, was slower: a new CTA issues all its loads at
+ * once; a looping one issued its next row's one behind each store.
  *
  * Why this shape: such a row must move in once and out once. Each thread
  * loads all its vectors (64 KB a CTA: 256 threads of 16 vectors of 16
@@ -15,9 +13,8 @@
  * vectors go to shared memory, see HeldRow); a cluster of 16 holds a row
  * of 1 MB (one CTA a row below sm_90, which has no clusters). Two or
  * three CTAs share an SM (held_threads), so that each CTA's loads cover
- * the others' reductions: 8 vectors a thread left bf16 CE at 56-59% of
- * copy bandwidth, 16 took it to 65-76% and the fp32 softmax to 89%
- * (H200); held_plan says which CTA a row takes. The statistics take two
+ * the others' reductions (8 vectors a thread were too few); held_plan
+ * says which CTA a row takes. The statistics take two
  * CTA barriers (the CTA's max, then the max-split sum about it, so the
  * warps merge by plain adds) and, in a cluster, one push of each CTA's
  * (m, R) into every peer's shared memory, counted on the peer's mbarrier:
@@ -25,8 +22,8 @@
  * every part pushed into it, and a release fence there waited for the
  * stores in flight). The code a row costs besides its elements is kept to
  * about the reductions: the same plan built over the staged kernels'
- * general per-row code (options, general merges) ran at 18-41%
- * (BENCHMARKS.md, fourteenth session). So the plan serves the ops' plain
+ * general per-row code (options, general merges) ran far slower
+ * (BENCHMARKS.md). So the plan serves the ops' plain
  * forms (see each op's *_held_applies); the others keep make_plan's.
  */
 #ifndef LMLOSS_CUDA_HELD_CUH
@@ -57,9 +54,7 @@ template <> struct HeldSlots<0> {};
  * runs 256, two an SM (128 registers); a cluster's CTAs share an SM three
  * at a time, of 256 threads (80 registers) with 16-bit logits, of 128
  * (168) with fp32 ones, whose 256-thread form spilled (held_plan). 512
- * threads of 8 vectors two an SM (64 registers, no spill) ran bf16 CE at
- * 8192 x 152064 at 72.4-72.9% of copy bandwidth against 82.5-82.8%, the
- * log-probs backward 77.9% against 85.7-85.9% (H200; wip/held-512). */
+ * threads of 8 vectors two an SM (64 registers, no spill) were slower. */
 __host__ __device__ constexpr int held_threads(int NV, bool cluster) {
   return cluster && NV == 4 ? 128 : 256;
 }
@@ -67,9 +62,8 @@ __host__ __device__ constexpr int held_threads(int NV, bool cluster) {
   __launch_bounds__(held_threads(elt<In>::NV, CLUSTER), (CLUSTER) ? 3 : 2)
 
 /* The elementwise max of two vectors (NaN where either holds one), in the
- * packed type: the thread's vectors reduced so, then one raw_max, ran
- * bf16 CE at 8192 x 152064 0.3-0.5 points of copy bandwidth above a
- * raw_max a vector (gpu-out-x/grow.cu, H200, 2026-12-02). */
+ * packed type: the thread's vectors reduced so, then one raw_max, is
+ * fewer instructions than a raw_max a vector, and was faster. */
 template <typename H2>
 __device__ __forceinline__ uint4 packed_vmax(const uint4 &a, const uint4 &b) {
   H2 p[4], q[4];
@@ -101,18 +95,11 @@ __device__ __forceinline__ Raw<f16> raw_vmax(Raw<f16> a, const Raw<f16> &b) {
  * (HELD_BOUNDS(In, CLUSTER) is its kernel's bound). S of each thread's
  * vectors go to shared memory (cp.async; 8 KB a CTA of 256 threads at
  * S = 2), the rest to registers. With all 16 in registers (80 a thread at
- * three CTAs an SM) bf16 CE's kernel spilled 64 bytes a thread, and the
- * spills' lines went out to DRAM under the streaming rows (ncu: 2.57 GB
- * written for a 2.49 GB gradient, 87.1M L2 write sectors for 77.8M); at
- * S = 2 it spills 4 bytes (ncu at S = 4: 2.48 GB, 79.2M sectors). In the
- * library (H200, 2026-12-03, bench --queue 5, against S = 0 in the same
- * call): bf16 8192 x 152064 CE 93.3-93.6% of copy bandwidth against
- * 89.7-90.0%, the log-probs backward 94.6-95.0% against 92.6-92.8% (fp16
- * CE 91.4% against 86.1%, fp32 at 4096 x 152064 95.1% against 91.6%);
- * neither moved at 4096 x 32768 (one CTA a row). The softmax lost with
- * it (bf16 4096 x 32768 90.3-90.9% against 95.5-96.0%, fp32 4096 x
- * 262144 90.6% against 92.8-92.9%), so it keeps S = 0. In a harness
- * (gpu-out-x/ceh11.cu) S = 4 ran CE's kernel 0.5 points below S = 2. */
+ * three CTAs an SM) bf16 CE's kernel spilled, and the spills' lines went
+ * out to DRAM under the streaming rows; at S = 2 it spills next to
+ * nothing, and CE and the log-probs backward ran faster in clusters at
+ * every dtype (S = 4 was slower again). The softmax ran slower with
+ * shared slots, so it keeps S = 0. */
 template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
   static constexpr int NV = elt<In>::NV, U = HELD_VECS / held_threads(NV, CLUSTER);
   static constexpr int UR = U - S; /* slots u < UR in registers */
@@ -162,17 +149,10 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
    * predicated 16-byte load each, straight into their registers: loads in
    * branches (load_vec's element path beside them) had ptxas copy each
    * result into its register before the next load went out, one load in
-   * flight per thread (ncu, the softmax: 4.78 ms, 37% of DRAM bandwidth,
-   * the stalls on those copies). NC: plain non-coherent loads
-   * (ld.global.nc, __ldg), else evict-first ones (ld.global.cs, __ldcs).
-   * In the harness (gpu-out-x/ceh3.cu on branch wip/s24-ce), interleaved
-   * in one process, bf16 CE's row kernel at 8192 x 152064 ran at
-   * 91.2-91.5% of copy bandwidth with NC against 90.1%, a load-and-store
-   * kernel of this shape 92.7% against 89.5% (.L1::no_allocate 90.1-90.3%,
-   * .cs.L2::256B 89.2%); the library's CE call 89.9-90.0% against
-   * 88.8-89.3%, the log-probs backward 92.6-92.9% against 90.0-90.3%
-   * (H200, 2026-12-02). The softmax keeps evict-first loads: fp32 at 4096
-   * x 262144 ran 90.7-90.8% with NC against 91.9-92.0%. Each element is
+   * flight per thread. NC: plain non-coherent loads (ld.global.nc,
+   * __ldg), which ran CE and the log-probs backward faster than
+   * evict-first ones; else evict-first loads (ld.global.cs, __ldcs), which
+   * the softmax keeps, as they ran it faster. Each element is
    * read before any CTA stores over it (in place too), so the read-only
    * path sees no stale line. The vector crossing V follows with element
    * loads. */
@@ -235,9 +215,9 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
    * + the count - 1, exact at a peaked row); where its sum is 2 or more,
    * R >= 1 and its error is the sum's. A thread's plain sum costs an FMA,
    * an ex2 and an add an element: with the occurrences counted in every
-   * warp holding M (16-bit rows tie at their max often: 300 times a bf16
-   * bench row of 152064) CE ran 22 instructions an element, ~10 of them
-   * in that sum (ncu, H200). Contains __syncthreads: call uniformly. */
+   * warp holding M (16-bit rows often tie at their max), that sum was
+   * close to half of CE's instructions. Contains __syncthreads: call
+   * uniformly. */
   __device__ __forceinline__ bool stats(const Xf &X) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     settle();
@@ -324,10 +304,8 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
    * (1 + R) exp((m_q - m) k) (cexp, as the elements' terms), summed by an
    * xor butterfly, whose adds commute: the same state, bit for bit, in
    * every thread of the cluster. A butterfly of lmloss_rowstat_merge
-   * itself ran four dependent shuffles and merges (~45 instructions
-   * each) between the exchange and the stores: bf16 CE at 8192 x 152064
-   * 82.1-82.4% of copy bandwidth against 86.5%, the log-probs backward
-   * 84.3-85.9% against 88.8-89.9% (H200, 2026-12-02). */
+   * itself put four dependent shuffles and full merges between the
+   * exchange and the stores, and was slower. */
   __device__ __forceinline__ lmloss_rowstat merge_parts(const Xf &X, const HeldSmem *sm) const {
     const int q = threadIdx.x & (HELD_MAX_CS - 1);
     const uint4 p = sm->parts[q < cs ? q : 0];
@@ -374,10 +352,9 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
    * row (in place too: nothing has been stored over it) and stored by
    * elements after it, by the thread that holds it. The element path
    * inside the sweep, one branch a vector (out.store's), cost ptxas
-   * registers through the whole sweep: bf16 CE at 8192 x 152064 (no
-   * crossing vector) ran at 85.3% of copy bandwidth against 91.2%
-   * (gpu-out-x/grow.cu, H200, 2026-12-02); the crossing vector taken
-   * from the registers instead, before the sweep, spilled in it. */
+   * registers through the whole sweep, and slowed rows that have no
+   * crossing vector; the crossing vector taken from the registers
+   * instead, before the sweep, spilled in it. */
   template <typename O, typename F>
   __device__ __forceinline__ void put(const In *row, const ChunkOut<O, NV> &out, F f) const {
 #pragma unroll
@@ -418,23 +395,14 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
  * CTA where it holds the row, else a cluster of the fewest CTAs that hold
  * it (of held_threads threads); each of as few warps as hold its chunk,
  * in a cluster only where the chunks are at least 3/4 full (48 KB).
- * Measured side by side (H200, bf16 CE and log-probs backward, % of copy
- * bandwidth, 2026-12-01): one CTA a row (4096 x 32768), 256 threads two
- * an SM 84.9% and 90.8%, three an SM 81% and 89%, 128 threads 72.3% and
- * 71.4%; at 8192 x 152064, 5 CTAs of 59 KB three an SM, of 256 threads
- * 80.7-80.9% and 85.2-85.9% (fp16 80.4-80.7% and 84.8-85.9%, the bf16
- * softmax at 4096 x 262144 84%), of 128 threads 76.6% and 71.2-71.6%
- * (fp16 73.4-73.9% and 77.7-78.2%, the bf16 softmax 74.5%); 8 CTAs of
- * 128 threads (a power of two, 38 KB) 65.6% and 63.1%, the staged plan
- * 69.3% and 70.0%; the fp32 softmax at 4096 x 262144, 16 CTAs of 64 KB,
- * 88.8-89.2% at 128 threads three an SM, 88.5% at 256 two an SM, 82% at
- * 256 three an SM (spilling), the staged plan 83.7%. A cluster pays its
- * exchange once a row, which a part-full chunk does not cover (8 of 38
- * KB, above; at 256 threads 65.1% against the staged plan's 69.4%).
- * Nor do more CTAs fill the GPU better: bf16 CE's kernel at 8192 x
- * 152064 in clusters of 5 (held_plan's; 69 resident, 345 CTAs) ran
- * 90.0-90.2%, of 6 (62 resident) 85.3%, of 7 (69) 89.6-89.7%, of 8 (62)
- * 85.6-85.8% (gpu-out-x/ceh.cu on branch wip/s23-ce, 2026-12-02).
+ * Measured side by side (BENCHMARKS.md): one CTA a row runs fastest at
+ * 256 threads two an SM; a cluster's CTAs three an SM, of 256 threads
+ * with 16-bit logits and of 128 with fp32 ones (256 spilled there), and
+ * a cluster of the fewest CTAs beat a power-of-two one of part-full
+ * chunks and the staged plan. A cluster pays its exchange once a row,
+ * which a part-full chunk does not cover (there the staged plan is
+ * faster). Nor do more CTAs fill the GPU better: clusters of 6, 7 or 8
+ * for a row that 5 hold were no faster.
  * Clusters of more than 8 are non-portable: launch_held checks the device
  * can schedule one. */
 struct HeldPlan {

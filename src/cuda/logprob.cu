@@ -57,8 +57,8 @@ struct LpArgs {
  * one-pass row: one CTA streaming it through registers (see first_pass).
  * The chunk, cluster and stage parameters are the shared row machinery's
  * (rank 0 gathers the K log-probs after the merge). Four CTAs per SM (64
- * registers, no spills): more loads in flight; measured on the H200, bf16
- * 8192 x 152064, 0.655 ms at three CTAs, 0.611 ms at four. */
+ * registers, no spills): more loads in flight than at three, and
+ * faster. */
 template <typename In, typename O, bool T>
 __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
@@ -372,19 +372,16 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
  * SAVED_BS vectors; a row's slices equal), blockIdx.y the row; each
  * thread's SAVED_U 16-byte loads are issued before anything waits (the
  * row's scalars are formed while they fly), and 128-thread CTAs, six to
- * an SM, keep the loads in flight across the CTAs' barriers. Measured on
- * the H200 (bf16 8192 x 152064 / 4096 x 32768, % of copy bandwidth): 8 x
- * 128 86.0-86.4 / 85.6-86.1%; 8 x 256, three CTAs an SM, 83.5-86.3 /
- * 82.8-85.0%; 4 x 256 85.0-85.3 / 87.7-89.1%; 16 x 128 77.5-77.9%; a
- * persistent grid loading a CTA's next slice while it writes the current
- * one 53-67%. The hot loop has no exact-entry test: the slice's exact
+ * an SM, keep the loads in flight across the CTAs' barriers: measured
+ * (BENCHMARKS.md) against 8 x 256 (three CTAs an SM), 4 x 256, 16 x 128,
+ * and a persistent grid loading a CTA's next slice while it writes the
+ * current one. The hot loop has no exact-entry test: the slice's exact
  * entries (thread q: index q, thread K: the argmax; K < SAVED_BS) are
  * formed from their logits and stored over the fast form after it, and
  * into the fused head's kept entries (a.keep) when asked. Only where
  * dlogits alias the logits do the stores wait for the entries' logits
  * (index, then logit: two dependent loads): a barrier there for every
- * CTA held the whole slice's stores behind them, 86% against 92% at
- * 8192 x 152064, 87% against 91-94% at 4096 x 32768 (H200, 2026-12-01). */
+ * CTA held the whole slice's stores behind them. */
 constexpr int SAVED_U = 8, SAVED_BS = 128;
 static_assert(SAVED_BS == LMLOSS_SAVED_MAX_K + 1, "a thread per index and one for the argmax");
 static_assert(SAVED_U * SAVED_BS * 4 == LMLOSS_TILE_INPLACE_COLS, "a tile row of floats per CTA");

@@ -144,7 +144,7 @@ struct Acc {
    * tie adds its 1 to r). STAGED: the caller knows that vector (slot_hit);
    * else each vector is searched while the thread looks. (A lambda for
    * the test, capturing w, put the streamed forward's vector in local
-   * memory: 12 bytes of spills, 16 more instructions in its loop.) */
+   * memory.) */
   template <bool T, bool STAGED, int NV, typename J0>
   __device__ __forceinline__ void vec(const Xf &X, float *w, J0 j0, int64_t V, bool U,
                                       const float *cw, int64_t cw_stride, bool slot_hit) {
@@ -184,8 +184,8 @@ struct Acc {
     /* A -inf logit gives ex2(-inf) = 0; only the entropy term, 0 * p,
      * needs the clamp. STAGED: the vector's terms add pairwise (a chain
      * of log2(NV) adds, not NV, for the few warps of a staged CTA); the
-     * streamed forward adds them in turn (pairwise there spilled 8-16
-     * bytes of its 64 registers). */
+     * streamed forward adds them in turn (pairwise there spilled out of
+     * its 64 registers). */
     float e[NV];
 #pragma unroll
     for (int i = 0; i < NV; i++) {
@@ -299,8 +299,7 @@ struct RowWalk {
  * st.async, which counts the bytes on the peer's mbarrier, and merges the
  * cs parts once its own mbarrier has them all: no cluster barrier, whose
  * release fence (MEMBAR.GPU) waited every row for the thread's gradient
- * stores in flight (ncu, ce-grad, 54980e5: 2% of the stall samples on
- * the fence, 5% on the cluster wait). A slot is pushed again two rows
+ * stores in flight. A slot is pushed again two rows
  * later, after its owner has merged it and pushed the next row's part.
  * Contains __syncthreads: call uniformly. */
 __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool U, RedSmem *sm,
@@ -432,12 +431,12 @@ struct Smooth {
  * one tanh a vector under softcap instead of NV. w(x) = c tanh(s x / c)
  * increases, and so does its float form but at tanhf's change of method,
  * |s x / c| = 0.6, where it steps back one ulp between two adjacent
- * floats (H200, every pair of floats). There m can lie an ulp below
- * another element's w, whose term is then e^(ulp), not <= 1: the sums
- * stay exact about m, which an element holds. Transformed element by
- * element, the streamed pass's softcap loop kept both forms and spilled
- * 200 bytes; with this and the loop compiled apart, the softcap 30
- * log-probs forward went 2.245 -> 1.390 ms (bf16 8192 x 152064). */
+ * floats (checked over every pair of floats). There m can lie an ulp
+ * below another element's w, whose term is then e^(ulp), not <= 1: the
+ * sums stay exact about m, which an element holds. Transformed element
+ * by element, the streamed pass's softcap loop kept both forms and
+ * spilled; this, and that loop compiled apart (first_pass), made the
+ * softcap forward much faster. */
 template <bool CAP, typename In>
 __device__ __forceinline__ float vec_max(const Xf &X, const Raw<In> &r) {
   const float m = raw_max(r);
@@ -602,9 +601,8 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
     };
     return X.f.cap > 0.0f ? sweep(std::true_type{}) : sweep(std::false_type{});
   }
-  /* Left to the compiler, the log-probs forward tested the softcap once
-   * per vector here: 5% more instructions (ncu), 0.589-0.602 against
-   * 0.558 ms (H200, bf16 8192 x 152064, 2026-12-02). */
+  /* Compiled apart with and without softcap: left to the compiler, the
+   * log-probs forward tested the softcap once per vector here. */
   auto stream = [&](auto capped) {
     constexpr bool CAP = decltype(capped)::value;
     auto step = [&](int64_t v, const Raw<In> &rv) {
@@ -728,8 +726,8 @@ __device__ __forceinline__ void second_pass_loops(bool staged, Stage &st, const 
 
 /* The second pass with body(v, rv, flag) given `flag` as a compile-time
  * constant (std::true_type or std::false_type): a row-uniform choice
- * (softcap, log-softmax) is made once per row, not per vector (five
- * instructions a vector in the loops, ncu, 1986d60). */
+ * (softcap, log-softmax) is made once per row, not per vector in the
+ * loops. */
 template <typename In, typename Body>
 __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPart<In> &p,
                                             const NextRow<In> &next, bool flag, Body body) {
@@ -745,9 +743,8 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
  * 128 or 256 threads). At 128 threads the stage's shared memory lets five
  * CTAs share an SM, so a thread may hold 96 registers; bounds written for
  * 256 threads (three CTAs) held the CE kernel to 80, where its per-row code
- * spilled 48 bytes, whose reloads stalled its warps every row (ncu,
- * ce-grad, 8ce9185: 7% of the stall samples on local loads, all outside
- * the vector loops). The log-probs backward too: at 80 its gradient loop
+ * spilled, and the reloads stalled its warps every row. The log-probs
+ * backward too: at 80 its gradient loop
  * recomputed the output address from the kernel's parameters for every
  * vector. The softmax holds its own in 80 and keeps one kernel for both. */
 #define ROW_BOUNDS(BS) __launch_bounds__(BS, (BS) == 128 ? 5 : 3)
@@ -772,44 +769,27 @@ struct Plan {
  * (second_pass), so its next load overlaps its current arithmetic
  * without a second stage (a two-slot stage was slower, since it cost a
  * CTA per SM); a cluster per row instead, scheduled by the hardware, was
- * slower everywhere (H200, c0416f8: CE 1.75 against 1.68 ms and the
- * log-probs backward 1.80 against 1.65 at bf16 8192 x 152064, 0.21
- * against 0.20 and 0.23 against 0.21 at 4096 x 32768, softmax fp32
- * 4096 x 262144 2.73 against 2.41). Measured on the H200 (bf16 8192 x
- * 152064, CE fwd+bwd): per-thread cp.async copies, a generic stage
- * pointer and a cluster barrier per row took 2.11 ms (30 instructions per
- * logit issued, 54% of issue slots); the bulk copies and shared addresses
- * 1.92 ms, the pushed partial states 1.80-1.88 ms.
- * A row too wide for 16 x 48 KB takes the largest cluster (measured,
- * softmax fp32 V = 262144: 16 x 64 KB, three CTAs per SM, 3.16 ms against
- * 4.21 for 8 x 128 KB, one per SM). Only rows too wide for 16 x (the
- * opt-in limit) are read twice, the second time from L2. A one-pass row
- * (forward only) is streamed through registers by one CTA: measured on
- * the H200, staging it in a cluster cost more in barriers than it saved
- * (1.9 ms against 1.1 ms at bf16 8192 x 152064). Nor do smaller CTAs
- * pay: staged chunks of <= 24 KB in 64-thread CTAs (ten rows per SM, two
- * warps idle per CTA waiting for its cluster's parts) took 2.01 ms
- * against 1.67 (CE) and 2.00 against 1.66 (log-probs backward), clusters
- * of 16 at 8192 x 152064 (H200, cc94f5e + the change). Nor does one CTA
- * holding a whole row of up to 64 KB (no cluster, three CTAs per SM):
- * bf16 4096 x 32768 took 0.202-0.206 ms against 0.194-0.197 (CE) and
- * 0.209 against 0.207 (log-probs backward) with clusters of two 32 KB
- * chunks (H200, ec7720c + the change). Threads: 256, so each
- * owns several 16-byte vectors, but 128 for a chunk of fewer than 16384
- * vectors (4096 when staged): there the about 800 instructions a warp
- * spends on each row (ncu, ce-grad, 84f54d3: prologue, block max, the
- * merge, the row scalars) are paid by half the warps, and more CTAs
- * (rows) share an SM. Measured for one-pass rows (H200, bf16): at 4096 x
- * 32768, 128 threads below 8192 vectors against below 1024, log-probs
- * 0.079-0.080 against 0.089-0.090 ms, + entropy 0.080-0.081 against
- * 0.093-0.094, CE forward 0.128-0.130 against 0.144-0.145; below 16384
- * against below 8192, log-probs 0.138-0.141 against 0.146-0.147 ms at
- * 4096 x 65536, 0.493-0.497 against 0.515-0.516 at 8192 x 128256, + entropy
- * 0.513-0.514 against 0.545-0.546 there, CE forward even (0.787-0.790).
+ * slower everywhere. Per-thread cp.async copies, a generic stage pointer
+ * and a cluster barrier per row each cost issue slots that the bulk
+ * copies, shared addresses and pushed partial states do not.
+ * A row too wide for 16 x 48 KB takes the largest cluster (16 CTAs,
+ * three an SM, beat 8 CTAs of twice the chunk, one an SM). Only rows too
+ * wide for 16 x (the opt-in limit) are read twice, the second time from
+ * L2. A one-pass row (forward only) is streamed through registers by one
+ * CTA: staging it in a cluster cost more in barriers than it saved. Nor
+ * do smaller CTAs pay (staged chunks of <= 24 KB in 64-thread CTAs: two
+ * warps idle per CTA waiting for its cluster's parts), nor one CTA
+ * holding a whole row of up to 64 KB (no cluster) against a cluster of
+ * two 32 KB chunks. Threads: 256, so each owns several 16-byte vectors,
+ * but 128 for a chunk of fewer than 16384 vectors (4096 when staged):
+ * there the per-row code of each warp (prologue, block max, the merge,
+ * the row scalars) is paid by half the warps, and more CTAs (rows) share
+ * an SM; the thresholds are the one-pass rows' measured best
+ * (BENCHMARKS.md).
  * The plain forms of the two-pass ops take the held plan instead
  * (held.cuh: the row in registers, lean per-row code); this plan serves
  * their options, whose per-row code outweighed 64 elements a thread when
- * the held plan carried it (BENCHMARKS.md, fourteenth session). */
+ * the held plan carried it (BENCHMARKS.md). */
 static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
                              size_t extra_per_vector_bits, int maxcs) {
   Plan p = {};
