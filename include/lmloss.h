@@ -47,6 +47,13 @@ extern "C" {
 #define LMLOSS_VERSION_MINOR 1
 #define LMLOSS_VERSION_PATCH 0
 
+/* Stability. The sections up to and including softmax, and the library
+ * functions at the end, are STABLE: within a major version their functions
+ * and the meaning of every existing field keep their behaviour (new fields
+ * go to the ends of option structs, set by the *_default() initializers).
+ * The sections marked EXPERIMENTAL (the fused head, the row contract) may
+ * still change in a minor version. */
+
 /* Status codes. Values are pinned: they never change meaning. */
 typedef enum {
   LMLOSS_OK = 0,
@@ -258,6 +265,10 @@ LMLOSS_API lmloss_status lmloss_softmax_backward(const lmloss_context *ctx, cons
                                                  const lmloss_tensor *dy, int log,
                                                  const lmloss_tensor *dx);
 
+/* ================================================================== */
+/* EXPERIMENTAL from here to the library functions                     */
+/* ================================================================== */
+
 /* ------------------------------------------------------------------ */
 /* Fused linear head: the same losses from hidden states and the head */
 /* ------------------------------------------------------------------ */
@@ -363,8 +374,149 @@ LMLOSS_API lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx,
                                                    const lmloss_tensor *scale);
 
 /* ------------------------------------------------------------------ */
-/* Library                                                             */
+/* The row contract over a sharded vocabulary                          */
 /* ------------------------------------------------------------------ */
+
+/* Every row op above is two phases (docs/design.md): the *state* of a
+ * row's columns, an associative *merge* of states, and a *finish* that
+ * forms outputs and gradients of any column range from the merged state.
+ * These functions expose the phases, so a caller whose vocabulary is
+ * split over ranks (Megatron's layout: rank r holds columns [col0, col0 +
+ * V_r) of every row) computes exactly the one-shot result with its own
+ * NCCL or MPI:
+ *
+ *   1. each rank: lmloss_cross_entropy_state (or _log_probs_state) of its
+ *      columns -> state [N, LMLOSS_ROW_STATE_COLS];
+ *   2. exchange: all-gather the states and merge them with
+ *      lmloss_row_state_merge (any order, or a tree), or an MPI all-reduce
+ *      whose user op calls it. Never an all-reduce of a sum of exp: that
+ *      is the collapse again;
+ *   3. each rank: the *_finish call of its columns with the merged state:
+ *      every per-row output (loss, lse, entropy, log-prob of the label) is
+ *      the whole row's on every rank; gradients cover the rank's columns.
+ *
+ * With one shard of all V columns, state then finish gives the one-shot
+ * call's result. Merging k shards' states changes results only by fp32
+ * rounding (the max-split merge; the argmax, lowest column among ties,
+ * is exact). Backends: CPU and CUDA (states on the logits' device); REF
+ * returns LMLOSS_ERR_UNSUPPORTED.
+ *
+ * The packed state, F32, LMLOSS_ROW_STATE_COLS = 8 columns (32 bytes) a
+ * row, layout version LMLOSS_ROW_STATE_VERSION; w is the transformed
+ * logit before temperature (softcap(s x), or x without softcap), k the
+ * factor that makes it z = w k (lmloss_transform):
+ *   [0] m      max of w over the columns
+ *   [1] r      R = sum over j != a of exp((w_j - m) k)
+ *   [2] t      sum over j != a of exp((w_j - m) k) (m - w_j) k
+ *              (entropy; only with lmloss_shard.entropy, else 0)
+ *   [3] u      sum_j c_j (m - w_j) k   (label smoothing only, else 0)
+ *   [4] c      sum_j c_j               (label smoothing only, else 0)
+ *   [5] a      the first argmax's column in the vocabulary, as a float
+ *              (exact: vocab <= 2^24); -1 when the columns hold no
+ *              finite logit, or the row is ignored or masked out
+ *   [6] w_y    w at the row's label, where the label lies in the columns
+ *   [7] flags  1: w_y is set; 2: the columns hold a NaN or +inf
+ * A state must be finished with the logits' transform and options that
+ * formed it. */
+#define LMLOSS_ROW_STATE_VERSION 1
+#define LMLOSS_ROW_STATE_COLS 8
+
+/* Which columns a call's logits hold, and which sums its state carries. */
+typedef struct {
+  int64_t col0;  /* the first column of the shard (>= 0) */
+  int64_t vocab; /* the whole vocabulary's width: col0 + the logits' cols
+                    <= vocab <= 2^24; 0 means the logits' cols (no shard) */
+  int entropy;   /* 1: carry t, needed for an entropy output or gradient
+                    (the finish checks it); 0: cheaper, without entropy */
+} lmloss_shard;
+
+LMLOSS_API lmloss_shard lmloss_shard_default(void); /* {0, 0, 0} */
+
+/* State of a shard for cross-entropy: in->logits [N, V_r] are the shard's
+ * columns, in->target [N] the rows' labels in the whole vocabulary (rows
+ * equal to opt->ignore_index are not read: their state is empty),
+ * in->class_weight the whole vocabulary's [vocab] (every rank passes all
+ * of it), in->token_weight unused. state: F32 [N, LMLOSS_ROW_STATE_COLS]
+ * on the logits' device. Errors as lmloss_cross_entropy, plus BAD_SHAPE
+ * for a shard outside the vocabulary. */
+LMLOSS_API lmloss_status lmloss_cross_entropy_state(const lmloss_context *ctx,
+                                                    const lmloss_ce_inputs *in,
+                                                    const lmloss_ce_options *opt,
+                                                    const lmloss_shard *shard,
+                                                    const lmloss_tensor *state);
+
+/* lmloss_cross_entropy's outputs from merged states, for the same inputs
+ * and options: out->loss (the whole rows' loss, reduced as opt says), lse,
+ * entropy and argmax (whole rows), and out->dlogits [N, V_r] over the
+ * shard's columns (upstream opt->grad_output). Workspace as
+ * lmloss_cross_entropy_workspace_size. */
+LMLOSS_API lmloss_status lmloss_cross_entropy_finish(const lmloss_context *ctx,
+                                                     const lmloss_ce_inputs *in,
+                                                     const lmloss_ce_options *opt,
+                                                     const lmloss_shard *shard,
+                                                     const lmloss_tensor *state,
+                                                     const lmloss_ce_outputs *out,
+                                                     void *workspace, size_t workspace_bytes);
+
+/* lmloss_cross_entropy_backward over the shard's columns from merged
+ * states: dlogits [N, V_r] from dloss. */
+LMLOSS_API lmloss_status lmloss_cross_entropy_backward_finish(
+    const lmloss_context *ctx, const lmloss_ce_inputs *in, const lmloss_ce_options *opt,
+    const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *dloss,
+    const lmloss_tensor *dlogits, void *workspace, size_t workspace_bytes);
+
+/* State of a shard for log-probs, entropy and softmax: logits [N, V_r];
+ * index: optional [N, 1], each row's one index in the whole vocabulary
+ * (the label the state carries; absent for entropy and softmax); mask:
+ * optional BOOL [N] (masked-out rows are not read). */
+LMLOSS_API lmloss_status lmloss_log_probs_state(const lmloss_context *ctx,
+                                                const lmloss_tensor *logits,
+                                                const lmloss_tensor *index,
+                                                const lmloss_tensor *mask,
+                                                const lmloss_transform *transform,
+                                                const lmloss_shard *shard,
+                                                const lmloss_tensor *state);
+
+/* lmloss_log_probs' outputs from merged states: logp [N, 1] (with index)
+ * and/or entropy [N] (needs shard->entropy), for the whole rows. */
+LMLOSS_API lmloss_status lmloss_log_probs_finish(
+    const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_shard *shard,
+    const lmloss_tensor *state, const lmloss_tensor *logp, const lmloss_tensor *entropy);
+
+/* lmloss_log_probs_backward over the shard's columns from merged states:
+ * dlogits [N, V_r] from dlogp [N, 1] and/or dentropy [N] (needs
+ * shard->entropy). dlogits may alias logits exactly. */
+LMLOSS_API lmloss_status lmloss_log_probs_backward_finish(
+    const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_shard *shard,
+    const lmloss_tensor *state, const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
+    const lmloss_tensor *dlogits);
+
+/* Softmax (log_softmax when `log`) of the shard's columns, out [N, V_r],
+ * from the merged states of lmloss_log_probs_state with the default
+ * transform and no index. out may alias x exactly. */
+LMLOSS_API lmloss_status lmloss_softmax_finish(const lmloss_context *ctx, const lmloss_tensor *x,
+                                               const lmloss_shard *shard,
+                                               const lmloss_tensor *state, int log,
+                                               const lmloss_tensor *out);
+
+/* out = merge(a, b), row by row: states [N, LMLOSS_ROW_STATE_COLS] of two
+ * disjoint column sets of the same rows, formed with `transform` (for
+ * cross-entropy: opt->transform). out may alias a or b exactly. On the
+ * host this is also usable as an MPI user op over rows. */
+LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const lmloss_tensor *a,
+                                                const lmloss_tensor *b,
+                                                const lmloss_transform *transform,
+                                                const lmloss_tensor *out);
+
+/* ================================================================== */
+/* STABLE again: the library                                          */
+/* ================================================================== */
+
+/* The version the library was built as, MAJOR * 10000 + MINOR * 100 +
+ * PATCH: compare it with this header's LMLOSS_VERSION_* at run time. */
+LMLOSS_API int lmloss_version(void);
 
 LMLOSS_API const char *lmloss_status_string(lmloss_status s); /* "LMLOSS_ERR_..." */
 LMLOSS_API const char *lmloss_last_error(void); /* message of this thread's last error */

@@ -13,6 +13,7 @@
 
 #include "lmloss.h"
 #include "math/dtype.h" /* and math/rowstats.h */
+#include "math/rowstate.h"
 
 /* Building blocks of the fused linear head (src/core/fused_linear.c runs
  * the chunk loop with them). Tensors are row-major views; shapes are
@@ -92,6 +93,45 @@ typedef struct {
  * a row's tile in registers, SAVED_U x SAVED_BS x 4 floats). */
 #define LMLOSS_TILE_INPLACE_COLS 4096
 
+/* The row contract's phases over a vocabulary shard (lmloss.h): the
+ * logits hold the columns [sh->col0, sh->col0 + cols) of rows sh->vocab
+ * wide (the core resolves vocab 0); states are [N, LMLOSS_ROW_STATE_COLS]
+ * F32. A finish takes merged states and the stats call's arguments. */
+typedef struct {
+  lmloss_status (*ce_state)(const lmloss_context *, const lmloss_ce_inputs *,
+                            const lmloss_ce_options *, const lmloss_shard *,
+                            const lmloss_tensor *state);
+  /* the forward's outputs (out), or the backward's dlogits from dloss */
+  lmloss_status (*ce_finish)(const lmloss_context *, const lmloss_ce_inputs *,
+                             const lmloss_ce_options *, const lmloss_shard *,
+                             const lmloss_tensor *state, const lmloss_ce_outputs *out,
+                             const lmloss_tensor *dloss, const lmloss_tensor *dlogits, void *,
+                             size_t);
+  lmloss_status (*lp_state)(const lmloss_context *, const lmloss_tensor *logits,
+                            const lmloss_tensor *index, const lmloss_tensor *mask,
+                            const lmloss_transform *, const lmloss_shard *,
+                            const lmloss_tensor *state);
+  /* the forward (logp, entropy) without dlogits, the backward with it */
+  lmloss_status (*lp_finish)(const lmloss_context *, const lmloss_tensor *logits,
+                             const lmloss_tensor *index, const lmloss_tensor *mask,
+                             const lmloss_transform *, const lmloss_shard *,
+                             const lmloss_tensor *state, const lmloss_tensor *logp,
+                             const lmloss_tensor *entropy, const lmloss_tensor *dlogp,
+                             const lmloss_tensor *dentropy, const lmloss_tensor *dlogits);
+  lmloss_status (*softmax_finish)(const lmloss_context *, const lmloss_tensor *x,
+                                  const lmloss_shard *, const lmloss_tensor *state, int log,
+                                  const lmloss_tensor *out);
+  lmloss_status (*merge)(const lmloss_context *, const lmloss_tensor *a, const lmloss_tensor *b,
+                         const lmloss_transform *, const lmloss_tensor *out);
+} lmloss_state_ops;
+
+/* What a backend runs beyond the row ops every backend has. */
+typedef enum {
+  LMLOSS_CAN_FUSED_HEAD,  /* the linear prims */
+  LMLOSS_CAN_16BIT_HEAD,  /* BF16/F16 hidden and head */
+  LMLOSS_CAN_ROW_STATES   /* the state ops */
+} lmloss_capability;
+
 /* The row ops take the public arguments, plus (for the ops that write a
  * gradient) keep: NULL, or lmloss_grad_keep's arrays in the backend's
  * memory, which a backend with 16-bit fused heads fills for every row it
@@ -122,7 +162,9 @@ typedef struct {
                            const lmloss_tensor *out);
   lmloss_status (*softmax_backward)(const lmloss_context *, const lmloss_tensor *y,
                                     const lmloss_tensor *dy, int log, const lmloss_tensor *dx);
-  const lmloss_linear_prims *linear; /* NULL: no fused head on this backend */
+  const lmloss_linear_prims *linear; /* when it supports LMLOSS_CAN_FUSED_HEAD */
+  const lmloss_state_ops *states;    /* when it supports LMLOSS_CAN_ROW_STATES */
+  int (*supports)(lmloss_capability);
 } lmloss_backend_ops;
 
 extern const lmloss_backend_ops lmloss_ref_ops;

@@ -570,11 +570,11 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   const lmloss_device dev = h->hidden.device;
   const lmloss_backend_ops *ops;
   TRY(lmloss_pick_backend(j->ctx, dev, &ops));
-  if (!ops->linear)
-    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "this backend has no fused linear head");
-  /* Before anything is written: 16-bit heads exist on CUDA only. */
-  if (h->hidden.dtype != LMLOSS_F32 && dev != LMLOSS_CUDA)
-    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "the CPU fused head takes F32 hidden/weight only");
+  TRY(lmloss_check_supports(ops, LMLOSS_CAN_FUSED_HEAD, "fused linear head"));
+  /* Before anything is written. */
+  if (h->hidden.dtype != LMLOSS_F32 && !ops->supports(LMLOSS_CAN_16BIT_HEAD))
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED,
+                       "this backend's fused head takes F32 hidden/weight only");
   const lmloss_linear_prims *L = ops->linear;
   linear_plan p;
   int64_t K = (j->kind == CE_FORWARD || j->kind == CE_BACKWARD) ? 1
@@ -796,8 +796,7 @@ lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx, const lmloss_
   TRY(lmloss_check_device(ts, 4, head->hidden.device));
   const lmloss_backend_ops *ops;
   TRY(lmloss_pick_backend(ctx, head->hidden.device, &ops));
-  if (!ops->linear)
-    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "this backend has no fused linear head");
+  TRY(lmloss_check_supports(ops, LMLOSS_CAN_FUSED_HEAD, "fused linear head"));
   for (int i = 0; i < 3; i++)
     if (wants(gs[i])) TRY(ops->linear->scale(ctx, gs[i], (const float *)scale->data));
   return LMLOSS_OK;

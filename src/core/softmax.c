@@ -1,4 +1,5 @@
-/* softmax.c - softmax / log-softmax and their backward: validate, dispatch. */
+/* softmax.c - softmax / log-softmax (one shot or a shard's columns from
+ * merged states) and their backward: validate, dispatch. */
 #include "validate.h"
 
 lmloss_status lmloss_softmax(const lmloss_context *ctx, const lmloss_tensor *x, int log,
@@ -29,4 +30,22 @@ lmloss_status lmloss_softmax_backward(const lmloss_context *ctx, const lmloss_te
   TRY(lmloss_check_device(ts, 2, y->device));
   TRY(lmloss_pick_backend(ctx, y->device, &ops));
   return ops->softmax_backward(ctx, y, dy, log, dx);
+}
+
+lmloss_status lmloss_softmax_finish(const lmloss_context *ctx, const lmloss_tensor *x,
+                                    const lmloss_shard *shard, const lmloss_tensor *state,
+                                    int log, const lmloss_tensor *out) {
+  const lmloss_backend_ops *ops;
+  lmloss_shard sh;
+  TRY(lmloss_check_tensor(x, "x", LMLOSS_FLOATS, -1, -1));
+  if (x->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "x: V must be >= 1");
+  TRY(lmloss_check_shard(shard, x->rows, x->cols, state, x->device, &sh));
+  if (log != 0 && log != 1) return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "log must be 0 or 1");
+  TRY(lmloss_check_tensor(out, "out", LMLOSS_FLOATS, x->rows, x->cols));
+  TRY(lmloss_check_alias(x, out, "out"));
+  const lmloss_tensor *ts[] = {out};
+  TRY(lmloss_check_device(ts, 1, x->device));
+  TRY(lmloss_pick_backend(ctx, x->device, &ops));
+  TRY(lmloss_check_supports(ops, LMLOSS_CAN_ROW_STATES, "row states"));
+  return ops->states->softmax_finish(ctx, x, &sh, state, log, out);
 }

@@ -70,3 +70,12 @@ int lmloss_has_cuda(void) {
   return 0;
 #endif
 }
+
+int lmloss_version(void) {
+  return LMLOSS_VERSION_MAJOR * 10000 + LMLOSS_VERSION_MINOR * 100 + LMLOSS_VERSION_PATCH;
+}
+
+lmloss_shard lmloss_shard_default(void) {
+  lmloss_shard s = {0, 0, 0};
+  return s;
+}

@@ -194,3 +194,32 @@ lmloss_status lmloss_check_lp_upstream(const lmloss_tensor *index, const lmloss_
   }
   return lmloss_check_optional(dentropy, "dentropy", LMLOSS_MASK(LMLOSS_F32), N, 1);
 }
+
+lmloss_status lmloss_check_shard(const lmloss_shard *sh, int64_t N, int64_t cols,
+                                 const lmloss_tensor *state, lmloss_device device,
+                                 lmloss_shard *out) {
+  if (!sh) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "shard is NULL");
+  *out = *sh;
+  if (out->vocab == 0) out->vocab = cols;
+  if (out->col0 < 0 || out->vocab < 1 || out->col0 > out->vocab - cols)
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE,
+                       "shard: columns [%lld, %lld + %lld) are not inside a vocabulary of %lld",
+                       (long long)out->col0, (long long)out->col0, (long long)cols,
+                       (long long)out->vocab);
+  if (out->vocab > LMLOSS_STATE_MAX_VOCAB)
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE,
+                       "states hold the argmax's column as a float: vocab = %lld exceeds 2^24",
+                       (long long)out->vocab);
+  if (out->entropy != 0 && out->entropy != 1)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "shard: entropy must be 0 or 1, got %d",
+                       out->entropy);
+  TRY(lmloss_check_tensor(state, "state", LMLOSS_MASK(LMLOSS_F32), N, LMLOSS_ROW_STATE_COLS));
+  const lmloss_tensor *ts[] = {state};
+  return lmloss_check_device(ts, 1, device);
+}
+
+lmloss_status lmloss_check_supports(const lmloss_backend_ops *ops, lmloss_capability c,
+                                    const char *what) {
+  if (ops->supports(c)) return LMLOSS_OK;
+  return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "this backend has no %s", what);
+}

@@ -70,6 +70,17 @@ lmloss_status lmloss_check_indices(const lmloss_tensor *idx, const lmloss_tensor
 lmloss_status lmloss_check_alias(const lmloss_tensor *in, const lmloss_tensor *out,
                                  const char *name);
 
+/* A shard of a vocabulary (lmloss.h) for logits [N, cols] on `device`:
+ * *out is the shard with its vocabulary resolved (0: cols), and state
+ * must be F32 [N, LMLOSS_ROW_STATE_COLS] there. */
+lmloss_status lmloss_check_shard(const lmloss_shard *sh, int64_t N, int64_t cols,
+                                 const lmloss_tensor *state, lmloss_device device,
+                                 lmloss_shard *out);
+
+/* UNSUPPORTED, saying so, when the backend cannot run `what`. */
+lmloss_status lmloss_check_supports(const lmloss_backend_ops *ops, lmloss_capability c,
+                                    const char *what);
+
 /* Resolve the backend for tensors on `device`. */
 lmloss_status lmloss_pick_backend(const lmloss_context *ctx, lmloss_device device,
                                   const lmloss_backend_ops **ops);

@@ -18,36 +18,54 @@ typedef struct {
   const lmloss_ce_outputs *out; /* forward only */
   const lmloss_tensor *dloss;   /* backward only */
   const lmloss_tensor *dlogits; /* NULL when no gradient is wanted */
+  lmloss_shard sh;              /* the logits' columns in the vocabulary */
+  const lmloss_tensor *merged;  /* finish from these states; NULL: form them */
+  const lmloss_tensor *states;  /* the stats phase: write the states, nothing else */
   const float *cw;              /* class weights, contiguous, or NULL */
   double class_sum;             /* C */
   double scale;                 /* reduction factor: 1, 1/denominator, 1/num_items */
 } ce_job;
 
-/* Entry j of the gradient in x units, exactly (target and argmax). */
+/* The state of row i's columns, label y. */
+static lmloss_rowstate ce_row_state(const ce_job *jb, int64_t i, int64_t y) {
+  const lmloss_tensor *x = &jb->in->logits;
+  const int64_t col0 = jb->sh.col0, n = x->cols;
+  const void *row = lmloss_cpu_row(x, i);
+  const lmloss_xform f = lmloss_xform_make(jb->opt->transform);
+  lmloss_rowstate st = lmloss_rowstate_empty();
+  int bad;
+  lmloss_cpu_row_stats(row, x->dtype, n, &f, jb->cw ? jb->cw + col0 : NULL, jb->sh.entropy,
+                       jb->opt->label_smoothing > 0.0f, &st.s, &bad);
+  if (st.s.a >= 0) st.s.a += col0;
+  if (bad) st.flags |= LMLOSS_STATE_NONFINITE;
+  if (y >= col0 && y < col0 + n) {
+    st.wy = lmloss_xform_w(&f, lmloss_load(row, x->dtype, y - col0));
+    st.flags |= LMLOSS_STATE_LABEL;
+  }
+  return st;
+}
+
+/* Entry j (a column of this job's logits) of the gradient in x units,
+ * exactly (target and argmax). */
 static float grad_entry(const ce_job *jb, const lmloss_xform *f, const lmloss_rowstat *s,
-                        const lmloss_ce_coef *q, int64_t j, int64_t y, float x, float fac,
-                        float dftw, float lse) {
+                        const lmloss_ce_terms *c, int64_t j, int64_t y, float x, float fac) {
   const float *cw = jb->cw;
   float p = expf(lmloss_rowstat_dk(s, f->k, j, lmloss_xform_w(f, x))) / (1.0f + s->r);
-  float gz = dftw * lmloss_ce_grad_z(q, s, p, cw ? cw[j] : 1.0f, j == y, j == s->a) +
-             2.0f * jb->opt->z_loss * lse * p;
+  float gz = lmloss_ce_entry_z(c, s, p, cw ? cw[j] : 1.0f, j == y, j == s->a, jb->opt->z_loss);
   return fac * gz * lmloss_xform_dzdx(f, x);
 }
 
-/* One supervised row: its loss (returned), per-row outputs, gradient. */
-static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
+/* One supervised row from its whole row's state: its loss (returned),
+ * per-row outputs, and the gradient over this job's columns. */
+static double ce_row_finish(const ce_job *jb, int64_t i, int64_t y, const lmloss_rowstate *st) {
   const lmloss_ce_inputs *in = jb->in;
   const lmloss_ce_options *opt = jb->opt;
-  const int64_t V = in->logits.cols;
+  const int64_t V = jb->sh.vocab, col0 = jb->sh.col0, n = in->logits.cols;
   const float *cw = jb->cw;
   const void *row = lmloss_cpu_row(&in->logits, i);
   const lmloss_xform f = lmloss_xform_make(opt->transform);
   const int want_entropy = jb->out && lmloss_present(&jb->out->entropy);
-  const float e = opt->label_smoothing;
-  lmloss_rowstat s;
-  int bad;
-  lmloss_cpu_row_stats(row, in->logits.dtype, V, &f, cw, want_entropy, e > 0.0f, &s, &bad);
-  if (bad || !lmloss_rowstat_finite(&s)) {
+  if (!lmloss_rowstate_ok(st)) {
     if (jb->out) {
       if (lmloss_present(&jb->out->lse)) *lmloss_cpu_f32_at(&jb->out->lse, i) = NAN;
       if (want_entropy) *lmloss_cpu_f32_at(&jb->out->entropy, i) = NAN;
@@ -55,23 +73,19 @@ static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
         ((int64_t *)jb->out->argmax.data)[i * jb->out->argmax.row_stride] = -1;
     }
     if (jb->dlogits)
-      lmloss_cpu_row_fill(lmloss_cpu_row_mut(jb->dlogits, i), jb->dlogits->dtype, V, NAN);
+      lmloss_cpu_row_fill(lmloss_cpu_row_mut(jb->dlogits, i), jb->dlogits->dtype, n, NAN);
     return NAN;
   }
-  const float l1r = lmloss_rowstat_l1r(&s);
-  const float lse = lmloss_rowstat_lse(&s, f.k);
-  const float xy = lmloss_load(row, in->logits.dtype, y);
-  const float nll = l1r - lmloss_rowstat_dk(&s, f.k, y, lmloss_xform_w(&f, xy));
+  const lmloss_rowstat s = st->s;
   const float cy = cw ? cw[y] : 1.0f;
-  const float C = (float)jb->class_sum;
-  const float dftw = opt->dft ? expf(-nll) : 1.0f;
-  float ce = cy * (1.0f - e) * nll;
-  if (e > 0.0f) ce += e / (float)V * (s.u + C * l1r);
+  const lmloss_ce_terms c =
+      lmloss_ce_terms_make(&s, f.k, lmloss_rowstat_dk(&s, f.k, y, st->wy), cy,
+                           (float)jb->class_sum, opt->label_smoothing, V, opt->dft);
   const float tw =
       lmloss_present(&in->token_weight) ? *lmloss_cpu_f32_at(&in->token_weight, i) : 1.0f;
-  const double loss = (double)tw * ((double)dftw * ce + (double)opt->z_loss * lse * lse);
+  const double loss = lmloss_ce_row_loss(&c, tw, opt->z_loss);
   if (jb->out) {
-    if (lmloss_present(&jb->out->lse)) *lmloss_cpu_f32_at(&jb->out->lse, i) = lse;
+    if (lmloss_present(&jb->out->lse)) *lmloss_cpu_f32_at(&jb->out->lse, i) = c.lse;
     if (want_entropy) *lmloss_cpu_f32_at(&jb->out->entropy, i) = lmloss_rowstat_entropy(&s);
     if (lmloss_present(&jb->out->argmax))
       ((int64_t *)jb->out->argmax.data)[i * jb->out->argmax.row_stride] = s.a;
@@ -81,27 +95,38 @@ static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
   float up = opt->grad_output;
   if (jb->dloss) up = *lmloss_cpu_f32_at(jb->dloss, jb->dloss->rows == 1 ? 0 : i);
   const float fac = (float)(up * jb->scale * tw);
-  lmloss_ce_coef q;
-  q.hot = cy * (1.0f - e);
-  q.smooth = e / (float)V;
-  q.a_coef = q.hot + e * C / (float)V;
-  /* Exact entries first: the pass below may overwrite the logits. */
-  const float xa = s.a == y ? xy : lmloss_load(row, in->logits.dtype, s.a);
-  const float gy = grad_entry(jb, &f, &s, &q, y, y, xy, fac, dftw, lse);
-  const float ga = s.a == y ? gy : grad_entry(jb, &f, &s, &q, s.a, y, xa, fac, dftw, lse);
-  const float P = fac * (dftw * q.a_coef + 2.0f * opt->z_loss * lse) / (1.0f + s.r);
-  const float Q = fac * dftw * q.smooth;
+  /* Exact entries that lie in these columns first: the pass below may
+   * overwrite the logits. */
+  const int has_y = y >= col0 && y < col0 + n, has_a = s.a >= col0 && s.a < col0 + n;
+  float gy = 0.0f, ga = 0.0f;
+  if (has_y) gy = grad_entry(jb, &f, &s, &c, y, y, lmloss_load(row, in->logits.dtype, y - col0), fac);
+  if (has_a)
+    ga = s.a == y ? gy
+                  : grad_entry(jb, &f, &s, &c, s.a, y,
+                               lmloss_load(row, in->logits.dtype, s.a - col0), fac);
+  float P, Q;
+  lmloss_ce_pass_coefs(&c, &s, fac, opt->z_loss, &P, &Q);
   void *g = lmloss_cpu_row_mut(jb->dlogits, i);
-  lmloss_cpu_row_grad(row, in->logits.dtype, V, &f, cw, s.m, P, 0.0f, Q, g, jb->dlogits->dtype);
-  lmloss_store(g, jb->dlogits->dtype, y, gy);
-  lmloss_store(g, jb->dlogits->dtype, s.a, ga);
+  lmloss_cpu_row_grad(row, in->logits.dtype, n, &f, cw ? cw + col0 : NULL, s.m, P, 0.0f, Q, g,
+                      jb->dlogits->dtype);
+  if (has_y) lmloss_store(g, jb->dlogits->dtype, y - col0, gy);
+  if (has_a) lmloss_store(g, jb->dlogits->dtype, s.a - col0, ga);
   return loss;
+}
+
+/* A supervised row: its whole row's state, merged by the caller or
+ * formed here, then the finish. */
+static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
+  const lmloss_rowstate st = jb->merged
+                                 ? lmloss_rowstate_unpack(lmloss_cpu_row(jb->merged, i), jb->sh.vocab)
+                                 : ce_row_state(jb, i, y);
+  return ce_row_finish(jb, i, y, &st);
 }
 
 static lmloss_status ce_rows(const lmloss_context *ctx, ce_job *jb, void *ws) {
   const lmloss_ce_inputs *in = jb->in;
   const lmloss_ce_options *opt = jb->opt;
-  const int64_t N = in->logits.rows, V = in->logits.cols;
+  const int64_t N = in->logits.rows, n = in->logits.cols, V = jb->sh.vocab;
   const float *cw = jb->cw;
   double *row_loss = (double *)((char *)ws + LMLOSS_CE_WS_HEADER);
   int64_t *rows = (int64_t *)(row_loss + 2 * N);
@@ -126,7 +151,7 @@ static lmloss_status ce_rows(const lmloss_context *ctx, ce_job *jb, void *ws) {
   default: jb->scale = 1.0;
   }
 
-  const int nt = lmloss_cpu_row_threads(ctx, N * V);
+  const int nt = lmloss_cpu_row_threads(ctx, N * n);
 #pragma omp parallel num_threads(nt)
   {
 #pragma omp for schedule(dynamic, 4) nowait
@@ -146,7 +171,7 @@ static lmloss_status ce_rows(const lmloss_context *ctx, ce_job *jb, void *ws) {
           ((int64_t *)jb->out->argmax.data)[i * jb->out->argmax.row_stride] = -1;
       }
       if (jb->dlogits && opt->zero_ignored_rows)
-        lmloss_cpu_row_fill(lmloss_cpu_row_mut(jb->dlogits, i), jb->dlogits->dtype, V, 0.0f);
+        lmloss_cpu_row_fill(lmloss_cpu_row_mut(jb->dlogits, i), jb->dlogits->dtype, n, 0.0f);
     }
   }
   if (!jb->out) return LMLOSS_OK;
@@ -174,16 +199,37 @@ static const float *contiguous(const lmloss_tensor *t, float **owned) {
   return c;
 }
 
-/* The rows, with the class weights as one contiguous array. */
+/* The stats phase: every row's state (ignored rows: empty, not read). */
+static lmloss_status ce_states(const lmloss_context *ctx, const ce_job *jb) {
+  const lmloss_ce_inputs *in = jb->in;
+  const int64_t N = in->logits.rows;
+  const int nt = lmloss_cpu_row_threads(ctx, N * in->logits.cols);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
+  for (int64_t i = 0; i < N; i++) {
+    const int64_t y = lmloss_index_at(&in->target, i, 0);
+    const lmloss_rowstate st =
+        y == jb->opt->ignore_index ? lmloss_rowstate_empty() : ce_row_state(jb, i, y);
+    lmloss_rowstate_pack(&st, lmloss_cpu_row_mut(jb->states, i));
+  }
+  return LMLOSS_OK;
+}
+
+/* The job's phase, with the class weights as one contiguous array. */
 static lmloss_status ce_run(const lmloss_context *ctx, ce_job *jb, void *ws) {
   float *owned = NULL;
   if (lmloss_present(&jb->in->class_weight)) {
     jb->cw = contiguous(&jb->in->class_weight, &owned);
     if (!jb->cw) return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "no host memory for class weights");
   }
-  lmloss_status s = ce_rows(ctx, jb, ws);
+  lmloss_status s = jb->states ? ce_states(ctx, jb) : ce_rows(ctx, jb, ws);
   free(owned);
   return s;
+}
+
+/* One shot: the whole row is the one shard. */
+static lmloss_shard whole_rows(const lmloss_ce_inputs *in, const lmloss_ce_outputs *out) {
+  lmloss_shard sh = {0, in->logits.cols, out && lmloss_present(&out->entropy)};
+  return sh;
 }
 
 lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *ctx, const lmloss_ce_inputs *in,
@@ -192,7 +238,8 @@ lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *ctx, const lmloss_c
   ce_job jb = {.in = in,
                .opt = opt,
                .out = out,
-               .dlogits = lmloss_present(&out->dlogits) ? &out->dlogits : NULL};
+               .dlogits = lmloss_present(&out->dlogits) ? &out->dlogits : NULL,
+               .sh = whole_rows(in, out)};
   return ce_run(ctx, &jb, ws);
 }
 
@@ -202,6 +249,29 @@ lmloss_status lmloss_cpu_cross_entropy_backward(const lmloss_context *ctx,
                                                 const lmloss_tensor *dloss,
                                                 const lmloss_tensor *dlogits, void *ws,
                                                 size_t ws_bytes, lmloss_grad_keep *keep) {
-  ce_job jb = {.in = in, .opt = opt, .dloss = dloss, .dlogits = dlogits};
+  ce_job jb = {
+      .in = in, .opt = opt, .dloss = dloss, .dlogits = dlogits, .sh = whole_rows(in, NULL)};
+  return ce_run(ctx, &jb, ws);
+}
+
+lmloss_status lmloss_cpu_ce_state(const lmloss_context *ctx, const lmloss_ce_inputs *in,
+                                  const lmloss_ce_options *opt, const lmloss_shard *sh,
+                                  const lmloss_tensor *state) {
+  ce_job jb = {.in = in, .opt = opt, .sh = *sh, .states = state};
+  return ce_run(ctx, &jb, NULL);
+}
+
+lmloss_status lmloss_cpu_ce_finish(const lmloss_context *ctx, const lmloss_ce_inputs *in,
+                                   const lmloss_ce_options *opt, const lmloss_shard *sh,
+                                   const lmloss_tensor *state, const lmloss_ce_outputs *out,
+                                   const lmloss_tensor *dloss, const lmloss_tensor *dlogits,
+                                   void *ws, size_t ws_bytes) {
+  ce_job jb = {.in = in,
+               .opt = opt,
+               .out = out,
+               .dloss = dloss,
+               .dlogits = dlogits,
+               .sh = *sh,
+               .merged = state};
   return ce_run(ctx, &jb, ws);
 }

@@ -1,7 +1,8 @@
 /*
  * logprob.c - log-probs at K indices, entropy, and their backward on the
- * CPU. Rows run in parallel (a flattened [B*T, V] batch is one loop over
- * rows, never per-token calls); masked rows are not read.
+ * CPU, one shot or as the row contract's phases over a vocabulary shard.
+ * Rows run in parallel (a flattened [B*T, V] batch is one loop over rows,
+ * never per-token calls); masked rows are not read.
  */
 #include <stdlib.h>
 
@@ -9,13 +10,55 @@
 #include "core/validate.h"
 #include "rowpass.h"
 
-lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
-                                   const lmloss_tensor *index, const lmloss_tensor *mask,
-                                   const lmloss_transform *tr, const lmloss_tensor *logp,
-                                   const lmloss_tensor *entropy, const lmloss_tensor *stats) {
-  const int64_t N = logits->rows, V = logits->cols, K = index ? index->cols : 0;
+/* The state of row i's columns [sh->col0, sh->col0 + cols); the label is
+ * index[i, 0] when the row has one index (a shard's finish reads its w
+ * from the merged state). */
+static lmloss_rowstate lp_row_state(const lmloss_tensor *logits, const lmloss_tensor *index,
+                                    const lmloss_xform *f, const lmloss_shard *sh, int64_t i) {
+  const int64_t n = logits->cols;
+  const void *row = lmloss_cpu_row(logits, i);
+  lmloss_rowstate st = lmloss_rowstate_empty();
+  int bad;
+  lmloss_cpu_row_stats(row, logits->dtype, n, f, NULL, sh->entropy, 0, &st.s, &bad);
+  if (st.s.a >= 0) st.s.a += sh->col0;
+  if (bad) st.flags |= LMLOSS_STATE_NONFINITE;
+  const int64_t y = index && index->cols == 1 ? lmloss_index_at(index, i, 0) - sh->col0 : -1;
+  if (y >= 0 && y < n) {
+    st.wy = lmloss_xform_w(f, lmloss_load(row, logits->dtype, y));
+    st.flags |= LMLOSS_STATE_LABEL;
+  }
+  return st;
+}
+
+/* Row i's whole-row state: merged by the caller, saved by the forward
+ * (stats), or formed here. */
+static lmloss_rowstate lp_whole_state(const lmloss_tensor *logits, const lmloss_tensor *index,
+                                      const lmloss_xform *f, const lmloss_shard *sh,
+                                      const lmloss_tensor *merged, const lmloss_tensor *stats,
+                                      int64_t i) {
+  if (merged) return lmloss_rowstate_unpack(lmloss_cpu_row(merged, i), sh->vocab);
+  if (!stats) return lp_row_state(logits, index, f, sh, i);
+  lmloss_rowstate st = lmloss_rowstate_empty();
+  st.s = lmloss_rowstat_load(lmloss_cpu_f32_at(stats, i), sh->vocab);
+  return st;
+}
+
+/* w at column j of the vocabulary: from the row when the shard holds it,
+ * else the label's, from the merged state. */
+static float lp_w(const void *row, lmloss_dtype dt, const lmloss_xform *f, const lmloss_shard *sh,
+                  int64_t n, const lmloss_rowstate *st, int64_t j) {
+  const int64_t jl = j - sh->col0;
+  return jl >= 0 && jl < n ? lmloss_xform_w(f, lmloss_load(row, dt, jl)) : st->wy;
+}
+
+static lmloss_status lp_forward(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                const lmloss_tensor *index, const lmloss_tensor *mask,
+                                const lmloss_transform *tr, const lmloss_shard *sh,
+                                const lmloss_tensor *merged, const lmloss_tensor *logp,
+                                const lmloss_tensor *entropy, const lmloss_tensor *stats) {
+  const int64_t N = logits->rows, n = logits->cols, K = index ? index->cols : 0;
   const lmloss_xform f = lmloss_xform_make(*tr);
-  const int want_h = lmloss_present(entropy), nt = lmloss_cpu_row_threads(ctx, N * V);
+  const int want_h = lmloss_present(entropy), nt = lmloss_cpu_row_threads(ctx, N * n);
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
   for (int64_t i = 0; i < N; i++) {
     void *lp = logp ? lmloss_cpu_row_mut(logp, i) : NULL;
@@ -27,17 +70,15 @@ lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tenso
       continue;
     }
     const void *row = lmloss_cpu_row(logits, i);
-    lmloss_rowstat s;
-    int bad;
-    lmloss_cpu_row_stats(row, logits->dtype, V, &f, NULL, want_h || stats, 0, &s, &bad);
-    const int ok = !bad && lmloss_rowstat_finite(&s);
-    if (stats) lmloss_rowstat_save(&s, ok, lmloss_cpu_f32_at(stats, i));
+    const lmloss_rowstate st = lp_whole_state(logits, index, &f, sh, merged, NULL, i);
+    const int ok = lmloss_rowstate_ok(&st);
+    if (stats) lmloss_rowstat_save(&st.s, ok, lmloss_cpu_f32_at(stats, i));
     for (int64_t k = 0; k < K; k++) {
       const int64_t j = lmloss_index_at(index, i, k);
-      const float w = lmloss_xform_w(&f, lmloss_load(row, logits->dtype, j));
-      lmloss_store(lp, logp->dtype, k, ok ? lmloss_rowstat_logp(&s, f.k, j, w) : NAN);
+      const float w = lp_w(row, logits->dtype, &f, sh, n, &st, j);
+      lmloss_store(lp, logp->dtype, k, ok ? lmloss_rowstat_logp(&st.s, f.k, j, w) : NAN);
     }
-    if (want_h) *lmloss_cpu_f32_at(entropy, i) = ok ? lmloss_rowstat_entropy(&s) : NAN;
+    if (want_h) *lmloss_cpu_f32_at(entropy, i) = ok ? lmloss_rowstat_entropy(&st.s) : NAN;
   }
   return LMLOSS_OK;
 }
@@ -45,16 +86,17 @@ lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tenso
 /* dlogits_j = sum_k dlogp_k ([j == idx_k] - p_j) - dH p_j (log p_j + H),
  * with log p_j + H = dk_j + t / (1 + R) (no cancellation against lse).
  * Every entry but the indexed ones has the row-pass shape; an indexed
- * entry adds dlogp_k, and at the argmax 1 - p_a is R / (1 + R). */
-lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *logits,
-                                            const lmloss_tensor *index, const lmloss_tensor *mask,
-                                            const lmloss_transform *tr, const lmloss_tensor *dlogp,
-                                            const lmloss_tensor *dentropy,
-                                            const lmloss_tensor *dlogits,
-                                            const lmloss_tensor *stats, lmloss_grad_keep *keep) {
-  const int64_t N = logits->rows, V = logits->cols, K = dlogp ? index->cols : 0;
+ * entry adds dlogp_k, and at the argmax 1 - p_a is R / (1 + R). Over a
+ * shard, the indexed entries in its columns. */
+static lmloss_status lp_backward(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                 const lmloss_tensor *index, const lmloss_tensor *mask,
+                                 const lmloss_transform *tr, const lmloss_shard *sh,
+                                 const lmloss_tensor *merged, const lmloss_tensor *dlogp,
+                                 const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
+                                 const lmloss_tensor *stats) {
+  const int64_t N = logits->rows, n = logits->cols, K = dlogp ? index->cols : 0;
   const lmloss_xform f = lmloss_xform_make(*tr);
-  const int nt = lmloss_cpu_row_threads(ctx, N * V);
+  const int nt = lmloss_cpu_row_threads(ctx, N * n);
   /* Exact values of the indexed entries, K per thread, computed before the
    * row pass may overwrite the logits (in place). */
   float *fix_all = malloc(sizeof(float) * (size_t)(K > 0 ? K : 1) * (size_t)nt);
@@ -66,21 +108,17 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
     float *fix = fix_all + (size_t)K * (size_t)omp_get_thread_num();
     void *g = lmloss_cpu_row_mut(dlogits, i);
     if (lmloss_cpu_masked_out(mask, i)) {
-      lmloss_cpu_row_fill(g, dlogits->dtype, V, 0.0f);
+      lmloss_cpu_row_fill(g, dlogits->dtype, n, 0.0f);
       continue;
     }
     const void *row = lmloss_cpu_row(logits, i);
-    lmloss_rowstat s;
-    int bad = 0;
     const float dh = dentropy ? *lmloss_cpu_f32_at(dentropy, i) : 0.0f;
-    if (stats)
-      s = lmloss_rowstat_load(lmloss_cpu_f32_at(stats, i), V);
-    else
-      lmloss_cpu_row_stats(row, logits->dtype, V, &f, NULL, dentropy != NULL, 0, &s, &bad);
-    if (bad || !lmloss_rowstat_finite(&s)) {
-      lmloss_cpu_row_fill(g, dlogits->dtype, V, NAN);
+    const lmloss_rowstate st = lp_whole_state(logits, index, &f, sh, merged, stats, i);
+    if (!lmloss_rowstate_ok(&st)) {
+      lmloss_cpu_row_fill(g, dlogits->dtype, n, NAN);
       continue;
     }
+    const lmloss_rowstat s = st.s;
     const float *dl = dlogp ? (const float *)lmloss_cpu_row(dlogp, i) : NULL;
     float sum_dl = 0.0f;
     for (int64_t k = 0; k < K; k++)
@@ -89,8 +127,9 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
     const float hbar = s.t * inv; /* H - log1p(R) */
     const float P = (-sum_dl - dh * hbar) * inv, P2 = -dh * inv;
     for (int64_t k = 0; k < K; k++) { /* duplicated indices add their dlogp */
-      int64_t j = lmloss_index_at(index, i, k);
-      float x = lmloss_load(row, logits->dtype, j);
+      const int64_t j = lmloss_index_at(index, i, k), jl = j - sh->col0;
+      if (jl < 0 || jl >= n) continue;
+      float x = lmloss_load(row, logits->dtype, jl);
       float dk = lmloss_rowstat_dk(&s, f.k, j, lmloss_xform_w(&f, x));
       float p = expf(dk) * inv, gz = 0.0f;
       for (int64_t k2 = 0; k2 < K; k2++)
@@ -102,10 +141,63 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
       gz -= dh * p * (dk + hbar);
       fix[k] = gz * lmloss_xform_dzdx(&f, x);
     }
-    lmloss_cpu_row_grad(row, logits->dtype, V, &f, NULL, s.m, P, P2, 0.0f, g, dlogits->dtype);
-    for (int64_t k = 0; k < K; k++)
-      lmloss_store(g, dlogits->dtype, lmloss_index_at(index, i, k), fix[k]);
+    lmloss_cpu_row_grad(row, logits->dtype, n, &f, NULL, s.m, P, P2, 0.0f, g, dlogits->dtype);
+    for (int64_t k = 0; k < K; k++) {
+      const int64_t jl = lmloss_index_at(index, i, k) - sh->col0;
+      if (jl >= 0 && jl < n) lmloss_store(g, dlogits->dtype, jl, fix[k]);
+    }
   }
   free(fix_all);
   return LMLOSS_OK;
+}
+
+/* One shot: the whole row is the one shard. */
+static lmloss_shard whole_rows(const lmloss_tensor *logits, int entropy) {
+  lmloss_shard sh = {0, logits->cols, entropy};
+  return sh;
+}
+
+lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                   const lmloss_tensor *index, const lmloss_tensor *mask,
+                                   const lmloss_transform *tr, const lmloss_tensor *logp,
+                                   const lmloss_tensor *entropy, const lmloss_tensor *stats) {
+  const lmloss_shard sh = whole_rows(logits, lmloss_present(entropy) || stats);
+  return lp_forward(ctx, logits, index, mask, tr, &sh, NULL, logp, entropy, stats);
+}
+
+lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                            const lmloss_tensor *index, const lmloss_tensor *mask,
+                                            const lmloss_transform *tr, const lmloss_tensor *dlogp,
+                                            const lmloss_tensor *dentropy,
+                                            const lmloss_tensor *dlogits,
+                                            const lmloss_tensor *stats, lmloss_grad_keep *keep) {
+  const lmloss_shard sh = whole_rows(logits, dentropy != NULL);
+  return lp_backward(ctx, logits, index, mask, tr, &sh, NULL, dlogp, dentropy, dlogits, stats);
+}
+
+lmloss_status lmloss_cpu_lp_state(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                  const lmloss_tensor *index, const lmloss_tensor *mask,
+                                  const lmloss_transform *tr, const lmloss_shard *sh,
+                                  const lmloss_tensor *state) {
+  const int64_t N = logits->rows;
+  const lmloss_xform f = lmloss_xform_make(*tr);
+  const int nt = lmloss_cpu_row_threads(ctx, N * logits->cols);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
+  for (int64_t i = 0; i < N; i++) {
+    const lmloss_rowstate st = lmloss_cpu_masked_out(mask, i) ? lmloss_rowstate_empty()
+                                                              : lp_row_state(logits, index, &f, sh, i);
+    lmloss_rowstate_pack(&st, lmloss_cpu_row_mut(state, i));
+  }
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_cpu_lp_finish(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                   const lmloss_tensor *index, const lmloss_tensor *mask,
+                                   const lmloss_transform *tr, const lmloss_shard *sh,
+                                   const lmloss_tensor *state, const lmloss_tensor *logp,
+                                   const lmloss_tensor *entropy, const lmloss_tensor *dlogp,
+                                   const lmloss_tensor *dentropy, const lmloss_tensor *dlogits) {
+  if (dlogits)
+    return lp_backward(ctx, logits, index, mask, tr, sh, state, dlogp, dentropy, dlogits, NULL);
+  return lp_forward(ctx, logits, logp ? index : NULL, mask, tr, sh, state, logp, entropy, NULL);
 }

@@ -1,32 +1,53 @@
 /*
- * softmax.c - softmax / log-softmax of any width on the CPU, and their
- * backward from the output. The forward is one statistics pass and one
- * write pass per row; the backward takes the argmax of y first so the
- * argmax entry can be formed from the sums of the others.
+ * softmax.c - softmax / log-softmax of any width on the CPU (one shot, or
+ * a shard's columns from merged states), and their backward from the
+ * output. The forward is one statistics pass and one write pass per row;
+ * the backward takes the argmax of y first so the argmax entry can be
+ * formed from the sums of the others.
  */
 #include "common.h"
 #include "rowpass.h"
 
-lmloss_status lmloss_cpu_softmax(const lmloss_context *ctx, const lmloss_tensor *x, int log,
-                                 const lmloss_tensor *out) {
-  const int64_t N = x->rows, V = x->cols;
+/* Rows from their whole-row states (merged by the caller, or formed
+ * here when merged is NULL: then the x are the whole rows). */
+static lmloss_status softmax_rows(const lmloss_context *ctx, const lmloss_tensor *x,
+                                  const lmloss_shard *sh, const lmloss_tensor *merged, int log,
+                                  const lmloss_tensor *out) {
+  const int64_t N = x->rows, n = x->cols;
   const lmloss_xform f = lmloss_xform_make(lmloss_transform_default());
-  const int nt = lmloss_cpu_row_threads(ctx, N * V);
+  const int nt = lmloss_cpu_row_threads(ctx, N * n);
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
   for (int64_t i = 0; i < N; i++) {
     const void *row = lmloss_cpu_row(x, i);
     void *o = lmloss_cpu_row_mut(out, i);
-    lmloss_rowstat s;
-    int bad;
-    lmloss_cpu_row_stats(row, x->dtype, V, &f, NULL, 0, 0, &s, &bad);
-    if (bad || !lmloss_rowstat_finite(&s)) {
-      lmloss_cpu_row_fill(o, out->dtype, V, NAN);
+    lmloss_rowstate st = lmloss_rowstate_empty();
+    if (merged) {
+      st = lmloss_rowstate_unpack(lmloss_cpu_row(merged, i), sh->vocab);
+    } else {
+      int bad;
+      lmloss_cpu_row_stats(row, x->dtype, n, &f, NULL, 0, 0, &st.s, &bad);
+      if (bad) st.flags |= LMLOSS_STATE_NONFINITE;
+    }
+    if (!lmloss_rowstate_ok(&st)) {
+      lmloss_cpu_row_fill(o, out->dtype, n, NAN);
       continue;
     }
-    float P = log ? lmloss_rowstat_l1r(&s) : 1.0f / (1.0f + s.r);
-    lmloss_cpu_row_softmax(row, x->dtype, V, s.m, P, log, o, out->dtype);
+    float P = log ? lmloss_rowstat_l1r(&st.s) : 1.0f / (1.0f + st.s.r);
+    lmloss_cpu_row_softmax(row, x->dtype, n, st.s.m, P, log, o, out->dtype);
   }
   return LMLOSS_OK;
+}
+
+lmloss_status lmloss_cpu_softmax(const lmloss_context *ctx, const lmloss_tensor *x, int log,
+                                 const lmloss_tensor *out) {
+  const lmloss_shard sh = {0, x->cols, 0};
+  return softmax_rows(ctx, x, &sh, NULL, log, out);
+}
+
+lmloss_status lmloss_cpu_softmax_finish(const lmloss_context *ctx, const lmloss_tensor *x,
+                                        const lmloss_shard *sh, const lmloss_tensor *state,
+                                        int log, const lmloss_tensor *out) {
+  return softmax_rows(ctx, x, sh, state, log, out);
 }
 
 /* softmax:  dx_j = y_j (dy_j - sum_k dy_k y_k); at the argmax

@@ -26,6 +26,10 @@ lmloss_status lmloss_ref_softmax(const lmloss_context *, const lmloss_tensor *, 
 lmloss_status lmloss_ref_softmax_backward(const lmloss_context *, const lmloss_tensor *,
                                           const lmloss_tensor *, int, const lmloss_tensor *);
 
+/* Neither the fused head (its oracle is the full product in the tests)
+ * nor row states (theirs is the one-shot call). */
+static int ref_supports(lmloss_capability c) { return 0; }
+
 const lmloss_backend_ops lmloss_ref_ops = {
     lmloss_ref_cross_entropy,
     lmloss_ref_cross_entropy_backward,
@@ -33,5 +37,7 @@ const lmloss_backend_ops lmloss_ref_ops = {
     lmloss_ref_log_probs_backward,
     lmloss_ref_softmax,
     lmloss_ref_softmax_backward,
-    NULL, /* no fused head: its oracle is the full product in the tests */
+    NULL,
+    NULL,
+    ref_supports,
 };

@@ -1,0 +1,144 @@
+/*
+ * rowstate.h - the row contract's state, its merge and the cross-entropy
+ * row formulas, written once for C and CUDA.
+ *
+ * A row op runs in two phases (docs/design.md): a stats phase gives the
+ * state of a row's columns [col0, col0 + n) of a vocabulary `vocab` wide,
+ * states merge associatively, and a finish phase forms outputs and the
+ * gradient of any column range from the merged state. The state is the
+ * max-split sum of rowstats.h plus what a finish needs that lies in one
+ * column only: the label's transformed logit w_y, carried by the part
+ * that holds the label, so the finish of every part knows the loss.
+ *
+ * Packed (lmloss.h, LMLOSS_ROW_STATE_COLS floats a row, version
+ * LMLOSS_ROW_STATE_VERSION): m, r, t, u, c, a (a float: exact for a
+ * vocabulary of up to 2^24 columns; -1 for an empty state), w_y, flags.
+ */
+#ifndef LMLOSS_MATH_ROWSTATE_H
+#define LMLOSS_MATH_ROWSTATE_H
+
+#include "rowstats.h"
+
+enum {
+  LMLOSS_STATE_LABEL = 1,    /* w_y holds the label's w */
+  LMLOSS_STATE_NONFINITE = 2 /* a NaN or +inf was seen */
+};
+
+typedef struct {
+  lmloss_rowstat s;
+  float wy;
+  int flags;
+} lmloss_rowstate;
+
+typedef char lmloss_state_columns_fit[LMLOSS_ROW_STATE_COLS == 8 ? 1 : -1];
+
+/* The widest vocabulary whose columns a float holds exactly. */
+#define LMLOSS_STATE_MAX_VOCAB ((int64_t)1 << 24)
+
+LMLOSS_HD lmloss_rowstate lmloss_rowstate_empty(void) {
+  lmloss_rowstate x;
+  x.s = lmloss_rowstat_empty();
+  x.wy = 0.0f;
+  x.flags = 0;
+  return x;
+}
+
+/* Merge two parts of one row: the max-split merge of rowstats.h (never a
+ * plain sum of 1 + R), the label from the part that holds it, the
+ * non-finite flag of either. Associative and commutative up to fp32
+ * rounding; the argmax (the lowest column among ties) exactly so. */
+LMLOSS_HD lmloss_rowstate lmloss_rowstate_merge(lmloss_rowstate x, lmloss_rowstate y, float k) {
+  lmloss_rowstate o;
+  o.s = lmloss_rowstat_merge(x.s, y.s, k);
+  o.wy = (x.flags & LMLOSS_STATE_LABEL) ? x.wy : y.wy;
+  o.flags = x.flags | y.flags;
+  return o;
+}
+
+/* Statistics a finish can use: finite, and not empty. */
+LMLOSS_HD int lmloss_rowstate_ok(const lmloss_rowstate *x) {
+  return !(x->flags & LMLOSS_STATE_NONFINITE) && lmloss_rowstat_finite(&x->s);
+}
+
+LMLOSS_HD void lmloss_rowstate_pack(const lmloss_rowstate *x, float *out) {
+  out[0] = x->s.m;
+  out[1] = x->s.r;
+  out[2] = x->s.t;
+  out[3] = x->s.u;
+  out[4] = x->s.c;
+  out[5] = x->s.a >= 0 ? (float)x->s.a : -1.0f;
+  out[6] = x->wy;
+  out[7] = (float)x->flags;
+}
+
+/* A packed state back. An argmax outside [0, vocab) (or not an integer:
+ * not a state of this vocabulary) reads as non-finite, so its row's
+ * results are NaN rather than wrong. */
+LMLOSS_HD lmloss_rowstate lmloss_rowstate_unpack(const float *in, int64_t vocab) {
+  lmloss_rowstate x = lmloss_rowstate_empty();
+  const float a = in[5], fl = in[7];
+  x.flags = fl >= 0.0f && fl <= 3.0f && fl == (float)(int)fl ? (int)fl : LMLOSS_STATE_NONFINITE;
+  x.wy = in[6];
+  if (a == -1.0f) return x;
+  if (!(a >= 0.0f && a < (float)vocab && a == (float)(int64_t)a)) {
+    x.flags |= LMLOSS_STATE_NONFINITE;
+    return x;
+  }
+  x.s.m = in[0];
+  x.s.r = in[1];
+  x.s.t = in[2];
+  x.s.u = in[3];
+  x.s.c = in[4];
+  x.s.a = (int64_t)a;
+  return x;
+}
+
+/* Cross-entropy of one row from its merged statistics (lmloss.h's
+ * formula): dky = (w_y - m) k (0 at the argmax), cy = class_weight[y],
+ * C = sum_j class_weight[j], e = label smoothing over V columns. */
+typedef struct {
+  float l1r, lse, nll;
+  float dftw;       /* sg(p_y) with DFT, else 1 */
+  float ce;         /* the smoothed, class-weighted CE before DFT */
+  lmloss_ce_coef q; /* its gradient's coefficients in z units */
+} lmloss_ce_terms;
+
+LMLOSS_HD lmloss_ce_terms lmloss_ce_terms_make(const lmloss_rowstat *s, float k, float dky,
+                                               float cy, float C, float e, int64_t V, int dft) {
+  lmloss_ce_terms c;
+  c.l1r = log1pf(s->r);
+  c.lse = s->m * k + c.l1r;
+  c.nll = c.l1r - dky;
+  c.dftw = dft ? expf(-c.nll) : 1.0f;
+  c.ce = cy * (1.0f - e) * c.nll;
+  if (e > 0.0f) c.ce += e / (float)V * (s->u + C * c.l1r);
+  c.q.hot = cy * (1.0f - e);
+  c.q.smooth = e / (float)V;
+  c.q.a_coef = c.q.hot + e * C / (float)V;
+  return c;
+}
+
+/* loss_i = w_i (sg(p_y) ce_i + z_loss lse^2), in double for the sums. */
+LMLOSS_HD double lmloss_ce_row_loss(const lmloss_ce_terms *c, float tw, float z_loss) {
+  return (double)tw * ((double)c->dftw * c->ce + (double)z_loss * c->lse * c->lse);
+}
+
+/* The gradient of the row's loss at one exact entry, in z units (times
+ * the row's upstream factor and dz/dx by the caller): p its probability,
+ * cj its class weight. */
+LMLOSS_HD float lmloss_ce_entry_z(const lmloss_ce_terms *c, const lmloss_rowstat *s, float p,
+                                  float cj, int is_target, int is_argmax, float z_loss) {
+  return c->dftw * lmloss_ce_grad_z(&c->q, s, p, cj, is_target, is_argmax) +
+         2.0f * z_loss * c->lse * p;
+}
+
+/* The row-pass coefficients of every other entry (rowpass's shape
+ * e_j P - Q c_j, z units, times fac): P = fac (sg(p_y) A + 2 z lse) / (1 + R),
+ * Q = fac sg(p_y) e / V. */
+LMLOSS_HD void lmloss_ce_pass_coefs(const lmloss_ce_terms *c, const lmloss_rowstat *s, float fac,
+                                    float z_loss, float *P, float *Q) {
+  *P = fac * (c->dftw * c->q.a_coef + 2.0f * z_loss * c->lse) / (1.0f + s->r);
+  *Q = fac * c->dftw * c->q.smooth;
+}
+
+#endif /* LMLOSS_MATH_ROWSTATE_H */
