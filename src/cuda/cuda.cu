@@ -28,10 +28,18 @@ lmloss_status lmloss_cuda_softmax_backward(const lmloss_context *, const lmloss_
                                            const lmloss_tensor *, int, const lmloss_tensor *);
 extern const lmloss_linear_prims lmloss_cuda_linear; /* fused_linear.cu */
 
+/* The fused head, also of 16-bit heads; no row states (states: NULL). */
+static int cuda_supports(lmloss_capability c) { return c != LMLOSS_CAN_ROW_STATES; }
+
 extern const lmloss_backend_ops lmloss_cuda_ops = {
-    lmloss_cuda_cross_entropy, lmloss_cuda_cross_entropy_backward,
-    lmloss_cuda_log_probs,     lmloss_cuda_log_probs_backward,
-    lmloss_cuda_softmax,       lmloss_cuda_softmax_backward,
+    lmloss_cuda_cross_entropy,
+    lmloss_cuda_cross_entropy_backward,
+    lmloss_cuda_log_probs,
+    lmloss_cuda_log_probs_backward,
+    lmloss_cuda_softmax,
+    lmloss_cuda_softmax_backward,
     &lmloss_cuda_linear,
+    nullptr,
+    cuda_supports,
 };
 }
