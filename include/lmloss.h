@@ -411,11 +411,13 @@ LMLOSS_API lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx,
  *              (entropy; only with lmloss_shard.entropy, else 0)
  *   [3] u      sum_j c_j (m - w_j) k   (label smoothing only, else 0)
  *   [4] c      sum_j c_j               (label smoothing only, else 0)
- *   [5] a      the first argmax's column in the vocabulary, as a float
- *              (exact: vocab <= 2^24); -1 when the columns hold no
- *              finite logit, or the row is ignored or masked out
+  *   [5] a      the first argmax's column in the vocabulary, as a float
+ *              (exact: vocab <= 2^24); -1 for an empty state: the row is
+ *              ignored or masked out, or its columns hold only -inf
+ *              (without softcap: with it, -inf counts as -cap)
  *   [6] w_y    w at the row's label, where the label lies in the columns
- *   [7] flags  1: w_y is set; 2: the columns hold a NaN or +inf
+ *   [7] flags  the sum of 1: w_y is set; 2: the columns hold a NaN or
+ *              +inf; 4: they hold a logit above -inf
  * A state must be finished with the logits' transform and options that
  * formed it. */
 #define LMLOSS_ROW_STATE_VERSION 1

@@ -33,11 +33,9 @@ static lmloss_rowstate ce_row_state(const ce_job *jb, int64_t i, int64_t y) {
   const void *row = lmloss_cpu_row(x, i);
   const lmloss_xform f = lmloss_xform_make(jb->opt->transform);
   lmloss_rowstate st = lmloss_rowstate_empty();
-  int bad;
-  lmloss_cpu_row_stats(row, x->dtype, n, &f, jb->cw ? jb->cw + col0 : NULL, jb->sh.entropy,
-                       jb->opt->label_smoothing > 0.0f, &st.s, &bad);
+  st.flags = lmloss_cpu_row_stats(row, x->dtype, n, &f, jb->cw ? jb->cw + col0 : NULL,
+                                  jb->sh.entropy, jb->opt->label_smoothing > 0.0f, &st.s);
   if (st.s.a >= 0) st.s.a += col0;
-  if (bad) st.flags |= LMLOSS_STATE_NONFINITE;
   if (y >= col0 && y < col0 + n) {
     st.wy = lmloss_xform_w(&f, lmloss_load(row, x->dtype, y - col0));
     st.flags |= LMLOSS_STATE_LABEL;

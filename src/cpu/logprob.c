@@ -18,10 +18,8 @@ static lmloss_rowstate lp_row_state(const lmloss_tensor *logits, const lmloss_te
   const int64_t n = logits->cols;
   const void *row = lmloss_cpu_row(logits, i);
   lmloss_rowstate st = lmloss_rowstate_empty();
-  int bad;
-  lmloss_cpu_row_stats(row, logits->dtype, n, f, NULL, sh->entropy, 0, &st.s, &bad);
+  st.flags = lmloss_cpu_row_stats(row, logits->dtype, n, f, NULL, sh->entropy, 0, &st.s);
   if (st.s.a >= 0) st.s.a += sh->col0;
-  if (bad) st.flags |= LMLOSS_STATE_NONFINITE;
   const int64_t y = index && index->cols == 1 ? lmloss_index_at(index, i, 0) - sh->col0 : -1;
   if (y >= 0 && y < n) {
     st.wy = lmloss_xform_w(f, lmloss_load(row, logits->dtype, y));
@@ -40,6 +38,7 @@ static lmloss_rowstate lp_whole_state(const lmloss_tensor *logits, const lmloss_
   if (!stats) return lp_row_state(logits, index, f, sh, i);
   lmloss_rowstate st = lmloss_rowstate_empty();
   st.s = lmloss_rowstat_load(lmloss_cpu_f32_at(stats, i), sh->vocab);
+  st.flags = LMLOSS_STATE_LOGIT; /* saved finite, else loaded empty */
   return st;
 }
 

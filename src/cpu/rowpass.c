@@ -188,19 +188,18 @@ block_sums_for(const float *restrict w, int n, float m, float k, const float *cw
 }
 
 LMLOSS_CPU_DISPATCH
-void lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lmloss_xform *f,
-                          const float *cw, int need_t, int need_u, lmloss_rowstat *st,
-                          int *nonfinite) {
+int lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lmloss_xform *f,
+                         const float *cw, int need_t, int need_u, lmloss_rowstat *st) {
   float buf[LMLOSS_CPU_BLOCK];
   lmloss_rowstat s = lmloss_rowstat_empty();
   const float k = f->k;
-  int bad = 0;
+  int bad = 0, logit = 0;
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
     int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
     int raw_bad, all_ninf;
     const float *w = block_w(row, dt, j0, n, f, buf, &raw_bad, &all_ninf);
     if (raw_bad) bad = 1;
-    if (all_ninf) continue;
+    if (!all_ninf) logit = 1;
     const float *cwb = cw ? cw + j0 : NULL;
     lmloss_rowstat b;
     float mb;
@@ -236,7 +235,10 @@ void lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lml
     s = lmloss_rowstat_merge(s, b, k);
   }
   *st = s;
-  *nonfinite = bad;
+  /* Without softcap every -inf adds nothing, so the state is empty unless
+   * the row holds a logit above -inf. */
+  if (f->cap == 0.0f) logit = s.a >= 0;
+  return (bad ? LMLOSS_STATE_NONFINITE : 0) | (logit ? LMLOSS_STATE_LOGIT : 0);
 }
 
 /* dst_j = (e_j (P + P2 dk_j) - Q c_j) k from a block's w values (dst may

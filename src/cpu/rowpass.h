@@ -11,16 +11,17 @@
 #ifndef LMLOSS_CPU_ROWPASS_H
 #define LMLOSS_CPU_ROWPASS_H
 
-#include "math/rowstats.h"
+#include "math/rowstate.h"
 
 #define LMLOSS_CPU_BLOCK 2048
 
 /* Row statistics. cw: class weights or NULL (all 1). need_t / need_u
- * request the entropy and smoothing sums. *nonfinite is set when the row
- * holds a NaN or +inf (or only -inf: then st->a < 0). */
-void lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lmloss_xform *f,
-                          const float *cw, int need_t, int need_u, lmloss_rowstat *st,
-                          int *nonfinite);
+ * request the entropy and smoothing sums. Returns rowstate.h's flags:
+ * NONFINITE when the row holds a NaN or +inf, LOGIT when it holds a logit
+ * above -inf. A -inf enters the sums as softcap(-inf) = -cap with softcap
+ * on, and adds nothing without (a row of only -inf leaves st empty). */
+int lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lmloss_xform *f,
+                         const float *cw, int need_t, int need_u, lmloss_rowstat *st);
 
 /* The gradient shape shared by every op on this backend, in x units:
  *   out_j = (e_j (P + P2 dk_j) - Q c_j) dz/dx_j,

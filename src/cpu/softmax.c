@@ -24,9 +24,7 @@ static lmloss_status softmax_rows(const lmloss_context *ctx, const lmloss_tensor
     if (merged) {
       st = lmloss_rowstate_unpack(lmloss_cpu_row(merged, i), sh->vocab);
     } else {
-      int bad;
-      lmloss_cpu_row_stats(row, x->dtype, n, &f, NULL, 0, 0, &st.s, &bad);
-      if (bad) st.flags |= LMLOSS_STATE_NONFINITE;
+      st.flags = lmloss_cpu_row_stats(row, x->dtype, n, &f, NULL, 0, 0, &st.s);
     }
     if (!lmloss_rowstate_ok(&st)) {
       lmloss_cpu_row_fill(o, out->dtype, n, NAN);

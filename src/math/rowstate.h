@@ -20,8 +20,9 @@
 #include "rowstats.h"
 
 enum {
-  LMLOSS_STATE_LABEL = 1,    /* w_y holds the label's w */
-  LMLOSS_STATE_NONFINITE = 2 /* a NaN or +inf was seen */
+  LMLOSS_STATE_LABEL = 1,     /* w_y holds the label's w */
+  LMLOSS_STATE_NONFINITE = 2, /* a NaN or +inf was seen */
+  LMLOSS_STATE_LOGIT = 4      /* a logit above -inf was seen */
 };
 
 typedef struct {
@@ -55,9 +56,11 @@ LMLOSS_HD lmloss_rowstate lmloss_rowstate_merge(lmloss_rowstate x, lmloss_rowsta
   return o;
 }
 
-/* Statistics a finish can use: finite, and not empty. */
+/* Statistics a finish can use: finite, and of a row that holds a logit
+ * above -inf (with softcap, a part of only -inf has finite sums). */
 LMLOSS_HD int lmloss_rowstate_ok(const lmloss_rowstate *x) {
-  return !(x->flags & LMLOSS_STATE_NONFINITE) && lmloss_rowstat_finite(&x->s);
+  return (x->flags & (LMLOSS_STATE_NONFINITE | LMLOSS_STATE_LOGIT)) == LMLOSS_STATE_LOGIT &&
+         lmloss_rowstat_finite(&x->s);
 }
 
 LMLOSS_HD void lmloss_rowstate_pack(const lmloss_rowstate *x, float *out) {
@@ -77,7 +80,7 @@ LMLOSS_HD void lmloss_rowstate_pack(const lmloss_rowstate *x, float *out) {
 LMLOSS_HD lmloss_rowstate lmloss_rowstate_unpack(const float *in, int64_t vocab) {
   lmloss_rowstate x = lmloss_rowstate_empty();
   const float a = in[5], fl = in[7];
-  x.flags = fl >= 0.0f && fl <= 3.0f && fl == (float)(int)fl ? (int)fl : LMLOSS_STATE_NONFINITE;
+  x.flags = fl >= 0.0f && fl <= 7.0f && fl == (float)(int)fl ? (int)fl : LMLOSS_STATE_NONFINITE;
   x.wy = in[6];
   if (a == -1.0f) return x;
   if (!(a >= 0.0f && a < (float)vocab && a == (float)(int64_t)a)) {
