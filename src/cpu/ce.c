@@ -63,7 +63,7 @@ static double ce_row_finish(const ce_job *jb, int64_t i, int64_t y, const lmloss
   const void *row = lmloss_cpu_row(&in->logits, i);
   const lmloss_xform f = lmloss_xform_make(opt->transform);
   const int want_entropy = jb->out && lmloss_present(&jb->out->entropy);
-  if (!lmloss_rowstate_ok(st)) {
+  if (!lmloss_rowstate_ok_label(st)) {
     if (jb->out) {
       if (lmloss_present(&jb->out->lse)) *lmloss_cpu_f32_at(&jb->out->lse, i) = NAN;
       if (want_entropy) *lmloss_cpu_f32_at(&jb->out->entropy, i) = NAN;

@@ -43,11 +43,12 @@ static lmloss_rowstate lp_whole_state(const lmloss_tensor *logits, const lmloss_
 }
 
 /* w at column j of the vocabulary: from the row when the shard holds it,
- * else the label's, from the merged state. */
+ * else the label's, from the merged state (NaN when no part held it). */
 static float lp_w(const void *row, lmloss_dtype dt, const lmloss_xform *f, const lmloss_shard *sh,
                   int64_t n, const lmloss_rowstate *st, int64_t j) {
   const int64_t jl = j - sh->col0;
-  return jl >= 0 && jl < n ? lmloss_xform_w(f, lmloss_load(row, dt, jl)) : st->wy;
+  if (jl >= 0 && jl < n) return lmloss_xform_w(f, lmloss_load(row, dt, jl));
+  return st->flags & LMLOSS_STATE_LABEL ? st->wy : NAN;
 }
 
 static lmloss_status lp_forward(const lmloss_context *ctx, const lmloss_tensor *logits,

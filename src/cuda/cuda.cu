@@ -27,9 +27,10 @@ lmloss_status lmloss_cuda_softmax(const lmloss_context *, const lmloss_tensor *,
 lmloss_status lmloss_cuda_softmax_backward(const lmloss_context *, const lmloss_tensor *,
                                            const lmloss_tensor *, int, const lmloss_tensor *);
 extern const lmloss_linear_prims lmloss_cuda_linear; /* fused_linear.cu */
+extern const lmloss_state_ops lmloss_cuda_states;    /* shard.cu */
 
-/* The fused head, also of 16-bit heads; no row states (states: NULL). */
-static int cuda_supports(lmloss_capability c) { return c != LMLOSS_CAN_ROW_STATES; }
+/* Everything: the fused head, also of 16-bit heads, and row states. */
+static int cuda_supports(lmloss_capability c) { return 1; }
 
 extern const lmloss_backend_ops lmloss_cuda_ops = {
     lmloss_cuda_cross_entropy,
@@ -39,7 +40,7 @@ extern const lmloss_backend_ops lmloss_cuda_ops = {
     lmloss_cuda_softmax,
     lmloss_cuda_softmax_backward,
     &lmloss_cuda_linear,
-    nullptr,
+    &lmloss_cuda_states,
     cuda_supports,
 };
 }

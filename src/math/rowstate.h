@@ -63,6 +63,12 @@ LMLOSS_HD int lmloss_rowstate_ok(const lmloss_rowstate *x) {
          lmloss_rowstat_finite(&x->s);
 }
 
+/* ... and its label's w known: what a finish that needs it checks (a
+ * state merged from parts none of which held the label has none). */
+LMLOSS_HD int lmloss_rowstate_ok_label(const lmloss_rowstate *x) {
+  return lmloss_rowstate_ok(x) && (x->flags & LMLOSS_STATE_LABEL);
+}
+
 LMLOSS_HD void lmloss_rowstate_pack(const lmloss_rowstate *x, float *out) {
   out[0] = x->s.m;
   out[1] = x->s.r;

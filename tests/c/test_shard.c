@@ -7,7 +7,8 @@
  * of 1e-6 of their row's largest entry). Rows: peaked with margins 0 to
  * 1000, ties at the max in two shards, a shard holding only -inf, a NaN,
  * ignored and masked rows; F32 and BF16 logits; softcap, temperature,
- * label smoothing, class and token weights, z-loss.
+ * label smoothing, class and token weights, z-loss. The states and
+ * finishes are bitwise the same run to run and for any CPU thread count.
  */
 #include "support/testing.h"
 
@@ -15,6 +16,17 @@ enum { MERGE_L2R, MERGE_R2L, MERGE_TREE, MERGE_ORDERS };
 static const char *order_name[] = {"left to right", "right to left", "tree"};
 static const int shard_counts[] = {1, 2, 3, 7};
 static const double margins[] = {0, 5, 17, 30, 100, 1000};
+
+/* The determinism group's hooks: the CPU's thread count, and where the
+ * sharded gradient and loss of a run are copied (host; NULL: not). */
+static int threads;
+static lmloss_tensor *capture_grad, *capture_loss;
+
+static lmloss_context ctx(void) {
+  lmloss_context c = tb_ctx();
+  c.num_threads = threads;
+  return c;
+}
 
 typedef struct {
   int k;
@@ -78,7 +90,7 @@ static lmloss_tensor state_new(int64_t N) {
 /* The merge of the k states st[] in one order into st[0]'s place (the
  * others are scratch). */
 static lmloss_status merge_all(lmloss_tensor *st, int k, int order, const lmloss_transform *tr) {
-  lmloss_context c = tb_ctx();
+  lmloss_context c = ctx();
   lmloss_status s = LMLOSS_OK;
   if (order == MERGE_L2R)
     for (int i = 1; i < k && !s; i++)
@@ -195,7 +207,7 @@ static void run_ce(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
                 gam = dev_clone(&ha), gg = dev_clone(&hg), gb = dev_clone(&hg);
   size_t wsb = lmloss_cross_entropy_workspace_size(N);
   void *ws = dev_alloc_bytes(wsb);
-  lmloss_context c = tb_ctx();
+  lmloss_context c = ctx();
   lmloss_ce_outputs ro = {rl, rse, rent, ram, rg};
   lmloss_status s1 = lmloss_cross_entropy(&c, &in, &opt, &ro, ws, wsb);
   /* states, merged, finished shard by shard */
@@ -225,6 +237,10 @@ static void run_ce(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
     lmloss_tensor gbv = cols_view(&gb, s.col0[i], s.n[i]);
     if (!s2)
       s2 = lmloss_cross_entropy_backward_finish(&c, &si, &opt, &sh, &st[0], &ddl, &gbv, ws, wsb);
+  }
+  if (capture_grad) {
+    *capture_grad = host_clone(&hg), *capture_loss = host_clone(&hl);
+    dev_fetch(capture_grad, &gg), dev_fetch(capture_loss, &gl);
   }
   if (ok2(g, s1, s2, "CE") && ok2(g, s3, LMLOSS_OK, "CE backward")) {
     lmloss_tensor a = host_clone(&hl), b = host_clone(&hl);
@@ -310,7 +326,7 @@ static void run_lp(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
     tset(&hdp, i, 0, rng_normal()), tset(&hdh, i, 0, rng_normal());
   lmloss_tensor ddp = dev_clone(&hdp), ddh = dev_clone(&hdh);
   lmloss_tensor rg = dev_clone(&hg), gg = dev_clone(&hg), rs = dev_clone(&hg), gs = dev_clone(&hg);
-  lmloss_context c = tb_ctx();
+  lmloss_context c = ctx();
   lmloss_status s1 = lmloss_log_probs(&c, &dx, &di, &dm, &tr, &rp, &rh, NULL);
   if (!s1) s1 = lmloss_log_probs_backward(&c, &dx, &di, &dm, &tr, &ddp, &ddh, &rg, NULL);
   const lmloss_transform unit = lmloss_transform_default();
@@ -336,16 +352,29 @@ static void run_lp(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
       s2 = lmloss_log_probs_backward_finish(&c, &xv, &di, &dm, &tr, &sh, &st[0], &ddp, &ddh, &gv);
     if (!s2) s2 = lmloss_softmax_finish(&c, &xv, &sh, &su[0], special & 1, &sv);
   }
+  if (capture_grad) {
+    *capture_grad = host_clone(&hg), *capture_loss = host_clone(&hp);
+    dev_fetch(capture_grad, &gg), dev_fetch(capture_loss, &gp);
+  }
   if (ok2(g, s1, s2, "log-probs")) {
     lmloss_tensor a = host_clone(&hp), b = host_clone(&hp);
     dev_fetch(&a, &rp), dev_fetch(&b, &gp);
     close_rows(g, &b, &a, "logp");
     dev_fetch(&a, &rh), dev_fetch(&b, &gh);
     close_rows(g, &b, &a, "entropy");
+    /* The index's entry cancels (dlogp (1 - p)): TOL_REL (|dlogp| +
+     * |dH| (H + |log p|)) dz/dx there (testing.h). */
+    double *exact = malloc(sizeof(double) * (size_t)N);
+    dev_fetch(&a, &rp), dev_fetch(&b, &rh);
+    for (int64_t i = 0; i < N; i++)
+      exact[i] = TOL_REL / temperature *
+                 (fabs(tget(&hdp, i, 0)) + fabs(tget(&hdh, i, 0)) *
+                                               (fabs(tget(&b, i, 0)) + fabs(tget(&a, i, 0))));
     host_free(&a), host_free(&b);
     lmloss_tensor q1 = host_clone(&hg), q2 = host_clone(&hg);
     dev_fetch(&q1, &rg), dev_fetch(&q2, &gg);
-    close_grads(g, &q2, &q1, NULL, NULL, "dlogits");
+    close_grads(g, &q2, &q1, label, exact, "dlogits");
+    free(exact);
     dev_fetch(&q1, &rs), dev_fetch(&q2, &gs);
     close_rows(g, &q2, &q1, "softmax");
     host_free(&q1), host_free(&q2);
@@ -460,7 +489,29 @@ int main(void) {
         }
       tg_end(&g);
     }
+  /* Bitwise the same run to run, and on the CPU for any thread count. */
   tgroup g;
+  tg_begin(&g, "determinism (bitwise, runs and thread counts)");
+  for (int fam = 0; fam < 2; fam++) {
+    lmloss_tensor grad[3], loss[3];
+    for (int run = 0; run < 3; run++) {
+      threads = tb_is_cuda() ? 0 : 1 + 2 * run;
+      capture_grad = &grad[run], capture_loss = &loss[run];
+      rng_seed(7);
+      if (fam == 0)
+        run_ce(&g, 16, 5003, LMLOSS_BF16, 3, MERGE_TREE, &ce_cases[1]);
+      else
+        run_lp(&g, 16, 5003, LMLOSS_F32, 7, MERGE_L2R, 0.6f, 20.0f, 1);
+      if (run > 0)
+        tg_true(&g, same_bytes(&grad[run], &grad[0]) && same_bytes(&loss[run], &loss[0]),
+                "%s run %d differs from run 0", fam ? "log-probs" : "CE", run);
+    }
+    for (int run = 0; run < 3; run++)
+      host_free(&grad[run]), host_free(&loss[run]);
+  }
+  capture_grad = capture_loss = NULL;
+  threads = 0;
+  tg_end(&g);
   tg_begin(&g, "bad input");
   bad_input(&g);
   tg_end(&g);

@@ -1,0 +1,555 @@
+/*
+ * shard.cu - the row contract's phases on CUDA (lmloss.h: states of a
+ * vocabulary shard, their merge, and the finishes from merged states).
+ *
+ * One CTA a row: each thread merges its columns' elements into a state
+ * with rowstate.h's merge, the CTA merges the threads' states in a fixed
+ * tree (so results are bitwise the same run to run), and a finish forms
+ * every output from the formulas of src/math. Elements are read and
+ * written through dtype.h's scalar load and store, in any dtype, so one
+ * kernel serves every dtype: these passes favour a small, exact build
+ * over the tuned plans of held.cuh and staged.cuh, which the one-shot
+ * calls use.
+ */
+#include "common.cuh"
+#include "math/rowstate.h"
+
+namespace lmc {
+namespace {
+
+constexpr int SHARD_THREADS = 256;
+constexpr int ROW_LOSS = LMLOSS_CE_WS_HEADER / sizeof(double); /* in the CE workspace */
+
+/* Row i's logits and their place in the vocabulary. */
+struct ShardRows {
+  const void *x;
+  lmloss_dtype dt;
+  int64_t N, n, xs, col0, vocab;
+  lmloss_xform f;
+  __device__ const void *row(int64_t i) const {
+    return (const char *)x + (size_t)(i * xs) * lmloss_dtype_size(dt);
+  }
+};
+
+/* A row's labels (CE targets or the log-probs' one index) and rows that
+ * are skipped (ignored targets, masked-out rows). */
+struct ShardLabels {
+  const void *label; /* NULL: none */
+  int label64;
+  int64_t ls;
+  long long ignore; /* with a label: rows equal to it are skipped */
+  const unsigned char *mask;
+  int64_t ms;
+  __device__ long long at(int64_t i) const {
+    return label ? ld_index(label, label64, i * ls) : -1;
+  }
+  __device__ bool skipped(int64_t i) const {
+    return (mask && !mask[i * ms]) || (label && !mask && at(i) == ignore);
+  }
+};
+
+__device__ __forceinline__ lmloss_rowstat shfl_state(const lmloss_rowstat &s, int off) {
+  lmloss_rowstat o;
+  o.m = __shfl_xor_sync(0xffffffffu, s.m, off);
+  o.r = __shfl_xor_sync(0xffffffffu, s.r, off);
+  o.t = __shfl_xor_sync(0xffffffffu, s.t, off);
+  o.u = __shfl_xor_sync(0xffffffffu, s.u, off);
+  o.c = __shfl_xor_sync(0xffffffffu, s.c, off);
+  o.a = __shfl_xor_sync(0xffffffffu, (long long)s.a, off);
+  return o;
+}
+
+/* The CTA's merge of its threads' states, in a fixed tree; every thread
+ * gets the result. */
+__device__ lmloss_rowstate cta_merge(lmloss_rowstate x, float k) {
+  __shared__ lmloss_rowstat warp_s[SHARD_THREADS / 32];
+  __shared__ int warp_f[SHARD_THREADS / 32];
+  __shared__ lmloss_rowstate all;
+  for (int off = 16; off > 0; off >>= 1) {
+    lmloss_rowstate y;
+    y.s = shfl_state(x.s, off);
+    y.flags = __shfl_xor_sync(0xffffffffu, x.flags, off);
+    y.wy = x.wy;
+    x = lmloss_rowstate_merge(x, y, k);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_s[warp] = x.s, warp_f[warp] = x.flags;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    lmloss_rowstate m = lmloss_rowstate_empty();
+    for (int w = 0; w < SHARD_THREADS / 32; w++) {
+      lmloss_rowstate y = lmloss_rowstate_empty();
+      y.s = warp_s[w], y.flags = warp_f[w];
+      m = lmloss_rowstate_merge(m, y, k);
+    }
+    all = m;
+  }
+  __syncthreads();
+  lmloss_rowstate r = all;
+  __syncthreads(); /* all is read before a next call writes it */
+  return r;
+}
+
+/* The state of row i's columns (rowpass.h's semantics: softcap maps -inf
+ * to -cap; without it a -inf adds nothing). cw: the vocabulary's class
+ * weights for the smoothing sums, or NULL. */
+__device__ lmloss_rowstate row_state(const ShardRows &R, int64_t i, long long label,
+                                     const float *cw, int64_t cws, bool need_u) {
+  const void *row = R.row(i);
+  const float k = R.f.k;
+  lmloss_rowstate x = lmloss_rowstate_empty();
+  for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
+    const float v = lmloss_load(row, R.dt, j);
+    if (v != v || v == INFINITY) {
+      x.flags |= LMLOSS_STATE_NONFINITE;
+      continue;
+    }
+    if (v != -INFINITY) x.flags |= LMLOSS_STATE_LOGIT;
+    if (v == -INFINITY && R.f.cap == 0.0f) continue;
+    lmloss_rowstate e = lmloss_rowstate_empty();
+    e.s.m = lmloss_xform_w(&R.f, v);
+    e.s.a = R.col0 + j;
+    e.s.c = need_u ? (cw ? cw[(R.col0 + j) * cws] : 1.0f) : 0.0f;
+    x = lmloss_rowstate_merge(x, e, k);
+  }
+  x = cta_merge(x, k);
+  const long long yl = label - R.col0;
+  if (yl >= 0 && yl < R.n) {
+    x.wy = lmloss_xform_w(&R.f, lmloss_load(row, R.dt, yl));
+    x.flags |= LMLOSS_STATE_LABEL;
+  }
+  return x;
+}
+
+__global__ void __launch_bounds__(SHARD_THREADS)
+    state_kernel(ShardRows R, ShardLabels L, const float *cw, int64_t cws, int need_u,
+                 float *state, int64_t ss) {
+  const int64_t i = blockIdx.x;
+  lmloss_rowstate x = lmloss_rowstate_empty();
+  if (!L.skipped(i)) x = row_state(R, i, L.at(i), cw, cws, need_u);
+  if (threadIdx.x == 0) lmloss_rowstate_pack(&x, state + i * ss);
+}
+
+__global__ void merge_kernel(const float *a, int64_t as, const float *b, int64_t bs, float *out,
+                             int64_t os, int64_t N, float k) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= N) return;
+  const lmloss_rowstate x = lmloss_rowstate_unpack(a + i * as, LMLOSS_STATE_MAX_VOCAB);
+  const lmloss_rowstate y = lmloss_rowstate_unpack(b + i * bs, LMLOSS_STATE_MAX_VOCAB);
+  const lmloss_rowstate m = lmloss_rowstate_merge(x, y, k);
+  lmloss_rowstate_pack(&m, out + i * os);
+}
+
+/* ---- cross-entropy finish ---- */
+
+struct CeFinish {
+  ShardRows R;
+  ShardLabels L;
+  const float *state;
+  int64_t ss;
+  const float *tw, *cw;
+  int64_t tws, cws;
+  float eps, zl;
+  int dft, reduction, zero_ignored;
+  double num_items;
+  float grad_output;
+  const float *dloss; /* backward: its dloss, else NULL */
+  int64_t dls;
+  float *loss, *lse, *ent; /* forward outputs, each optional but loss */
+  int64_t los, lses, ents;
+  long long *amax;
+  int64_t ams;
+  void *dx; /* optional gradient over the shard's columns */
+  lmloss_dtype dxdt;
+  int64_t dxs;
+  double *ws; /* [0] MEAN's denominator, [1] C; then per-row losses (ROW_LOSS) */
+};
+
+/* MEAN's denominator and the class weights' sum C, in a fixed order. */
+__global__ void __launch_bounds__(SHARD_THREADS) ce_sums_kernel(CeFinish a) {
+  __shared__ double part[2][SHARD_THREADS];
+  double den = 0.0, C = 0.0;
+  for (int64_t i = threadIdx.x; i < a.R.N; i += SHARD_THREADS) {
+    const long long y = a.L.at(i);
+    if (y != a.L.ignore && y >= 0 && y < a.R.vocab) den += a.cw ? (double)a.cw[y * a.cws] : 1.0;
+  }
+  for (int64_t j = threadIdx.x; a.cw && j < a.R.vocab; j += SHARD_THREADS)
+    C += a.cw[j * a.cws];
+  part[0][threadIdx.x] = den, part[1][threadIdx.x] = C;
+  __syncthreads();
+  for (int w = SHARD_THREADS / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w)
+      for (int q = 0; q < 2; q++)
+        part[q][threadIdx.x] += part[q][threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) a.ws[0] = part[0][0], a.ws[1] = a.cw ? part[1][0] : (double)a.R.vocab;
+}
+
+__device__ __forceinline__ double ce_scale(const CeFinish &a) {
+  if (a.reduction == LMLOSS_REDUCE_MEAN) return a.ws[0] > 0.0 ? 1.0 / a.ws[0] : 0.0;
+  if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) return 1.0 / a.num_items;
+  return 1.0;
+}
+
+__device__ void ce_fill_row(const CeFinish &a, int64_t i, float v) {
+  void *g = (char *)a.dx + (size_t)(i * a.dxs) * lmloss_dtype_size(a.dxdt);
+  for (int64_t j = threadIdx.x; j < a.R.n; j += SHARD_THREADS)
+    lmloss_store(g, a.dxdt, j, v);
+}
+
+__global__ void __launch_bounds__(SHARD_THREADS) ce_finish_kernel(CeFinish a) {
+  const int64_t i = blockIdx.x;
+  const ShardRows &R = a.R;
+  double *row_loss = a.ws + ROW_LOSS;
+  const long long y = a.L.at(i);
+  const bool fwd = a.loss != nullptr, none = a.reduction == LMLOSS_REDUCE_NONE;
+  if (y == a.L.ignore) {
+    if (threadIdx.x == 0 && fwd) {
+      row_loss[i] = 0.0;
+      if (none) a.loss[i * a.los] = 0.0f;
+      if (a.lse) a.lse[i * a.lses] = 0.0f;
+      if (a.ent) a.ent[i * a.ents] = 0.0f;
+      if (a.amax) a.amax[i * a.ams] = -1;
+    }
+    if (a.dx && a.zero_ignored) ce_fill_row(a, i, 0.0f);
+    return;
+  }
+  /* A target outside the vocabulary (not checked on the device) and a
+   * state without its label's w give a NaN row. */
+  const lmloss_rowstate st = lmloss_rowstate_unpack(a.state + i * a.ss, R.vocab);
+  const lmloss_rowstat &s = st.s;
+  const bool ok = lmloss_rowstate_ok_label(&st) && y >= 0 && y < R.vocab;
+  const float cy = a.cw && ok ? a.cw[y * a.cws] : 1.0f;
+  const lmloss_ce_terms c = lmloss_ce_terms_make(&s, R.f.k, lmloss_rowstat_dk(&s, R.f.k, y, st.wy),
+                                                 cy, (float)a.ws[1], a.eps, R.vocab, a.dft);
+  const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
+  if (threadIdx.x == 0 && fwd) {
+    const double l = ok ? lmloss_ce_row_loss(&c, tw, a.zl) : NAN;
+    row_loss[i] = l;
+    if (none) a.loss[i * a.los] = (float)l;
+    if (a.lse) a.lse[i * a.lses] = ok ? c.lse : NAN;
+    if (a.ent) a.ent[i * a.ents] = ok ? lmloss_rowstat_entropy(&s) : NAN;
+    if (a.amax) a.amax[i * a.ams] = ok ? s.a : -1;
+  }
+  if (!a.dx) return;
+  if (!ok) {
+    ce_fill_row(a, i, NAN);
+    return;
+  }
+  const float up = a.dloss ? a.dloss[(a.dls == 0 ? 0 : i) * a.dls] : a.grad_output;
+  const float fac = (float)(up * ce_scale(a) * tw);
+  float P, Q;
+  lmloss_ce_pass_coefs(&c, &s, fac, a.zl, &P, &Q);
+  const void *row = R.row(i);
+  void *g = (char *)a.dx + (size_t)(i * a.dxs) * lmloss_dtype_size(a.dxdt);
+  for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
+    const int64_t jg = R.col0 + j;
+    const float x = lmloss_load(row, R.dt, j);
+    const float dk = lmloss_rowstat_dk(&s, R.f.k, jg, lmloss_xform_w(&R.f, x));
+    const float e = expf(dk), cj = a.cw ? a.cw[jg * a.cws] : 1.0f;
+    float gz;
+    if (jg == y || jg == s.a)
+      gz = fac * lmloss_ce_entry_z(&c, &s, e / (1.0f + s.r), cj, jg == y, jg == s.a, a.zl);
+    else
+      gz = e * P - Q * cj;
+    lmloss_store(g, a.dxdt, j, gz * lmloss_xform_dzdx(&R.f, x));
+  }
+}
+
+/* A reduced loss: the rows' losses summed in a fixed order. */
+__global__ void __launch_bounds__(SHARD_THREADS) ce_reduce_kernel(CeFinish a) {
+  __shared__ double part[SHARD_THREADS];
+  double t = 0.0;
+  for (int64_t i = threadIdx.x; i < a.R.N; i += SHARD_THREADS)
+    t += a.ws[ROW_LOSS + i];
+  part[threadIdx.x] = t;
+  __syncthreads();
+  for (int w = SHARD_THREADS / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) a.loss[0] = (float)(part[0] * ce_scale(a));
+}
+
+/* ---- log-probs, entropy, softmax ---- */
+
+struct LpFinish {
+  ShardRows R;
+  ShardLabels L; /* the index as label, and the mask */
+  const float *state;
+  int64_t ss;
+  float *logp, *ent; /* forward */
+  lmloss_dtype lpdt;
+  int64_t lps, ents;
+  const float *dlogp, *dent; /* backward */
+  int64_t dlps, dents;
+  void *out; /* the backward's dlogits, or the softmax */
+  lmloss_dtype odt;
+  int64_t os;
+  int log; /* softmax: log-softmax */
+};
+
+__device__ __forceinline__ bool lp_masked(const LpFinish &a, int64_t i) {
+  return a.L.mask && !a.L.mask[i * a.L.ms];
+}
+
+/* One thread a row: log p of the index (from the row, or the label's w
+ * the merged state carries) and the entropy. */
+__global__ void lp_forward_kernel(LpFinish a) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= a.R.N) return;
+  const ShardRows &R = a.R;
+  const bool masked = lp_masked(a, i);
+  const lmloss_rowstate st = lmloss_rowstate_unpack(a.state + i * a.ss, R.vocab);
+  const bool ok = lmloss_rowstate_ok(&st);
+  if (a.logp) {
+    const long long j = a.L.at(i), jl = j - R.col0;
+    const float w = jl >= 0 && jl < R.n ? lmloss_xform_w(&R.f, lmloss_load(R.row(i), R.dt, jl))
+                     : st.flags & LMLOSS_STATE_LABEL ? st.wy
+                                                     : NAN;
+    const float v = masked ? 0.0f : ok ? lmloss_rowstat_logp(&st.s, R.f.k, j, w) : NAN;
+    lmloss_store(a.logp + i * a.lps, a.lpdt, 0, v);
+  }
+  if (a.ent) a.ent[i * a.ents] = masked ? 0.0f : ok ? lmloss_rowstat_entropy(&st.s) : NAN;
+}
+
+__device__ void fill_out(const LpFinish &a, int64_t i, float v) {
+  void *o = (char *)a.out + (size_t)(i * a.os) * lmloss_dtype_size(a.odt);
+  for (int64_t j = threadIdx.x; j < a.R.n; j += SHARD_THREADS)
+    lmloss_store(o, a.odt, j, v);
+}
+
+/* src/cpu/logprob.c's backward: the row-pass shape, and the index's
+ * exact entry where the shard holds it. */
+__global__ void __launch_bounds__(SHARD_THREADS) lp_backward_kernel(LpFinish a) {
+  const int64_t i = blockIdx.x;
+  const ShardRows &R = a.R;
+  if (lp_masked(a, i)) {
+    fill_out(a, i, 0.0f);
+    return;
+  }
+  const lmloss_rowstate st = lmloss_rowstate_unpack(a.state + i * a.ss, R.vocab);
+  if (!lmloss_rowstate_ok(&st)) {
+    fill_out(a, i, NAN);
+    return;
+  }
+  const lmloss_rowstat &s = st.s;
+  const float dl = a.dlogp ? a.dlogp[i * a.dlps] : 0.0f, dh = a.dent ? a.dent[i * a.dents] : 0.0f;
+  const long long y = a.dlogp ? a.L.at(i) : -1;
+  const float inv = 1.0f / (1.0f + s.r), hbar = s.t * inv;
+  const float P = (-dl - dh * hbar) * inv, P2 = -dh * inv;
+  const void *row = R.row(i);
+  void *o = (char *)a.out + (size_t)(i * a.os) * lmloss_dtype_size(a.odt);
+  for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
+    const int64_t jg = R.col0 + j;
+    const float x = lmloss_load(row, R.dt, j);
+    const float dk = lmloss_rowstat_dk(&s, R.f.k, jg, lmloss_xform_w(&R.f, x));
+    const float e = expf(dk);
+    float gz;
+    if (jg == y) {
+      const float p = e * inv;
+      gz = jg == s.a ? dl * (s.r * inv) : dl - dl * p;
+      gz -= dh * p * (dk + hbar);
+    } else {
+      gz = e > 0.0f ? e * (P + P2 * dk) : 0.0f;
+    }
+    lmloss_store(o, a.odt, j, gz * lmloss_xform_dzdx(&R.f, x));
+  }
+}
+
+__global__ void __launch_bounds__(SHARD_THREADS) softmax_kernel(LpFinish a) {
+  const int64_t i = blockIdx.x;
+  const ShardRows &R = a.R;
+  const lmloss_rowstate st = lmloss_rowstate_unpack(a.state + i * a.ss, R.vocab);
+  if (!lmloss_rowstate_ok(&st)) {
+    fill_out(a, i, NAN);
+    return;
+  }
+  const float l1r = log1pf(st.s.r), inv = 1.0f / (1.0f + st.s.r);
+  const void *row = R.row(i);
+  void *o = (char *)a.out + (size_t)(i * a.os) * lmloss_dtype_size(a.odt);
+  for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
+    const float d = lmloss_load(row, R.dt, j) - st.s.m;
+    lmloss_store(o, a.odt, j, a.log ? d - l1r : expf(d) * inv);
+  }
+}
+
+/* ---- host side ---- */
+
+ShardRows shard_rows(const lmloss_tensor *x, const lmloss_shard *sh, lmloss_transform tr) {
+  ShardRows R;
+  R.x = x->data;
+  R.dt = x->dtype;
+  R.N = x->rows;
+  R.n = x->cols;
+  R.xs = x->row_stride;
+  R.col0 = sh->col0;
+  R.vocab = sh->vocab;
+  R.f = lmloss_xform_make(tr);
+  return R;
+}
+
+ShardLabels shard_labels(const lmloss_tensor *label, long long ignore, const lmloss_tensor *mask) {
+  ShardLabels L = {};
+  if (label && label->data) {
+    L.label = label->data;
+    L.label64 = label->dtype == LMLOSS_I64;
+    L.ls = label->row_stride;
+  }
+  L.ignore = ignore;
+  if (mask && mask->data) {
+    L.mask = (const unsigned char *)mask->data;
+    L.ms = mask->row_stride;
+  }
+  return L;
+}
+
+const float *f32_or_null(const lmloss_tensor *t, int64_t *stride) {
+  *stride = t && t->data ? t->row_stride : 0;
+  return t && t->data ? (const float *)t->data : nullptr;
+}
+
+lmloss_status launch_rows(void (*kernel)(LpFinish), const LpFinish &a, cudaStream_t st,
+                          const char *what) {
+  if (a.R.N > 0) kernel<<<(unsigned)a.R.N, SHARD_THREADS, 0, st>>>(a);
+  return check_launch(what);
+}
+
+} // namespace
+} // namespace lmc
+
+using namespace lmc;
+
+extern "C" {
+
+lmloss_status lmloss_cuda_ce_state(const lmloss_context *ctx, const lmloss_ce_inputs *in,
+                                   const lmloss_ce_options *opt, const lmloss_shard *sh,
+                                   const lmloss_tensor *state) {
+  const ShardRows R = shard_rows(&in->logits, sh, opt->transform);
+  const ShardLabels L = shard_labels(&in->target, opt->ignore_index, nullptr);
+  int64_t cws;
+  const float *cw = f32_or_null(&in->class_weight, &cws);
+  if (R.N > 0)
+    state_kernel<<<(unsigned)R.N, SHARD_THREADS, 0, stream_of(ctx)>>>(
+        R, L, cw, cws, opt->label_smoothing > 0.0f, (float *)state->data, state->row_stride);
+  return check_launch("cross-entropy states");
+}
+
+lmloss_status lmloss_cuda_ce_finish(const lmloss_context *ctx, const lmloss_ce_inputs *in,
+                                    const lmloss_ce_options *opt, const lmloss_shard *sh,
+                                    const lmloss_tensor *state, const lmloss_ce_outputs *out,
+                                    const lmloss_tensor *dloss, const lmloss_tensor *dlogits,
+                                    void *ws, size_t ws_bytes) {
+  CeFinish a = {};
+  a.R = shard_rows(&in->logits, sh, opt->transform);
+  a.L = shard_labels(&in->target, opt->ignore_index, nullptr);
+  a.state = (const float *)state->data;
+  a.ss = state->row_stride;
+  a.tw = f32_or_null(&in->token_weight, &a.tws);
+  a.cw = f32_or_null(&in->class_weight, &a.cws);
+  a.eps = opt->label_smoothing;
+  a.zl = opt->z_loss;
+  a.dft = opt->dft;
+  a.reduction = opt->reduction;
+  a.zero_ignored = opt->zero_ignored_rows;
+  a.num_items = opt->num_items;
+  a.grad_output = opt->grad_output;
+  if (dloss) {
+    a.dloss = (const float *)dloss->data;
+    a.dls = dloss->rows == 1 ? 0 : dloss->row_stride;
+  }
+  if (out) {
+    a.loss = (float *)out->loss.data;
+    a.los = out->loss.row_stride;
+    a.lse = (float *)f32_or_null(&out->lse, &a.lses);
+    a.ent = (float *)f32_or_null(&out->entropy, &a.ents);
+    a.amax = (long long *)out->argmax.data;
+    a.ams = out->argmax.row_stride;
+  }
+  if (dlogits) {
+    a.dx = dlogits->data;
+    a.dxdt = dlogits->dtype;
+    a.dxs = dlogits->row_stride;
+  }
+  a.ws = (double *)ws;
+  if (a.R.N == 0 && !a.loss) return LMLOSS_OK;
+  cudaStream_t st = stream_of(ctx);
+  ce_sums_kernel<<<1, SHARD_THREADS, 0, st>>>(a);
+  if (a.R.N > 0) ce_finish_kernel<<<(unsigned)a.R.N, SHARD_THREADS, 0, st>>>(a);
+  if (a.loss && a.reduction != LMLOSS_REDUCE_NONE) ce_reduce_kernel<<<1, SHARD_THREADS, 0, st>>>(a);
+  return check_launch("cross-entropy finish");
+}
+
+lmloss_status lmloss_cuda_lp_state(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                   const lmloss_tensor *index, const lmloss_tensor *mask,
+                                   const lmloss_transform *tr, const lmloss_shard *sh,
+                                   const lmloss_tensor *state) {
+  const ShardRows R = shard_rows(logits, sh, *tr);
+  const ShardLabels L = shard_labels(index, -1, mask);
+  if (R.N > 0)
+    state_kernel<<<(unsigned)R.N, SHARD_THREADS, 0, stream_of(ctx)>>>(
+        R, L, nullptr, 0, 0, (float *)state->data, state->row_stride);
+  return check_launch("log-probs states");
+}
+
+lmloss_status lmloss_cuda_lp_finish(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                    const lmloss_tensor *index, const lmloss_tensor *mask,
+                                    const lmloss_transform *tr, const lmloss_shard *sh,
+                                    const lmloss_tensor *state, const lmloss_tensor *logp,
+                                    const lmloss_tensor *entropy, const lmloss_tensor *dlogp,
+                                    const lmloss_tensor *dentropy, const lmloss_tensor *dlogits) {
+  LpFinish a = {};
+  a.R = shard_rows(logits, sh, *tr);
+  a.L = shard_labels(index, -1, mask);
+  a.state = (const float *)state->data;
+  a.ss = state->row_stride;
+  cudaStream_t st = stream_of(ctx);
+  if (dlogits) {
+    a.dlogp = f32_or_null(dlogp, &a.dlps);
+    a.dent = f32_or_null(dentropy, &a.dents);
+    a.out = dlogits->data;
+    a.odt = dlogits->dtype;
+    a.os = dlogits->row_stride;
+    return launch_rows(lp_backward_kernel, a, st, "log-probs backward finish");
+  }
+  if (logp) {
+    a.logp = (float *)logp->data;
+    a.lpdt = logp->dtype;
+    a.lps = logp->row_stride;
+  }
+  a.ent = (float *)f32_or_null(entropy, &a.ents);
+  if (a.R.N > 0) lp_forward_kernel<<<(unsigned)((a.R.N + 127) / 128), 128, 0, st>>>(a);
+  return check_launch("log-probs finish");
+}
+
+lmloss_status lmloss_cuda_softmax_finish(const lmloss_context *ctx, const lmloss_tensor *x,
+                                         const lmloss_shard *sh, const lmloss_tensor *state,
+                                         int log, const lmloss_tensor *out) {
+  LpFinish a = {};
+  a.R = shard_rows(x, sh, lmloss_transform_default());
+  a.state = (const float *)state->data;
+  a.ss = state->row_stride;
+  a.out = out->data;
+  a.odt = out->dtype;
+  a.os = out->row_stride;
+  a.log = log;
+  return launch_rows(softmax_kernel, a, stream_of(ctx), "softmax finish");
+}
+
+lmloss_status lmloss_cuda_state_merge(const lmloss_context *ctx, const lmloss_tensor *a,
+                                      const lmloss_tensor *b, const lmloss_transform *tr,
+                                      const lmloss_tensor *out) {
+  const int64_t N = a->rows;
+  if (N > 0)
+    merge_kernel<<<(unsigned)((N + 255) / 256), 256, 0, stream_of(ctx)>>>(
+        (const float *)a->data, a->row_stride, (const float *)b->data, b->row_stride,
+        (float *)out->data, out->row_stride, N, lmloss_xform_make(*tr).k);
+  return check_launch("state merge");
+}
+
+extern const lmloss_state_ops lmloss_cuda_states = {
+    lmloss_cuda_ce_state,       lmloss_cuda_ce_finish,   lmloss_cuda_lp_state, lmloss_cuda_lp_finish,
+    lmloss_cuda_softmax_finish, lmloss_cuda_state_merge,
+};
+}
