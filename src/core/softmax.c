@@ -2,17 +2,28 @@
  * merged states) and their backward: validate, dispatch. */
 #include "validate.h"
 
-lmloss_status lmloss_softmax(const lmloss_context *ctx, const lmloss_tensor *x, int log,
-                             const lmloss_tensor *out) {
-  const lmloss_backend_ops *ops;
-  TRY(lmloss_check_tensor(x, "x", LMLOSS_FLOATS, -1, -1));
-  if (x->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "x: V must be >= 1");
+/* The forward's arguments after x's, and its backend. */
+static lmloss_status check_forward(const lmloss_context *ctx, const lmloss_tensor *x, int log,
+                                   const lmloss_tensor *out, const lmloss_backend_ops **ops) {
   if (log != 0 && log != 1) return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "log must be 0 or 1");
   TRY(lmloss_check_tensor(out, "out", LMLOSS_FLOATS, x->rows, x->cols));
   TRY(lmloss_check_alias(x, out, "out"));
   const lmloss_tensor *ts[] = {out};
   TRY(lmloss_check_device(ts, 1, x->device));
-  TRY(lmloss_pick_backend(ctx, x->device, &ops));
+  return lmloss_pick_backend(ctx, x->device, ops);
+}
+
+static lmloss_status check_x(const lmloss_tensor *x) {
+  TRY(lmloss_check_tensor(x, "x", LMLOSS_FLOATS, -1, -1));
+  if (x->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "x: V must be >= 1");
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_softmax(const lmloss_context *ctx, const lmloss_tensor *x, int log,
+                             const lmloss_tensor *out) {
+  const lmloss_backend_ops *ops;
+  TRY(check_x(x));
+  TRY(check_forward(ctx, x, log, out, &ops));
   return ops->softmax(ctx, x, log, out);
 }
 
@@ -37,15 +48,9 @@ lmloss_status lmloss_softmax_finish(const lmloss_context *ctx, const lmloss_tens
                                     int log, const lmloss_tensor *out) {
   const lmloss_backend_ops *ops;
   lmloss_shard sh;
-  TRY(lmloss_check_tensor(x, "x", LMLOSS_FLOATS, -1, -1));
-  if (x->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "x: V must be >= 1");
+  TRY(check_x(x));
   TRY(lmloss_check_shard(shard, x->rows, x->cols, state, x->device, &sh));
-  if (log != 0 && log != 1) return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "log must be 0 or 1");
-  TRY(lmloss_check_tensor(out, "out", LMLOSS_FLOATS, x->rows, x->cols));
-  TRY(lmloss_check_alias(x, out, "out"));
-  const lmloss_tensor *ts[] = {out};
-  TRY(lmloss_check_device(ts, 1, x->device));
-  TRY(lmloss_pick_backend(ctx, x->device, &ops));
+  TRY(check_forward(ctx, x, log, out, &ops));
   TRY(lmloss_check_supports(ops, LMLOSS_CAN_ROW_STATES, "row states"));
   return ops->states->softmax_finish(ctx, x, &sh, state, log, out);
 }

@@ -59,6 +59,32 @@ __device__ __forceinline__ lmloss_rowstat shfl_state(const lmloss_rowstat &s, in
   return o;
 }
 
+/* Row i of an output [N, n] (dtype dt, row stride os). */
+__device__ __forceinline__ void *out_row(void *out, lmloss_dtype dt, int64_t os, int64_t i) {
+  return (char *)out + (size_t)(i * os) * lmloss_dtype_size(dt);
+}
+
+__device__ void fill_row(void *out, lmloss_dtype dt, int64_t os, int64_t i, int64_t n, float v) {
+  void *o = out_row(out, dt, os, i);
+  for (int64_t j = threadIdx.x; j < n; j += SHARD_THREADS)
+    lmloss_store(o, dt, j, v);
+}
+
+/* f(j, jg, x, dk, e) over the columns of row i this thread owns: j in
+ * the shard, jg in the vocabulary, x the logit, dk = (w - m) k (exactly 0
+ * at the argmax), e = exp(dk). */
+template <typename F>
+__device__ __forceinline__ void each_column(const ShardRows &R, const lmloss_rowstat &s,
+                                            int64_t i, F f) {
+  const void *row = R.row(i);
+  for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
+    const int64_t jg = R.col0 + j;
+    const float x = lmloss_load(row, R.dt, j);
+    const float dk = lmloss_rowstat_dk(&s, R.f.k, jg, lmloss_xform_w(&R.f, x));
+    f(j, jg, x, dk, expf(dk));
+  }
+}
+
 /* The CTA's merge of its threads' states, in a fixed tree; every thread
  * gets the result. */
 __device__ lmloss_rowstate cta_merge(lmloss_rowstate x, float k) {
@@ -192,11 +218,6 @@ __device__ __forceinline__ double ce_scale(const CeFinish &a) {
   return 1.0;
 }
 
-__device__ void ce_fill_row(const CeFinish &a, int64_t i, float v) {
-  void *g = (char *)a.dx + (size_t)(i * a.dxs) * lmloss_dtype_size(a.dxdt);
-  for (int64_t j = threadIdx.x; j < a.R.n; j += SHARD_THREADS)
-    lmloss_store(g, a.dxdt, j, v);
-}
 
 __global__ void __launch_bounds__(SHARD_THREADS) ce_finish_kernel(CeFinish a) {
   const int64_t i = blockIdx.x;
@@ -212,7 +233,7 @@ __global__ void __launch_bounds__(SHARD_THREADS) ce_finish_kernel(CeFinish a) {
       if (a.ent) a.ent[i * a.ents] = 0.0f;
       if (a.amax) a.amax[i * a.ams] = -1;
     }
-    if (a.dx && a.zero_ignored) ce_fill_row(a, i, 0.0f);
+    if (a.dx && a.zero_ignored) fill_row(a.dx, a.dxdt, a.dxs, i, R.n, 0.0f);
     return;
   }
   /* A target outside the vocabulary (not checked on the device) and a
@@ -234,27 +255,23 @@ __global__ void __launch_bounds__(SHARD_THREADS) ce_finish_kernel(CeFinish a) {
   }
   if (!a.dx) return;
   if (!ok) {
-    ce_fill_row(a, i, NAN);
+    fill_row(a.dx, a.dxdt, a.dxs, i, R.n, NAN);
     return;
   }
   const float up = a.dloss ? a.dloss[(a.dls == 0 ? 0 : i) * a.dls] : a.grad_output;
   const float fac = (float)(up * ce_scale(a) * tw);
   float P, Q;
   lmloss_ce_pass_coefs(&c, &s, fac, a.zl, &P, &Q);
-  const void *row = R.row(i);
-  void *g = (char *)a.dx + (size_t)(i * a.dxs) * lmloss_dtype_size(a.dxdt);
-  for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
-    const int64_t jg = R.col0 + j;
-    const float x = lmloss_load(row, R.dt, j);
-    const float dk = lmloss_rowstat_dk(&s, R.f.k, jg, lmloss_xform_w(&R.f, x));
-    const float e = expf(dk), cj = a.cw ? a.cw[jg * a.cws] : 1.0f;
+  void *g = out_row(a.dx, a.dxdt, a.dxs, i);
+  each_column(R, s, i, [&](int64_t j, int64_t jg, float x, float dk, float e) {
+    const float cj = a.cw ? a.cw[jg * a.cws] : 1.0f;
     float gz;
     if (jg == y || jg == s.a)
       gz = fac * lmloss_ce_entry_z(&c, &s, e / (1.0f + s.r), cj, jg == y, jg == s.a, a.zl);
     else
       gz = e * P - Q * cj;
     lmloss_store(g, a.dxdt, j, gz * lmloss_xform_dzdx(&R.f, x));
-  }
+  });
 }
 
 /* A reduced loss: the rows' losses summed in a fixed order. */
@@ -314,11 +331,6 @@ __global__ void lp_forward_kernel(LpFinish a) {
   if (a.ent) a.ent[i * a.ents] = masked ? 0.0f : ok ? lmloss_rowstat_entropy(&st.s) : NAN;
 }
 
-__device__ void fill_out(const LpFinish &a, int64_t i, float v) {
-  void *o = (char *)a.out + (size_t)(i * a.os) * lmloss_dtype_size(a.odt);
-  for (int64_t j = threadIdx.x; j < a.R.n; j += SHARD_THREADS)
-    lmloss_store(o, a.odt, j, v);
-}
 
 /* src/cpu/logprob.c's backward: the row-pass shape, and the index's
  * exact entry where the shard holds it. */
@@ -326,12 +338,12 @@ __global__ void __launch_bounds__(SHARD_THREADS) lp_backward_kernel(LpFinish a) 
   const int64_t i = blockIdx.x;
   const ShardRows &R = a.R;
   if (lp_masked(a, i)) {
-    fill_out(a, i, 0.0f);
+    fill_row(a.out, a.odt, a.os, i, R.n, 0.0f);
     return;
   }
   const lmloss_rowstate st = lmloss_rowstate_unpack(a.state + i * a.ss, R.vocab);
   if (!lmloss_rowstate_ok(&st)) {
-    fill_out(a, i, NAN);
+    fill_row(a.out, a.odt, a.os, i, R.n, NAN);
     return;
   }
   const lmloss_rowstat &s = st.s;
@@ -339,13 +351,8 @@ __global__ void __launch_bounds__(SHARD_THREADS) lp_backward_kernel(LpFinish a) 
   const long long y = a.dlogp ? a.L.at(i) : -1;
   const float inv = 1.0f / (1.0f + s.r), hbar = s.t * inv;
   const float P = (-dl - dh * hbar) * inv, P2 = -dh * inv;
-  const void *row = R.row(i);
-  void *o = (char *)a.out + (size_t)(i * a.os) * lmloss_dtype_size(a.odt);
-  for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
-    const int64_t jg = R.col0 + j;
-    const float x = lmloss_load(row, R.dt, j);
-    const float dk = lmloss_rowstat_dk(&s, R.f.k, jg, lmloss_xform_w(&R.f, x));
-    const float e = expf(dk);
+  void *o = out_row(a.out, a.odt, a.os, i);
+  each_column(R, s, i, [&](int64_t j, int64_t jg, float x, float dk, float e) {
     float gz;
     if (jg == y) {
       const float p = e * inv;
@@ -355,7 +362,7 @@ __global__ void __launch_bounds__(SHARD_THREADS) lp_backward_kernel(LpFinish a) 
       gz = e > 0.0f ? e * (P + P2 * dk) : 0.0f;
     }
     lmloss_store(o, a.odt, j, gz * lmloss_xform_dzdx(&R.f, x));
-  }
+  });
 }
 
 __global__ void __launch_bounds__(SHARD_THREADS) softmax_kernel(LpFinish a) {
@@ -363,12 +370,12 @@ __global__ void __launch_bounds__(SHARD_THREADS) softmax_kernel(LpFinish a) {
   const ShardRows &R = a.R;
   const lmloss_rowstate st = lmloss_rowstate_unpack(a.state + i * a.ss, R.vocab);
   if (!lmloss_rowstate_ok(&st)) {
-    fill_out(a, i, NAN);
+    fill_row(a.out, a.odt, a.os, i, R.n, NAN);
     return;
   }
   const float l1r = log1pf(st.s.r), inv = 1.0f / (1.0f + st.s.r);
   const void *row = R.row(i);
-  void *o = (char *)a.out + (size_t)(i * a.os) * lmloss_dtype_size(a.odt);
+  void *o = out_row(a.out, a.odt, a.os, i);
   for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
     const float d = lmloss_load(row, R.dt, j) - st.s.m;
     lmloss_store(o, a.odt, j, a.log ? d - l1r : expf(d) * inv);
