@@ -408,9 +408,9 @@ LMLOSS_API lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx,
  *   [0] m      max of w over the columns
  *   [1] r      R = sum over j != a of exp((w_j - m) k)
  *   [2] t      sum over j != a of exp((w_j - m) k) (m - w_j) k
- *              (entropy; only with lmloss_shard.entropy, else 0)
- *   [3] u      sum_j c_j (m - w_j) k   (label smoothing only, else 0)
- *   [4] c      sum_j c_j               (label smoothing only, else 0)
+ *              (entropy: with lmloss_shard.entropy, else unspecified)
+ *   [3] u      sum_j c_j (m - w_j) k   (label smoothing, else unspecified)
+ *   [4] c      sum_j c_j               (label smoothing, else unspecified)
   *   [5] a      the first argmax's column in the vocabulary, as a float
  *              (exact: vocab <= 2^24); -1 for an empty state: the row is
  *              ignored or masked out, or its columns hold only -inf
