@@ -34,7 +34,7 @@ static lmloss_status ce_run(const lmloss_ce_inputs *in, const lmloss_ce_options 
   double *x = ref_alloc(V), *w = ref_alloc(V), *cw = ref_alloc(V);
   if (!x || !w || !cw) {
     free(x), free(w), free(cw);
-    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "REF backend: out of host memory");
+    return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "REF backend: out of host memory");
   }
   double C = 0.0;
   for (int64_t j = 0; j < V; j++) {

@@ -42,7 +42,7 @@ lmloss_status lmloss_ref_log_probs(const lmloss_context *ctx, const lmloss_tenso
   double *x = ref_alloc(V), *w = ref_alloc(V);
   if (!x || !w) {
     free(x), free(w);
-    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "REF backend: out of host memory");
+    return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "REF backend: out of host memory");
   }
   for (int64_t i = 0; i < N; i++) {
     char *lrow = K ? ref_row_mut(logp, i) : NULL;
@@ -80,7 +80,7 @@ lmloss_status lmloss_ref_log_probs_backward(const lmloss_context *ctx, const lml
   double *x = ref_alloc(V), *w = ref_alloc(V), *dz = ref_alloc(V), *dd = ref_alloc(V);
   if (!x || !w || !dz || !dd) {
     free(x), free(w), free(dz), free(dd);
-    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "REF backend: out of host memory");
+    return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "REF backend: out of host memory");
   }
   for (int64_t j = 0; j < V; j++)
     dd[j] = 0.0;

@@ -20,7 +20,7 @@ lmloss_status lmloss_ref_softmax(const lmloss_context *ctx, const lmloss_tensor 
   double *xb = ref_alloc(V), *w = ref_alloc(V);
   if (!xb || !w) {
     free(xb), free(w);
-    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "REF backend: out of host memory");
+    return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "REF backend: out of host memory");
   }
   for (int64_t i = 0; i < N; i++) {
     ref_load_row(x, i, xb);
@@ -43,7 +43,7 @@ lmloss_status lmloss_ref_softmax_backward(const lmloss_context *ctx, const lmlos
   double *yb = ref_alloc(V), *gb = ref_alloc(V);
   if (!yb || !gb) {
     free(yb), free(gb);
-    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "REF backend: out of host memory");
+    return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "REF backend: out of host memory");
   }
   for (int64_t i = 0; i < N; i++) {
     ref_load_row(y, i, yb);
