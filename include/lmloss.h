@@ -411,7 +411,7 @@ LMLOSS_API lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx,
  *              (entropy: with lmloss_shard.entropy, else unspecified)
  *   [3] u      sum_j c_j (m - w_j) k   (label smoothing, else unspecified)
  *   [4] c      sum_j c_j               (label smoothing, else unspecified)
-  *   [5] a      the first argmax's column in the vocabulary, as a float
+ *   [5] a      the first argmax's column in the vocabulary, as a float
  *              (exact: vocab <= 2^24); -1 for an empty state: the row is
  *              ignored or masked out, or its columns hold only -inf
  *              (without softcap: with it, -inf counts as -cap)
@@ -452,13 +452,10 @@ LMLOSS_API lmloss_status lmloss_cross_entropy_state(const lmloss_context *ctx,
  * entropy and argmax (whole rows), and out->dlogits [N, V_r] over the
  * shard's columns (upstream opt->grad_output). Workspace as
  * lmloss_cross_entropy_workspace_size. */
-LMLOSS_API lmloss_status lmloss_cross_entropy_finish(const lmloss_context *ctx,
-                                                     const lmloss_ce_inputs *in,
-                                                     const lmloss_ce_options *opt,
-                                                     const lmloss_shard *shard,
-                                                     const lmloss_tensor *state,
-                                                     const lmloss_ce_outputs *out,
-                                                     void *workspace, size_t workspace_bytes);
+LMLOSS_API lmloss_status lmloss_cross_entropy_finish(
+    const lmloss_context *ctx, const lmloss_ce_inputs *in, const lmloss_ce_options *opt,
+    const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_ce_outputs *out,
+    void *workspace, size_t workspace_bytes);
 
 /* lmloss_cross_entropy_backward over the shard's columns from merged
  * states: dlogits [N, V_r] from dloss. */
@@ -471,13 +468,10 @@ LMLOSS_API lmloss_status lmloss_cross_entropy_backward_finish(
  * index: optional [N, 1], each row's one index in the whole vocabulary
  * (the label the state carries; absent for entropy and softmax); mask:
  * optional BOOL [N] (masked-out rows are not read). */
-LMLOSS_API lmloss_status lmloss_log_probs_state(const lmloss_context *ctx,
-                                                const lmloss_tensor *logits,
-                                                const lmloss_tensor *index,
-                                                const lmloss_tensor *mask,
-                                                const lmloss_transform *transform,
-                                                const lmloss_shard *shard,
-                                                const lmloss_tensor *state);
+LMLOSS_API lmloss_status lmloss_log_probs_state(
+    const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_shard *shard,
+    const lmloss_tensor *state);
 
 /* lmloss_log_probs' outputs from merged states: logp [N, 1] (with index)
  * and/or entropy [N] (needs shard->entropy), for the whole rows. */

@@ -127,9 +127,9 @@ typedef struct {
 
 /* What a backend runs beyond the row ops every backend has. */
 typedef enum {
-  LMLOSS_CAN_FUSED_HEAD,  /* the linear prims */
-  LMLOSS_CAN_16BIT_HEAD,  /* BF16/F16 hidden and head */
-  LMLOSS_CAN_ROW_STATES   /* the state ops */
+  LMLOSS_CAN_FUSED_HEAD, /* the linear prims */
+  LMLOSS_CAN_16BIT_HEAD, /* BF16/F16 hidden and head */
+  LMLOSS_CAN_ROW_STATES  /* the state ops */
 } lmloss_capability;
 
 /* The row ops take the public arguments, plus (for the ops that write a

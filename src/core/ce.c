@@ -113,18 +113,14 @@ lmloss_status lmloss_cross_entropy_finish(const lmloss_context *ctx, const lmlos
   if (lmloss_present(&out->entropy) && !sh.entropy)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "an entropy output needs states with shard.entropy");
   return ops->states->ce_finish(ctx, in, opt, &sh, state, out, NULL,
-                                lmloss_present(&out->dlogits) ? &out->dlogits : NULL, ws,
-                                ws_bytes);
+                                lmloss_present(&out->dlogits) ? &out->dlogits : NULL, ws, ws_bytes);
 }
 
-lmloss_status lmloss_cross_entropy_backward_finish(const lmloss_context *ctx,
-                                                   const lmloss_ce_inputs *in,
-                                                   const lmloss_ce_options *opt,
-                                                   const lmloss_shard *shard,
-                                                   const lmloss_tensor *state,
-                                                   const lmloss_tensor *dloss,
-                                                   const lmloss_tensor *dlogits, void *ws,
-                                                   size_t ws_bytes) {
+lmloss_status
+lmloss_cross_entropy_backward_finish(const lmloss_context *ctx, const lmloss_ce_inputs *in,
+                                     const lmloss_ce_options *opt, const lmloss_shard *shard,
+                                     const lmloss_tensor *state, const lmloss_tensor *dloss,
+                                     const lmloss_tensor *dlogits, void *ws, size_t ws_bytes) {
   const lmloss_backend_ops *ops;
   lmloss_shard sh;
   TRY(check_shard_call(ctx, in, opt, shard, state, 1, ws, ws_bytes, &sh, &ops));

@@ -131,18 +131,20 @@ lmloss_status lmloss_log_probs_finish(const lmloss_context *ctx, const lmloss_te
                                 lmloss_present(entropy) ? entropy : NULL, NULL, NULL, NULL);
 }
 
-lmloss_status lmloss_log_probs_backward_finish(
-    const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
-    const lmloss_tensor *mask, const lmloss_transform *tr, const lmloss_shard *shard,
-    const lmloss_tensor *state, const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
-    const lmloss_tensor *dlogits) {
+lmloss_status
+lmloss_log_probs_backward_finish(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                 const lmloss_tensor *index, const lmloss_tensor *mask,
+                                 const lmloss_transform *tr, const lmloss_shard *shard,
+                                 const lmloss_tensor *state, const lmloss_tensor *dlogp,
+                                 const lmloss_tensor *dentropy, const lmloss_tensor *dlogits) {
   const lmloss_backend_ops *ops;
   lmloss_shard sh;
   TRY(check_shard_call(ctx, logits, index, mask, tr, shard, state, &sh, &ops));
   const int64_t N = logits->rows;
   TRY(lmloss_check_lp_upstream(index, dlogp, dentropy, N));
   if (lmloss_present(dentropy) && !sh.entropy)
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "an entropy gradient needs states with shard.entropy");
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
+                       "an entropy gradient needs states with shard.entropy");
   TRY(lmloss_check_tensor(dlogits, "dlogits", LMLOSS_FLOATS, N, logits->cols));
   TRY(lmloss_check_alias(logits, dlogits, "dlogits"));
   const lmloss_tensor *ts[] = {dlogp, dentropy, dlogits};

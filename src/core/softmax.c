@@ -44,8 +44,8 @@ lmloss_status lmloss_softmax_backward(const lmloss_context *ctx, const lmloss_te
 }
 
 lmloss_status lmloss_softmax_finish(const lmloss_context *ctx, const lmloss_tensor *x,
-                                    const lmloss_shard *shard, const lmloss_tensor *state,
-                                    int log, const lmloss_tensor *out) {
+                                    const lmloss_shard *shard, const lmloss_tensor *state, int log,
+                                    const lmloss_tensor *out) {
   const lmloss_backend_ops *ops;
   lmloss_shard sh;
   TRY(check_x(x));

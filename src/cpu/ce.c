@@ -29,18 +29,10 @@ typedef struct {
 /* The state of row i's columns, label y. */
 static lmloss_rowstate ce_row_state(const ce_job *jb, int64_t i, int64_t y) {
   const lmloss_tensor *x = &jb->in->logits;
-  const int64_t col0 = jb->sh.col0, n = x->cols;
-  const void *row = lmloss_cpu_row(x, i);
   const lmloss_xform f = lmloss_xform_make(jb->opt->transform);
-  lmloss_rowstate st = lmloss_rowstate_empty();
-  st.flags = lmloss_cpu_row_stats(row, x->dtype, n, &f, jb->cw ? jb->cw + col0 : NULL,
-                                  jb->sh.entropy, jb->opt->label_smoothing > 0.0f, &st.s);
-  if (st.s.a >= 0) st.s.a += col0;
-  if (y >= col0 && y < col0 + n) {
-    st.wy = lmloss_xform_w(&f, lmloss_load(row, x->dtype, y - col0));
-    st.flags |= LMLOSS_STATE_LABEL;
-  }
-  return st;
+  return lmloss_cpu_row_state(lmloss_cpu_row(x, i), x->dtype, x->cols, jb->sh.col0, &f,
+                              jb->cw ? jb->cw + jb->sh.col0 : NULL, jb->sh.entropy,
+                              jb->opt->label_smoothing > 0.0f, y);
 }
 
 /* Entry j (a column of this job's logits) of the gradient in x units,
@@ -77,8 +69,8 @@ static double ce_row_finish(const ce_job *jb, int64_t i, int64_t y, const lmloss
   const lmloss_rowstat s = st->s;
   const float cy = cw ? cw[y] : 1.0f;
   const lmloss_ce_terms c =
-      lmloss_ce_terms_make(&s, f.k, lmloss_rowstat_dk(&s, f.k, y, st->wy), cy,
-                           (float)jb->class_sum, opt->label_smoothing, V, opt->dft);
+      lmloss_ce_terms_make(&s, f.k, lmloss_rowstat_dk(&s, f.k, y, st->wy), cy, (float)jb->class_sum,
+                           opt->label_smoothing, V, opt->dft);
   const float tw =
       lmloss_present(&in->token_weight) ? *lmloss_cpu_f32_at(&in->token_weight, i) : 1.0f;
   const double loss = lmloss_ce_row_loss(&c, tw, opt->z_loss);
@@ -97,7 +89,8 @@ static double ce_row_finish(const ce_job *jb, int64_t i, int64_t y, const lmloss
    * overwrite the logits. */
   const int has_y = y >= col0 && y < col0 + n, has_a = s.a >= col0 && s.a < col0 + n;
   float gy = 0.0f, ga = 0.0f;
-  if (has_y) gy = grad_entry(jb, &f, &s, &c, y, y, lmloss_load(row, in->logits.dtype, y - col0), fac);
+  if (has_y)
+    gy = grad_entry(jb, &f, &s, &c, y, y, lmloss_load(row, in->logits.dtype, y - col0), fac);
   if (has_a)
     ga = s.a == y ? gy
                   : grad_entry(jb, &f, &s, &c, s.a, y,
@@ -115,9 +108,9 @@ static double ce_row_finish(const ce_job *jb, int64_t i, int64_t y, const lmloss
 /* A supervised row: its whole row's state, merged by the caller or
  * formed here, then the finish. */
 static double ce_row(const ce_job *jb, int64_t i, int64_t y) {
-  const lmloss_rowstate st = jb->merged
-                                 ? lmloss_rowstate_unpack(lmloss_cpu_row(jb->merged, i), jb->sh.vocab)
-                                 : ce_row_state(jb, i, y);
+  const lmloss_rowstate st =
+      jb->merged ? lmloss_rowstate_unpack(lmloss_cpu_row(jb->merged, i), jb->sh.vocab)
+                 : ce_row_state(jb, i, y);
   return ce_row_finish(jb, i, y, &st);
 }
 
@@ -224,12 +217,6 @@ static lmloss_status ce_run(const lmloss_context *ctx, ce_job *jb, void *ws) {
   return s;
 }
 
-/* One shot: the whole row is the one shard. */
-static lmloss_shard whole_rows(const lmloss_ce_inputs *in, const lmloss_ce_outputs *out) {
-  lmloss_shard sh = {0, in->logits.cols, out && lmloss_present(&out->entropy)};
-  return sh;
-}
-
 lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                        const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
                                        void *ws, size_t ws_bytes, lmloss_grad_keep *keep) {
@@ -237,7 +224,7 @@ lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *ctx, const lmloss_c
                .opt = opt,
                .out = out,
                .dlogits = lmloss_present(&out->dlogits) ? &out->dlogits : NULL,
-               .sh = whole_rows(in, out)};
+               .sh = lmloss_cpu_whole_row(in->logits.cols, lmloss_present(&out->entropy))};
   return ce_run(ctx, &jb, ws);
 }
 
@@ -247,8 +234,11 @@ lmloss_status lmloss_cpu_cross_entropy_backward(const lmloss_context *ctx,
                                                 const lmloss_tensor *dloss,
                                                 const lmloss_tensor *dlogits, void *ws,
                                                 size_t ws_bytes, lmloss_grad_keep *keep) {
-  ce_job jb = {
-      .in = in, .opt = opt, .dloss = dloss, .dlogits = dlogits, .sh = whole_rows(in, NULL)};
+  ce_job jb = {.in = in,
+               .opt = opt,
+               .dloss = dloss,
+               .dlogits = dlogits,
+               .sh = lmloss_cpu_whole_row(in->logits.cols, 0)};
   return ce_run(ctx, &jb, ws);
 }
 

@@ -36,6 +36,12 @@ static inline float *lmloss_cpu_f32_at(const lmloss_tensor *t, int64_t i) {
   return (float *)t->data + i * t->row_stride;
 }
 
+/* A one-shot call's shard: the whole row. */
+static inline lmloss_shard lmloss_cpu_whole_row(int64_t cols, int entropy) {
+  lmloss_shard sh = {0, cols, entropy};
+  return sh;
+}
+
 static inline int lmloss_cpu_masked_out(const lmloss_tensor *mask, int64_t i) {
   return lmloss_present(mask) && !((const unsigned char *)mask->data)[i * mask->row_stride];
 }

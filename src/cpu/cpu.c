@@ -50,18 +50,22 @@ lmloss_status lmloss_cpu_state_merge(const lmloss_context *, const lmloss_tensor
 extern const lmloss_linear_prims lmloss_cpu_linear;
 
 static const lmloss_state_ops cpu_states = {
-    lmloss_cpu_ce_state,       lmloss_cpu_ce_finish,   lmloss_cpu_lp_state, lmloss_cpu_lp_finish,
-    lmloss_cpu_softmax_finish, lmloss_cpu_state_merge,
+    lmloss_cpu_ce_state,  lmloss_cpu_ce_finish,      lmloss_cpu_lp_state,
+    lmloss_cpu_lp_finish, lmloss_cpu_softmax_finish, lmloss_cpu_state_merge,
 };
 
 /* The fused head takes F32 heads only here (lmloss.h). */
 static int cpu_supports(lmloss_capability c) { return c != LMLOSS_CAN_16BIT_HEAD; }
 
 const lmloss_backend_ops lmloss_cpu_ops = {
-    lmloss_cpu_cross_entropy, lmloss_cpu_cross_entropy_backward,
-    lmloss_cpu_log_probs,     lmloss_cpu_log_probs_backward,
-    lmloss_cpu_softmax,       lmloss_cpu_softmax_backward,
-    &lmloss_cpu_linear,       &cpu_states,
+    lmloss_cpu_cross_entropy,
+    lmloss_cpu_cross_entropy_backward,
+    lmloss_cpu_log_probs,
+    lmloss_cpu_log_probs_backward,
+    lmloss_cpu_softmax,
+    lmloss_cpu_softmax_backward,
+    &lmloss_cpu_linear,
+    &cpu_states,
     cpu_supports,
 };
 

@@ -15,17 +15,9 @@
  * from the merged state). */
 static lmloss_rowstate lp_row_state(const lmloss_tensor *logits, const lmloss_tensor *index,
                                     const lmloss_xform *f, const lmloss_shard *sh, int64_t i) {
-  const int64_t n = logits->cols;
-  const void *row = lmloss_cpu_row(logits, i);
-  lmloss_rowstate st = lmloss_rowstate_empty();
-  st.flags = lmloss_cpu_row_stats(row, logits->dtype, n, f, NULL, sh->entropy, 0, &st.s);
-  if (st.s.a >= 0) st.s.a += sh->col0;
-  const int64_t y = index && index->cols == 1 ? lmloss_index_at(index, i, 0) - sh->col0 : -1;
-  if (y >= 0 && y < n) {
-    st.wy = lmloss_xform_w(f, lmloss_load(row, logits->dtype, y));
-    st.flags |= LMLOSS_STATE_LABEL;
-  }
-  return st;
+  const int64_t label = index && index->cols == 1 ? lmloss_index_at(index, i, 0) : -1;
+  return lmloss_cpu_row_state(lmloss_cpu_row(logits, i), logits->dtype, logits->cols, sh->col0, f,
+                              NULL, sh->entropy, 0, label);
 }
 
 /* Row i's whole-row state: merged by the caller, saved by the forward
@@ -151,17 +143,11 @@ static lmloss_status lp_backward(const lmloss_context *ctx, const lmloss_tensor 
   return LMLOSS_OK;
 }
 
-/* One shot: the whole row is the one shard. */
-static lmloss_shard whole_rows(const lmloss_tensor *logits, int entropy) {
-  lmloss_shard sh = {0, logits->cols, entropy};
-  return sh;
-}
-
 lmloss_status lmloss_cpu_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
                                    const lmloss_tensor *index, const lmloss_tensor *mask,
                                    const lmloss_transform *tr, const lmloss_tensor *logp,
                                    const lmloss_tensor *entropy, const lmloss_tensor *stats) {
-  const lmloss_shard sh = whole_rows(logits, lmloss_present(entropy) || stats);
+  const lmloss_shard sh = lmloss_cpu_whole_row(logits->cols, lmloss_present(entropy) || stats);
   return lp_forward(ctx, logits, index, mask, tr, &sh, NULL, logp, entropy, stats);
 }
 
@@ -171,7 +157,7 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
                                             const lmloss_tensor *dentropy,
                                             const lmloss_tensor *dlogits,
                                             const lmloss_tensor *stats, lmloss_grad_keep *keep) {
-  const lmloss_shard sh = whole_rows(logits, dentropy != NULL);
+  const lmloss_shard sh = lmloss_cpu_whole_row(logits->cols, dentropy != NULL);
   return lp_backward(ctx, logits, index, mask, tr, &sh, NULL, dlogp, dentropy, dlogits, stats);
 }
 
@@ -184,8 +170,9 @@ lmloss_status lmloss_cpu_lp_state(const lmloss_context *ctx, const lmloss_tensor
   const int nt = lmloss_cpu_row_threads(ctx, N * logits->cols);
 #pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
   for (int64_t i = 0; i < N; i++) {
-    const lmloss_rowstate st = lmloss_cpu_masked_out(mask, i) ? lmloss_rowstate_empty()
-                                                              : lp_row_state(logits, index, &f, sh, i);
+    const lmloss_rowstate st = lmloss_cpu_masked_out(mask, i)
+                                   ? lmloss_rowstate_empty()
+                                   : lp_row_state(logits, index, &f, sh, i);
     lmloss_rowstate_pack(&st, lmloss_cpu_row_mut(state, i));
   }
   return LMLOSS_OK;

@@ -188,8 +188,9 @@ block_sums_for(const float *restrict w, int n, float m, float k, const float *cw
 }
 
 LMLOSS_CPU_DISPATCH
-int lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lmloss_xform *f,
-                         const float *cw, int need_t, int need_u, lmloss_rowstat *st) {
+lmloss_rowstate lmloss_cpu_row_state(const void *row, lmloss_dtype dt, int64_t V, int64_t col0,
+                                     const lmloss_xform *f, const float *cw, int need_t, int need_u,
+                                     int64_t label) {
   float buf[LMLOSS_CPU_BLOCK];
   lmloss_rowstat s = lmloss_rowstat_empty();
   const float k = f->k;
@@ -234,11 +235,18 @@ int lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lmlo
         }
     s = lmloss_rowstat_merge(s, b, k);
   }
-  *st = s;
+  lmloss_rowstate st = lmloss_rowstate_empty();
+  st.s = s;
+  if (s.a >= 0) st.s.a += col0;
   /* Without softcap every -inf adds nothing, so the state is empty unless
    * the row holds a logit above -inf. */
   if (f->cap == 0.0f) logit = s.a >= 0;
-  return (bad ? LMLOSS_STATE_NONFINITE : 0) | (logit ? LMLOSS_STATE_LOGIT : 0);
+  st.flags = (bad ? LMLOSS_STATE_NONFINITE : 0) | (logit ? LMLOSS_STATE_LOGIT : 0);
+  if (label >= col0 && label < col0 + V) {
+    st.wy = lmloss_xform_w(f, lmloss_load(row, dt, label - col0));
+    st.flags |= LMLOSS_STATE_LABEL;
+  }
+  return st;
 }
 
 /* dst_j = (e_j (P + P2 dk_j) - Q c_j) k from a block's w values (dst may

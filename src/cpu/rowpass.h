@@ -15,13 +15,17 @@
 
 #define LMLOSS_CPU_BLOCK 2048
 
-/* Row statistics. cw: class weights or NULL (all 1). need_t / need_u
- * request the entropy and smoothing sums. Returns rowstate.h's flags:
- * NONFINITE when the row holds a NaN or +inf, LOGIT when it holds a logit
- * above -inf. A -inf enters the sums as softcap(-inf) = -cap with softcap
- * on, and adds nothing without (a row of only -inf leaves st empty). */
-int lmloss_cpu_row_stats(const void *row, lmloss_dtype dt, int64_t V, const lmloss_xform *f,
-                         const float *cw, int need_t, int need_u, lmloss_rowstat *st);
+/* The state of a row's V columns, which are columns [col0, col0 + V) of
+ * the vocabulary (its argmax a vocabulary column). cw: these columns'
+ * class weights or NULL (all 1). need_t / need_u request the entropy and
+ * smoothing sums. label: a vocabulary column whose w the state carries
+ * when it lies in these columns (-1: none). Flags: NONFINITE when the row
+ * holds a NaN or +inf, LOGIT when it holds a logit above -inf. A -inf
+ * enters the sums as softcap(-inf) = -cap with softcap on, and adds
+ * nothing without (a row of only -inf leaves the sums empty). */
+lmloss_rowstate lmloss_cpu_row_state(const void *row, lmloss_dtype dt, int64_t V, int64_t col0,
+                                     const lmloss_xform *f, const float *cw, int need_t, int need_u,
+                                     int64_t label);
 
 /* The gradient shape shared by every op on this backend, in x units:
  *   out_j = (e_j (P + P2 dk_j) - Q c_j) dz/dx_j,

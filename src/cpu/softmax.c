@@ -20,12 +20,9 @@ static lmloss_status softmax_rows(const lmloss_context *ctx, const lmloss_tensor
   for (int64_t i = 0; i < N; i++) {
     const void *row = lmloss_cpu_row(x, i);
     void *o = lmloss_cpu_row_mut(out, i);
-    lmloss_rowstate st = lmloss_rowstate_empty();
-    if (merged) {
-      st = lmloss_rowstate_unpack(lmloss_cpu_row(merged, i), sh->vocab);
-    } else {
-      st.flags = lmloss_cpu_row_stats(row, x->dtype, n, &f, NULL, 0, 0, &st.s);
-    }
+    const lmloss_rowstate st = merged
+                                   ? lmloss_rowstate_unpack(lmloss_cpu_row(merged, i), sh->vocab)
+                                   : lmloss_cpu_row_state(row, x->dtype, n, 0, &f, NULL, 0, 0, -1);
     if (!lmloss_rowstate_ok(&st)) {
       lmloss_cpu_row_fill(o, out->dtype, n, NAN);
       continue;
@@ -38,13 +35,13 @@ static lmloss_status softmax_rows(const lmloss_context *ctx, const lmloss_tensor
 
 lmloss_status lmloss_cpu_softmax(const lmloss_context *ctx, const lmloss_tensor *x, int log,
                                  const lmloss_tensor *out) {
-  const lmloss_shard sh = {0, x->cols, 0};
+  const lmloss_shard sh = lmloss_cpu_whole_row(x->cols, 0);
   return softmax_rows(ctx, x, &sh, NULL, log, out);
 }
 
 lmloss_status lmloss_cpu_softmax_finish(const lmloss_context *ctx, const lmloss_tensor *x,
-                                        const lmloss_shard *sh, const lmloss_tensor *state,
-                                        int log, const lmloss_tensor *out) {
+                                        const lmloss_shard *sh, const lmloss_tensor *state, int log,
+                                        const lmloss_tensor *out) {
   return softmax_rows(ctx, x, sh, state, log, out);
 }
 

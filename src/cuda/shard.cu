@@ -40,9 +40,7 @@ struct ShardLabels {
   long long ignore; /* with a label: rows equal to it are skipped */
   const unsigned char *mask;
   int64_t ms;
-  __device__ long long at(int64_t i) const {
-    return label ? ld_index(label, label64, i * ls) : -1;
-  }
+  __device__ long long at(int64_t i) const { return label ? ld_index(label, label64, i * ls) : -1; }
   __device__ bool skipped(int64_t i) const {
     return (mask && !mask[i * ms]) || (label && !mask && at(i) == ignore);
   }
@@ -74,8 +72,8 @@ __device__ void fill_row(void *out, lmloss_dtype dt, int64_t os, int64_t i, int6
  * the shard, jg in the vocabulary, x the logit, dk = (w - m) k (exactly 0
  * at the argmax), e = exp(dk). */
 template <typename F>
-__device__ __forceinline__ void each_column(const ShardRows &R, const lmloss_rowstat &s,
-                                            int64_t i, F f) {
+__device__ __forceinline__ void each_column(const ShardRows &R, const lmloss_rowstat &s, int64_t i,
+                                            F f) {
   const void *row = R.row(i);
   for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
     const int64_t jg = R.col0 + j;
@@ -132,11 +130,11 @@ __device__ lmloss_rowstate row_state(const ShardRows &R, int64_t i, long long la
     }
     if (v != -INFINITY) x.flags |= LMLOSS_STATE_LOGIT;
     if (v == -INFINITY && R.f.cap == 0.0f) continue;
-    lmloss_rowstate e = lmloss_rowstate_empty();
-    e.s.m = lmloss_xform_w(&R.f, v);
-    e.s.a = R.col0 + j;
-    e.s.c = need_u ? (cw ? cw[(R.col0 + j) * cws] : 1.0f) : 0.0f;
-    x = lmloss_rowstate_merge(x, e, k);
+    lmloss_rowstat e = lmloss_rowstat_empty();
+    e.m = lmloss_xform_w(&R.f, v);
+    e.a = R.col0 + j;
+    e.c = need_u ? (cw ? cw[(R.col0 + j) * cws] : 1.0f) : 0.0f;
+    x.s = lmloss_rowstat_merge(x.s, e, k);
   }
   x = cta_merge(x, k);
   const long long yl = label - R.col0;
@@ -148,8 +146,8 @@ __device__ lmloss_rowstate row_state(const ShardRows &R, int64_t i, long long la
 }
 
 __global__ void __launch_bounds__(SHARD_THREADS)
-    state_kernel(ShardRows R, ShardLabels L, const float *cw, int64_t cws, int need_u,
-                 float *state, int64_t ss) {
+    state_kernel(ShardRows R, ShardLabels L, const float *cw, int64_t cws, int need_u, float *state,
+                 int64_t ss) {
   const int64_t i = blockIdx.x;
   lmloss_rowstate x = lmloss_rowstate_empty();
   if (!L.skipped(i)) x = row_state(R, i, L.at(i), cw, cws, need_u);
@@ -217,7 +215,6 @@ __device__ __forceinline__ double ce_scale(const CeFinish &a) {
   if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) return 1.0 / a.num_items;
   return 1.0;
 }
-
 
 __global__ void __launch_bounds__(SHARD_THREADS) ce_finish_kernel(CeFinish a) {
   const int64_t i = blockIdx.x;
@@ -323,14 +320,13 @@ __global__ void lp_forward_kernel(LpFinish a) {
   if (a.logp) {
     const long long j = a.L.at(i), jl = j - R.col0;
     const float w = jl >= 0 && jl < R.n ? lmloss_xform_w(&R.f, lmloss_load(R.row(i), R.dt, jl))
-                     : st.flags & LMLOSS_STATE_LABEL ? st.wy
-                                                     : NAN;
+                    : st.flags & LMLOSS_STATE_LABEL ? st.wy
+                                                    : NAN;
     const float v = masked ? 0.0f : ok ? lmloss_rowstat_logp(&st.s, R.f.k, j, w) : NAN;
     lmloss_store(a.logp + i * a.lps, a.lpdt, 0, v);
   }
   if (a.ent) a.ent[i * a.ents] = masked ? 0.0f : ok ? lmloss_rowstat_entropy(&st.s) : NAN;
 }
-
 
 /* src/cpu/logprob.c's backward: the row-pass shape, and the index's
  * exact entry where the shard holds it. */
@@ -556,7 +552,7 @@ lmloss_status lmloss_cuda_state_merge(const lmloss_context *ctx, const lmloss_te
 }
 
 extern const lmloss_state_ops lmloss_cuda_states = {
-    lmloss_cuda_ce_state,       lmloss_cuda_ce_finish,   lmloss_cuda_lp_state, lmloss_cuda_lp_finish,
-    lmloss_cuda_softmax_finish, lmloss_cuda_state_merge,
+    lmloss_cuda_ce_state,  lmloss_cuda_ce_finish,      lmloss_cuda_lp_state,
+    lmloss_cuda_lp_finish, lmloss_cuda_softmax_finish, lmloss_cuda_state_merge,
 };
 }

@@ -117,8 +117,9 @@ static const char *group(const char *what) {
 static void run_backend(int b) {
   be = b, on_dev = b == B_CUDA;
   lmloss_context ctx = lmloss_context_default(), oth = ctx;
-  ctx.backend = b == B_REF ? LMLOSS_BACKEND_REF : b == B_CPU ? LMLOSS_BACKEND_CPU
-                                                             : LMLOSS_BACKEND_CUDA;
+  ctx.backend = b == B_REF   ? LMLOSS_BACKEND_REF
+                : b == B_CPU ? LMLOSS_BACKEND_CPU
+                             : LMLOSS_BACKEND_CUDA;
   oth.backend = on_dev ? LMLOSS_BACKEND_CPU : LMLOSS_BACKEND_CUDA; /* the other backend */
   const lmloss_device other = on_dev ? LMLOSS_CPU : LMLOSS_CUDA;
   for (int k = 0; k < NW; k++)
@@ -150,8 +151,7 @@ static void run_backend(int b) {
     bi = in, bi.target.dtype = LMLOSS_F32;
     expect(lmloss_cross_entropy(&ctx, &bi, &o, &out, ws, wsb), LMLOSS_ERR_BAD_DTYPE, "target F32");
     bi = in, bi.logits.row_stride = V - 1;
-    expect(lmloss_cross_entropy(&ctx, &bi, &o, &out, ws, wsb), LMLOSS_ERR_BAD_STRIDE,
-           "stride < V");
+    expect(lmloss_cross_entropy(&ctx, &bi, &o, &out, ws, wsb), LMLOSS_ERR_BAD_STRIDE, "stride < V");
     bi = in, bi.target.device = other;
     expect(lmloss_cross_entropy(&ctx, &bi, &o, &out, ws, wsb), LMLOSS_ERR_BAD_DEVICE,
            "mixed devices");
@@ -404,9 +404,9 @@ static void run_backend(int b) {
       skip("head workspace NULL"), skip("head workspace 1 byte short");
       skip("head budget 16");
     } else {
-      expect(lmloss_linear_cross_entropy(&ctx, &head, &T, NULL, NULL, &o, &ho, &lo, &gr, NULL,
-                                         lwsb),
-             LMLOSS_ERR_NULL_POINTER, "head workspace NULL");
+      expect(
+          lmloss_linear_cross_entropy(&ctx, &head, &T, NULL, NULL, &o, &ho, &lo, &gr, NULL, lwsb),
+          LMLOSS_ERR_NULL_POINTER, "head workspace NULL");
       expect(lmloss_linear_cross_entropy(&ctx, &head, &T, NULL, NULL, &o, &ho, &lo, &gr, lws,
                                          lwsb - 1),
              LMLOSS_ERR_WORKSPACE_TOO_SMALL, "head workspace 1 byte short");

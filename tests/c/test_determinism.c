@@ -116,7 +116,9 @@ static lmloss_status run(const dcase *c, const lmloss_context *ctx, int rn, lmlo
   }
   case LP: s = lmloss_log_probs(ctx, &x, &ix, &mk, &c->tr, &d[0], &d[1], &d[2]); break;
   case ENT: s = lmloss_entropy(ctx, &x, &c->tr, &d[0]); break;
-  case LP_BWD: s = lmloss_log_probs_backward(ctx, &x, &ix, &mk, &c->tr, &dlp, &de, &d[0], &st); break;
+  case LP_BWD:
+    s = lmloss_log_probs_backward(ctx, &x, &ix, &mk, &c->tr, &dlp, &de, &d[0], &st);
+    break;
   case SM: s = lmloss_softmax(ctx, &x, c->log, &d[0]); break;
   case SM_BWD: s = lmloss_softmax_backward(ctx, &x, &dy, c->log, &d[0]); break;
   default: {
@@ -161,7 +163,10 @@ static lmloss_status run(const dcase *c, const lmloss_context *ctx, int rn, lmlo
 /* ---- comparing ---- */
 
 static size_t esize(lmloss_dtype dt) {
-  return dt == LMLOSS_I64 ? 8 : dt == LMLOSS_BF16 || dt == LMLOSS_F16 ? 2 : dt == LMLOSS_BOOL ? 1 : 4;
+  return dt == LMLOSS_I64                        ? 8
+         : dt == LMLOSS_BF16 || dt == LMLOSS_F16 ? 2
+         : dt == LMLOSS_BOOL                     ? 1
+                                                 : 4;
 }
 
 static size_t span_bytes(const lmloss_tensor *t) {
@@ -360,9 +365,8 @@ static void row_ops(const rcfg *rc, uint64_t seed) {
       c.op = mode == 3 ? CE_BWD : CE, c.opt = o, c.alias = -1, c.x = x;
       c.target = s == 4 ? tgt32 : tgt;
       if (set_weights(s)) c.tw = tw, c.cw = cw;
-      snprintf(c.label, sizeof c.label, "ce %s %s", (const char *[]){"fwd", "fused", "inplace",
-                                                                     "bwd"}[mode],
-               set_name[s]);
+      snprintf(c.label, sizeof c.label, "ce %s %s",
+               (const char *[]){"fwd", "fused", "inplace", "bwd"}[mode], set_name[s]);
       if (mode == 3) {
         c.dloss = dls[s], c.nout = 1, c.oname[0] = "dlogits";
         c.out[0] = poisoned(s == 1 ? LMLOSS_F32 : dt, N, V, S);
@@ -587,8 +591,7 @@ static void head_ops(const hcfg *hc, uint64_t seed) {
       if (v < 2) c.index = idx3, c.dlogp = dlogp;
       if (v > 0) c.stats = stats;
       snprintf(c.label, sizeof c.label, "linear log-probs bwd %s%s",
-               (const char *[]){"dlogp+dentropy", "dlogp+dentropy stats",
-                                "dentropy-only stats"}[v],
+               (const char *[]){"dlogp+dentropy", "dlogp+dentropy stats", "dentropy-only stats"}[v],
                sb ? " 3-row chunks" : "");
       c.nout = 3;
       c.out[0] = poisoned(dt, N, H, H), c.out[1] = poisoned(gdt, V, H, H + 1);

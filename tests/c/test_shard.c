@@ -10,6 +10,7 @@
  * label smoothing, class and token weights, z-loss. The states and
  * finishes are bitwise the same run to run and for any CPU thread count.
  */
+#include "math/dtype.h"
 #include "support/testing.h"
 
 enum { MERGE_L2R, MERGE_R2L, MERGE_TREE, MERGE_ORDERS };
@@ -68,13 +69,9 @@ static int shard_of(const split *s, int64_t j) {
 }
 
 /* Columns [c0, c0 + n) of a tensor, as a view. */
-static size_t elem_bytes(lmloss_dtype dt) {
-  return dt == LMLOSS_F32 || dt == LMLOSS_I32 ? 4 : dt == LMLOSS_I64 || dt == LMLOSS_F64 ? 8 : 2;
-}
-
 static lmloss_tensor cols_view(const lmloss_tensor *t, int64_t c0, int64_t n) {
   lmloss_tensor v = *t;
-  v.data = (char *)t->data + (size_t)c0 * elem_bytes(t->dtype);
+  v.data = (char *)t->data + (size_t)c0 * lmloss_dtype_size(t->dtype);
   v.cols = n;
   return v;
 }
@@ -115,7 +112,7 @@ static void fill_rows(const lmloss_tensor *x, int64_t *label, const split *s, in
   if (special && s->k > 1) label[2] = s->col0[0]; /* not in shard 1 */
   lmloss_tensor row = *x;
   for (int64_t i = 0; i < N; i++) {
-    row.data = (char *)x->data + (size_t)(i * x->row_stride) * elem_bytes(x->dtype);
+    row.data = (char *)x->data + (size_t)(i * x->row_stride) * lmloss_dtype_size(x->dtype);
     row.rows = 1;
     fill_logits(&row, 2.0, &label[i], margins[i % 6]);
   }
@@ -275,7 +272,8 @@ static void run_ce(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
     for (int64_t i = 0; i < N; i++) {
       double f = (cc->token_weights ? tget(&tw, i, 0) : 1) / cc->temperature;
       if (cc->reduction == LMLOSS_REDUCE_MEAN) f /= den;
-      const double terms = 2 * cmax + cc->smoothing * C / V + 2 * cc->z_loss * fabs(tget(&lse, i, 0));
+      const double terms =
+          2 * cmax + cc->smoothing * C / V + 2 * cc->z_loss * fabs(tget(&lse, i, 0));
       fwd[i] = TOL_REL * f * terms;
       bwd[i] = fwd[i] * tget(&hdl, none ? i : 0, 0);
     }
@@ -289,8 +287,8 @@ static void run_ce(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
   }
   for (int i = 0; i < k; i++)
     dev_free(&st[i]);
-  lmloss_tensor *ds[] = {&dx, &dt_, &dtw, &dcw, &rl, &rse, &rent, &ram, &rg, &gl, &gse, &gent,
-                         &gam, &gg, &gb, &ddl, &rb};
+  lmloss_tensor *ds[] = {&dx, &dt_, &dtw,  &dcw, &rl, &rse, &rent, &ram, &rg,
+                         &gl, &gse, &gent, &gam, &gg, &gb,  &ddl,  &rb};
   for (size_t i = 0; i < sizeof ds / sizeof *ds; i++)
     dev_free(ds[i]);
   dev_free_bytes(ws);
@@ -319,8 +317,7 @@ static void run_lp(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
   lmloss_tensor dx = dev_clone(&x), di = dev_clone(&idx), dm = dev_clone(&mask);
   lmloss_tensor hp = host_new(LMLOSS_F32, N, 1, 1), hg = host_new(dt, N, V, V);
   host_poison(&hg);
-  lmloss_tensor rp = dev_clone(&hp), rh = dev_clone(&hp), gp = dev_clone(&hp),
-                gh = dev_clone(&hp);
+  lmloss_tensor rp = dev_clone(&hp), rh = dev_clone(&hp), gp = dev_clone(&hp), gh = dev_clone(&hp);
   lmloss_tensor hdp = host_new(LMLOSS_F32, N, 1, 1), hdh = host_new(LMLOSS_F32, N, 1, 1);
   for (int64_t i = 0; i < N; i++)
     tset(&hdp, i, 0, rng_normal()), tset(&hdh, i, 0, rng_normal());
@@ -368,8 +365,8 @@ static void run_lp(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
     dev_fetch(&a, &rp), dev_fetch(&b, &rh);
     for (int64_t i = 0; i < N; i++)
       exact[i] = TOL_REL / temperature *
-                 (fabs(tget(&hdp, i, 0)) + fabs(tget(&hdh, i, 0)) *
-                                               (fabs(tget(&b, i, 0)) + fabs(tget(&a, i, 0))));
+                 (fabs(tget(&hdp, i, 0)) +
+                  fabs(tget(&hdh, i, 0)) * (fabs(tget(&b, i, 0)) + fabs(tget(&a, i, 0))));
     host_free(&a), host_free(&b);
     lmloss_tensor q1 = host_clone(&hg), q2 = host_clone(&hg);
     dev_fetch(&q1, &rg), dev_fetch(&q2, &gg);
@@ -413,8 +410,7 @@ static void bad_input(tgroup *g) {
           "negative col0");
   sh.col0 = 0, sh.vocab = 6;
   if (!tb_is_cuda()) /* targets are range-checked on the host only */
-    tg_true(g, lmloss_cross_entropy_state(&c, &in, &opt, &sh, &ds) ==
-                   LMLOSS_ERR_INDEX_OUT_OF_RANGE,
+    tg_true(g, lmloss_cross_entropy_state(&c, &in, &opt, &sh, &ds) == LMLOSS_ERR_INDEX_OUT_OF_RANGE,
             "target outside the vocabulary");
   sh.vocab = ((int64_t)1 << 24) + 1;
   tg_true(g, lmloss_cross_entropy_state(&c, &in, &opt, &sh, &ds) == LMLOSS_ERR_BAD_SHAPE,
@@ -430,13 +426,15 @@ static void bad_input(tgroup *g) {
   void *ws = dev_alloc_bytes(lmloss_cross_entropy_workspace_size(2));
   lmloss_ce_outputs out = {dfv, {0}, dfv, {0}, {0}};
   opt.reduction = LMLOSS_REDUCE_NONE;
-  tg_true(g, lmloss_cross_entropy_finish(&c, &in, &opt, &sh, &ds, &out, ws,
-                                         lmloss_cross_entropy_workspace_size(2)) ==
-                 LMLOSS_ERR_BAD_OPTION,
+  tg_true(g,
+          lmloss_cross_entropy_finish(&c, &in, &opt, &sh, &ds, &out, ws,
+                                      lmloss_cross_entropy_workspace_size(2)) ==
+              LMLOSS_ERR_BAD_OPTION,
           "entropy output from states without the entropy sum");
   lmloss_tensor two = host_new(LMLOSS_I64, 2, 2, 2), d2 = dev_clone(&two);
-  tg_true(g, lmloss_log_probs_state(&c, &dx, &d2, NULL, &opt.transform, &sh, &ds) ==
-                 LMLOSS_ERR_BAD_SHAPE,
+  tg_true(g,
+          lmloss_log_probs_state(&c, &dx, &d2, NULL, &opt.transform, &sh, &ds) ==
+              LMLOSS_ERR_BAD_SHAPE,
           "two indices a row over a shard");
   in.logits = x, in.target = tgt;
   tg_true(g, lmloss_cross_entropy_state(&r, &in, &opt, &sh, &st) == LMLOSS_ERR_UNSUPPORTED,
@@ -451,9 +449,9 @@ int main(void) {
   rng_seed(34);
   const lmloss_reduction reds[] = {LMLOSS_REDUCE_MEAN, LMLOSS_REDUCE_NONE, LMLOSS_REDUCE_SUM};
   const ce_case ce_cases[] = {
-      {0, 0, 0, 1, 0, 0, 1, LMLOSS_REDUCE_MEAN},      /* plain, special rows */
+      {0, 0, 0, 1, 0, 0, 1, LMLOSS_REDUCE_MEAN},        /* plain, special rows */
       {0.1f, 1e-3f, 0, 1, 1, 1, 0, LMLOSS_REDUCE_MEAN}, /* every option */
-      {0, 0, 30, 0.7f, 0, 1, 1, LMLOSS_REDUCE_NONE},  /* softcap and temperature */
+      {0, 0, 30, 0.7f, 0, 1, 1, LMLOSS_REDUCE_NONE},    /* softcap and temperature */
       {0.05f, 0, 0, 1, 1, 0, 0, LMLOSS_REDUCE_SUM},
   };
   const int64_t Vs[] = {17, 1003, 5003};
@@ -483,8 +481,7 @@ int main(void) {
       tg_begin(&g, name);
       for (size_t v = 0; v < 3; v++)
         for (size_t k = 0; k < 4; k++) {
-          run_lp(&g, Vs[v] > 2000 ? 13 : 24, Vs[v], dts[d], shard_counts[k], order, 1.0f, 0.0f,
-                 1);
+          run_lp(&g, Vs[v] > 2000 ? 13 : 24, Vs[v], dts[d], shard_counts[k], order, 1.0f, 0.0f, 1);
           run_lp(&g, 12, Vs[v], dts[d], shard_counts[k], order, 0.6f, 20.0f, 2);
         }
       tg_end(&g);
