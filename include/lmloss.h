@@ -405,23 +405,31 @@ LMLOSS_API lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx,
  * row, layout version LMLOSS_ROW_STATE_VERSION; w is the transformed
  * logit before temperature (softcap(s x), or x without softcap), k the
  * factor that makes it z = w k (lmloss_transform):
- *   [0] m      max of w over the columns
+ *   [0] m      max of w over the columns; NaN: they hold a NaN or +inf
  *   [1] r      R = sum over j != a of exp((w_j - m) k)
- *   [2] t      sum over j != a of exp((w_j - m) k) (m - w_j) k
- *              (entropy: with lmloss_shard.entropy, else unspecified)
- *   [3] u      sum_j c_j (m - w_j) k   (label smoothing, else unspecified)
- *   [4] c      sum_j c_j               (label smoothing, else unspecified)
- *   [5] a      the first argmax's column in the vocabulary, as a float
- *              (exact: vocab <= 2^24); -1 for an empty state: the row is
+ *   [2] a      the first argmax's column in the vocabulary, as a float
+ *              (exact: vocab <= 2^24); -1 for an empty state (the row is
  *              ignored or masked out, or its columns hold only -inf
- *              (without softcap: with it, -inf counts as -cap)
- *   [6] w_y    w at the row's label, where the label lies in the columns
- *   [7] flags  the sum of 1: w_y is set; 2: the columns hold a NaN or
- *              +inf; 4: they hold a logit above -inf
- * A state must be finished with the logits' transform and options that
- * formed it. */
-#define LMLOSS_ROW_STATE_VERSION 1
+ *              without softcap); -2 - a where the columns hold no logit
+ *              above -inf but softcap makes them -cap
+ *   [3] w_y    w at the row's label; NaN where the label is elsewhere
+ *   [4] t      sum over j != a of exp((w_j - m) k) (m - w_j) k
+ *              (entropy: with lmloss_shard.entropy, else unspecified)
+ *   [5] u      sum_j c_j (m - w_j) k   (label smoothing, else unspecified)
+ *   [6] c      sum_j c_j               (label smoothing, else unspecified)
+ *   [7] 0      reserved
+ * The leading columns are a complete state for a finish that needs no
+ * more, so an exchange sends only those and the receiver fills the rest
+ * with 0: LMLOSS_ROW_STATE_EXCHANGE_COLS (16 bytes a row: cross-entropy,
+ * log-probs of a label, softmax), _ENTROPY (an entropy output or
+ * gradient) or _SMOOTHING (cross-entropy with label smoothing). A state
+ * must be finished with the logits' transform and options that formed
+ * it. */
+#define LMLOSS_ROW_STATE_VERSION 2
 #define LMLOSS_ROW_STATE_COLS 8
+#define LMLOSS_ROW_STATE_EXCHANGE_COLS 4
+#define LMLOSS_ROW_STATE_EXCHANGE_COLS_ENTROPY 5
+#define LMLOSS_ROW_STATE_EXCHANGE_COLS_SMOOTHING 7
 
 /* Which columns a call's logits hold, and which sums its state carries. */
 typedef struct {

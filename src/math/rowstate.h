@@ -11,8 +11,8 @@
  * that holds the label, so the finish of every part knows the loss.
  *
  * Packed (lmloss.h, LMLOSS_ROW_STATE_COLS floats a row, version
- * LMLOSS_ROW_STATE_VERSION): m, r, t, u, c, a (a float: exact for a
- * vocabulary of up to 2^24 columns; -1 for an empty state), w_y, flags.
+ * LMLOSS_ROW_STATE_VERSION): m, r, a (a float: exact for a vocabulary of
+ * up to 2^24 columns), w_y, t, u, c, 0, the flags folded into m, a, w_y.
  */
 #ifndef LMLOSS_MATH_ROWSTATE_H
 #define LMLOSS_MATH_ROWSTATE_H
@@ -69,15 +69,20 @@ LMLOSS_HD int lmloss_rowstate_ok_label(const lmloss_rowstate *x) {
   return lmloss_rowstate_ok(x) && (x->flags & LMLOSS_STATE_LABEL);
 }
 
+/* Layout version 2 folds the flags into the values (NaN m: non-finite;
+ * NaN w_y: no label; a <= -2: no logit above -inf), so that the leading
+ * columns alone are a complete state for the families that need no more:
+ * an exchange sends LMLOSS_ROW_STATE_EXCHANGE_* columns, not all 8. */
 LMLOSS_HD void lmloss_rowstate_pack(const lmloss_rowstate *x, float *out) {
-  out[0] = x->s.m;
+  const float a = (float)x->s.a;
+  out[0] = (x->flags & LMLOSS_STATE_NONFINITE) ? NAN : x->s.m;
   out[1] = x->s.r;
-  out[2] = x->s.t;
-  out[3] = x->s.u;
-  out[4] = x->s.c;
-  out[5] = x->s.a >= 0 ? (float)x->s.a : -1.0f;
-  out[6] = x->wy;
-  out[7] = (float)x->flags;
+  out[2] = x->s.a < 0 ? -1.0f : (x->flags & LMLOSS_STATE_LOGIT) ? a : -2.0f - a;
+  out[3] = (x->flags & LMLOSS_STATE_LABEL) ? x->wy : NAN;
+  out[4] = x->s.t;
+  out[5] = x->s.u;
+  out[6] = x->s.c;
+  out[7] = 0.0f;
 }
 
 /* A packed state back. An argmax outside [0, vocab) (or not an integer:
@@ -85,19 +90,27 @@ LMLOSS_HD void lmloss_rowstate_pack(const lmloss_rowstate *x, float *out) {
  * results are NaN rather than wrong. */
 LMLOSS_HD lmloss_rowstate lmloss_rowstate_unpack(const float *in, int64_t vocab) {
   lmloss_rowstate x = lmloss_rowstate_empty();
-  const float a = in[5], fl = in[7];
-  x.flags = fl >= 0.0f && fl <= 7.0f && fl == (float)(int)fl ? (int)fl : LMLOSS_STATE_NONFINITE;
-  x.wy = in[6];
+  const float m = in[0], wy = in[3];
+  float a = in[2];
+  if (!isnan(wy)) {
+    x.wy = wy;
+    x.flags |= LMLOSS_STATE_LABEL;
+  }
+  if (isnan(m)) x.flags |= LMLOSS_STATE_NONFINITE;
   if (a == -1.0f) return x;
+  if (a <= -2.0f)
+    a = -2.0f - a;
+  else
+    x.flags |= LMLOSS_STATE_LOGIT;
   if (!(a >= 0.0f && a < (float)vocab && a == (float)(int64_t)a)) {
     x.flags |= LMLOSS_STATE_NONFINITE;
     return x;
   }
-  x.s.m = in[0];
+  x.s.m = m;
   x.s.r = in[1];
-  x.s.t = in[2];
-  x.s.u = in[3];
-  x.s.c = in[4];
+  x.s.t = in[4];
+  x.s.u = in[5];
+  x.s.c = in[6];
   x.s.a = (int64_t)a;
   return x;
 }
@@ -121,9 +134,7 @@ LMLOSS_HD lmloss_ce_terms lmloss_ce_terms_make(const lmloss_rowstat *s, float k,
   c.dftw = dft ? expf(-c.nll) : 1.0f;
   c.ce = cy * (1.0f - e) * c.nll;
   if (e > 0.0f) c.ce += e / (float)V * (s->u + C * c.l1r);
-  c.q.hot = cy * (1.0f - e);
-  c.q.smooth = e / (float)V;
-  c.q.a_coef = c.q.hot + e * C / (float)V;
+  c.q = lmloss_ce_coef_make(cy, C, e, V);
   return c;
 }
 

@@ -84,6 +84,22 @@ static lmloss_tensor state_new(int64_t N) {
   return d;
 }
 
+/* What a vocab-parallel exchange sends: the states' leading `ncols`
+ * columns, the rest 0 on arrival (lmloss.h); the merges and finishes
+ * below then see only what a receiving rank would have. */
+static void exchange(lmloss_tensor *st, int k, int ncols) {
+  for (int i = 0; i < k; i++) {
+    lmloss_tensor h =
+        host_new(LMLOSS_F32, st[i].rows, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
+    dev_fetch(&h, &st[i]);
+    for (int64_t r = 0; r < h.rows; r++)
+      for (int j = ncols; j < LMLOSS_ROW_STATE_COLS; j++)
+        tset(&h, r, j, 0.0);
+    dev_put(st[i].data, h.data, tensor_bytes(&h));
+    host_free(&h);
+  }
+}
+
 /* The merge of the k states st[] in one order into st[0]'s place (the
  * others are scratch). */
 static lmloss_status merge_all(lmloss_tensor *st, int k, int order, const lmloss_transform *tr) {
@@ -218,7 +234,12 @@ static void run_ce(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
     sh.col0 = s.col0[i];
     s2 = lmloss_cross_entropy_state(&c, &si, &opt, &sh, &st[i]);
   }
-  if (!s2) s2 = merge_all(st, k, order, &opt.transform);
+  if (!s2) {
+    exchange(st, k,
+             opt.label_smoothing > 0 ? LMLOSS_ROW_STATE_EXCHANGE_COLS_SMOOTHING
+                                     : LMLOSS_ROW_STATE_EXCHANGE_COLS_ENTROPY);
+    s2 = merge_all(st, k, order, &opt.transform);
+  }
   /* the backward from dloss alongside: one-shot into rb, sharded into gb */
   lmloss_tensor hdl = host_new(LMLOSS_F32, none ? N : 1, 1, 1);
   for (int64_t i = 0; i < hdl.rows; i++)
@@ -338,7 +359,11 @@ static void run_lp(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
     s2 = lmloss_log_probs_state(&c, &xv, &di, &dm, &tr, &sh, &st[i]);
     if (!s2) s2 = lmloss_log_probs_state(&c, &xv, NULL, NULL, &unit, &sh, &su[i]);
   }
-  if (!s2) s2 = merge_all(st, k, order, &tr);
+  if (!s2) {
+    exchange(st, k, LMLOSS_ROW_STATE_EXCHANGE_COLS_ENTROPY);
+    exchange(su, k, LMLOSS_ROW_STATE_EXCHANGE_COLS);
+    s2 = merge_all(st, k, order, &tr);
+  }
   if (!s2) s2 = merge_all(su, k, order, &unit);
   for (int i = 0; i < k && !s2; i++) {
     lmloss_tensor xv = cols_view(&dx, s.col0[i], s.n[i]);
