@@ -77,9 +77,9 @@ static lmloss_status lp_forward(const lmloss_context *ctx, const lmloss_tensor *
 
 /* dlogits_j = sum_k dlogp_k ([j == idx_k] - p_j) - dH p_j (log p_j + H),
  * with log p_j + H = dk_j + t / (1 + R) (no cancellation against lse).
- * Every entry but the indexed ones has the row-pass shape; an indexed
- * entry adds dlogp_k, and at the argmax 1 - p_a is R / (1 + R). Over a
- * shard, the indexed entries in its columns. */
+ * Every entry but the indexed ones has the row-pass shape; the indexed
+ * ones are lmloss_lp_entry_z's. Over a shard, the indexed entries in its
+ * columns. */
 static lmloss_status lp_backward(const lmloss_context *ctx, const lmloss_tensor *logits,
                                  const lmloss_tensor *index, const lmloss_tensor *mask,
                                  const lmloss_transform *tr, const lmloss_shard *sh,
@@ -123,14 +123,14 @@ static lmloss_status lp_backward(const lmloss_context *ctx, const lmloss_tensor 
       if (jl < 0 || jl >= n) continue;
       float x = lmloss_load(row, logits->dtype, jl);
       float dk = lmloss_rowstat_dk(&s, f.k, j, lmloss_xform_w(&f, x));
-      float p = expf(dk) * inv, gz = 0.0f;
-      for (int64_t k2 = 0; k2 < K; k2++)
-        if (lmloss_index_at(index, i, k2) == j) gz += dl[k2];
-      if (j == s.a) /* sum_k dlogp_k [j == idx_k] (1 - p_a) - rest * p_a */
-        gz = gz * (s.r * inv) - (sum_dl - gz) * p;
-      else
-        gz -= sum_dl * p;
-      gz -= dh * p * (dk + hbar);
+      float dj = 0.0f, rest = 0.0f;
+      for (int64_t k2 = 0; k2 < K; k2++) {
+        if (lmloss_index_at(index, i, k2) == j)
+          dj += dl[k2];
+        else
+          rest += dl[k2];
+      }
+      const float gz = lmloss_lp_entry_z(&s, expf(dk) * inv, dk, hbar, dj, rest, dh, j == s.a);
       fix[k] = gz * lmloss_xform_dzdx(&f, x);
     }
     lmloss_cpu_row_grad(row, logits->dtype, n, &f, NULL, s.m, P, P2, 0.0f, g, dlogits->dtype);

@@ -213,10 +213,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     const double lse = (double)s.m * k + l1r;
     const double ly = (double)(s.m - wy) * k + l1r; /* lse - z_y, exact 0 gap at the max */
     const float C = a.cw ? s.c : (float)a.V;
-    lmloss_ce_coef q;
-    q.hot = cy * (1.0f - a.eps);
-    q.smooth = a.eps / (float)a.V;
-    q.a_coef = q.hot + q.smooth * C;
+    const lmloss_ce_coef q = lmloss_ce_coef_make(cy, C, a.eps, a.V);
     double ce = q.hot * ly;
     if (U) ce += (double)q.smooth * ((double)C * l1r + s.u);
     const float py = cexp(X, fmaxf(wy - s.m, X.dmin)) * inv;
@@ -384,7 +381,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   if (vy >= 0 && h.holds(vy)) {
     const float xy = h.at(vy, ey);
     const float py = cexp(X, fmaxf(xy - m, X.dmin)) * inv;
-    const lmloss_ce_coef q = {1.0f, 1.0f, 0.0f};
+    const lmloss_ce_coef q = lmloss_ce_coef_make(1.0f, (float)a.V, 0.0f, a.V);
     lmloss_rowstat s = lmloss_rowstat_empty();
     s.r = h.rs;
     gy = ok ? (G * lmloss_ce_grad_z(&q, &s, py, 1.0f, 1, xy == m) + Gz * py) * k : NAN;

@@ -199,13 +199,15 @@ template <bool T> struct LpGrad {
    * exact entry (the argmax or an index), with transformed logit w. */
   __device__ __forceinline__ bool entry(const LpArgs &a, int64_t i, const Xf &X, long long j,
                                         float w, float *g) const {
-    float Dj = 0.0f;
+    float Dj = 0.0f, rest = 0.0f;
     bool hit = j == s.a;
     if (a.dlogp) {
       for (int64_t q = 0; q < a.K; q++) {
         if (ld_index(a.idx, a.idx64, i * a.is + q) == j) {
           Dj += a.dlogp[i * a.dlps + q];
           hit = true;
+        } else {
+          rest += a.dlogp[i * a.dlps + q];
         }
       }
     }
@@ -214,8 +216,7 @@ template <bool T> struct LpGrad {
      * fused head's tiles) one ulp off the max would be the row's whole
      * entropy gradient there */
     const float d = j == s.a ? 0.0f : fmaxf(w - s.m, X.dmin), pj = cexp(X, d) * inv;
-    float dl = j == s.a ? Dj * (s.r * inv) - (up.D - Dj) * pj : Dj - up.D * pj;
-    float gz = dl - up.dH * pj * fmaf(d, X.f.k, tinv);
+    const float gz = lmloss_lp_entry_z(&s, pj, d * X.f.k, tinv, Dj, rest, up.dH, j == s.a);
     *g = ok ? gz * kx : NAN;
     return true;
   }

@@ -133,6 +133,20 @@ LMLOSS_HD float lmloss_rowstat_entropy(const lmloss_rowstat *s) {
   return s->t / (1.0f + s->r) + log1pf(s->r);
 }
 
+/* The log-probs backward at an exact entry j (an index or the argmax) in
+ * z units: dj the sum of dlogp over j's indices, rest that over the row's
+ * other indices, dh the entropy's upstream, p = p_j, dk = dk_j and
+ * hbar = t / (1 + R):
+ *   dz_j = dj (1 - p_j) - rest p_j - dh p_j (dk_j + hbar),
+ * with 1 - p_a = R / (1 + R) at the argmax. rest is summed apart: as
+ * D - dj it cancels where dj is most of D, which left the argmax entry
+ * of [1, -1e-6] with D's rounding, 1% of it. */
+LMLOSS_HD float lmloss_lp_entry_z(const lmloss_rowstat *s, float p, float dk, float hbar, float dj,
+                                  float rest, float dh, int is_argmax) {
+  const float q = is_argmax ? s->r / (1.0f + s->r) : 1.0f - p;
+  return dj * q - rest * p - dh * p * (dk + hbar);
+}
+
 /* A saved row's columns (LMLOSS_ROW_STATS of them, lmloss.h). */
 enum { LMLOSS_STAT_M, LMLOSS_STAT_R, LMLOSS_STAT_T, LMLOSS_STAT_A };
 typedef char lmloss_stat_columns_fit[LMLOSS_STAT_A + 1 == LMLOSS_ROW_STATS ? 1 : -1];
@@ -175,15 +189,31 @@ typedef struct {
   float a_coef; /* A */
   float hot;    /* c_y (1 - e) */
   float smooth; /* e / V (times c_j per entry) */
+  float csum;   /* C */
 } lmloss_ce_coef;
+
+/* cy = class_weight[y], C = sum_j class_weight[j] (V without weights),
+ * e = label smoothing over V columns. */
+LMLOSS_HD lmloss_ce_coef lmloss_ce_coef_make(float cy, float C, float e, int64_t V) {
+  lmloss_ce_coef q;
+  q.hot = cy * (1.0f - e);
+  q.smooth = e / (float)V;
+  q.a_coef = q.hot + q.smooth * C;
+  q.csum = C;
+  return q;
+}
 
 LMLOSS_HD float lmloss_ce_grad_z(const lmloss_ce_coef *q, const lmloss_rowstat *s, float p,
                                  float cj, int is_target, int is_argmax) {
-  float b = (is_target ? q->hot : 0.0f) + q->smooth * cj;
   /* The complement form only where p_a > 1/2: below that A p_a is exact
-   * enough and (A - B) - A R / (1 + R) would cancel. */
-  if (is_argmax && s->r < 1.0f) return (q->a_coef - b) - q->a_coef * (s->r / (1.0f + s->r));
-  return q->a_coef * p - b;
+   * enough and (A - B) - A R / (1 + R) would cancel. A - B_a is formed
+   * from its parts, c_y (1 - e) [a != y] + e (C - c_a) / V: as A minus
+   * B_a, both near c_y, it kept only their rounding where e is small. */
+  if (is_argmax && s->r < 1.0f) {
+    const float amb = (is_target ? 0.0f : q->hot) + q->smooth * (q->csum - cj);
+    return amb - q->a_coef * (s->r / (1.0f + s->r));
+  }
+  return q->a_coef * p - ((is_target ? q->hot : 0.0f) + q->smooth * cj);
 }
 
 /* A row's gradient away from its exact entries (the target or the
