@@ -30,6 +30,14 @@ def ce_outputs(n, reduction, return_lse, return_entropy, return_argmax):
     return loss, outputs, extra
 
 
+def class_weights(weight, class_weight):
+    """The class weights of cross_entropy's weight= or class_weight= (one of them)."""
+    if weight is not None and class_weight is not None:
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "weight= and class_weight= are the same "
+                         "(per-class weights [V]): give one; per-token weights are token_weight=")
+    return class_weight if weight is None else weight
+
+
 def ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
                reduction, num_items, dft):
     """lmloss_ce_options from cross_entropy's keywords (shared with the fused head)."""
@@ -50,17 +58,21 @@ def ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temp
 
 
 def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                  logit_scale=1.0, softcap=0.0, temperature=1.0, weight=None, class_weight=None,
-                  reduction="mean", num_items=None, dft=False, grad=False, return_lse=False,
-                  return_entropy=False, return_argmax=False, backend="auto", num_threads=0):
+                  logit_scale=1.0, softcap=None, temperature=1.0, weight=None,
+                  token_weight=None, class_weight=None, reduction="mean", num_items=None,
+                  dft=False, grad=False, return_lse=False, return_entropy=False,
+                  return_argmax=False, backend="auto", num_threads=0):
     """Cross-entropy of logits [..., V] against target [...] (int64/int32).
 
     Per row with target y != ignore_index, z = transform(x) (x * logit_scale,
-    then softcap * tanh(. / softcap) when softcap > 0, then / temperature),
-    class weights c (class_weight [V], all 1 when None, C = sum c), smoothing e:
+    then softcap * tanh(. / softcap) unless softcap is None or 0, then
+    / temperature), class weights c (weight [V], as torch's
+    F.cross_entropy(weight=); all 1 when None), smoothing e:
         ce   = c_y (1 - e) (lse - z_y) + (e / V) sum_j c_j (lse - z_j)
         ce  *= stop_gradient(p_y)              when dft (DFT)
-        loss = w (ce + z_loss * lse^2)         (w = weight [...], else 1)
+        loss = w (ce + z_loss * lse^2)         (w = token_weight [...], else 1)
+    class_weight= is another name for weight= (the fused head's, whose
+    weight= is the head); give one of them.
     reduction: "none" -> float32 array shaped like target (ignored rows 0);
     "sum" -> float; "mean" -> sum / (sum of c_y over non-ignored rows), 0
     (zero gradient) when that is 0. num_items given (> 0) -> sum / num_items
@@ -76,15 +88,15 @@ def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_l
     uint16 bit patterns); fp16. backend: "auto", "cpu" or "ref" (float64
     reference); num_threads: 0 = OpenMP's default. Raises lmloss.Error.
     """
+    class_weight = class_weights(weight, class_weight)
     opt = ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
                      reduction, num_items, dft)
     ctx = _lib.make_context(backend, num_threads)
     x = Rows(logits, "logits")
     n, keep = x.n, []
     inputs = _lib.CEInputs(x.t, optional_vector(target, n, x.lead, "target", "index", keep),
-                           optional_vector(weight, n, x.lead, "weight", "f32", keep),
-                           optional_vector(class_weight, x.v, (x.v,), "class_weight", "f32",
-                                           keep))
+                           optional_vector(token_weight, n, x.lead, "token_weight", "f32", keep),
+                           optional_vector(class_weight, x.v, (x.v,), "weight", "f32", keep))
 
     loss, outputs, extra = ce_outputs(n, reduction, return_lse, return_entropy, return_argmax)
     dlogits = None

@@ -178,8 +178,15 @@ def make_context(backend, num_threads):
     return ctx
 
 
-def make_transform(logit_scale=1.0, softcap=0.0, temperature=1.0):
+def softcap_value(softcap):
+    """The C softcap of a softcap keyword: None (Liger-Kernel's and
+    cut-cross-entropy's "off") is 0."""
+    return 0.0 if softcap is None else float(softcap)
+
+
+def make_transform(logit_scale=1.0, softcap=None, temperature=1.0):
+    """lmloss_transform; softcap None (or 0) is off."""
     tr = transform_default()
-    tr.logit_scale, tr.softcap = float(logit_scale), float(softcap)
+    tr.logit_scale, tr.softcap = float(logit_scale), softcap_value(softcap)
     tr.temperature = float(temperature)
     return tr

@@ -86,7 +86,7 @@ def _workspace(head, hopt, grads, k):
 
 def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=None,
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale=1.0,
-                         softcap=0.0, temperature=1.0, token_weight=None, class_weight=None,
+                         softcap=None, temperature=1.0, token_weight=None, class_weight=None,
                          reduction="mean", num_items=None, dft=False, grad=False,
                          return_lse=False, return_entropy=False, return_argmax=False,
                          backend="auto", num_threads=0):
@@ -124,7 +124,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
 
 
 def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit_scale=1.0,
-                     softcap=0.0, mask=None, entropy=False, stats=False, memory_budget=None,
+                     softcap=None, mask=None, entropy=False, stats=False, memory_budget=None,
                      backend="auto", num_threads=0):
     """log softmax(transform(logits)) gathered at index, logits = hidden
     [..., H] weight[V, H]^T (+ bias [V]); transform as in cross_entropy
@@ -157,7 +157,7 @@ def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit
 
 
 def linear_log_probs_backward(hidden, weight, index, dlogp, dentropy=None, *, bias=None,
-                              temperature=1.0, logit_scale=1.0, softcap=0.0, mask=None,
+                              temperature=1.0, logit_scale=1.0, softcap=None, mask=None,
                               stats=None, memory_budget=None, backend="auto", num_threads=0):
     """Gradients of sum(dlogp * logp) + sum(dentropy * entropy) of
     linear_log_probs: returns (dhidden, dweight, dbias), dbias None without

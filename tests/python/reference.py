@@ -76,7 +76,7 @@ def entropy(x, temperature=1.0):
 
 
 def cross_entropy(x, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                  logit_scale=1.0, softcap=0.0, temperature=1.0, weight=None,
+                  logit_scale=1.0, softcap=0.0, temperature=1.0, token_weight=None,
                   class_weight=None, reduction="mean", num_items=None, dft=False):
     """Returns dict: loss (float or [N]), grad [N, V], floor [N, V] (the
     |B_j| of the gradient, scaled like it), lse, entropy, argmax [N]."""
@@ -87,7 +87,7 @@ def cross_entropy(x, target, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
     ty = np.where(valid, t, 0)
     rows = np.arange(n)
     c = np.ones(v) if class_weight is None else f64(class_weight)
-    w = np.ones(n) if weight is None else f64(weight)
+    w = np.ones(n) if token_weight is None else f64(token_weight)
     e, z_loss = f32(label_smoothing), f32(z_loss)
     a, lp, p, q, lse = stats(z)
     cy, csum = c[ty], c.sum()

@@ -15,9 +15,13 @@ def rows_for(v):
 
 
 def compare(x, y, backend="cpu", form="f32", **kw):
-    """Run lmloss (grad=True) and the reference; check loss and dlogits."""
+    """Run lmloss (grad=True) and the reference; check loss and dlogits.
+    kw's weight= (per-class, as torch's) is the reference's class_weight."""
     loss, dx = lmloss.cross_entropy(x, y, grad=True, backend=backend, **kw)
-    ref = R.cross_entropy(x, y, **kw)
+    rkw = dict(kw)
+    if "weight" in rkw:
+        rkw["class_weight"] = rkw.pop("weight")
+    ref = R.cross_entropy(x, y, **rkw)
     check(loss, ref["loss"], what="loss %s" % kw)
     assert dx.dtype == (np.float32 if form == "f32" else x.dtype)
     check(dx, ref["grad"], form=form, bfloor=ref["floor"], what="dlogits %s" % kw)
@@ -47,9 +51,10 @@ OPTIONS = [
     dict(num_items=7.0),
     dict(num_items=3, reduction="sum"),
     dict(ignore_index=2),
-    dict(weight="w"),
+    dict(token_weight="w"),
     dict(class_weight="c"),
-    dict(class_weight="c", weight="w", label_smoothing=0.1, reduction="mean"),
+    dict(weight="c", reduction="sum"),
+    dict(class_weight="c", token_weight="w", label_smoothing=0.1, reduction="mean"),
     dict(class_weight="c", label_smoothing=0.3, dft=True, z_loss=1e-4, temperature=1.3),
 ]
 
@@ -63,10 +68,11 @@ def test_options(backend, v, margin, opts):
     x, y = peaked(rng, 6, v, margin)
     y[1] = -100 if opts.get("ignore_index") is None else opts["ignore_index"]
     kw = dict(opts)
-    if kw.get("weight") == "w":
-        kw["weight"] = rng.uniform(0, 2, 6).astype(np.float32)
-    if kw.get("class_weight") == "c":
-        kw["class_weight"] = rng.uniform(0.5, 2, v).astype(np.float32)
+    if kw.get("token_weight") == "w":
+        kw["token_weight"] = rng.uniform(0, 2, 6).astype(np.float32)
+    for name in ("weight", "class_weight"):
+        if kw.get(name) == "c":
+            kw[name] = rng.uniform(0.5, 2, v).astype(np.float32)
     compare(x, y, backend, **kw)
 
 
@@ -129,8 +135,23 @@ def test_btv_shapes():
     flat, dflat = lmloss.cross_entropy(x, y, reduction="none", grad=True)
     assert np.array_equal(loss.ravel(), flat) and np.array_equal(dx.reshape(6, 33), dflat)
     w = np.linspace(0, 1, 6).reshape(2, 3)
-    compare(x3.reshape(6, 33), y, weight=w.ravel())
-    assert lmloss.cross_entropy(x3, y3, weight=w) == lmloss.cross_entropy(x, y, weight=w.ravel())
+    compare(x3.reshape(6, 33), y, token_weight=w.ravel())
+    assert (lmloss.cross_entropy(x3, y3, token_weight=w)
+            == lmloss.cross_entropy(x, y, token_weight=w.ravel()))
+
+
+def test_weight_is_per_class_as_in_torch():
+    """weight= is F.cross_entropy's per-class weight [V] (class_weight= is
+    another name for it); per-token weights are token_weight=."""
+    x, y = peaked(np.random.default_rng(7), 5, 11, 3)
+    cw = np.linspace(0.5, 2.0, 11).astype(np.float32)
+    a = lmloss.cross_entropy(x, y, weight=cw)
+    assert a == lmloss.cross_entropy(x, y, class_weight=cw)
+    check(a, R.cross_entropy(x, y, class_weight=cw)["loss"])
+    with pytest.raises(lmloss.Error, match="token_weight"):
+        lmloss.cross_entropy(x, y, weight=cw, class_weight=cw)
+    with pytest.raises(lmloss.Error):  # a per-token vector is not a class weight
+        lmloss.cross_entropy(x, y, weight=np.ones(5, np.float32))
 
 
 def test_strided_rows():

@@ -84,7 +84,7 @@ def check_ce(hid, w, b, y, tw=None, cw=None, budget=None, **kw):
     res = lmloss.linear_cross_entropy(hid, w, y, bias=b, token_weight=tw, class_weight=cw,
                                       grad=True, memory_budget=budget, return_lse=True,
                                       return_entropy=True, **kw)
-    ref = R.cross_entropy(logits64(hid, w, b), y, weight=tw, class_weight=cw, **kw)
+    ref = R.cross_entropy(logits64(hid, w, b), y, token_weight=tw, class_weight=cw, **kw)
     if kw.get("reduction") == "none":
         rows_close(res.loss, ref["loss"], what="loss")
     else:

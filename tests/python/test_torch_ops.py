@@ -38,9 +38,11 @@ def transform(x, logit_scale=1.0, softcap=0.0, temperature=1.0):
 
 
 def ref_ce(x, y, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale=1.0,
-           softcap=0.0, temperature=1.0, weight=None, class_weight=None, reduction="mean",
-           num_items=None, dft=False):
-    """The loss of include/lmloss.h in float64 torch ops, rows [N, V]."""
+           softcap=None, temperature=1.0, token_weight=None, class_weight=None, weight=None,
+           reduction="mean", num_items=None, dft=False):
+    """The loss of include/lmloss.h in float64 torch ops, rows [N, V];
+    weight= is class_weight= (per class, as in torch)."""
+    class_weight = weight if class_weight is None else class_weight
     z = transform(x, logit_scale, softcap, temperature)
     v = z.shape[-1]
     lse = torch.logsumexp(z, -1)
@@ -53,8 +55,8 @@ def ref_ce(x, y, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale
     if dft:
         ce = ce * (-nll).exp().detach()
     loss = ce + z_loss * lse ** 2
-    if weight is not None:
-        loss = loss * weight.to(F64)
+    if token_weight is not None:
+        loss = loss * token_weight.to(F64)
     loss = torch.where(valid, loss, 0.0)
     if reduction == "none":
         return loss
@@ -79,17 +81,19 @@ CE_CASES = [dict(), dict(reduction="sum"), dict(reduction="none"),
             dict(label_smoothing=0.1), dict(z_loss=1e-3), dict(softcap=4.0, temperature=0.7),
             dict(logit_scale=0.5), dict(dft=True), dict(ignore_index=3),
             dict(reduction="sum", num_items=7), dict(class_weight="cw", label_smoothing=0.2),
-            dict(weight="tw", reduction="none")]
+            dict(token_weight="tw", reduction="none"), dict(weight="cw"),
+            dict(weight="cw", token_weight="tw", reduction="sum", label_smoothing=0.1)]
 
 
 @pytest.mark.parametrize("case", CE_CASES, ids=[str(c) for c in CE_CASES])
 def test_cross_entropy_matches_float64_reference(case):
     x, y = data()
     kw = dict(case)
-    if kw.get("class_weight") == "cw":
-        kw["class_weight"] = torch.rand(37, generator=torch.Generator().manual_seed(1)) + 0.5
-    if kw.get("weight") == "tw":
-        kw["weight"] = torch.rand(12, generator=torch.Generator().manual_seed(2))
+    for name in ("weight", "class_weight"):
+        if kw.get(name) == "cw":
+            kw[name] = torch.rand(37, generator=torch.Generator().manual_seed(1)) + 0.5
+    if kw.get("token_weight") == "tw":
+        kw["token_weight"] = torch.rand(12, generator=torch.Generator().manual_seed(2))
     if "ignore_index" in kw:
         y = torch.where(y == -100, kw["ignore_index"], y)
     xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
@@ -248,8 +252,6 @@ def test_linear_cross_entropy_matches_reference(case):
     got = lt.linear_cross_entropy(params[0], params[1], y, bias=params[2], **kw)
     rh, rw, rb = ref_params
     rkw = {k: v for k, v in kw.items() if k != "memory_budget"}
-    if "token_weight" in rkw:
-        rkw["weight"] = rkw.pop("token_weight")
     ref = ref_ce(rh @ rw.T + rb, y, **rkw)
     close(got, ref, rtol=1e-4)
     got.sum().backward()
@@ -341,6 +343,23 @@ def test_linear_sixteen_bit_on_cpu_runs_in_fp32():
     close(loss, ref_ce(hb.detach().to(F64) @ wb.detach().to(F64).T, y), rtol=1e-4)
     loss.backward()
     assert hb.grad.dtype == wb.grad.dtype == torch.bfloat16
+
+
+def test_weight_is_torch_class_weight():
+    """weight= is F.cross_entropy's per-class weight (issue 35: it meant
+    per-token weights, 2.88 where torch gives 2.58); the module agrees."""
+    x, y = data()
+    cw = torch.rand(37, generator=torch.Generator().manual_seed(8)) + 0.5
+    for kw in (dict(), dict(label_smoothing=0.1), dict(reduction="sum"),
+               dict(reduction="none")):
+        want = torch.nn.functional.cross_entropy(x.to(F64), y, weight=cw.to(F64), **kw)
+        close(lt.cross_entropy(x, y, weight=cw, **kw), want)
+        close(lt.CrossEntropyLoss(weight=cw, **kw)(x, y), want)
+    tw = torch.rand(12)
+    close(lt.CrossEntropyLoss(reduction="none")(x, y, token_weight=tw),
+          lt.cross_entropy(x, y, token_weight=tw, reduction="none"), atol=0)
+    with pytest.raises(lmloss.Error, match="token_weight"):
+        lt.cross_entropy(x, y, weight=cw, class_weight=cw)
 
 
 def test_modules():

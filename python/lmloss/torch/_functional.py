@@ -5,7 +5,7 @@ torch.compile without graph breaks)."""
 import torch
 
 from .. import _lib
-from .._ce import CrossEntropyResult
+from .._ce import CrossEntropyResult, class_weights
 from .._linear import LinearCrossEntropyResult
 from . import _linear_ops as L
 from . import _ops as O
@@ -70,28 +70,32 @@ def _finish(loss, lse, ent, amax, lead, reduction, divisor, extras):
 
 
 def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                  logit_scale=1.0, softcap=0.0, temperature=1.0, weight=None, class_weight=None,
-                  reduction="mean", num_items=None, dft=False, return_lse=False,
-                  return_entropy=False, return_argmax=False, backend="auto", num_threads=0):
+                  logit_scale=1.0, softcap=None, temperature=1.0, weight=None,
+                  token_weight=None, class_weight=None, reduction="mean", num_items=None,
+                  dft=False, return_lse=False, return_entropy=False, return_argmax=False,
+                  backend="auto", num_threads=0):
     """Cross-entropy of logits [..., V] against target [...]: the loss and
     keywords of lmloss.cross_entropy, differentiable w.r.t. logits.
 
     Returns a float32 tensor on the logits' device: [...] for "none", 0-d
     otherwise. num_items may be a number or a tensor (transformers'
     num_items_in_batch): a tensor divides the summed loss on the device,
-    never read by the host. weight / class_weight are not differentiated.
+    never read by the host. weight [V] is the per-class weight of
+    F.cross_entropy (class_weight= is another name for it), token_weight
+    [...] the per-token weight; neither is differentiated.
     With return_lse / return_entropy / return_argmax, returns
     CrossEntropyResult(loss, None, lse, entropy, argmax), the extras
     detached. There is no grad= keyword: use autograd.
     """
+    class_weight = class_weights(weight, class_weight)
     red, items, divisor = _reduction(reduction, num_items)
     x = _rows(logits, "logits")
     lead = logits.shape[:-1]
     extras = _extras_flags(return_lse, return_entropy, return_argmax)
     fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap,
                              temperature, red, items, dft, backend_code(backend), num_threads)
-    out = O.cross_entropy(x, _index(target).reshape(-1), _f32(weight), _f32(class_weight), fopts,
-                          iopts, extras)
+    out = O.cross_entropy(x, _index(target).reshape(-1), _f32(token_weight), _f32(class_weight),
+                          fopts, iopts, extras)
     loss, pick = _finish(*out, lead, red, divisor, extras)
     return loss if pick is None else CrossEntropyResult(loss, None, *pick)
 
@@ -197,7 +201,7 @@ def _grads_in_forward(reduction, h, w, b):
 
 def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=None,
                          ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale=1.0,
-                         softcap=0.0, temperature=1.0, token_weight=None, class_weight=None,
+                         softcap=None, temperature=1.0, token_weight=None, class_weight=None,
                          reduction="mean", num_items=None, dft=False, return_lse=False,
                          return_entropy=False, return_argmax=False, backend="auto",
                          num_threads=0):
@@ -230,7 +234,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
 
 
 def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit_scale=1.0,
-                     softcap=0.0, mask=None, entropy=False, memory_budget=None, backend="auto",
+                     softcap=None, mask=None, entropy=False, memory_budget=None, backend="auto",
                      num_threads=0):
     """log softmax(transform(hidden weight^T + bias)) gathered at index, as
     lmloss.linear_log_probs: float32 shaped like index, or (logp, entropy)
@@ -242,7 +246,7 @@ def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit
     idx, shape = _index_2d(index, lead)
     # the backward then computes the logits once (lmloss_linear_log_probs' stats)
     logp, ent, _ = L.linear_log_probs(h, w, b, idx, _mask(mask), float(logit_scale),
-                                      float(softcap), float(temperature), bool(entropy),
+                                      _lib.softcap_value(softcap), float(temperature), bool(entropy),
                                       _save_stats(w.shape[0], h, w, b), _budget(memory_budget),
                                       backend_code(backend), int(num_threads))
     logp = logp.reshape(shape)

@@ -13,7 +13,7 @@ class CrossEntropyLoss(torch.nn.Module):
     reduction="none"); a num_items given to forward overrides the module's."""
 
     def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                 *, z_loss=0.0, logit_scale=1.0, softcap=0.0, temperature=1.0, dft=False,
+                 *, z_loss=0.0, logit_scale=1.0, softcap=None, temperature=1.0, dft=False,
                  num_items=None, backend="auto"):
         super().__init__()
         self.register_buffer("weight", weight)
@@ -25,7 +25,7 @@ class CrossEntropyLoss(torch.nn.Module):
 
     def forward(self, logits, target, token_weight=None, num_items=None):
         items = self.num_items if num_items is None else num_items
-        return F.cross_entropy(logits, target, class_weight=self.weight, weight=token_weight,
+        return F.cross_entropy(logits, target, weight=self.weight, token_weight=token_weight,
                                num_items=items, **self.options)
 
 
