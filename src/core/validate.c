@@ -92,11 +92,17 @@ lmloss_status lmloss_check_alias(const lmloss_tensor *in, const lmloss_tensor *o
   return LMLOSS_OK;
 }
 
+/* The most CPU threads a context may ask for. libgomp prints and exits
+ * the process when it cannot start a team's threads (32768 did), and the
+ * library must never exit; no CPU it targets has more cores than this. */
+#define LMLOSS_MAX_THREADS 1024
+
 lmloss_status lmloss_pick_backend(const lmloss_context *ctx, lmloss_device device,
                                   const lmloss_backend_ops **ops) {
   lmloss_backend b = ctx ? ctx->backend : LMLOSS_BACKEND_AUTO;
-  if (ctx && ctx->num_threads < 0)
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "num_threads must be >= 0");
+  if (ctx && (ctx->num_threads < 0 || ctx->num_threads > LMLOSS_MAX_THREADS))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "num_threads is %d: it must be in [0, %d]",
+                       ctx->num_threads, LMLOSS_MAX_THREADS);
   if (b == LMLOSS_BACKEND_AUTO)
     b = device == LMLOSS_CUDA ? LMLOSS_BACKEND_CUDA : LMLOSS_BACKEND_CPU;
   switch (b) {
