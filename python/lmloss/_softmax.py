@@ -1,27 +1,42 @@
 """Softmax and log-softmax over the last axis, and their backward."""
 
+import operator
+
+import numpy as np
+
 from . import _lib
 from ._tensor import Rows, shape_error
 
 
-def _forward(logits, log, backend, num_threads):
+def _forward(logits, axis, log, backend, num_threads):
     ctx = _lib.make_context(backend, num_threads)
+    if axis != -1:
+        a = logits if hasattr(logits, "ndim") else np.asarray(logits)
+        try:
+            ax = operator.index(axis)
+        except TypeError:
+            raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "axis must be an int, got %r" % (axis,))
+        if not -max(a.ndim, 1) <= ax < max(a.ndim, 1):
+            raise shape_error("axis %d out of range for a %d-D array" % (ax, a.ndim))
+        if a.ndim > 1 and ax % a.ndim != a.ndim - 1:  # the classes last, and back
+            moved = np.moveaxis(np.asarray(a), ax, -1)
+            return np.moveaxis(_forward(moved, -1, log, backend, num_threads), -1, ax)
     x = Rows(logits, "logits")
     out, out_t = x.empty(x.out_dtype())
     _lib.check(_lib.softmax(ctx, x.t, int(log), out_t))
     return out.reshape(x.lead + (x.v,))
 
 
-def softmax(logits, *, backend="auto", num_threads=0):
-    """softmax over the last axis of logits [..., V]. Same shape; float32
-    for fp32/fp64 input, else the input's dtype (bf16 as ml_dtypes.bfloat16
-    or uint16 bits, fp16)."""
-    return _forward(logits, False, backend, num_threads)
+def softmax(logits, axis=-1, *, backend="auto", num_threads=0):
+    """softmax over `axis` (the last by default) of logits [..., V]. Same
+    shape; float32 for fp32/fp64 input, else the input's dtype (bf16 as
+    ml_dtypes.bfloat16 or uint16 bits, fp16)."""
+    return _forward(logits, axis, False, backend, num_threads)
 
 
-def log_softmax(logits, *, backend="auto", num_threads=0):
-    """log_softmax over the last axis; shapes and dtypes as softmax."""
-    return _forward(logits, True, backend, num_threads)
+def log_softmax(logits, axis=-1, *, backend="auto", num_threads=0):
+    """log_softmax over `axis`; shapes and dtypes as softmax."""
+    return _forward(logits, axis, True, backend, num_threads)
 
 
 def softmax_backward(y, dy, log=False, *, backend="auto", num_threads=0):

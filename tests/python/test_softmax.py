@@ -52,3 +52,16 @@ def test_shapes_and_strides():
     check(lmloss.softmax(x[::2, ::3]), R.softmax(x[::2, ::3]))
     assert lmloss.softmax(x[0]).shape == (80,)
     assert lmloss.softmax(x.astype(np.float64)).dtype == np.float32
+
+
+def test_axis():
+    x, _ = peaked(np.random.default_rng(2), 6, 20, 5)
+    x3 = x.reshape(2, 3, 20)
+    for fn, ref in ((lmloss.softmax, R.softmax), (lmloss.log_softmax, R.log_softmax)):
+        got = fn(x3, 1)
+        want = np.moveaxis(ref(np.moveaxis(x3, 1, -1).reshape(-1, 3)).reshape(2, 20, 3), -1, 1)
+        assert got.shape == x3.shape
+        check(got, want)
+        assert np.array_equal(fn(x3, axis=-1), fn(x3))
+        with pytest.raises(lmloss.Error):
+            fn(x3, axis=3)

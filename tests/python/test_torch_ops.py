@@ -188,7 +188,160 @@ def test_log_probs_and_entropy_match_reference(k):
     ((logp * a).sum() + (ent * b).sum()).backward()
     ((rlogp * a.to(F64)).sum() + (rent * b.to(F64)).sum()).backward()
     close(xg.grad, xr.grad)
-    assert lt.selective_log_softmax is lt.log_probs
+
+
+def trl_selective_log_softmax(logits, index, temperature=1.0, row_mask=None):
+    """TRL's reference form (trl.trainer.utils without its Triton kernel)."""
+    logits = logits / temperature
+    squeeze = index.dim() == logits.dim() - 1
+    idx = index.unsqueeze(-1) if squeeze else index
+    lp = torch.log_softmax(logits, -1).gather(-1, idx)
+    lp = lp.squeeze(-1) if squeeze else lp
+    return lp if row_mask is None else lp.masked_fill(row_mask == 0, 0.0)
+
+
+@pytest.mark.parametrize("k", [None, 2])
+def test_trl_names_in_lmloss_torch(k):
+    """TRL's selective_log_softmax(logits, index, temperature, row_mask) and
+    entropy_from_logits(logits, chunk_size) signatures and results (the
+    logits' dtype), in lmloss.torch itself."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 5, 41, generator=g) * 3
+    idx = torch.randint(0, 41, (2, 5) if k is None else (2, 5, k), generator=g)
+    mask = torch.ones(idx.shape, dtype=torch.long)
+    mask[0, 1] = 0
+    xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+    got = lt.selective_log_softmax(xg, idx, 0.7, mask)  # TRL's positional order
+    want = trl_selective_log_softmax(xr, idx, 0.7, mask)
+    assert got.dtype == torch.float32 and got.shape == idx.shape
+    close(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    close(xg.grad, xr.grad)
+    assert lt.selective_log_softmax(x.bfloat16(), idx).dtype == torch.bfloat16
+    ent = lt.entropy_from_logits(x, chunk_size=3)
+    close(ent, -(torch.softmax(x.to(F64), -1) * torch.log_softmax(x.to(F64), -1)).sum(-1))
+    assert lt.entropy_from_logits(x.half()).dtype == torch.float16
+    with pytest.raises(ValueError):
+        lt.selective_log_softmax(x, idx, 0.0)
+    from lmloss.integrations import trl as ltrl
+    assert ltrl.selective_log_softmax is lt.selective_log_softmax
+    assert ltrl.entropy_from_logits is lt.entropy_from_logits
+
+
+def test_softcap_none_and_liger_keywords():
+    """softcap=None is off (Liger-Kernel's and cut-cross-entropy's default);
+    ignore_index as theirs."""
+    x, y = data()
+    y3 = torch.where(y == -100, 3, y)
+    w = torch.randn(37, 37, generator=torch.Generator().manual_seed(14)) * 0.1
+    for fn in (lambda **kw: lt.cross_entropy(x, y3, ignore_index=3, **kw),
+               lambda **kw: lt.linear_cross_entropy(x, w, y, **kw),
+               lambda **kw: lt.linear_log_probs(x, w, y.clamp(min=0), **kw)):
+        assert torch.equal(fn(softcap=None), fn(softcap=0.0))
+    close(lt.cross_entropy(x, y3, ignore_index=3, softcap=None),
+          torch.nn.functional.cross_entropy(x.to(F64), y3, ignore_index=3))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shift", [1, True, 3])
+def test_shift_as_cut_cross_entropy(reduction, shift):
+    """shift (cut-cross-entropy's): position t predicts label t + shift for
+    [B, T] labels: the last positions of the logits and the first labels
+    are dropped; "none" gives [B, T - shift]."""
+    s = int(shift)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(2, 7, 23, generator=g) * 2
+    y = torch.randint(0, 23, (2, 7), generator=g)
+    y[0, 4] = -100
+    tw = torch.rand(2, 7, generator=g)
+    xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+    got = lt.cross_entropy(xg, y, shift=shift, reduction=reduction)
+    flat = lambda t: t.reshape(-1, t.shape[-1]) if t.dim() == 3 else t.reshape(-1)  # noqa: E731
+    want = torch.nn.functional.cross_entropy(flat(xr[:, :-s]), flat(y[:, s:]),
+                                             reduction=reduction)
+    if reduction == "none":
+        assert got.shape == (2, 7 - s)
+        want = want.reshape(2, 7 - s)
+    close(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    close(xg.grad, xr.grad)
+    assert not xg.grad[:, -s:].any()
+    wt = lt.cross_entropy(x, y, shift=s, token_weight=tw, reduction="none")
+    close(wt, lt.cross_entropy(x[:, :-s], y[:, s:], token_weight=tw[:, s:], reduction="none"))
+    hs, w = torch.randn(2, 7, 16, generator=g), torch.randn(23, 16, generator=g)
+    close(lt.linear_cross_entropy(hs, w, y, shift=shift, reduction=reduction),
+          lt.linear_cross_entropy(hs[:, :-s], w, y[:, s:], reduction=reduction), rtol=1e-5)
+    r = lt.cross_entropy(x, y, shift=s, reduction=reduction, return_lse=True)
+    assert r.lse.shape == (2, 7 - s)
+    with pytest.raises(lmloss.Error, match="shift"):
+        lt.cross_entropy(x, y, shift=7)
+
+
+def test_softmax_dim():
+    """dim= on softmax and log_softmax: any axis (moved last and back)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 17, 4, generator=g) * 3
+    for ours, ref in ((lt.softmax, torch.softmax), (lt.log_softmax, torch.log_softmax)):
+        for dim in (0, 1, -1, -3):
+            xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+            got, want = ours(xg, dim), ref(xr, dim)
+            assert got.shape == x.shape
+            close(got, want)
+            up = torch.randn(x.shape, generator=g)
+            (got * up).sum().backward()
+            (want * up.to(F64)).sum().backward()
+            close(xg.grad, xr.grad)
+        assert torch.equal(ours(x, dim=1), ours(x.movedim(1, -1)).movedim(-1, 1))
+    with pytest.raises(lmloss.Error):
+        lt.softmax(x, dim=3)
+
+
+SOFT_CASES = [dict(), dict(reduction="sum"), dict(reduction="none"), dict(label_smoothing=0.2),
+              dict(weight="cw"), dict(weight="cw", label_smoothing=0.1, reduction="sum")]
+
+
+@pytest.mark.parametrize("case", SOFT_CASES, ids=[str(c) for c in SOFT_CASES])
+def test_soft_targets_as_torch(case):
+    """Class-probability targets of the logits' shape, as F.cross_entropy
+    takes them (weight, label_smoothing and the reductions as torch
+    defines them), with the exact gradient softmax * sum(q) - q."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, 6, 29, generator=g) * 3
+    p = torch.softmax(torch.randn(2, 6, 29, generator=g), -1)
+    kw = dict(case)
+    if kw.get("weight") == "cw":
+        kw["weight"] = torch.rand(29, generator=g) + 0.5
+    rkw = {k: (v.to(F64) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+    got = lt.cross_entropy(xg, p, **kw)
+    want = torch.nn.functional.cross_entropy(xr.movedim(-1, 1), p.to(F64).movedim(-1, 1), **rkw)
+    assert got.dtype == torch.float32
+    close(got, want)
+    up = torch.rand(got.shape, generator=g) if got.dim() else torch.tensor(1.3)
+    (got * up).sum().backward()
+    (want * up.to(F64)).sum().backward()
+    close(xg.grad, xr.grad)
+
+
+def test_soft_targets_collapse_and_shift():
+    """A confident row keeps its loss with a one-hot probability target (the
+    log-softmax is lmloss's), and shift applies to soft targets too."""
+    x = torch.zeros(1, 1003)
+    x[0, 7] = 30.0
+    p = torch.zeros(1, 1003)
+    p[0, 7] = 1.0
+    got = lt.cross_entropy(x, p, reduction="sum")
+    want = torch.log1p(torch.tensor(1002.0, dtype=F64) * torch.exp(torch.tensor(-30.0, dtype=F64)))
+    assert torch.nn.functional.cross_entropy(x, p, reduction="sum") == 0
+    close(got, want, atol=0)
+    g = torch.Generator().manual_seed(13)
+    x3 = torch.randn(2, 5, 11, generator=g)
+    p3 = torch.softmax(torch.randn(2, 5, 11, generator=g), -1)
+    close(lt.cross_entropy(x3, p3, shift=2), lt.cross_entropy(x3[:, :-2], p3[:, 2:]))
+    with pytest.raises(lmloss.Error):
+        lt.cross_entropy(x3, p3, return_lse=True)
 
 
 def test_log_probs_backward_reads_saved_stats(monkeypatch):

@@ -1,10 +1,11 @@
 """lmloss in TRL (opt-in; TRL itself is optional).
 
 selective_log_softmax(logits, index, temperature=1.0, row_mask=None) and
-entropy_from_logits(logits, chunk_size=128) have the signatures and results
-of trl.trainer.utils' functions (the result in the logits' dtype; values
-from lmloss's fp32-accumulated, collapse-exact kernels, one C call for any
-[..., V], e.g. the padding-free packed GRPO logits [total_nnz, V]).
+entropy_from_logits(logits, chunk_size=128) are lmloss.torch's, which have
+the signatures and results of trl.trainer.utils' functions (the result in
+the logits' dtype; values from lmloss's fp32-accumulated, collapse-exact
+kernels, one C call for any [..., V], e.g. the padding-free packed GRPO
+logits [total_nnz, V]).
 ChunkedLogProbFunction stands in for TRL's fused LM head kernel behind
 add_fused_lm_head (SFT's and GRPO's loss): per-token log-probs, entropy and
 is_top1 from lmloss's fused head, never materializing the logits.
@@ -21,26 +22,8 @@ from .. import torch as lt
 _saved = {}  # (module name, attribute) -> original
 
 
-def selective_log_softmax(logits, index, temperature=1.0, row_mask=None):
-    """gather(log_softmax(logits / temperature), index): index [...] or
-    [..., K]; row_mask (index's shape) zeroes entries (rows that are all
-    zero are not read). Result shaped like index, in the logits' dtype."""
-    if temperature <= 0:
-        raise ValueError("temperature must be positive")
-    squeeze = index.dim() == logits.dim() - 1
-    keep = None if row_mask is None else row_mask != 0
-    rows = keep if keep is None or squeeze else keep.any(-1)
-    logp = lt.log_probs(logits, index, temperature=temperature, mask=rows)
-    if keep is not None and not squeeze:
-        logp = logp.masked_fill(~keep, 0.0)
-    return logp.to(logits.dtype)
-
-
-def entropy_from_logits(logits, chunk_size=128):
-    """Entropy (nats) of softmax(logits) per row, shaped logits.shape[:-1], in
-    the logits' dtype. chunk_size is accepted for compatibility: the C
-    kernel streams rows and never holds a softmax copy."""
-    return lt.entropy(logits).to(logits.dtype)
+selective_log_softmax = lt.selective_log_softmax
+entropy_from_logits = lt.entropy_from_logits
 
 
 class ChunkedLogProbFunction:
@@ -62,7 +45,7 @@ class ChunkedLogProbFunction:
             return cls.original.apply(hidden, weight, bias, targets, temperature, chunk_size,
                                       final_logit_softcapping, logit_scale, outputs)
         kw = dict(bias=bias, temperature=temperature, logit_scale=logit_scale,
-                  softcap=final_logit_softcapping or 0.0)
+                  softcap=final_logit_softcapping)
         want_entropy = "entropy" in outputs
         if "is_top1" in outputs:
             r = lt.linear_cross_entropy(hidden, weight, targets, reduction="none",

@@ -1,8 +1,12 @@
 """lmloss.torch: the lmloss losses on torch tensors (CPU and CUDA), with autograd.
 
 Importing it needs torch; ``import lmloss`` alone does not. Every function
-takes the keywords of its NumPy namesake in lmloss (the per-token weights of
-linear_cross_entropy are token_weight=), returns torch tensors on the
+takes the keywords of its NumPy namesake in lmloss (weight= is the
+per-class weight, as in torch; per-token weights are token_weight=), and
+the names users arrive with: F.cross_entropy's weight= and probability
+targets, softmax(x, dim), TRL's selective_log_softmax and
+entropy_from_logits, Liger-Kernel's and cut-cross-entropy's softcap=None,
+ignore_index and shift=. It returns torch tensors on the
 input's device, and is differentiable: the backward calls the C backward
 functions. Tensors are passed to the C library by data_ptr() (row strides
 for non-contiguous rows with a contiguous last axis, no copies); CUDA calls
@@ -21,10 +25,11 @@ _dispatch.py): the same op bodies and autograd formulas run from a
 torch.autograd.Function.
 """
 
-from ._functional import (cross_entropy, entropy, linear_cross_entropy, linear_log_probs,
-                          log_probs, log_softmax, selective_log_softmax, softmax)
+from ._functional import (cross_entropy, entropy, entropy_from_logits, linear_cross_entropy,
+                          linear_log_probs, log_probs, log_softmax, selective_log_softmax,
+                          softmax)
 from ._modules import CrossEntropyLoss, LinearCrossEntropyLoss, LinearLogProbs
 
 __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "LinearLogProbs", "cross_entropy",
-           "entropy", "linear_cross_entropy", "linear_log_probs", "log_probs", "log_softmax",
-           "selective_log_softmax", "softmax"]
+           "entropy", "entropy_from_logits", "linear_cross_entropy", "linear_log_probs",
+           "log_probs", "log_softmax", "selective_log_softmax", "softmax"]

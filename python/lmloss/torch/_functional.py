@@ -1,8 +1,15 @@
 """The public functions of lmloss.torch: keyword checks, [..., V] flattening
 and dtype handling around the custom ops (pure torch code, traceable by
-torch.compile without graph breaks)."""
+torch.compile without graph breaks).
+
+Signatures: the tensors positionally, then keyword-only options (a few
+positional extras where the names users arrive with have them: softmax's
+dim, TRL's selective_log_softmax and entropy_from_logits)."""
+
+from typing import Optional, Tuple, Union
 
 import torch
+from torch import Tensor
 
 from .. import _lib
 from .._ce import CrossEntropyResult, class_weights
@@ -57,38 +64,93 @@ def _extras_flags(return_lse, return_entropy, return_argmax):
             | (O.EXTRA_ARGMAX if return_argmax else 0))
 
 
-def _finish(loss, lse, ent, amax, lead, reduction, divisor, extras):
+def _finish(loss, lse, ent, amax, lead, reduction, divisor, extras, shift=0):
     if reduction == "none":
-        loss = loss.reshape(lead)
+        loss = _unshift(loss.reshape(lead), shift)
     if divisor is not None:
         loss = loss / divisor.to(device=loss.device, dtype=loss.dtype)
     if not extras:
         return loss, None
-    pick = [t.detach().reshape(lead) if extras & f else None
+    pick = [_unshift(t.detach().reshape(lead), shift) if extras & f else None
             for t, f in ((lse, O.EXTRA_LSE), (ent, O.EXTRA_ENTROPY), (amax, O.EXTRA_ARGMAX))]
     return loss, pick
 
 
-def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                  logit_scale=1.0, softcap=None, temperature=1.0, weight=None,
-                  token_weight=None, class_weight=None, reduction="mean", num_items=None,
-                  dft=False, return_lse=False, return_entropy=False, return_argmax=False,
-                  backend="auto", num_threads=0):
+def _shift_of(shift, target):
+    """cut-cross-entropy's shift (bool or int) as an int in [0, T)."""
+    s = int(shift)
+    if s and (target.dim() < 1 or not 0 <= s < target.shape[-1]):
+        raise _bad("shift must be in [0, T) for targets [..., T], got %r with targets of shape "
+                   "%s" % (shift, tuple(target.shape)))
+    return s
+
+
+def _shifted(t, s, value):
+    """t [..., T] -> t[..., s:] padded at the end with `value` back to T (a
+    row of the last s positions is then ignored: the logits are not copied)."""
+    if t is None or not s:
+        return t
+    return torch.nn.functional.pad(t[..., s:], (0, s), value=value)
+
+
+def _unshift(t, s):
+    """A per-position result [..., T] of a shifted call as cut-cross-entropy's
+    [..., T - s] (the positions that predict a token)."""
+    return t if t is None or not s else t[..., :t.shape[-1] - s]
+
+
+Number = Union[int, float]
+
+
+def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, logit_scale: float = 1.0,
+                  softcap: Optional[float] = None, temperature: float = 1.0,
+                  weight: Optional[Tensor] = None, token_weight: Optional[Tensor] = None,
+                  class_weight: Optional[Tensor] = None, reduction: str = "mean",
+                  num_items: Optional[Union[Number, Tensor]] = None, dft: bool = False,
+                  shift: Union[bool, int] = 0, return_lse: bool = False,
+                  return_entropy: bool = False, return_argmax: bool = False,
+                  backend: str = "auto",
+                  num_threads: int = 0) -> Union[Tensor, CrossEntropyResult]:
     """Cross-entropy of logits [..., V] against target [...]: the loss and
-    keywords of lmloss.cross_entropy, differentiable w.r.t. logits.
+    keywords of lmloss.cross_entropy (and of F.cross_entropy with the
+    classes last), differentiable w.r.t. logits.
+
+    logits: float32, bfloat16 or float16 (float64 computed in float32), on
+    the CPU or CUDA. target: class indices [...] (int64/int32, or another
+    integer type that fits int64) on the logits' device; or, as
+    F.cross_entropy takes them, class probabilities of the logits' shape
+    (a float tensor; loss = -sum_j c_j p_j log softmax(z)_j with
+    label_smoothing mixing p with the uniform distribution, "mean" divides
+    by the number of rows, as torch does; dft, ignore_index and the
+    return_* flags do not apply). weight [V] is the per-class weight of
+    F.cross_entropy (class_weight= is another name for it), token_weight
+    [...] the per-token weight; neither is differentiated.
+    softcap: None (or 0) is off, as in Liger-Kernel and cut-cross-entropy.
+    shift (cut-cross-entropy's): position t predicts target t + shift, for
+    logits [..., T, V] and target [..., T]: the last `shift` positions of
+    the logits and the first `shift` labels are dropped (nothing is copied;
+    "none" returns [..., T - shift]).
 
     Returns a float32 tensor on the logits' device: [...] for "none", 0-d
     otherwise. num_items may be a number or a tensor (transformers'
     num_items_in_batch): a tensor divides the summed loss on the device,
-    never read by the host. weight [V] is the per-class weight of
-    F.cross_entropy (class_weight= is another name for it), token_weight
-    [...] the per-token weight; neither is differentiated.
-    With return_lse / return_entropy / return_argmax, returns
-    CrossEntropyResult(loss, None, lse, entropy, argmax), the extras
-    detached. There is no grad= keyword: use autograd.
+    never read by the host. With return_lse / return_entropy /
+    return_argmax, returns CrossEntropyResult(loss, None, lse, entropy,
+    argmax), the extras detached. There is no grad= keyword: use autograd.
     """
     class_weight = class_weights(weight, class_weight)
     red, items, divisor = _reduction(reduction, num_items)
+    if target.is_floating_point() and target.shape == logits.shape and logits.dim() > 1:
+        if dft or return_lse or return_entropy or return_argmax:
+            raise _bad("dft and return_* need class-index targets, not probabilities")
+        return _soft_cross_entropy(logits, target, class_weight, token_weight, label_smoothing,
+                                   z_loss, logit_scale, softcap, temperature, red, items,
+                                   divisor, _shift_of(shift, target[..., 0]), backend,
+                                   num_threads)
+    s = _shift_of(shift, target)
+    target = _shifted(target, s, ignore_index)
+    token_weight = _shifted(token_weight, s, 0.0)
     x = _rows(logits, "logits")
     lead = logits.shape[:-1]
     extras = _extras_flags(return_lse, return_entropy, return_argmax)
@@ -96,8 +158,49 @@ def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_l
                              temperature, red, items, dft, backend_code(backend), num_threads)
     out = O.cross_entropy(x, _index(target).reshape(-1), _f32(token_weight), _f32(class_weight),
                           fopts, iopts, extras)
-    loss, pick = _finish(*out, lead, red, divisor, extras)
+    loss, pick = _finish(*out, lead, red, divisor, extras, s)
     return loss if pick is None else CrossEntropyResult(loss, None, *pick)
+
+
+def _soft_cross_entropy(logits, target, class_weight, token_weight, label_smoothing, z_loss,
+                        logit_scale, softcap, temperature, reduction, num_items, divisor, s,
+                        backend, num_threads):
+    """F.cross_entropy's loss for class probabilities: log_softmax from lmloss
+    (its backward is exact: dx = softmax * sum(q) - q for the weighted
+    probabilities q), the weighted sum in torch."""
+    if s:
+        logits, target = logits[..., :-s, :], target[..., s:, :]
+        token_weight = None if token_weight is None else token_weight[..., s:]
+    z = logits.float()
+    if logit_scale != 1.0:
+        z = z * float(logit_scale)
+    cap = _lib.softcap_value(softcap)
+    if cap:
+        z = torch.tanh(z / cap) * cap
+    if temperature != 1.0:
+        z = z / float(temperature)
+    lp = log_softmax(z, backend=backend, num_threads=num_threads)
+    q = target.detach().to(torch.float32)
+    e = float(label_smoothing)
+    if not 0.0 <= e <= 1.0:
+        raise _bad("label_smoothing must be in [0, 1], got %r" % (label_smoothing,))
+    if e:
+        q = q * (1.0 - e) + e / q.shape[-1]
+    if class_weight is not None:
+        q = q * class_weight.detach().to(device=q.device, dtype=torch.float32)
+    loss = -(q * lp).sum(-1)
+    if z_loss:
+        loss = loss + float(z_loss) * torch.logsumexp(z, -1) ** 2
+    if token_weight is not None:
+        loss = loss * token_weight.detach().to(device=loss.device, dtype=torch.float32)
+    if reduction == "none":
+        return loss
+    total = loss.sum()
+    if divisor is not None:
+        return total / divisor.to(device=total.device, dtype=total.dtype)
+    if num_items is not None:
+        return total / num_items
+    return total if reduction == "sum" else total / loss.numel()
 
 
 def _index_2d(index, lead):
@@ -114,13 +217,17 @@ def _save_stats(v, *inputs):
             and any(t is not None and t.requires_grad for t in inputs))
 
 
-def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backend="auto",
-              num_threads=0):
-    """log softmax(logits / temperature) gathered at index, as lmloss.log_probs:
-    logits [..., V]; index [...] or [..., K]; float32 result shaped like
-    index, or (logp, entropy [...]) with entropy=True. mask [...] (bool):
-    masked-out rows are not read and read 0. Differentiable w.r.t. logits
-    (through logp and entropy)."""
+def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0,
+              mask: Optional[Tensor] = None, entropy: bool = False, backend: str = "auto",
+              num_threads: int = 0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """log softmax(logits / temperature) gathered at index, as lmloss.log_probs.
+
+    logits [..., V] (float32, bfloat16, float16; float64 computed in
+    float32); index [...] or [..., K] integer with 0 <= index < V, on the
+    logits' device. Returns float32 shaped like index, or (logp, entropy
+    [...]) with entropy=True. mask [...] (bool): masked-out rows are not
+    read and read 0. Differentiable w.r.t. logits (through logp and
+    entropy). TRL's signature and dtype are selective_log_softmax's."""
     x = _rows(logits, "logits")
     lead = logits.shape[:-1]
     idx, shape = _index_2d(index, lead)
@@ -132,32 +239,67 @@ def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, backe
     return (logp, ent.reshape(lead)) if entropy else logp
 
 
-selective_log_softmax = log_probs
+def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.0,
+                          row_mask: Optional[Tensor] = None) -> Tensor:
+    """TRL's selective_log_softmax (trl.trainer.utils), its signature and
+    result: gather(log_softmax(logits / temperature), index) for logits
+    [..., V] and index [...] or [..., K], shaped like index, in the logits'
+    dtype (computed by lmloss in fp32). row_mask (index's shape): entries
+    where it is 0 read 0, and rows that are 0 throughout are not read."""
+    if not temperature > 0:
+        raise ValueError("temperature must be positive")
+    squeeze = index.dim() == logits.dim() - 1
+    keep = None if row_mask is None else row_mask != 0
+    rows = keep if keep is None or squeeze else keep.any(-1)
+    logp = log_probs(logits, index, temperature=temperature, mask=rows)
+    if keep is not None and not squeeze:
+        logp = logp.masked_fill(~keep, 0.0)
+    return logp.to(logits.dtype)
 
 
-def entropy(logits, *, temperature=1.0, backend="auto", num_threads=0):
-    """Entropy of softmax(logits / temperature) per row: float32 [...],
-    differentiable w.r.t. logits."""
+def entropy(logits: Tensor, *, temperature: float = 1.0, backend: str = "auto",
+            num_threads: int = 0) -> Tensor:
+    """Entropy (nats) of softmax(logits / temperature) per row: float32 [...]
+    for logits [..., V], differentiable w.r.t. logits."""
     x = _rows(logits, "logits")
     ent = O.entropy(x, 1.0, 0.0, float(temperature), backend_code(backend), int(num_threads))
     return ent.reshape(logits.shape[:-1])
 
 
-def _softmax(logits, log, backend, num_threads):
+def entropy_from_logits(logits: Tensor, chunk_size: int = 128) -> Tensor:
+    """TRL's entropy_from_logits: the entropy of softmax(logits) per row,
+    shaped logits.shape[:-1], in the logits' dtype. chunk_size is accepted
+    for compatibility: the kernel streams rows and holds no softmax copy."""
+    return entropy(logits).to(logits.dtype)
+
+
+def _softmax(logits, dim, log, backend, num_threads):
+    if not isinstance(dim, int):
+        raise _bad("dim must be an int, got %r" % (dim,))
+    nd = max(logits.dim(), 1)
+    if not -nd <= dim < nd:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "dim %d out of range for a %d-D tensor"
+                         % (dim, logits.dim()))
+    d = dim % nd
+    if logits.dim() > 1 and d != nd - 1:  # the classes last, and back
+        return _softmax(logits.movedim(d, -1), -1, log, backend, num_threads).movedim(-1, d)
     x = _rows(logits, "logits")
     y = O.softmax(x, log, backend_code(backend), int(num_threads))
     return y.reshape(logits.shape)
 
 
-def softmax(logits, *, backend="auto", num_threads=0):
-    """softmax over the last axis; same shape, the logits' dtype (float32 for
-    float64), differentiable."""
-    return _softmax(logits, False, backend, num_threads)
+def softmax(logits: Tensor, dim: int = -1, *, backend: str = "auto",
+            num_threads: int = 0) -> Tensor:
+    """softmax over `dim` (any axis, torch's keyword; the last by default).
+    Same shape and dtype as logits (float32 for float64), differentiable."""
+    return _softmax(logits, dim, False, backend, num_threads)
 
 
-def log_softmax(logits, *, backend="auto", num_threads=0):
-    """log_softmax over the last axis; as softmax."""
-    return _softmax(logits, True, backend, num_threads)
+def log_softmax(logits: Tensor, dim: int = -1, *, backend: str = "auto",
+                num_threads: int = 0) -> Tensor:
+    """log_softmax over `dim`; as softmax. Its backward is lmloss's exact
+    one (dx = dy - softmax * sum(dy), the argmax entry from the others)."""
+    return _softmax(logits, dim, True, backend, num_threads)
 
 
 def _head_dtype(hidden, weight):
@@ -199,15 +341,24 @@ def _grads_in_forward(reduction, h, w, b):
             | (L.NEED_DB if b is not None and b.requires_grad else 0))
 
 
-def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=None,
-                         ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale=1.0,
-                         softcap=None, temperature=1.0, token_weight=None, class_weight=None,
-                         reduction="mean", num_items=None, dft=False, return_lse=False,
-                         return_entropy=False, return_argmax=False, backend="auto",
-                         num_threads=0):
-    """Cross-entropy of logits = hidden [..., H] weight[V, H]^T (+ bias)
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
+                         bias: Optional[Tensor] = None, memory_budget: Optional[int] = None,
+                         ignore_index: int = -100, label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, logit_scale: float = 1.0,
+                         softcap: Optional[float] = None, temperature: float = 1.0,
+                         token_weight: Optional[Tensor] = None,
+                         class_weight: Optional[Tensor] = None, reduction: str = "mean",
+                         num_items: Optional[Union[Number, Tensor]] = None, dft: bool = False,
+                         shift: Union[bool, int] = 0, return_lse: bool = False,
+                         return_entropy: bool = False, return_argmax: bool = False,
+                         backend: str = "auto",
+                         num_threads: int = 0) -> Union[Tensor, LinearCrossEntropyResult]:
+    """Cross-entropy of logits = hidden [..., H] weight[V, H]^T (+ bias [V])
     against target [...], never materializing the logits: the keywords of
-    lmloss.linear_cross_entropy (per-token weights are token_weight=).
+    lmloss.linear_cross_entropy (weight is the head, so the per-class
+    weights are class_weight= [V] and the per-token ones token_weight=
+    [...]). softcap None is off; shift as in cross_entropy
+    (cut-cross-entropy's: hidden [..., T, H], target [..., T]).
     Differentiable w.r.t. hidden, weight and bias. Returns the loss as
     cross_entropy does, or LinearCrossEntropyResult(loss, None, None, None,
     lse, entropy, argmax) with a return_* flag.
@@ -221,6 +372,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
     backward only scales them), so evaluate under torch.no_grad().
     """
     red, items, divisor = _reduction(reduction, num_items)
+    s = _shift_of(shift, target)
+    target = _shifted(target, s, ignore_index)
+    token_weight = _shifted(token_weight, s, 0.0)
     h, w, b = _head(hidden, weight, bias)
     lead = hidden.shape[:-1]
     extras = _extras_flags(return_lse, return_entropy, return_argmax)
@@ -229,13 +383,16 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
     out = L.linear_cross_entropy(h, w, b, _index(target).reshape(-1), _f32(token_weight),
                                  _f32(class_weight), fopts, iopts, _budget(memory_budget), extras,
                                  _grads_in_forward(red, h, w, b))
-    loss, pick = _finish(*out[:4], lead, red, divisor, extras)
+    loss, pick = _finish(*out[:4], lead, red, divisor, extras, s)
     return loss if pick is None else LinearCrossEntropyResult(loss, None, None, None, *pick)
 
 
-def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit_scale=1.0,
-                     softcap=None, mask=None, entropy=False, memory_budget=None, backend="auto",
-                     num_threads=0):
+def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *,
+                     bias: Optional[Tensor] = None, temperature: float = 1.0,
+                     logit_scale: float = 1.0, softcap: Optional[float] = None,
+                     mask: Optional[Tensor] = None, entropy: bool = False,
+                     memory_budget: Optional[int] = None, backend: str = "auto",
+                     num_threads: int = 0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """log softmax(transform(hidden weight^T + bias)) gathered at index, as
     lmloss.linear_log_probs: float32 shaped like index, or (logp, entropy)
     with entropy=True; masked-out rows are never computed and read 0.
@@ -246,8 +403,8 @@ def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit
     idx, shape = _index_2d(index, lead)
     # the backward then computes the logits once (lmloss_linear_log_probs' stats)
     logp, ent, _ = L.linear_log_probs(h, w, b, idx, _mask(mask), float(logit_scale),
-                                      _lib.softcap_value(softcap), float(temperature), bool(entropy),
-                                      _save_stats(w.shape[0], h, w, b), _budget(memory_budget),
+                                      _lib.softcap_value(softcap), float(temperature),
+                                      bool(entropy), _save_stats(w.shape[0], h, w, b), _budget(memory_budget),
                                       backend_code(backend), int(num_threads))
     logp = logp.reshape(shape)
     return (logp, ent.reshape(lead)) if entropy else logp

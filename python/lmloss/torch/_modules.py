@@ -14,13 +14,13 @@ class CrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                  *, z_loss=0.0, logit_scale=1.0, softcap=None, temperature=1.0, dft=False,
-                 num_items=None, backend="auto"):
+                 num_items=None, shift=0, backend="auto"):
         super().__init__()
         self.register_buffer("weight", weight)
         self.options = dict(ignore_index=ignore_index, reduction=reduction,
                             label_smoothing=label_smoothing, z_loss=z_loss,
                             logit_scale=logit_scale, softcap=softcap, temperature=temperature,
-                            dft=dft, backend=backend)
+                            dft=dft, shift=shift, backend=backend)
         self.num_items = num_items
 
     def forward(self, logits, target, token_weight=None, num_items=None):
