@@ -530,6 +530,30 @@ def test_modules():
           lt.linear_log_probs(hs, w, y.clamp(min=0), temperature=0.9), atol=0)
 
 
+def test_linear_module_refuses_liger_order():
+    """forward(hidden, weight, target); Liger's (weight, hidden, target) is
+    refused with a message that names it, even when N == V."""
+    hs, w, b, y = head(n=10, v=37)
+    loss_fn = lt.LinearCrossEntropyLoss()
+    lm_head = torch.nn.Linear(16, 37, bias=False)
+    loss_fn(hs, lm_head.weight, y)  # lmloss's order
+    with pytest.raises(lmloss.Error, match="Liger") as e:
+        loss_fn(lm_head.weight, hs, y)  # N != V: the target has hidden's rows
+    assert e.value.status == "LMLOSS_ERR_BAD_SHAPE"
+    sq = torch.nn.Linear(16, 10, bias=False)  # N == V == 10: shapes cannot tell
+    with pytest.raises(lmloss.Error, match="Liger"):
+        loss_fn(sq.weight, hs, y.clamp(min=0))
+    with pytest.raises(lmloss.Error, match="Liger"):
+        lt.linear_log_probs(sq.weight, hs, y.clamp(min=0))
+    with pytest.raises(lmloss.Error, match="share H"):
+        loss_fn(hs, torch.randn(37, 15), y)
+    with pytest.raises(lmloss.Error) as e:
+        loss_fn(hs, w.to("meta"), y)
+    assert e.value.status == "LMLOSS_ERR_BAD_DEVICE" and "meta" in str(e.value)
+    close(loss_fn(hs, sq.weight.detach().T.contiguous().T, y.clamp(max=9)),
+          lt.linear_cross_entropy(hs, sq.weight, y.clamp(max=9)), atol=0)
+
+
 @pytest.mark.filterwarnings("ignore:Input #:UserWarning")  # float32 inputs, on purpose
 def test_gradcheck_float32():
     g = torch.Generator().manual_seed(6)

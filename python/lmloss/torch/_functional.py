@@ -314,10 +314,40 @@ def _head_dtype(hidden, weight):
     return torch.float32 if dt == torch.float64 else dt
 
 
-def _head(hidden, weight, bias):
+_LIGER = ("lmloss takes (hidden [..., H], weight [V, H], target [...]), not Liger-Kernel's "
+          "(weight, hidden, target) order: ")
+
+
+def _check_head(hidden, weight, target):
+    """The fused head's arguments in lmloss's order (hidden, weight, target),
+    and a clear error for Liger-Kernel's (weight, hidden, target). Shapes
+    tell them apart unless N == V; then an nn.Parameter passed as hidden
+    with a non-Parameter as weight (the lm_head's weight and the
+    activations, swapped) is refused too. Both on one device."""
     if weight.dim() != 2:
         raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "weight must be [V, H], got %s"
                          % (tuple(weight.shape),))
+    if hidden.dim() < 1 or weight.shape[1] != hidden.shape[-1]:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "hidden [..., H] and weight [V, H] must share "
+                         "H: got hidden %s and weight %s" % (tuple(hidden.shape),
+                                                              tuple(weight.shape)))
+    if isinstance(hidden, torch.nn.Parameter) and not isinstance(weight, torch.nn.Parameter):
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", _LIGER + "hidden is an nn.Parameter %s and "
+                         "weight an activation %s; pass hidden first"
+                         % (tuple(hidden.shape), tuple(weight.shape)))
+    lead = hidden.shape[:-1]
+    if (target is not None and target.shape[:len(lead)] != lead
+            and target.shape[:1] == weight.shape[:1]):
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", _LIGER + "target %s has weight's rows %s, not "
+                         "hidden's %s" % (tuple(target.shape), tuple(weight.shape),
+                                          tuple(hidden.shape)))
+    if hidden.device != weight.device:
+        raise _lib.Error("LMLOSS_ERR_BAD_DEVICE", "hidden is on %s and weight on %s: the head "
+                         "needs both on one device" % (hidden.device, weight.device))
+
+
+def _head(hidden, weight, bias, target=None):
+    _check_head(hidden, weight, target)
     dt = _head_dtype(hidden, weight)
     h = hidden.to(dt).reshape(-1, hidden.shape[-1])
     return h, weight.to(dt), None if bias is None else bias.to(dt)
@@ -375,7 +405,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     s = _shift_of(shift, target)
     target = _shifted(target, s, ignore_index)
     token_weight = _shifted(token_weight, s, 0.0)
-    h, w, b = _head(hidden, weight, bias)
+    h, w, b = _head(hidden, weight, bias, target)
     lead = hidden.shape[:-1]
     extras = _extras_flags(return_lse, return_entropy, return_argmax)
     fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap,
@@ -398,7 +428,7 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *,
     with entropy=True; masked-out rows are never computed and read 0.
     Differentiable w.r.t. hidden, weight and bias; dtypes as
     linear_cross_entropy."""
-    h, w, b = _head(hidden, weight, bias)
+    h, w, b = _head(hidden, weight, bias, index)
     lead = hidden.shape[:-1]
     idx, shape = _index_2d(index, lead)
     # the backward then computes the logits once (lmloss_linear_log_probs' stats)

@@ -35,7 +35,17 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     loss, without materializing the logits. Keywords of
     lmloss.torch.linear_cross_entropy (class_weight, ignore_index,
     label_smoothing, z_loss, logit_scale, softcap, temperature, reduction,
-    dft, memory_budget) are fixed at construction."""
+    dft, shift, memory_budget) are fixed at construction.
+
+    The order is (hidden, weight, labels), as cut-cross-entropy's and
+    lmloss.torch.linear_cross_entropy's, not Liger-Kernel's
+    LigerFusedLinearCrossEntropyLoss (weight, hidden, labels): Liger's
+    order raises lmloss.Error (LMLOSS_ERR_BAD_SHAPE) where the shapes tell
+    (head_weight.shape[1] must be hidden.shape[-1], labels shaped like
+    hidden.shape[:-1]), and where they cannot (N == V) when hidden is an
+    nn.Parameter and head_weight is not (the lm_head's weight passed
+    first); hidden and head_weight must share a device
+    (LMLOSS_ERR_BAD_DEVICE)."""
 
     def __init__(self, *, class_weight=None, num_items=None, **options):
         super().__init__()
