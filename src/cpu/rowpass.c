@@ -195,6 +195,7 @@ lmloss_rowstate lmloss_cpu_row_state(const void *row, lmloss_dtype dt, int64_t V
   lmloss_rowstat s = lmloss_rowstat_empty();
   const float k = f->k;
   int bad = 0, logit = 0;
+  float ninf_u = 0.0f, ninf_c = 0.0f; /* all -inf blocks' smoothing sums */
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
     int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
     int raw_bad, all_ninf;
@@ -224,7 +225,12 @@ lmloss_rowstate lmloss_cpu_row_state(const void *row, lmloss_dtype dt, int64_t V
       nans += w[i] != w[i];
     }
     if (nans || mb == INFINITY) bad = 1;
-    if (bad || mb == -INFINITY) continue; /* an all -inf block adds nothing */
+    if (mb == -INFINITY && need_u) /* no max, but an infinite gap under smoothing */
+      for (int i = 0; i < n; i++) {
+        const float cj = cwb ? cwb[i] : 1.0f;
+        ninf_u += cj * INFINITY, ninf_c += cj;
+      }
+    if (bad || mb == -INFINITY) continue;
     block_sums_for(w, n, mb, k, cwb, need_t, need_u, 1, &b, NULL, NULL);
     b.a = j0;
     if (mb > s.m) /* only a new row max needs its exact first index */
@@ -237,6 +243,7 @@ lmloss_rowstate lmloss_cpu_row_state(const void *row, lmloss_dtype dt, int64_t V
   }
   lmloss_rowstate st = lmloss_rowstate_empty();
   st.s = s;
+  st.s.u += ninf_u, st.s.c += ninf_c;
   if (s.a >= 0) st.s.a += col0;
   /* Without softcap every -inf adds nothing, so the state is empty unless
    * the row holds a logit above -inf. */

@@ -129,12 +129,16 @@ __device__ lmloss_rowstate row_state(const ShardRows &R, int64_t i, long long la
       continue;
     }
     if (v != -INFINITY) x.flags |= LMLOSS_STATE_LOGIT;
-    if (v == -INFINITY && R.f.cap == 0.0f) continue;
-    lmloss_rowstat e = lmloss_rowstat_empty();
-    e.m = lmloss_xform_w(&R.f, v);
-    e.a = R.col0 + j;
-    e.c = need_u ? (cw ? cw[(R.col0 + j) * cws] : 1.0f) : 0.0f;
-    x.s = lmloss_rowstat_merge(x.s, e, k);
+    const float cj = need_u ? (cw ? cw[(R.col0 + j) * cws] : 1.0f) : 0.0f;
+    lmloss_rowstate e = lmloss_rowstate_empty();
+    e.s.c = cj;
+    if (v == -INFINITY && R.f.cap == 0.0f) {
+      e.s.u = need_u ? cj * INFINITY : 0.0f; /* no max, but an infinite gap under smoothing */
+    } else {
+      e.s.m = lmloss_xform_w(&R.f, v);
+      e.s.a = R.col0 + j;
+    }
+    x = lmloss_rowstate_merge(x, e, k);
   }
   x = cta_merge(x, k);
   const long long yl = label - R.col0;

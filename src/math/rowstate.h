@@ -51,6 +51,12 @@ LMLOSS_HD lmloss_rowstate lmloss_rowstate_empty(void) {
 LMLOSS_HD lmloss_rowstate lmloss_rowstate_merge(lmloss_rowstate x, lmloss_rowstate y, float k) {
   lmloss_rowstate o;
   o.s = lmloss_rowstat_merge(x.s, y.s, k);
+  /* A part without a max (only -inf columns, no softcap) still carries
+   * their smoothing sums: c, and u = +inf, their gap to any max. */
+  if (y.s.a < 0)
+    o.s.u += y.s.u, o.s.c += y.s.c;
+  else if (x.s.a < 0)
+    o.s.u += x.s.u, o.s.c += x.s.c;
   o.wy = (x.flags & LMLOSS_STATE_LABEL) ? x.wy : y.wy;
   o.flags = x.flags | y.flags;
   return o;
@@ -97,6 +103,8 @@ LMLOSS_HD lmloss_rowstate lmloss_rowstate_unpack(const float *in, int64_t vocab)
     x.flags |= LMLOSS_STATE_LABEL;
   }
   if (isnan(m)) x.flags |= LMLOSS_STATE_NONFINITE;
+  x.s.u = in[5];
+  x.s.c = in[6];
   if (a == -1.0f) return x;
   if (a <= -2.0f)
     a = -2.0f - a;
@@ -109,8 +117,6 @@ LMLOSS_HD lmloss_rowstate lmloss_rowstate_unpack(const float *in, int64_t vocab)
   x.s.m = m;
   x.s.r = in[1];
   x.s.t = in[4];
-  x.s.u = in[5];
-  x.s.c = in[6];
   x.s.a = (int64_t)a;
   return x;
 }

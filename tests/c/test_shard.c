@@ -477,7 +477,7 @@ int main(void) {
       {0, 0, 0, 1, 0, 0, 1, LMLOSS_REDUCE_MEAN},        /* plain, special rows */
       {0.1f, 1e-3f, 0, 1, 1, 1, 0, LMLOSS_REDUCE_MEAN}, /* every option */
       {0, 0, 30, 0.7f, 0, 1, 1, LMLOSS_REDUCE_NONE},    /* softcap and temperature */
-      {0.05f, 0, 0, 1, 1, 0, 0, LMLOSS_REDUCE_SUM},
+      {0.05f, 0, 0, 1, 1, 0, 1, LMLOSS_REDUCE_NONE},    /* smoothing, special rows */
   };
   const int64_t Vs[] = {17, 1003, 5003};
   const lmloss_dtype dts[] = {LMLOSS_F32, LMLOSS_BF16};

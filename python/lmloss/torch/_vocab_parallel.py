@@ -1,0 +1,301 @@
+"""Vocab-parallel losses: the vocabulary split over the ranks of a
+torch.distributed process group (Megatron's layout: rank r holds columns
+[col0, col0 + V_r) of every row, hidden states replicated).
+
+Each rank forms its shard's row states (lmloss.h's row contract), one
+all-gather exchanges their leading columns (16 bytes a row for CE,
+log-probs and softmax; docs/design.md), every rank merges the parts in
+rank order with lmloss_row_state_merge, so that every rank holds the same
+bits and reports the same loss, and finishes its own columns. The
+backward needs no collective of its own, except softmax's (one float a
+row) and the fused head's dhidden, which is summed over the ranks.
+Never an all-reduce of a sum of exponentials: that is the collapse.
+
+The functions here are eager autograd Functions (a process group cannot
+ride through a torch.library schema); they call no host synchronization,
+so a CUDA graph can capture them with NCCL.
+"""
+
+import torch
+import torch.distributed as dist
+
+from .. import _lib
+from .. import _shard as S
+from . import _bridge as B
+from . import _ops as O
+
+F32 = torch.float32
+
+
+class Shard:
+    """Where this rank's columns lie: Megatron's even split unless the caller
+    says otherwise (vocab_start: this rank's first column, vocab_size: the
+    whole vocabulary), for uneven shards."""
+
+    def __init__(self, group, cols, vocab_start=None, vocab_size=None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        if (vocab_start is None) != (vocab_size is None):
+            raise _lib.Error("LMLOSS_ERR_BAD_OPTION",
+                             "vocab_start and vocab_size go together (uneven shards)")
+        self.col0 = rank * cols if vocab_start is None else int(vocab_start)
+        self.vocab = self.world * cols if vocab_size is None else int(vocab_size)
+
+    def c(self, entropy=False):
+        return S.Shard(self.col0, self.vocab, int(bool(entropy)))
+
+
+def _state(x):
+    return x.new_empty((x.shape[0], S.STATE_COLS), dtype=F32)
+
+
+def exchange(state, ncols, shard, tr, run):
+    """The merged states of every rank's shard: an all-gather of the
+    leading ncols columns, merged in rank order on every rank."""
+    if shard.world == 1:
+        return state
+    n = state.shape[0]
+    wire = state[:, :ncols].contiguous()
+    parts = wire.new_empty((shard.world * n, ncols))
+    dist.all_gather_into_tensor(parts, wire, group=shard.group)
+    full = state.new_zeros((shard.world, n, S.STATE_COLS))
+    full[:, :, :ncols] = parts.view(shard.world, n, ncols)
+    merged = full[0]
+    keep = []
+    with B.context(state, *run) as ctx:
+        acc = B.view(merged, keep)
+        for p in range(1, shard.world):
+            _lib.check(S.merge(ctx, acc, B.view(full[p], keep), tr, acc))
+    return merged
+
+
+# ---------------------------------------------------------------- cross-entropy
+
+def _ce_inputs(x, target, tw, cw, keep):
+    return _lib.CEInputs(B.view(x, keep), B.view(target, keep), B.view(tw, keep),
+                         B.view(cw, keep))
+
+
+def _ce_cols(opt, entropy):
+    if opt.label_smoothing > 0:
+        return S.EXCHANGE_COLS_SMOOTHING
+    return S.EXCHANGE_COLS_ENTROPY if entropy else S.EXCHANGE_COLS
+
+
+def ce_state(x, target, tw, cw, opt, shard, entropy, run):
+    """This shard's CE states, exchanged and merged."""
+    state, keep = _state(x), []
+    with B.context(x, *run) as ctx:
+        _lib.check(S.ce_state(ctx, _ce_inputs(x, target, tw, cw, keep), opt,
+                              shard.c(entropy), B.view(state, keep)))
+    return exchange(state, _ce_cols(opt, entropy), shard, opt.transform, run)
+
+
+def ce_finish(x, target, tw, cw, opt, shard, merged, extras, run, dlogits=None):
+    """The CE outputs of whole rows from merged states (loss as opt reduces
+    it; lse, entropy, argmax as extras asks), and this shard's gradient
+    into dlogits when given."""
+    n = x.shape[0]
+    loss = x.new_empty((n,) if opt.reduction == _lib.REDUCTIONS["none"] else (), dtype=F32)
+    lse, ent, amax = O._extras(x, n, extras)
+    keep = []
+    with B.context(x, *run) as ctx:
+        out = _lib.CEOutputs(loss=B.view(loss.reshape(-1), keep))
+        for name, t, flag in (("lse", lse, O.EXTRA_LSE), ("entropy", ent, O.EXTRA_ENTROPY),
+                              ("argmax", amax, O.EXTRA_ARGMAX)):
+            if extras & flag:
+                setattr(out, name, B.view(t, keep))
+        if dlogits is not None:
+            out.dlogits = B.view(dlogits, keep)
+        ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(n), x.device)
+        _lib.check(S.ce_finish(ctx, _ce_inputs(x, target, tw, cw, keep), opt,
+                               shard.c(extras & O.EXTRA_ENTROPY), B.view(merged, keep), out,
+                               addr, nbytes))
+    return loss, lse, ent, amax
+
+
+def ce_backward(x, target, tw, cw, opt, shard, merged, dloss, entropy, run):
+    dlogits, keep = torch.empty_like(x, memory_format=torch.contiguous_format), []
+    with B.context(x, *run) as ctx:
+        ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
+        _lib.check(S.ce_backward_finish(ctx, _ce_inputs(x, target, tw, cw, keep), opt,
+                                        shard.c(entropy), B.view(merged, keep),
+                                        B.view(dloss.reshape(-1).to(F32), keep),
+                                        B.view(dlogits, keep), addr, nbytes))
+    return dlogits
+
+
+class CrossEntropy(torch.autograd.Function):
+    """cross_entropy of a vocabulary shard [N, V_r]: the whole rows' loss
+    (and extras) on every rank, the gradient over the shard's columns."""
+
+    @staticmethod
+    def forward(ctx, x, target, tw, cw, fopts, iopts, extras, shard):
+        opt, run = O._ce_opt(fopts, iopts), O.run_args(iopts)
+        entropy = bool(extras & O.EXTRA_ENTROPY)
+        merged = ce_state(x, target, tw, cw, opt, shard, entropy, run)
+        out = ce_finish(x, target, tw, cw, opt, shard, merged, extras, run)
+        ctx.save_for_backward(x, target, tw, cw, merged)
+        ctx.args = fopts, iopts, shard, entropy
+        ctx.mark_non_differentiable(*out[1:])
+        return out
+
+    @staticmethod
+    def backward(ctx, dloss, *_):
+        x, target, tw, cw, merged = ctx.saved_tensors
+        fopts, iopts, shard, entropy = ctx.args
+        dx = ce_backward(x, target, tw, cw, O._ce_opt(fopts, iopts), shard, merged, dloss,
+                         entropy, O.run_args(iopts))
+        return (dx,) + (None,) * 7
+
+
+# ---------------------------------------------------------------- log-probs, entropy
+
+def _lp_views(x, index, mask, keep):
+    return (B.view(x, keep), B.ptr(B.view(index, keep)) if index is not None else None,
+            B.ptr(B.view(mask, keep)) if mask is not None else None)
+
+
+class LogProbs(torch.autograd.Function):
+    """log_probs (index [N, 1] or None) and entropy of a vocabulary shard:
+    logp [N, 1] and entropy [N] of the whole rows on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, index, mask, tr_args, want_entropy, shard, run):
+        tr = B.transform(*tr_args)
+        n, keep = x.shape[0], []
+        state = _state(x)
+        sh = shard.c(want_entropy)
+        with B.context(x, *run) as c:
+            _lib.check(S.lp_state(c, *_lp_views(x, index, mask, keep), tr, sh,
+                                  B.view(state, keep)))
+        cols = S.EXCHANGE_COLS_ENTROPY if want_entropy else S.EXCHANGE_COLS
+        merged = exchange(state, cols, shard, tr, run)
+        logp = x.new_empty((n, 1) if index is not None else (0,), dtype=F32)
+        ent = x.new_empty((n,) if want_entropy else (0,), dtype=F32)
+        with B.context(x, *run) as c:
+            _lib.check(S.lp_finish(c, *_lp_views(x, index, mask, keep), tr, sh,
+                                   B.view(merged, keep),
+                                   B.ptr(B.view(logp, keep)) if index is not None else None,
+                                   B.ptr(B.view(ent, keep)) if want_entropy else None))
+        ctx.save_for_backward(x, index, mask, merged)
+        ctx.args = tr_args, want_entropy, shard, run
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, dlogp, dent):
+        x, index, mask, merged = ctx.saved_tensors
+        tr_args, want_entropy, shard, run = ctx.args
+        dx, keep = torch.empty_like(x, memory_format=torch.contiguous_format), []
+
+        def opt(t, present):
+            return B.ptr(B.view(t.to(F32).contiguous(), keep)) if present else None
+
+        with B.context(x, *run) as c:
+            _lib.check(S.lp_backward_finish(
+                c, *_lp_views(x, index, mask, keep), B.transform(*tr_args),
+                shard.c(want_entropy), B.view(merged, keep), opt(dlogp, index is not None),
+                opt(dent, want_entropy), B.view(dx, keep)))
+        return (dx,) + (None,) * 6
+
+
+# ---------------------------------------------------------------- softmax, log-softmax
+
+class Softmax(torch.autograd.Function):
+    """softmax (log_softmax when log) of a vocabulary shard's columns [N, V_r]."""
+
+    @staticmethod
+    def forward(ctx, x, log, shard, run):
+        tr, keep = _lib.transform_default(), []
+        state = _state(x)
+        with B.context(x, *run) as c:
+            _lib.check(S.lp_state(c, B.view(x, keep), None, None, tr, shard.c(),
+                                  B.view(state, keep)))
+        merged = exchange(state, S.EXCHANGE_COLS, shard, tr, run)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        with B.context(x, *run) as c:
+            _lib.check(S.softmax_finish(c, B.view(x, keep), shard.c(), B.view(merged, keep),
+                                        int(log), B.view(y, keep)))
+        ctx.save_for_backward(y)
+        ctx.args = log, shard
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        # The row sum spans the ranks: one all-reduce of a float a row.
+        (y,) = ctx.saved_tensors
+        log, shard = ctx.args
+        dy32, y32 = dy.to(F32), y.to(F32)
+        s = (dy32 if log else dy32 * y32).sum(-1, keepdim=True)
+        if shard.world > 1:
+            dist.all_reduce(s, group=shard.group)
+        dx = dy32 - y32.exp() * s if log else y32 * (dy32 - s)
+        return dx.to(y.dtype), None, None, None
+
+
+# ---------------------------------------------------------------- the functions lmloss.torch calls
+
+def _rows(x):
+    from ._functional import _rows as rows
+    return rows(x, "logits")
+
+
+def cross_entropy(logits, target, *, process_group, vocab_start=None, vocab_size=None,
+                  ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale=1.0,
+                  softcap=None, temperature=1.0, token_weight=None, class_weight=None,
+                  reduction="mean", num_items=None, dft=False, return_lse=False,
+                  return_entropy=False, return_argmax=False, backend="auto", num_threads=0):
+    """lmloss.torch.cross_entropy of this rank's vocabulary shard
+    logits [..., V_r]: target [...] in the whole vocabulary, class_weight
+    the whole vocabulary's [V]; the whole rows' loss on every rank."""
+    from . import _functional as Fn
+    red, items, divisor = Fn._reduction(reduction, num_items)
+    x = _rows(logits)
+    shard = Shard(process_group, x.shape[-1], vocab_start, vocab_size)
+    extras = Fn._extras_flags(return_lse, return_entropy, return_argmax)
+    fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale,
+                             float(softcap or 0.0), temperature, red, items, dft,
+                             B.backend_code(backend), num_threads)
+    out = CrossEntropy.apply(x, Fn._index(target).reshape(-1), Fn._f32(token_weight),
+                             Fn._f32(class_weight), fopts, iopts, extras, shard)
+    loss, pick = Fn._finish(*out, logits.shape[:-1], red, divisor, extras)
+    return loss if pick is None else Fn.CrossEntropyResult(loss, None, *pick)
+
+
+def log_probs(logits, index, *, process_group, vocab_start=None, vocab_size=None,
+              temperature=1.0, mask=None, entropy=False, backend="auto", num_threads=0):
+    """lmloss.torch.log_probs of a vocabulary shard: index [...] (one index
+    a row, in the whole vocabulary), the whole rows' log-probs (and
+    entropy) on every rank."""
+    from . import _functional as Fn
+    x = _rows(logits)
+    lead = logits.shape[:-1]
+    if index.dim() != len(lead) and index.shape[-1] != 1:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "over a vocabulary shard, log_probs takes one "
+                         "index a row, got index %s" % (tuple(index.shape),))
+    shard = Shard(process_group, x.shape[-1], vocab_start, vocab_size)
+    logp, ent = LogProbs.apply(x, Fn._index(index).reshape(-1, 1), Fn._mask(mask),
+                               (1.0, 0.0, float(temperature)), bool(entropy), shard,
+                               (B.backend_code(backend), int(num_threads)))
+    logp = logp.reshape(index.shape)
+    return (logp, ent.reshape(lead)) if entropy else logp
+
+
+def entropy(logits, *, process_group, vocab_start=None, vocab_size=None, temperature=1.0,
+            backend="auto", num_threads=0):
+    """lmloss.torch.entropy of a vocabulary shard: the whole rows' entropy."""
+    x = _rows(logits)
+    shard = Shard(process_group, x.shape[-1], vocab_start, vocab_size)
+    _, ent = LogProbs.apply(x, None, None, (1.0, 0.0, float(temperature)), True, shard,
+                            (B.backend_code(backend), int(num_threads)))
+    return ent.reshape(logits.shape[:-1])
+
+
+def softmax(logits, *, process_group, log=False, vocab_start=None, vocab_size=None,
+            backend="auto", num_threads=0):
+    """softmax (log_softmax when log) of a vocabulary shard's columns."""
+    x = _rows(logits)
+    shard = Shard(process_group, x.shape[-1], vocab_start, vocab_size)
+    y = Softmax.apply(x, bool(log), shard, (B.backend_code(backend), int(num_threads)))
+    return y.reshape(logits.shape)

@@ -1,0 +1,138 @@
+"""Vocab-parallel losses on CPU ranks (torch.distributed, gloo): every
+family over a vocabulary split into 2, 3 and 4 shards, even and uneven,
+against the single-process call on the whole rows, on peaked rows whose
+argmax sits on each rank in turn, ties at the max across ranks, a shard
+holding only -inf and ignored rows."""
+
+import os
+import tempfile
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+import lmloss.torch as LT  # noqa: E402
+from lmloss.torch import _vocab_parallel as VP  # noqa: E402
+
+N, H = 24, 16
+MARGINS = (0.0, 5.0, 17.0, 30.0, 50.0, 1000.0)
+
+
+def _bounds(V, world, uneven):
+    """Each rank's [start, end): Megatron's even split, or uneven widths."""
+    if not uneven:
+        w = V // world
+        return [(r * w, (r + 1) * w) for r in range(world)]
+    cuts = [0] + [V * (2 * r + 1) // (2 * world) + r for r in range(1, world)] + [V]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _rows(V, bounds, seed):
+    """Logits [N, V] and labels: row i peaked by MARGINS[i % 6] at its label,
+    which lies on rank i % world; row 1 ties its max on two ranks, row 2's
+    last shard holds only -inf, rows 3 and 7 are ignored."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, V, generator=g) * 2
+    world = len(bounds)
+    y = torch.empty(N, dtype=torch.int64)
+    for i in range(N):
+        s, e = bounds[i % world]
+        y[i] = s + int(torch.randint(e - s, (1,), generator=g))
+        x[i, y[i]] = x[i].max() + MARGINS[i % len(MARGINS)]
+    x[1, bounds[0][0]] = x[1, bounds[-1][0]] = x[1].max() + 3.0
+    x[2, bounds[-1][0]:bounds[-1][1]] = float("-inf")
+    y[2] = bounds[0][0]
+    y[3] = y[7] = -100
+    return x, y
+
+
+def _close(got, ref, what, rtol=2e-5, atol=1e-6):
+    torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, equal_nan=True, msg=what)
+
+
+def _grad_of(fn, x):
+    x = x.detach().clone().requires_grad_(True)
+    out = fn(x)
+    loss = out if out.dim() == 0 else (out * torch.linspace(0.5, 1.5, out.numel())
+                                       .reshape(out.shape)).sum()
+    loss.backward()
+    return out.detach(), x.grad
+
+
+def _check_rank(world, rank, uneven, V):
+    bounds = _bounds(V, world, uneven)
+    s, e = bounds[rank]
+    shard = dict(process_group=dist.group.WORLD)
+    if uneven:
+        shard.update(vocab_start=s, vocab_size=V)
+    x, y = _rows(V, bounds, seed=world * 10 + uneven)
+    xs = x[:, s:e]
+    cw = torch.rand(V, generator=torch.Generator().manual_seed(5)) + 0.5
+    tw = torch.rand(N, generator=torch.Generator().manual_seed(6)) + 0.5
+    ce_cases = [
+        dict(),
+        dict(reduction="sum", label_smoothing=0.1, class_weight=cw),
+        dict(reduction="none", z_loss=1e-3, token_weight=tw),
+        dict(softcap=20.0, temperature=0.7, logit_scale=1.3, return_entropy=True,
+             return_lse=True, return_argmax=True),
+    ]
+    for case in ce_cases:
+        ref = LT.cross_entropy(x, y, **case)
+        got = VP.cross_entropy(xs, y, **shard, **case)
+        if isinstance(ref, tuple):
+            for a, b, name in zip(got[2:], ref[2:], ("lse", "entropy", "argmax")):
+                _close(a, b, "CE %s %s" % (name, case))
+            got, ref = got.loss, ref.loss
+        _close(got, ref, "CE loss %s" % case)
+        fn_ref = lambda t: LT.cross_entropy(t, y, **{k: v for k, v in case.items()
+                                                     if not k.startswith("return")})
+        fn_got = lambda t: VP.cross_entropy(t, y, **shard,
+                                            **{k: v for k, v in case.items()
+                                               if not k.startswith("return")})
+        _, gref = _grad_of(fn_ref, x)
+        _, ggot = _grad_of(fn_got, xs)
+        _close(ggot, gref[:, s:e], "CE grad %s" % case)
+    idx = y.clamp(min=0)
+    for ent in (False, True):
+        ref = LT.log_probs(x, idx, entropy=ent, temperature=0.9)
+        got = VP.log_probs(xs, idx, entropy=ent, temperature=0.9, **shard)
+        for a, b in zip(got if ent else (got,), ref if ent else (ref,)):
+            _close(a, b, "log_probs entropy=%s" % ent)
+        pick = (lambda o: o[0] + o[1]) if ent else (lambda o: o)
+        _, gref = _grad_of(lambda t: pick(LT.log_probs(t, idx, entropy=ent, temperature=0.9)), x)
+        _, ggot = _grad_of(lambda t: pick(VP.log_probs(t, idx, entropy=ent, temperature=0.9,
+                                                        **shard)), xs)
+        _close(ggot, gref[:, s:e], "log_probs grad entropy=%s" % ent)
+    ref, gref = _grad_of(lambda t: LT.entropy(t), x)
+    got, ggot = _grad_of(lambda t: VP.entropy(t, **shard), xs)
+    _close(got, ref, "entropy")
+    _close(ggot, gref[:, s:e], "entropy grad")
+    for log in (False, True):
+        f_ref = LT.log_softmax if log else LT.softmax
+        xf = torch.where(torch.isinf(x), torch.zeros_like(x), x)  # finite gradients
+        ref, gref = _grad_of(lambda t: (f_ref(t) * xf).sum(), x)
+        got, ggot = _grad_of(lambda t: (VP.softmax(t, log=log, **shard) * xf[:, s:e]).sum(),
+                             xs)
+        dist.all_reduce(got)
+        _close(got, ref, "softmax log=%s" % log, rtol=1e-4)
+        _close(ggot, gref[:, s:e], "softmax grad log=%s" % log, rtol=1e-4, atol=1e-5)
+
+
+def _worker(rank, world, init):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        _check_rank(world, rank, False, 20 * world)
+        _check_rank(world, rank, True, 12 * world + 61)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_vocab_parallel_matches_single_process(world):
+    with tempfile.TemporaryDirectory() as tmp:
+        init = "file://" + os.path.join(tmp, "rendezvous")
+        torch.multiprocessing.spawn(_worker, args=(world, init), nprocs=world)
