@@ -5,7 +5,7 @@
 # OpenBLAS and OpenMP (libgomp) libraries into the wheel and gives it the
 # manylinux tag of the oldest glibc its symbols allow on this machine.
 #
-#   tools/build_wheel.sh [OUTDIR]        (default: dist/)
+#   tools/build_wheel.sh [OUTDIR]        (default: build-wheel/)
 #
 # Environment:
 #   LMLOSS_WHEEL_BLAS   scipy-openblas32 (default) or scipy-openblas64
@@ -17,7 +17,7 @@
 # Needs: gcc, CMake >= 3.20, Python 3 with venv; no OpenBLAS package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=$(realpath -m "${1:-dist}")
+out=$(realpath -m "${1:-build-wheel}")
 blas=${LMLOSS_WHEEL_BLAS:-scipy-openblas32}
 archs=${LMLOSS_WHEEL_CUDA:-}
 work=$(mktemp -d)
