@@ -47,12 +47,14 @@ def ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temp
     if num_items is not None and reduction == "none":
         raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "num_items needs reduction 'sum' or 'mean'")
     opt = _lib.ce_options_default()
-    opt.ignore_index = int(ignore_index)
-    opt.label_smoothing, opt.z_loss = float(label_smoothing), float(z_loss)
+    opt.ignore_index = _lib.int64_option("ignore_index", ignore_index)
+    opt.label_smoothing = _lib.float_option("label_smoothing", label_smoothing)
+    opt.z_loss = _lib.float_option("z_loss", z_loss)
     opt.transform = _lib.make_transform(logit_scale, softcap, temperature)
     opt.reduction = _lib.REDUCTIONS[reduction]
     if num_items is not None:
-        opt.reduction, opt.num_items = _lib.REDUCE_SUM_OVER_ITEMS, float(num_items)
+        opt.reduction = _lib.REDUCE_SUM_OVER_ITEMS
+        opt.num_items = _lib.float_option("num_items", num_items)
     opt.dft = int(bool(dft))
     return opt
 

@@ -11,6 +11,7 @@ ctypes applies the same natural alignment as the C compiler.
 """
 
 import ctypes
+import operator
 import os
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -174,19 +175,52 @@ def make_context(backend, num_threads):
                     "backend must be one of %s, got %r" % (sorted(BACKENDS), backend))
     ctx = context_default()
     ctx.backend = BACKENDS[backend]
-    ctx.num_threads = int(num_threads)
+    ctx.num_threads = int_option("num_threads", num_threads)
     return ctx
+
+
+def int_option(name, value):
+    """An option the C library takes as an int: as int64_option, within int's range."""
+    v = int64_option(name, value)
+    if not -(1 << 31) <= v < (1 << 31):
+        raise Error("LMLOSS_ERR_BAD_OPTION", "%s = %d does not fit a C int" % (name, v))
+    return v
+
+
+_I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def int64_option(name, value):
+    """An integer option as a C int64: an int (not a float) within int64's
+    range, else Error(LMLOSS_ERR_BAD_OPTION); never wrapped."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise Error("LMLOSS_ERR_BAD_OPTION", "%s must be an integer, got %r" % (name, value))
+    if not _I64[0] <= v <= _I64[1]:
+        raise Error("LMLOSS_ERR_BAD_OPTION", "%s = %d does not fit int64" % (name, v))
+    return v
+
+
+def float_option(name, value):
+    """A real option as a Python float, else Error(LMLOSS_ERR_BAD_OPTION)
+    (the C library checks its range)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise Error("LMLOSS_ERR_BAD_OPTION", "%s must be a real number, got %r" % (name, value))
 
 
 def softcap_value(softcap):
     """The C softcap of a softcap keyword: None (Liger-Kernel's and
     cut-cross-entropy's "off") is 0."""
-    return 0.0 if softcap is None else float(softcap)
+    return 0.0 if softcap is None else float_option("softcap", softcap)
 
 
 def make_transform(logit_scale=1.0, softcap=None, temperature=1.0):
     """lmloss_transform; softcap None (or 0) is off."""
     tr = transform_default()
-    tr.logit_scale, tr.softcap = float(logit_scale), softcap_value(softcap)
-    tr.temperature = float(temperature)
+    tr.logit_scale = float_option("logit_scale", logit_scale)
+    tr.softcap = softcap_value(softcap)
+    tr.temperature = float_option("temperature", temperature)
     return tr

@@ -19,7 +19,7 @@ from . import _lib
 from ._ce import ce_options, ce_outputs
 from ._logprob import backward_args, stats_in, stats_out
 from ._tensor import Rows, _code, _rows, absent, index_shape, matrix, out_vector, shape_error
-from ._tensor import optional_vector, tensor
+from ._tensor import native, optional_vector, tensor
 
 LinearCrossEntropyResult = collections.namedtuple(
     "LinearCrossEntropyResult", "loss dhidden dweight dbias lse entropy argmax")
@@ -42,7 +42,7 @@ class _Head:
         self.n, self.h, self.v = self.x.n, self.x.v, w.shape[0]
         bias_t, self.b = absent(), None
         if bias is not None:
-            b = np.asarray(bias)
+            b = native(np.asarray(bias))
             if b.dtype == np.float64:
                 b = b.astype(np.float32)
             if b.shape != (self.v,):

@@ -8,8 +8,15 @@ Contract of the conversions (the public functions document them too):
 - a [..., V] array is flattened to N rows; a view whose rows are evenly
   spaced with a contiguous last axis (e.g. logits[:, :V] of a wider array)
   is passed via row_stride without a copy, anything else is copied.
-- indices: int64 and int32 pass as they are, other integers become int64.
+- indices: int64 and int32 pass as they are, other integers become int64;
+  a uint64 value above 2^63 - 1 is refused (LMLOSS_ERR_INDEX_OUT_OF_RANGE),
+  never wrapped.
+- float32 vectors (weights, upstream gradients): any real number type is
+  converted; strings, objects and complex numbers are refused
+  (LMLOSS_ERR_BAD_DTYPE).
 - masks: bool or uint8, one byte per row, nonzero = keep.
+- byte order: a non-native (e.g. big-endian ">f4") array is converted to
+  the native order first; the C library reads native numbers only.
 """
 
 import numpy as np
@@ -26,6 +33,13 @@ def _code(dtype, name):
     if code is None:
         raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "%s: dtype %s not supported" % (name, dtype))
     return code
+
+
+def native(a):
+    """a in the machine's byte order (a converted copy when it is not)."""
+    if a.dtype.isnative:
+        return a
+    return a.astype(a.dtype.newbyteorder("="))
 
 
 def shape_error(msg):
@@ -60,7 +74,7 @@ class Rows:
     (the 2-D array the C call reads; keep it alive) and .t (the tensor)."""
 
     def __init__(self, x, name):
-        x = np.asarray(x)
+        x = native(np.asarray(x))
         if x.ndim < 1:
             raise shape_error("%s must have at least one axis, got a scalar" % name)
         if x.dtype == np.float64:
@@ -88,7 +102,7 @@ def vector(v, n, lead, name, kind):
     v = np.asarray(v)
     if v.shape != tuple(lead):
         raise shape_error("%s has shape %s, expected %s" % (name, v.shape, tuple(lead)))
-    v = _convert(v, kind)
+    v = _convert(v, kind, name)
     code = _lib.BOOL if kind == "mask" and v.dtype == np.uint8 else _code(v.dtype, name)
     a, stride = _rows(v, n, 1)
     return a, tensor(a, code, n, 1, stride)
@@ -105,15 +119,25 @@ def optional_vector(v, n, lead, name, kind, keep):
 
 def matrix(m, n, k, name, kind):
     """An [n, k] input (index or dlogp), as (array, tensor)."""
-    m = _convert(np.asarray(m), kind)
+    m = _convert(np.asarray(m), kind, name)
     a, stride = _rows(m, n, k)
     return a, tensor(a, _code(m.dtype, name), n, k, stride)
 
 
-def _convert(v, kind):
+_I64_MAX = np.iinfo(np.int64).max
+
+
+def _convert(v, kind, name="input"):
+    v = native(v)
     if kind == "f32":
+        if v.dtype.kind not in "biuf":
+            raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "%s must hold real numbers (converted to "
+                             "float32), got dtype %s" % (name, v.dtype))
         return v.astype(np.float32, copy=False)
     if kind == "index" and v.dtype.kind in "iu" and v.dtype not in (np.int64, np.int32):
+        if v.dtype == np.uint64 and v.size and v.max() > _I64_MAX:
+            raise _lib.Error("LMLOSS_ERR_INDEX_OUT_OF_RANGE", "%s holds %d, which does not fit "
+                             "int64" % (name, v.max()))
         return v.astype(np.int64)
     return v
 

@@ -588,6 +588,76 @@ def test_errors():
         assert e.value.status == "LMLOSS_ERR_UNSUPPORTED"
 
 
+@pytest.mark.parametrize("lead", [(0,), (2, 0)])
+def test_no_rows_return_what_torch_returns(lead):
+    """N = 0: torch's results ("none" empty, "sum" 0, "mean" NaN; empty
+    log-probs, entropy, softmax), in the graph, where the C call had
+    "data is NULL"."""
+    x = torch.empty(*lead, 7, requires_grad=True)
+    y = torch.empty(lead, dtype=torch.long)
+    for red in ("none", "sum", "mean"):
+        got = lt.cross_entropy(x, y, reduction=red)
+        want = torch.nn.functional.cross_entropy(x.detach().reshape(-1, 7), y.reshape(-1),
+                                                 reduction=red)
+        assert got.dtype == torch.float32
+        assert got.shape == (lead if red == "none" else ())
+        torch.testing.assert_close(got.detach().reshape(want.shape), want, equal_nan=True)
+        got.sum().backward()
+        assert x.grad.shape == x.shape
+    h, w = torch.empty(*lead, 4, requires_grad=True), torch.randn(7, 4, requires_grad=True)
+    loss = lt.linear_cross_entropy(h, w, y, reduction="sum")
+    loss.backward()
+    assert loss == 0 and torch.equal(w.grad, torch.zeros(7, 4))
+    assert lt.linear_cross_entropy(h, w, y).isnan()
+    r = lt.cross_entropy(x, y, reduction="none", return_lse=True, return_argmax=True)
+    assert r.lse.shape == lead and r.argmax.dtype == torch.int64
+    assert lt.log_probs(x, y).shape == lead
+    logp, ent = lt.log_probs(x, y[..., None].expand(*lead, 3), entropy=True)
+    assert logp.shape == lead + (3,) and ent.shape == lead
+    assert lt.entropy(x).shape == lead and lt.softmax(x).shape == x.shape
+    assert lt.log_softmax(x.double()).dtype == torch.float32
+    assert lt.linear_log_probs(h, w, y).shape == lead
+
+
+def test_bad_input_errors():
+    """V = 0, float or [N, 1] targets, uint64 targets, a target on another
+    device: lmloss errors, as NumPy's API gives them."""
+    x, y = data()
+
+    def status(fn, *args, **kw):
+        with pytest.raises(lmloss.Error) as e:
+            fn(*args, **kw)
+        return e.value.status.replace("LMLOSS_ERR_", ""), str(e.value)
+
+    assert status(lt.cross_entropy, torch.empty(3, 0), torch.zeros(3, dtype=torch.long))[0] \
+        == "BAD_SHAPE"
+    assert status(lt.softmax, torch.empty(3, 0))[0] == "BAD_SHAPE"
+    assert status(lt.log_probs, torch.empty(0, 0), torch.zeros(0, dtype=torch.long))[0] \
+        == "BAD_SHAPE"
+    assert status(lt.linear_cross_entropy, torch.randn(3, 4), torch.empty(0, 4),
+                  torch.zeros(3, dtype=torch.long))[0] == "BAD_SHAPE"
+    st, msg = status(lt.cross_entropy, x, y.float())
+    assert st == "BAD_DTYPE" and "probabilities" in msg
+    assert status(lt.cross_entropy, x, y[:, None])[0] == "BAD_SHAPE"
+    assert status(lt.cross_entropy, x, y[:6])[0] == "BAD_SHAPE"
+    assert status(lt.log_probs, x, y.clamp(min=0).double())[0] == "BAD_DTYPE"
+    assert status(lt.log_probs, x, torch.zeros(12, 2, 1, dtype=torch.long))[0] == "BAD_SHAPE"
+    assert status(lt.linear_cross_entropy, torch.randn(12, 4), torch.randn(37, 4),
+                  y.float())[0] == "BAD_DTYPE"
+    assert status(lt.cross_entropy, x, y.to(torch.uint64))[0] == "BAD_DTYPE"
+    assert status(lt.cross_entropy, x, y, ignore_index=2 ** 63)[0] == "BAD_OPTION"
+    for dev in ("meta",):
+        st, msg = status(lt.cross_entropy, x, y.to(dev))
+        assert st == "BAD_DEVICE" and "meta" in msg and "target" in msg
+        st, msg = status(lt.log_probs, x, y.clamp(min=0).to(dev))
+        assert st == "BAD_DEVICE" and "index" in msg
+        st, msg = status(lt.cross_entropy, x, torch.softmax(x, -1).to(dev))
+        assert st == "BAD_DEVICE"
+    st, msg = status(lt.cross_entropy, x.to("meta"), y.to("meta"))
+    assert st == "BAD_DEVICE" and "meta" in msg
+    assert torch.equal(lt.cross_entropy(x, y.to(torch.int16)), lt.cross_entropy(x, y))
+
+
 def test_import_lmloss_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"
             "import lmloss\n"

@@ -24,9 +24,13 @@ def _bad(msg):
 
 
 def _rows(x, name):
-    """x [..., V] as 2-D [N, V] (a view when possible); float64 computed in float32."""
+    """x [..., V] as 2-D [N, V] (a view when possible); float64 computed in
+    float32. V = 0 is refused (LMLOSS_ERR_BAD_SHAPE), as NumPy's API does."""
     if x.dim() < 1:
         raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "%s must have at least one axis" % name)
+    if x.shape[-1] == 0:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "%s %s has no classes (V = 0)"
+                         % (name, tuple(x.shape)))
     if x.dtype == torch.float64:
         x = x.float()
     return x.reshape(-1, x.shape[-1])
@@ -34,6 +38,60 @@ def _rows(x, name):
 
 def _index(t):
     return t if t.dtype in (torch.int64, torch.int32) else t.long()
+
+
+def _same_device(t, like, name, like_name):
+    if t.device != like.device:
+        raise _lib.Error("LMLOSS_ERR_BAD_DEVICE", "%s is on %s but %s on %s: move it to %s"
+                         % (name, t.device, like_name, like.device, like.device))
+
+
+def _indices(t, like, name, like_name="the logits"):
+    """An index tensor (target, index): integers (refused otherwise, as NumPy's
+    API refuses them: a float target is not rounded), on like's device."""
+    if not isinstance(t, torch.Tensor):
+        raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "%s must be a tensor, got %s"
+                         % (name, type(t).__name__))
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "%s must hold class indices (an integer "
+                         "tensor), got %s%s" % (name, t.dtype, "; class probabilities must have "
+                                                "the logits' shape" if name == "target" else ""))
+    if t.dtype == torch.uint64:
+        raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "%s is uint64, whose values need not fit "
+                         "int64: convert it to int64" % name)
+    _same_device(t, like, name, like_name)
+    return _index(t)
+
+
+def _target(target, lead, like, like_name="the logits"):
+    """CE's class-index target, shaped like the rows (`lead`), on like's device."""
+    target = _indices(target, like, "target", like_name)
+    if target.shape != lead:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "target has shape %s, expected %s (one class "
+                         "index per row)" % (tuple(target.shape), tuple(lead)))
+    return target.reshape(-1)
+
+
+def _empty_rows_ce(zsum, reduction, num_items, divisor, extras, s):
+    """Cross-entropy over no rows, as torch gives it: "none" an empty [...],
+    "sum" 0, "mean" NaN (0 / 0); the extras empty. zsum: the logits summed
+    over the classes, [...] (empty), so the result stays in the graph."""
+    loss = _unshift(zsum, s)
+    if reduction != "none":
+        total = zsum.sum()
+        if divisor is not None:
+            loss = total / divisor.to(device=total.device, dtype=total.dtype)
+        elif num_items is not None:
+            loss = total / num_items
+        else:
+            loss = total if reduction == "sum" else total / 0.0
+    if not extras:
+        return loss, None
+    lead = zsum.shape
+    pick = [_unshift(zsum.new_empty(lead, dtype=dt), s) if extras & f else None
+            for f, dt in ((O.EXTRA_LSE, torch.float32), (O.EXTRA_ENTROPY, torch.float32),
+                          (O.EXTRA_ARGMAX, torch.int64))]
+    return loss, pick
 
 
 def _mask(m):
@@ -148,17 +206,21 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                                    z_loss, logit_scale, softcap, temperature, red, items,
                                    divisor, _shift_of(shift, target[..., 0]), backend,
                                    num_threads)
-    s = _shift_of(shift, target)
-    target = _shifted(target, s, ignore_index)
-    token_weight = _shifted(token_weight, s, 0.0)
     x = _rows(logits, "logits")
     lead = logits.shape[:-1]
+    target = _target(target, lead, logits)
+    s = _shift_of(shift, target.reshape(lead))
     extras = _extras_flags(return_lse, return_entropy, return_argmax)
     fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap,
                              temperature, red, items, dft, backend_code(backend), num_threads)
-    out = O.cross_entropy(x, _index(target).reshape(-1), _f32(token_weight), _f32(class_weight),
-                          fopts, iopts, extras)
-    loss, pick = _finish(*out, lead, red, divisor, extras, s)
+    if x.shape[0] == 0:  # no rows: what torch gives (the C call needs data)
+        loss, pick = _empty_rows_ce(logits.float().sum(-1), red, items, divisor, extras, s)
+    else:
+        target = _shifted(target.reshape(lead), s, ignore_index).reshape(-1)
+        token_weight = _shifted(token_weight, s, 0.0)
+        out = O.cross_entropy(x, target, _f32(token_weight), _f32(class_weight), fopts, iopts,
+                              extras)
+        loss, pick = _finish(*out, lead, red, divisor, extras, s)
     return loss if pick is None else CrossEntropyResult(loss, None, *pick)
 
 
@@ -168,6 +230,7 @@ def _soft_cross_entropy(logits, target, class_weight, token_weight, label_smooth
     """F.cross_entropy's loss for class probabilities: log_softmax from lmloss
     (its backward is exact: dx = softmax * sum(q) - q for the weighted
     probabilities q), the weighted sum in torch."""
+    _same_device(target, logits, "target", "the logits")
     if s:
         logits, target = logits[..., :-s, :], target[..., s:, :]
         token_weight = None if token_weight is None else token_weight[..., s:]
@@ -203,11 +266,15 @@ def _soft_cross_entropy(logits, target, class_weight, token_weight, label_smooth
     return total if reduction == "sum" else total / loss.numel()
 
 
-def _index_2d(index, lead):
+def _index_2d(index, lead, like, like_name="the logits"):
     """index [...] (K = 1, squeezed result) or [..., K] as [N, K]; the result shape."""
-    if index.dim() == len(lead):
-        return _index(index).reshape(-1, 1), lead
-    return _index(index).reshape(-1, index.shape[-1]), index.shape
+    index = _indices(index, like, "index", like_name)
+    if index.shape == lead:
+        return index.reshape(-1, 1), lead
+    if index.dim() == len(lead) + 1 and index.shape[:-1] == lead:
+        return index.reshape(-1, index.shape[-1]), index.shape
+    raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "index has shape %s; expected %s or %s + (K,)"
+                     % (tuple(index.shape), tuple(lead), tuple(lead)))
 
 
 def _save_stats(v, *inputs):
@@ -230,7 +297,11 @@ def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0,
     entropy). TRL's signature and dtype are selective_log_softmax's."""
     x = _rows(logits, "logits")
     lead = logits.shape[:-1]
-    idx, shape = _index_2d(index, lead)
+    idx, shape = _index_2d(index, lead, logits)
+    if x.shape[0] == 0:  # no rows: empty results, in the graph
+        z = logits.float().sum(-1)
+        logp = z if shape == lead else z[..., None].expand(shape)
+        return (logp, z) if entropy else logp
     # the backward then reads the logits once (lmloss_log_probs' stats)
     logp, ent, _ = O.log_probs(x, idx, _mask(mask), 1.0, 0.0, float(temperature),
                                bool(entropy), _save_stats(x.shape[-1], x), backend_code(backend),
@@ -262,6 +333,8 @@ def entropy(logits: Tensor, *, temperature: float = 1.0, backend: str = "auto",
     """Entropy (nats) of softmax(logits / temperature) per row: float32 [...]
     for logits [..., V], differentiable w.r.t. logits."""
     x = _rows(logits, "logits")
+    if x.shape[0] == 0:
+        return logits.float().sum(-1)
     ent = O.entropy(x, 1.0, 0.0, float(temperature), backend_code(backend), int(num_threads))
     return ent.reshape(logits.shape[:-1])
 
@@ -284,6 +357,8 @@ def _softmax(logits, dim, log, backend, num_threads):
     if logits.dim() > 1 and d != nd - 1:  # the classes last, and back
         return _softmax(logits.movedim(d, -1), -1, log, backend, num_threads).movedim(-1, d)
     x = _rows(logits, "logits")
+    if x.shape[0] == 0:
+        return (x * 0).reshape(logits.shape)
     y = O.softmax(x, log, backend_code(backend), int(num_threads))
     return y.reshape(logits.shape)
 
@@ -327,6 +402,9 @@ def _check_head(hidden, weight, target):
     if weight.dim() != 2:
         raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "weight must be [V, H], got %s"
                          % (tuple(weight.shape),))
+    if weight.shape[0] == 0:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "weight %s has no classes (V = 0)"
+                         % (tuple(weight.shape),))
     if hidden.dim() < 1 or weight.shape[1] != hidden.shape[-1]:
         raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "hidden [..., H] and weight [V, H] must share "
                          "H: got hidden %s and weight %s" % (tuple(hidden.shape),
@@ -336,7 +414,7 @@ def _check_head(hidden, weight, target):
                          "weight an activation %s; pass hidden first"
                          % (tuple(hidden.shape), tuple(weight.shape)))
     lead = hidden.shape[:-1]
-    if (target is not None and target.shape[:len(lead)] != lead
+    if (isinstance(target, torch.Tensor) and target.shape[:len(lead)] != lead
             and target.shape[:1] == weight.shape[:1]):
         raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", _LIGER + "target %s has weight's rows %s, not "
                          "hidden's %s" % (tuple(target.shape), tuple(weight.shape),
@@ -351,6 +429,12 @@ def _head(hidden, weight, bias, target=None):
     dt = _head_dtype(hidden, weight)
     h = hidden.to(dt).reshape(-1, hidden.shape[-1])
     return h, weight.to(dt), None if bias is None else bias.to(dt)
+
+
+def _empty_logits(h, w, b):
+    """The [0, V] logits of a head over no rows (float32, in the graph)."""
+    z = h.float() @ w.float().T
+    return z if b is None else z + b.float()
 
 
 def _budget(memory_budget):
@@ -402,18 +486,23 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     backward only scales them), so evaluate under torch.no_grad().
     """
     red, items, divisor = _reduction(reduction, num_items)
-    s = _shift_of(shift, target)
-    target = _shifted(target, s, ignore_index)
-    token_weight = _shifted(token_weight, s, 0.0)
     h, w, b = _head(hidden, weight, bias, target)
     lead = hidden.shape[:-1]
+    target = _target(target, lead, hidden, "hidden")
+    s = _shift_of(shift, target.reshape(lead))
     extras = _extras_flags(return_lse, return_entropy, return_argmax)
     fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap,
                              temperature, red, items, dft, backend_code(backend), num_threads)
-    out = L.linear_cross_entropy(h, w, b, _index(target).reshape(-1), _f32(token_weight),
-                                 _f32(class_weight), fopts, iopts, _budget(memory_budget), extras,
-                                 _grads_in_forward(red, h, w, b))
-    loss, pick = _finish(*out[:4], lead, red, divisor, extras, s)
+    if h.shape[0] == 0:  # no rows: what torch gives, in the graph of hidden, weight, bias
+        loss, pick = _empty_rows_ce(_empty_logits(h, w, b).sum(-1).reshape(lead), red, items,
+                                    divisor, extras, s)
+    else:
+        target = _shifted(target.reshape(lead), s, ignore_index).reshape(-1)
+        token_weight = _shifted(token_weight, s, 0.0)
+        out = L.linear_cross_entropy(h, w, b, target, _f32(token_weight), _f32(class_weight),
+                                     fopts, iopts, _budget(memory_budget), extras,
+                                     _grads_in_forward(red, h, w, b))
+        loss, pick = _finish(*out[:4], lead, red, divisor, extras, s)
     return loss if pick is None else LinearCrossEntropyResult(loss, None, None, None, *pick)
 
 
@@ -430,7 +519,11 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *,
     linear_cross_entropy."""
     h, w, b = _head(hidden, weight, bias, index)
     lead = hidden.shape[:-1]
-    idx, shape = _index_2d(index, lead)
+    idx, shape = _index_2d(index, lead, hidden, "hidden")
+    if h.shape[0] == 0:  # no rows: empty results, in the graph
+        z = _empty_logits(h, w, b).sum(-1).reshape(lead)
+        logp = z if shape == lead else z[..., None].expand(shape)
+        return (logp, z) if entropy else logp
     # the backward then computes the logits once (lmloss_linear_log_probs' stats)
     logp, ent, _ = L.linear_log_probs(h, w, b, idx, _mask(mask), float(logit_scale),
                                       _lib.softcap_value(softcap), float(temperature),
