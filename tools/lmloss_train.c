@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "lmloss.h"
 
@@ -227,6 +228,39 @@ static float loss_call(loss_step *ls, int with_grads) {
   return loss;
 }
 
+/* Seconds the run will take: one loss step with its gradients (the head's
+ * GEMMs and row pass grow with V: a large --vocab takes hours on a small
+ * machine) and one hidden layer, timed on the first b held-out rows, b
+ * doubling from 8 until a step takes 0.5 s or holds the batch, then
+ * extrapolated linearly from the last two to the batch (a step also has
+ * a cost per call, dW's V x H written whatever b is) and scaled to every
+ * step and evaluation. The calls write only gradients that each step
+ * overwrites and draw no random numbers, so the run is unchanged. */
+static double estimate_s(const loss_step *ls, const model *md, const unsigned char *text,
+                         const int64_t *vpos, int B, int steps, float *x, float *h) {
+  double t = 0.0, t_hid = 0.0, t_prev = 0.0;
+  int b = B < 8 ? B : 8, b_prev = 0;
+  for (;; b_prev = b, t_prev = t, b = 2 * b < B ? 2 * b : B) {
+    loss_step q = *ls;
+    q.head.hidden.rows = q.grads.dhidden.rows = q.target.rows = b;
+    q.dhead.hidden.rows = q.dgrads.dhidden.rows = q.dtarget.rows = b;
+    for (int i = 0; i < b; i++)
+      q.tgt[i] = text[vpos[i]];
+    double t0 = omp_get_wtime();
+    hidden_forward(md, text, vpos, b, x, h);
+    double t1 = omp_get_wtime();
+    loss_call(&q, 1);
+    t = omp_get_wtime() - t1, t_hid = (t1 - t0) * B / b;
+    if (b == B || t + (t1 - t0) > 0.5) break;
+  }
+  if (b < B) /* the first call (b = 8) also paid the warm-up: no slope then */
+    t +=
+        b_prev ? (t - t_prev > 0.0 ? (t - t_prev) / (b - b_prev) : 0.0) * (B - b) : t * (B - b) / b;
+  /* a step: the loss with gradients, the hidden layer and its two
+   * backward GEMMs; an evaluation (every 50 steps): a forward only */
+  return steps * (t + 3.0 * t_hid) + (steps / 50 + 1) * (t / 3.0 + t_hid);
+}
+
 static void usage(FILE *f) {
   fprintf(f,
           "usage: lmloss_train [options]\n"
@@ -238,7 +272,7 @@ static void usage(FILE *f) {
           "  --seed N       seed of initialization, batches and sampling (default 1)\n"
           "  --text PATH    training text (default %s/genesis.txt)\n"
           "  --device D     cpu (default) or cuda\n"
-          "  --help\n",
+          "  --help, --version\n",
           LMLOSS_DATA_DIR);
 }
 
@@ -259,6 +293,12 @@ static void parse(int argc, char **argv, config *c) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[++i] : "";
     int known = 0;
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) usage(stdout), exit(0);
+    if (!strcmp(a, "--version")) {
+      const int lv = lmloss_version();
+      printf("lmloss_train %d.%d.%d (library %d.%d.%d)\n", LMLOSS_VERSION_MAJOR,
+             LMLOSS_VERSION_MINOR, LMLOSS_VERSION_PATCH, lv / 10000, lv / 100 % 100, lv % 100);
+      exit(0);
+    }
     for (size_t k = 0; k < sizeof opts / sizeof opts[0]; k++) {
       if (strcmp(a, opts[k].name)) continue;
       char *end; /* a count >= min, with an optional K or M (binary) suffix */
@@ -288,8 +328,10 @@ static void parse(int argc, char **argv, config *c) {
   }
 }
 
-/* Progress bar on stderr, so stdout stays a clean loss curve. */
+/* Progress bar on stderr, so stdout stays a clean loss curve; only to a
+ * terminal, where the carriage returns redraw it rather than fill a log. */
 static void progress(int step, int steps, float loss, double tok_s) {
+  if (!isatty(STDERR_FILENO)) return;
   int w = 30, done = (int)((int64_t)w * step / steps);
   fprintf(stderr, "\r[%.*s%*s] step %d/%d  loss %.4f  %.0f tok/s ", done,
           "##############################", w - done, "", step, steps, loss, tok_s);
@@ -347,8 +389,11 @@ int main(int argc, char **argv) {
          cf.text, n, (long long)n_train, (long long)(n - n_train), cf.cuda ? "GPU" : "CPU",
          lmloss_cpu_isa());
   printf("model: %d context bytes x %d-dim embedding -> tanh(%d) -> head V = %d, %zu "
-         "parameters; batch %d, %d steps, Adam, seed %lld\n\n",
+         "parameters; batch %d, %d steps, Adam, seed %lld\n",
          CTX, EMB, HID, V, md.n, B, steps, cf.seed);
+  printf("estimate: about %.0f s for %d steps (a loss step timed before the start)\n\n",
+         estimate_s(&ls, &md, text, vpos, B, steps, x, h), steps);
+  fflush(stdout);
   printf("%6s %12s %12s %14s\n", "step", "train loss", "held-out", "held-out bpb");
 
   float val0 = 0, val = 0, train_sum = 0;

@@ -9,10 +9,14 @@
  * own host work before its first kernel counts; above 1 it overlaps the
  * device work of the call before, as in a training step.
  */
+#include <ctype.h>
+#include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -21,7 +25,7 @@
 #endif
 
 static double time_case_ms(cli_case *c, const lmloss_context *ctx, int reps, int queue) {
-  double *t = malloc(sizeof(double) * (size_t)reps);
+  double *t = cli_host_alloc((size_t)reps, sizeof(double), 0);
   for (int r = -2; r < reps; r++) {
     double ms = 0;
     lmloss_status s = LMLOSS_OK;
@@ -57,12 +61,35 @@ static double time_case_ms(cli_case *c, const lmloss_context *ctx, int reps, int
   return m;
 }
 
+/* N,V or N,V,H: each a whole count (V >= 3) below 2^31, the BLAS's int,
+ * and no two of them a product past 2^56 elements, so that byte counts
+ * fit and a shape too large for memory fails at its allocation. */
 static int parse_shape(const char *s, int64_t *N, int64_t *V, int64_t *H) {
-  long long a = 0, b = 0, c = 0;
-  int n = sscanf(s, "%lld,%lld,%lld", &a, &b, &c);
-  if (n < 2 || a < 1 || b < 3 || (n == 3 && c < 1)) return 0;
-  *N = a, *V = b;
-  if (n == 3) *H = c;
+  long long d[3] = {0, 0, 1};
+  int n = 0, at = 0;
+  while (n < 3) {
+    int used = 0;
+    if (sscanf(s + at, "%lld%n", &d[n], &used) != 1 || !isdigit((unsigned char)s[at])) return 0;
+    at += used, n++;
+    if (s[at] != ',') break;
+    at++;
+  }
+  if (s[at] || n < 2 || d[0] < 1 || d[1] < 3 || d[2] < 1) return 0;
+  for (int k = 0; k < 3; k++)
+    if (d[k] > INT32_MAX) return 0;
+  if (d[0] * d[1] > (1ll << 56) || d[1] * d[2] > (1ll << 56) || d[0] * d[2] > (1ll << 56)) return 0;
+  *N = d[0], *V = d[1];
+  if (n == 3) *H = d[2];
+  return 1;
+}
+
+/* A whole number in [lo, hi], nothing after it. */
+static int parse_int(const char *s, long lo, long hi, int *out) {
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (end == s || *end || errno || v < lo || v > hi) return 0;
+  *out = (int)v;
   return 1;
 }
 
@@ -93,19 +120,21 @@ int cmd_bench(int argc, char **argv) {
       else if (strcmp(v, "f32"))
         return fprintf(stderr, "lmloss bench: --dtype f32|bf16|f16\n"), 2;
     } else if (!strcmp(argv[a], "--shape") && ++a) {
-      if (!parse_shape(v, &N, &V, &H)) return fprintf(stderr, "lmloss bench: --shape N,V[,H]\n"), 2;
+      if (!parse_shape(v, &N, &V, &H)) return fprintf(stderr, "lmloss bench: --shape N,V[,H]: whole numbers below 2^31, N, H >= 1, V >= 3\n"), 2;
     } else if (!strcmp(argv[a], "--reps") && ++a) {
-      reps = atoi(v);
-      if (reps < 1) return fprintf(stderr, "lmloss bench: --reps >= 1\n"), 2;
+      if (!parse_int(v, 1, 1000000, &reps))
+        return fprintf(stderr, "lmloss bench: --reps R, 1 <= R <= 1000000\n"), 2;
     } else if (!strcmp(argv[a], "--queue") && ++a) {
-      queue = atoi(v);
-      if (queue < 1) return fprintf(stderr, "lmloss bench: --queue >= 1\n"), 2;
+      if (!parse_int(v, 1, 1000000, &queue))
+        return fprintf(stderr, "lmloss bench: --queue Q, 1 <= Q <= 1000000\n"), 2;
     } else if (!strcmp(argv[a], "--supervised") && ++a) {
-      supervised = atof(v);
-      if (!(supervised > 0.0 && supervised <= 1.0))
-        return fprintf(stderr, "lmloss bench: --supervised in (0, 1]\n"), 2;
+      char *end;
+      supervised = strtod(v, &end);
+      if (end == v || *end || !(supervised > 0.0 && supervised <= 1.0))
+        return fprintf(stderr, "lmloss bench: --supervised F, 0 < F <= 1\n"), 2;
     } else if (!strcmp(argv[a], "--threads") && ++a) {
-      threads = atoi(v);
+      if (!parse_int(v, 0, 1024, &threads))
+        return fprintf(stderr, "lmloss bench: --threads T, 0 <= T <= 1024 (0: OpenMP's)\n"), 2;
     } else if (cli_op_parse(argv[a], &op)) {
       ops[nops++] = op;
     } else {
@@ -139,8 +168,9 @@ int cmd_bench(int argc, char **argv) {
     if (!v) v = dev == LMLOSS_CUDA ? 152064 : 32768;
     if (!h) h = dev == LMLOSS_CUDA ? 4096 : 1024;
     if (lin && dev == LMLOSS_CPU && dt != LMLOSS_F32) continue; /* fp32-only on the CPU */
-    fprintf(stderr, "[%d/%d] %s %lldx%lld%s ...\n", k + 1, nops, cli_op_name(ops[k]), (long long)n,
-            (long long)v, lin ? "" : "");
+    if (isatty(STDERR_FILENO)) /* progress for a person watching, not for a log */
+      fprintf(stderr, "[%d/%d] %s %lldx%lld ...\n", k + 1, nops, cli_op_name(ops[k]), (long long)n,
+              (long long)v);
     cli_case c;
     if (!cli_case_init(&c, ops[k], n, v, lin ? h : 0, dt, dev, 0.0, plain, supervised, 11))
       return fprintf(stderr, "lmloss bench: bad shape for %s\n", cli_op_name(ops[k])), 2;

@@ -53,7 +53,7 @@ static lmloss_tensor make(cli_case *c, lmloss_dtype dt, int64_t rows, int64_t co
                           const double *host) {
   lmloss_tensor t = {NULL, dt, c->dev, rows, cols, cols};
   size_t n = (size_t)(rows * cols), bytes = n * lmloss_dtype_size(dt);
-  char *h = malloc(bytes ? bytes : 1);
+  char *h = cli_host_alloc(bytes, 1, 0);
   for (size_t i = 0; host && i < n; i++) {
     if (dt == LMLOSS_I64)
       ((int64_t *)h)[i] = (int64_t)host[i];
@@ -80,13 +80,13 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
   if (V < 3 || N < 1 || (cli_op_is_linear(op) && H < 1)) return 0;
   rng_state = seed;
   const int64_t K = c->K;
-  double *tgt = malloc(sizeof(double) * (size_t)N * K);
+  double *tgt = cli_host_alloc((size_t)N * K, sizeof(double), 0);
   for (int64_t i = 0; i < N; i++) {
     for (int64_t k = 0; k < K; k++)
       tgt[i * K + k] = (double)((i * 7919 + k * 13) % V);
   }
   if (!cli_op_is_linear(op)) {
-    double *x = malloc(sizeof(double) * (size_t)(N * V));
+    double *x = cli_host_alloc((size_t)(N * V), sizeof(double), 0);
     for (int64_t i = 0; i < N; i++) {
       double mx = -1e300;
       for (int64_t j = 0; j < V; j++) {
@@ -115,9 +115,9 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
     /* Peaked rows get their own hidden dimension: h_i[H0 + i] = 1 and
      * W[y_i][H0 + i] lifts exactly their target by the margin. */
     const int64_t H0 = margin > 0 ? H - N : H;
-    double *h = calloc((size_t)(N * H), sizeof(double)),
-           *w = calloc((size_t)(V * H), sizeof(double));
-    double *b = malloc(sizeof(double) * (size_t)V);
+    double *h = cli_host_alloc((size_t)(N * H), sizeof(double), 1),
+           *w = cli_host_alloc((size_t)(V * H), sizeof(double), 1);
+    double *b = cli_host_alloc((size_t)V, sizeof(double), 0);
     for (int64_t i = 0; i < N * H; i++)
       h[i] = (i % H) < H0 ? urand() - 0.5 : 0.0;
     for (int64_t i = 0; i < V * H; i++)
@@ -153,13 +153,13 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
     }
     c->idx = make(c, LMLOSS_I64, N, 1, tgt);
   } else {
-    double *t2 = malloc(sizeof(double) * (size_t)N * K);
+    double *t2 = cli_host_alloc((size_t)N * K, sizeof(double), 0);
     for (int64_t i = 0; i < N * K; i++)
       t2[i] = tgt[i];
     c->idx = make(c, LMLOSS_I64, N, K, t2);
     free(t2);
   }
-  double *d = malloc(sizeof(double) * (size_t)N * K);
+  double *d = cli_host_alloc((size_t)N * K, sizeof(double), 0);
   for (int64_t i = 0; i < N * K; i++)
     d[i] = urand() - 0.5;
   if (op == OP_CE_BWD) c->dloss = make(c, LMLOSS_F32, 1, 1, (double[]){0.75});
@@ -293,9 +293,9 @@ double *cli_case_fetch(const cli_case *c, int k, size_t *n, int64_t *cols) {
   *n = (size_t)(t->rows * t->cols);
   *cols = t->cols;
   size_t bytes = *n * lmloss_dtype_size(t->dtype);
-  char *h = malloc(bytes ? bytes : 1);
+  char *h = cli_host_alloc(bytes, 1, 0);
   cli_download(c->dev, h, t->data, bytes);
-  double *d = malloc(sizeof(double) * (*n ? *n : 1));
+  double *d = cli_host_alloc(*n, sizeof(double), 0);
   for (size_t i = 0; i < *n; i++)
     d[i] =
         t->dtype == LMLOSS_I64 ? (double)((int64_t *)h)[i] : lmloss_load(h, t->dtype, (int64_t)i);
@@ -316,7 +316,7 @@ void cli_case_free(cli_case *c) {
 
 static double *as_doubles(const lmloss_tensor *t) {
   size_t n = (size_t)(t->rows * t->cols);
-  double *d = malloc(sizeof(double) * n);
+  double *d = cli_host_alloc(n, sizeof(double), 0);
   cli_case tmp = {.dev = LMLOSS_CPU};
   tmp.out[0] = *t;
   size_t m;
@@ -330,7 +330,8 @@ static double *as_doubles(const lmloss_tensor *t) {
 static lmloss_status linear_reference(cli_case *c, const lmloss_context *ctx) {
   const int64_t N = c->N, V = c->V, H = c->H;
   double *h = as_doubles(&c->hidden), *w = as_doubles(&c->weight), *b = as_doubles(&c->bias);
-  float *x = malloc(sizeof(float) * (size_t)(N * V)), *dl = malloc(sizeof(float) * (size_t)(N * V));
+  float *x = cli_host_alloc((size_t)(N * V), sizeof(float), 0),
+        *dl = cli_host_alloc((size_t)(N * V), sizeof(float), 0);
   const int with_bias = c->op == OP_LINEAR_CE;
   for (int64_t i = 0; i < N; i++)
     for (int64_t j = 0; j < V; j++) {
@@ -350,7 +351,7 @@ static lmloss_status linear_reference(cli_case *c, const lmloss_context *ctx) {
     memset(&out, 0, sizeof out);
     out.loss = c->out[0], out.dlogits = dlt;
     size_t wsb = lmloss_cross_entropy_workspace_size(N);
-    void *ws = malloc(wsb);
+    void *ws = cli_host_alloc(wsb, 1, 0);
     s = lmloss_cross_entropy(ctx, &in, &o, &out, ws, wsb);
     free(ws);
   } else {

@@ -87,8 +87,11 @@ lmloss_status cli_case_run(cli_case *c, const lmloss_context *ctx);
 double *cli_case_fetch(const cli_case *c, int k, size_t *n, int64_t *cols);
 void cli_case_free(cli_case *c);
 
-/* Device memory (CUDA only when built with it). */
+/* Device memory (CUDA only when built with it). Every allocation of the
+ * command goes through cli_host_alloc or cli_alloc, which print what
+ * failed and exit with status 2 rather than return NULL. */
 int cli_cuda_available(void);
+void *cli_host_alloc(size_t n, size_t size, int zero); /* n elements of size bytes */
 void *cli_alloc(lmloss_device dev, size_t bytes);
 void cli_free(lmloss_device dev, void *p);
 void cli_upload(lmloss_device dev, void *dst, const void *src, size_t bytes);

@@ -45,7 +45,10 @@ int cmd_collapse(int argc, char **argv) {
   int64_t y = 1234;
   const float margins[] = {0, 5, 10, 15, 17, 20, 30, 50, 80};
   int fails = 0;
-  (void)argc, (void)argv;
+  if (argc > 1) {
+    fprintf(stderr, "lmloss collapse: unknown option %s (it takes none; lmloss --help)\n", argv[1]);
+    return 2;
+  }
   printf("cross-entropy of one row, V = %d, fp32 logits: target = max of the rest + margin\n\n", V);
   printf("%7s | %-23s | %-23s | %-23s\n", "", "usual fp32 form", "lmloss (fp32, CPU)",
          "float64 reference");

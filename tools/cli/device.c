@@ -1,7 +1,9 @@
 /* device.c - host or CUDA memory for the command's cases. */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -25,17 +27,34 @@ int cli_cuda_available(void) {
 #endif
 }
 
+static void out_of_memory(const char *where, double bytes, const char *why) {
+  fprintf(stderr, "lmloss: cannot allocate %.1f GiB of %s memory%s (a smaller --shape?)\n",
+          bytes / (1024.0 * 1024.0 * 1024.0), where, why);
+  exit(2);
+}
+
+void *cli_host_alloc(size_t n, size_t size, int zero) {
+  const double bytes = (double)n * (double)size;
+  /* Beyond the physical memory an overcommitting kernel may still grant
+   * the allocation, then kill the process when it touches the pages. */
+  const double phys = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+  if (n && size > SIZE_MAX / n) out_of_memory("host", bytes, ": the size overflows");
+  if (phys > 0 && bytes > phys) out_of_memory("host", bytes, ", more than this machine has");
+  void *p = zero ? calloc(n ? n : 1, size ? size : 1) : malloc(n * size ? n * size : 1);
+  if (!p) out_of_memory("host", bytes, "");
+  return p;
+}
+
 void *cli_alloc(lmloss_device dev, size_t bytes) {
+  if (dev == LMLOSS_CPU) return cli_host_alloc(bytes, 1, 0);
   void *p = NULL;
-  if (dev == LMLOSS_CPU) p = malloc(bytes);
 #ifdef LMLOSS_CLI_CUDA
-  else
-    cuda_ok(cudaMalloc(&p, bytes), "cudaMalloc");
-#endif
-  if (!p) {
-    fprintf(stderr, "lmloss: out of memory (%zu bytes)\n", bytes);
-    exit(2);
+  if (cudaMalloc(&p, bytes ? bytes : 1) != cudaSuccess) {
+    cudaGetLastError(); /* clear it: the message says what failed */
+    out_of_memory("device", (double)bytes, "");
   }
+#endif
+  if (!p) out_of_memory("device", (double)bytes, "");
   return p;
 }
 

@@ -91,11 +91,11 @@ static void cu_gemm(cublasHandle_t h, int ta, int tb, int64_t m, int64_t n, int6
  * (hidden dtype), dW = dl^T h (fp32); on CUDA queue times a sample. */
 double cli_limit_gemm_ms(const cli_case *c, int reps, int queue) {
   const int64_t N = c->N, V = c->V, H = c->H;
-  double *t = malloc(sizeof(double) * (size_t)reps), ms;
+  double *t = cli_host_alloc((size_t)reps, sizeof(double), 0), ms;
   if (c->dev == LMLOSS_CPU) {
-    float *logits = malloc(sizeof(float) * (size_t)(N * V));
-    float *dh = malloc(sizeof(float) * (size_t)(N * H)),
-          *dw = malloc(sizeof(float) * (size_t)(V * H));
+    float *logits = cli_host_alloc((size_t)(N * V), sizeof(float), 0);
+    float *dh = cli_host_alloc((size_t)(N * H), sizeof(float), 0),
+          *dw = cli_host_alloc((size_t)(V * H), sizeof(float), 0);
     const float *h = c->hidden.data, *w = c->weight.data;
     for (int r = -1; r < reps; r++) {
       double t0 = cli_now_ms();

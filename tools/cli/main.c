@@ -32,7 +32,8 @@ static void usage(FILE *f) {
              "                       CUDA 8192,152064 (fused head 8192,152064,4096).\n"
              "  collapse             show softmax collapse: a confident token's loss and\n"
              "                       gradient, the usual fp32 way vs lmloss vs float64\n"
-             "  --help               this text\n"
+             "  --help               this text (also after a command)\n"
+             "  --version            the command's and the library's version\n"
              "\n"
              "examples:\n"
              "  lmloss check\n"
@@ -40,11 +41,24 @@ static void usage(FILE *f) {
              "  lmloss bench linear-ce --device cuda --dtype bf16 --csv\n");
 }
 
+/* This command's version (the header it was built with) and the loaded
+ * library's, which differ when an older or newer liblmloss is found. */
+static void version(void) {
+  const int v = lmloss_version();
+  printf("lmloss %d.%d.%d (library %d.%d.%d, CPU ISA %s, CUDA %s)\n", LMLOSS_VERSION_MAJOR,
+         LMLOSS_VERSION_MINOR, LMLOSS_VERSION_PATCH, v / 10000, v / 100 % 100, v % 100,
+         lmloss_cpu_isa(), lmloss_has_cuda() ? "built in" : "not built in");
+}
+
 int main(int argc, char **argv) {
   if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") ||
       !strcmp(argv[1], "help")) {
-    usage(stdout);
+    usage(argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
+  }
+  for (int a = 1; a < argc; a++) { /* anywhere: `lmloss bench --version` too */
+    if (!strcmp(argv[a], "--version")) return version(), 0;
+    if (a > 1 && (!strcmp(argv[a], "--help") || !strcmp(argv[a], "-h"))) return usage(stdout), 0;
   }
   if (!strcmp(argv[1], "check")) return cmd_check(argc - 1, argv + 1);
   if (!strcmp(argv[1], "bench")) return cmd_bench(argc - 1, argv + 1);
