@@ -40,7 +40,8 @@ void *cli_host_alloc(size_t n, size_t size, int zero) {
   const double phys = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
   if (n && size > SIZE_MAX / n) out_of_memory("host", bytes, ": the size overflows");
   if (phys > 0 && bytes > phys) out_of_memory("host", bytes, ", more than this machine has");
-  void *p = zero ? calloc(n ? n : 1, size ? size : 1) : malloc(n * size ? n * size : 1);
+  const size_t total = n * size;
+  void *p = zero ? calloc(total ? n : 1, total ? size : 1) : malloc(total ? total : 1);
   if (!p) out_of_memory("host", bytes, "");
   return p;
 }
