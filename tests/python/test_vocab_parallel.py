@@ -2,7 +2,8 @@
 family over a vocabulary split into 2, 3 and 4 shards, even and uneven,
 against the single-process call on the whole rows, on peaked rows whose
 argmax sits on each rank in turn, ties at the max across ranks, a shard
-holding only -inf and ignored rows."""
+holding only -inf and ignored rows; and the fused head with its weight's
+rows split over the ranks."""
 
 import os
 import tempfile
@@ -121,12 +122,52 @@ def _check_rank(world, rank, uneven, V):
         _close(ggot, gref[:, s:e], "softmax grad log=%s" % log, rtol=1e-4, atol=1e-5)
 
 
+def _check_head(world, rank, uneven, V):
+    """The fused head with W's rows split: loss, dhidden (summed over the
+    ranks), the rank's rows of dW and db, against the whole head."""
+    bounds = _bounds(V, world, uneven)
+    s, e = bounds[rank]
+    shard = dict(process_group=dist.group.WORLD)
+    if uneven:
+        shard.update(vocab_start=s, vocab_size=V)
+    g = torch.Generator().manual_seed(7 + world)
+    h = torch.randn(N, H, generator=g)
+    w = torch.randn(V, H, generator=g) / H ** 0.5
+    b = torch.randn(V, generator=g)
+    _, y = _rows(V, bounds, seed=world)
+    tw = torch.rand(N, generator=g) + 0.5
+    cases = [
+        dict(),
+        dict(reduction="none", token_weight=tw),
+        dict(reduction="sum", label_smoothing=0.1, softcap=10.0, logit_scale=40.0),
+        dict(num_items=17, z_loss=1e-3),
+    ]
+    # the shard's logits in chunks of 5 rows (then recomputed) or one chunk
+    budgets = (None, 5 * (e - s) * 12, 1, None)
+    for case, budget in zip(cases, budgets):
+        def run(fn, ww, bb):
+            hh, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (h, ww, bb))
+            out = fn(hh, w2, y, bias=b2, **case)
+            (out * torch.linspace(0.5, 1.5, out.numel()).reshape(out.shape)).sum().backward()
+            return out.detach(), hh.grad, w2.grad, b2.grad
+
+        ref = run(LT.linear_cross_entropy, w, b)
+        got = run(lambda *a, **k: VP.linear_cross_entropy(*a, **k, **shard, memory_budget=budget),
+                  w[s:e], b[s:e])
+        _close(got[0], ref[0], "head loss %s" % case, rtol=1e-4)
+        _close(got[1], ref[1], "head dhidden %s" % case, rtol=1e-4, atol=1e-5)
+        _close(got[2], ref[2][s:e], "head dweight %s" % case, rtol=1e-4, atol=1e-5)
+        _close(got[3], ref[3][s:e], "head dbias %s" % case, rtol=1e-4, atol=1e-5)
+
+
 def _worker(rank, world, init):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         _check_rank(world, rank, False, 20 * world)
         _check_rank(world, rank, True, 12 * world + 61)
+        _check_head(world, rank, False, 20 * world)
+        _check_head(world, rank, True, 12 * world + 61)
     finally:
         dist.destroy_process_group()
 

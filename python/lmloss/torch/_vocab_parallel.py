@@ -234,6 +234,125 @@ class Softmax(torch.autograd.Function):
         return dx.to(y.dtype), None, None, None
 
 
+# ---------------------------------------------------------------- the fused head, W split by rows
+
+DEFAULT_BUDGET = 256 << 20  # lmloss_head_options' default
+
+
+def _none(opt):
+    """opt with per-row losses: the fused head reduces them itself."""
+    o = _lib.CEOptions.from_buffer_copy(opt)
+    o.reduction, o.grad_output = _lib.REDUCTIONS["none"], 1.0
+    return o
+
+
+def _scale(opt, target, cw):
+    """What the summed row losses are divided by for opt's reduction, as a
+    device tensor (lmloss.h: mean is over the valid rows' class weights, 0
+    when they sum to 0)."""
+    if opt.reduction == _lib.REDUCE_SUM_OVER_ITEMS:
+        return torch.tensor(1.0 / opt.num_items, device=target.device)
+    if opt.reduction != _lib.REDUCTIONS["mean"]:
+        return torch.ones((), device=target.device)
+    valid = target != opt.ignore_index
+    den = (cw[target.clamp(0, cw.numel() - 1)] * valid).sum() if cw is not None else valid.sum().to(F32)
+    return torch.where(den > 0, 1.0 / den.clamp(min=1e-30), torch.zeros_like(den))
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits = hidden [N, H] weight_r [V_r, H]^T (+ bias_r):
+    rank r's rows of the head, hidden replicated. The logits exist a chunk
+    of rows at a time, within the memory budget. The states of every chunk
+    are exchanged once; a second pass over the chunks finishes the loss
+    and, for a scalar loss, the gradients (the logits are recomputed when
+    they took more than one chunk: one GEMM more for one collective). The
+    backward sums dhidden over the ranks."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, target, tw, cw, fopts, iopts, shard, budget):
+        opt, run = O._ce_opt(fopts, iopts), O.run_args(iopts)
+        n = h.shape[0]
+        per_row = w.shape[0] * (2 * h.element_size() + 4)
+        step = max(1, (budget or DEFAULT_BUDGET) // per_row)
+        chunks = [(i, min(n, i + step)) for i in range(0, n, step)]
+        state, kept = h.new_empty((n, S.STATE_COLS), dtype=F32), None
+        for i0, i1 in chunks:
+            z = _logits(h[i0:i1], w, b)
+            _state_into(z, target[i0:i1], _rows_of(tw, i0, i1), cw, opt, shard, run,
+                        state[i0:i1])
+            kept = z if len(chunks) == 1 else None
+        merged = exchange(state, _ce_cols(opt, False), shard, opt.transform, run)
+        scalar = opt.reduction != _lib.REDUCTIONS["none"]
+        grads = scalar and any(ctx.needs_input_grad[:3])
+        rows, acc = _second_pass(h, w, b, target, tw, cw, _none(opt), shard, merged, chunks,
+                                 kept, run, None if grads else False)
+        scale = _scale(opt, target, cw)
+        loss = rows.sum() * scale if scalar else rows
+        ctx.save_for_backward(h, w, b, target, tw, cw, merged, scale)
+        ctx.args = fopts, iopts, shard, chunks, acc
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        h, w, b, target, tw, cw, merged, scale = ctx.saved_tensors
+        fopts, iopts, shard, chunks, acc = ctx.args
+        opt = O._ce_opt(fopts, iopts)
+        if acc is None:  # per-row losses: the gradient needs dloss
+            _, acc = _second_pass(h, w, b, target, tw, cw, _none(opt), shard, merged, chunks,
+                                  None, O.run_args(iopts), dloss.reshape(-1).to(F32))
+            g = torch.ones((), device=h.device)
+        else:
+            g = dloss.to(F32) * scale
+        dh, dw, db = acc
+        dh = dh * g
+        if shard.world > 1:
+            dist.all_reduce(dh, group=shard.group)
+        return (dh.to(h.dtype), (dw * g).to(w.dtype), None if b is None else (db * g).to(b.dtype),
+                None, None, None, None, None, None, None)
+
+
+def _logits(h, w, b):
+    return torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+
+
+def _rows_of(t, i0, i1):
+    return None if t is None else t[i0:i1]
+
+
+def _state_into(z, target, tw, cw, opt, shard, run, state):
+    keep = []
+    with B.context(z, *run) as ctx:
+        _lib.check(S.ce_state(ctx, _ce_inputs(z, target, tw, cw, keep), opt, shard.c(),
+                              B.view(state, keep)))
+
+
+def _second_pass(h, w, b, target, tw, cw, opt, shard, merged, chunks, kept, run, dloss):
+    """The row losses and, unless dloss is False, the fp32 sums of dhidden,
+    dweight and dbias of sum_i dloss_i loss_i (dloss None: all 1)."""
+    rows = h.new_empty((h.shape[0],), dtype=F32)
+    acc = None
+    if dloss is not False:
+        acc = (torch.zeros(h.shape, dtype=F32, device=h.device),
+               torch.zeros(w.shape, dtype=F32, device=w.device),
+               None if b is None else torch.zeros(b.shape, dtype=F32, device=b.device))
+    for i0, i1 in chunks:
+        z = kept if kept is not None else _logits(h[i0:i1], w, b)
+        t, m, twc = target[i0:i1], merged[i0:i1], _rows_of(tw, i0, i1)
+        dz = None
+        if acc is not None and dloss is not None:
+            dz = ce_backward(z, t, twc, cw, opt, shard, m, dloss[i0:i1], False, run)
+        elif acc is not None:
+            dz = torch.empty_like(z, memory_format=torch.contiguous_format)
+        if dloss is None or dloss is False:
+            rows[i0:i1] = ce_finish(z, t, twc, cw, opt, shard, m, 0, run, dz)[0]
+        if dz is not None:
+            acc[0][i0:i1] = (dz @ w).to(F32)
+            acc[1].add_((dz.t() @ h[i0:i1]).to(F32))
+            if b is not None:
+                acc[2].add_(dz.sum(0, dtype=F32))
+    return rows, acc
+
+
 # ---------------------------------------------------------------- the functions lmloss.torch calls
 
 def _rows(x):
@@ -299,3 +418,25 @@ def softmax(logits, *, process_group, log=False, vocab_start=None, vocab_size=No
     shard = Shard(process_group, x.shape[-1], vocab_start, vocab_size)
     y = Softmax.apply(x, bool(log), shard, (B.backend_code(backend), int(num_threads)))
     return y.reshape(logits.shape)
+
+
+def linear_cross_entropy(hidden, weight, target, *, process_group, bias=None, vocab_start=None,
+                         vocab_size=None, memory_budget=None, ignore_index=-100,
+                         label_smoothing=0.0, z_loss=0.0, logit_scale=1.0, softcap=None,
+                         temperature=1.0, token_weight=None, class_weight=None, reduction="mean",
+                         num_items=None, dft=False, backend="auto", num_threads=0):
+    """lmloss.torch.linear_cross_entropy with the head's rows split over
+    the ranks: weight [V_r, H] (and bias [V_r]) this rank's rows, hidden
+    [..., H] the same on every rank; the whole rows' loss on every rank,
+    and dhidden summed over the ranks (a replicated input's gradient)."""
+    from . import _functional as Fn
+    red, items, divisor = Fn._reduction(reduction, num_items)
+    h, w, b = Fn._head(hidden, weight, bias)
+    shard = Shard(process_group, w.shape[0], vocab_start, vocab_size)
+    fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale,
+                             float(softcap or 0.0), temperature, red, items, dft,
+                             B.backend_code(backend), num_threads)
+    loss = LinearCrossEntropy.apply(h, w, b, Fn._index(target).reshape(-1),
+                                    Fn._f32(token_weight), Fn._f32(class_weight), fopts, iopts,
+                                    shard, Fn._budget(memory_budget))
+    return Fn._finish(loss, None, None, None, hidden.shape[:-1], red, divisor, 0)[0]
