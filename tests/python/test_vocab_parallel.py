@@ -15,8 +15,8 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)
 
+import lmloss  # noqa: E402
 import lmloss.torch as LT  # noqa: E402
-from lmloss.torch import _vocab_parallel as VP  # noqa: E402
 
 N, H = 24, 16
 MARGINS = (0.0, 5.0, 17.0, 30.0, 50.0, 1000.0)
@@ -82,7 +82,7 @@ def _check_rank(world, rank, uneven, V):
     ]
     for case in ce_cases:
         ref = LT.cross_entropy(x, y, **case)
-        got = VP.cross_entropy(xs, y, **shard, **case)
+        got = LT.cross_entropy(xs, y, **shard, **case)
         if isinstance(ref, tuple):
             for a, b, name in zip(got[2:], ref[2:], ("lse", "entropy", "argmax")):
                 _close(a, b, "CE %s %s" % (name, case))
@@ -90,32 +90,36 @@ def _check_rank(world, rank, uneven, V):
         _close(got, ref, "CE loss %s" % case)
         fn_ref = lambda t: LT.cross_entropy(t, y, **{k: v for k, v in case.items()
                                                      if not k.startswith("return")})
-        fn_got = lambda t: VP.cross_entropy(t, y, **shard,
+        fn_got = lambda t: LT.cross_entropy(t, y, **shard,
                                             **{k: v for k, v in case.items()
                                                if not k.startswith("return")})
         _, gref = _grad_of(fn_ref, x)
         _, ggot = _grad_of(fn_got, xs)
         _close(ggot, gref[:, s:e], "CE grad %s" % case)
+    with pytest.raises(lmloss.Error, match="one index a row"):
+        LT.log_probs(xs, torch.zeros(N, 2, dtype=torch.int64), **shard)
+    with pytest.raises(lmloss.Error, match="go together"):
+        LT.cross_entropy(xs, y, process_group=dist.group.WORLD, vocab_start=s)
     idx = y.clamp(min=0)
     for ent in (False, True):
         ref = LT.log_probs(x, idx, entropy=ent, temperature=0.9)
-        got = VP.log_probs(xs, idx, entropy=ent, temperature=0.9, **shard)
+        got = LT.log_probs(xs, idx, entropy=ent, temperature=0.9, **shard)
         for a, b in zip(got if ent else (got,), ref if ent else (ref,)):
             _close(a, b, "log_probs entropy=%s" % ent)
         pick = (lambda o: o[0] + o[1]) if ent else (lambda o: o)
         _, gref = _grad_of(lambda t: pick(LT.log_probs(t, idx, entropy=ent, temperature=0.9)), x)
-        _, ggot = _grad_of(lambda t: pick(VP.log_probs(t, idx, entropy=ent, temperature=0.9,
+        _, ggot = _grad_of(lambda t: pick(LT.log_probs(t, idx, entropy=ent, temperature=0.9,
                                                         **shard)), xs)
         _close(ggot, gref[:, s:e], "log_probs grad entropy=%s" % ent)
     ref, gref = _grad_of(lambda t: LT.entropy(t), x)
-    got, ggot = _grad_of(lambda t: VP.entropy(t, **shard), xs)
+    got, ggot = _grad_of(lambda t: LT.entropy(t, **shard), xs)
     _close(got, ref, "entropy")
     _close(ggot, gref[:, s:e], "entropy grad")
     for log in (False, True):
         f_ref = LT.log_softmax if log else LT.softmax
         xf = torch.where(torch.isinf(x), torch.zeros_like(x), x)  # finite gradients
         ref, gref = _grad_of(lambda t: (f_ref(t) * xf).sum(), x)
-        got, ggot = _grad_of(lambda t: (VP.softmax(t, log=log, **shard) * xf[:, s:e]).sum(),
+        got, ggot = _grad_of(lambda t: ((LT.log_softmax if log else LT.softmax)(t, **shard) * xf[:, s:e]).sum(),
                              xs)
         dist.all_reduce(got)
         _close(got, ref, "softmax log=%s" % log, rtol=1e-4)
@@ -152,7 +156,7 @@ def _check_head(world, rank, uneven, V):
             return out.detach(), hh.grad, w2.grad, b2.grad
 
         ref = run(LT.linear_cross_entropy, w, b)
-        got = run(lambda *a, **k: VP.linear_cross_entropy(*a, **k, **shard, memory_budget=budget),
+        got = run(lambda *a, **k: LT.linear_cross_entropy(*a, **k, **shard, memory_budget=budget),
                   w[s:e], b[s:e])
         _close(got[0], ref[0], "head loss %s" % case, rtol=1e-4)
         _close(got[1], ref[1], "head dhidden %s" % case, rtol=1e-4, atol=1e-5)

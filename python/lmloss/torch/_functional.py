@@ -4,9 +4,19 @@ torch.compile without graph breaks).
 
 Signatures: the tensors positionally, then keyword-only options (a few
 positional extras where the names users arrive with have them: softmax's
-dim, TRL's selective_log_softmax and entropy_from_logits)."""
+dim, TRL's selective_log_softmax and entropy_from_logits).
 
-from typing import Optional, Tuple, Union
+VOCAB_PARALLEL: cross_entropy, log_probs, entropy, softmax, log_softmax
+and linear_cross_entropy take process_group= (torch.distributed: NCCL on
+GPUs, gloo on the CPU) for a vocabulary split over its ranks, Megatron's
+layout: rank r holds columns [r V_r, (r + 1) V_r) of the logits (rows of
+the head), or [vocab_start, vocab_start + V_r) of vocab_size with
+vocab_start= and vocab_size= for uneven shards. Indices, targets and class
+weights are the whole vocabulary's, per-row results the whole rows' on
+every rank, gradients the rank's columns. One all-gather of 16 bytes a row
+(_vocab_parallel.py); eager only (torch.compile breaks the graph there)."""
+
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -16,6 +26,7 @@ from .._ce import CrossEntropyResult, class_weights
 from .._linear import LinearCrossEntropyResult
 from . import _linear_ops as L
 from . import _ops as O
+from . import _vocab_parallel as VP
 from ._bridge import backend_code
 
 
@@ -168,8 +179,9 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                   num_items: Optional[Union[Number, Tensor]] = None, dft: bool = False,
                   shift: Union[bool, int] = 0, return_lse: bool = False,
                   return_entropy: bool = False, return_argmax: bool = False,
-                  backend: str = "auto",
-                  num_threads: int = 0) -> Union[Tensor, CrossEntropyResult]:
+                  backend: str = "auto", num_threads: int = 0,
+                  process_group: Optional[Any] = None, vocab_start: Optional[int] = None,
+                  vocab_size: Optional[int] = None) -> Union[Tensor, CrossEntropyResult]:
     """Cross-entropy of logits [..., V] against target [...]: the loss and
     keywords of lmloss.cross_entropy (and of F.cross_entropy with the
     classes last), differentiable w.r.t. logits.
@@ -196,8 +208,22 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     never read by the host. With return_lse / return_entropy /
     return_argmax, returns CrossEntropyResult(loss, None, lse, entropy,
     argmax), the extras detached. There is no grad= keyword: use autograd.
+
+    Vocab-parallel (VOCAB_PARALLEL below): with process_group, logits are
+    this rank's columns of the vocabulary, target and class weights the
+    whole vocabulary's; every rank gets the whole rows' loss.
     """
     class_weight = class_weights(weight, class_weight)
+    if process_group is not None:
+        if shift or target.is_floating_point():
+            raise _bad("shift and probability targets are not vocab-parallel")
+        return VP.cross_entropy(
+            logits, target, process_group=process_group, vocab_start=vocab_start,
+            vocab_size=vocab_size, ignore_index=ignore_index, label_smoothing=label_smoothing,
+            z_loss=z_loss, logit_scale=logit_scale, softcap=softcap, temperature=temperature,
+            token_weight=token_weight, class_weight=class_weight, reduction=reduction,
+            num_items=num_items, dft=dft, return_lse=return_lse, return_entropy=return_entropy,
+            return_argmax=return_argmax, backend=backend, num_threads=num_threads)
     red, items, divisor = _reduction(reduction, num_items)
     if target.is_floating_point() and target.shape == logits.shape and logits.dim() > 1:
         if dft or return_lse or return_entropy or return_argmax:
@@ -286,7 +312,9 @@ def _save_stats(v, *inputs):
 
 def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0,
               mask: Optional[Tensor] = None, entropy: bool = False, backend: str = "auto",
-              num_threads: int = 0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+              num_threads: int = 0, process_group: Optional[Any] = None,
+              vocab_start: Optional[int] = None,
+              vocab_size: Optional[int] = None) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """log softmax(logits / temperature) gathered at index, as lmloss.log_probs.
 
     logits [..., V] (float32, bfloat16, float16; float64 computed in
@@ -294,7 +322,12 @@ def log_probs(logits: Tensor, index: Tensor, *, temperature: float = 1.0,
     logits' device. Returns float32 shaped like index, or (logp, entropy
     [...]) with entropy=True. mask [...] (bool): masked-out rows are not
     read and read 0. Differentiable w.r.t. logits (through logp and
-    entropy). TRL's signature and dtype are selective_log_softmax's."""
+    entropy). TRL's signature and dtype are selective_log_softmax's.
+    With process_group (VOCAB_PARALLEL), one index a row."""
+    if process_group is not None:
+        return VP.log_probs(logits, index, process_group=process_group, vocab_start=vocab_start,
+                            vocab_size=vocab_size, temperature=temperature, mask=mask,
+                            entropy=entropy, backend=backend, num_threads=num_threads)
     x = _rows(logits, "logits")
     lead = logits.shape[:-1]
     idx, shape = _index_2d(index, lead, logits)
@@ -329,9 +362,15 @@ def selective_log_softmax(logits: Tensor, index: Tensor, temperature: float = 1.
 
 
 def entropy(logits: Tensor, *, temperature: float = 1.0, backend: str = "auto",
-            num_threads: int = 0) -> Tensor:
+            num_threads: int = 0, process_group: Optional[Any] = None,
+            vocab_start: Optional[int] = None, vocab_size: Optional[int] = None) -> Tensor:
     """Entropy (nats) of softmax(logits / temperature) per row: float32 [...]
-    for logits [..., V], differentiable w.r.t. logits."""
+    for logits [..., V], differentiable w.r.t. logits. process_group:
+    VOCAB_PARALLEL."""
+    if process_group is not None:
+        return VP.entropy(logits, process_group=process_group, vocab_start=vocab_start,
+                          vocab_size=vocab_size, temperature=temperature, backend=backend,
+                          num_threads=num_threads)
     x = _rows(logits, "logits")
     if x.shape[0] == 0:
         return logits.float().sum(-1)
@@ -363,17 +402,27 @@ def _softmax(logits, dim, log, backend, num_threads):
     return y.reshape(logits.shape)
 
 
-def softmax(logits: Tensor, dim: int = -1, *, backend: str = "auto",
-            num_threads: int = 0) -> Tensor:
+def softmax(logits: Tensor, dim: int = -1, *, backend: str = "auto", num_threads: int = 0,
+            process_group: Optional[Any] = None, vocab_start: Optional[int] = None,
+            vocab_size: Optional[int] = None) -> Tensor:
     """softmax over `dim` (any axis, torch's keyword; the last by default).
-    Same shape and dtype as logits (float32 for float64), differentiable."""
+    Same shape and dtype as logits (float32 for float64), differentiable.
+    process_group: VOCAB_PARALLEL (the vocabulary on the last axis)."""
+    if process_group is not None:
+        return VP.softmax(logits, process_group=process_group, vocab_start=vocab_start,
+                          vocab_size=vocab_size, backend=backend, num_threads=num_threads)
     return _softmax(logits, dim, False, backend, num_threads)
 
 
 def log_softmax(logits: Tensor, dim: int = -1, *, backend: str = "auto",
-                num_threads: int = 0) -> Tensor:
+                num_threads: int = 0, process_group: Optional[Any] = None,
+                vocab_start: Optional[int] = None, vocab_size: Optional[int] = None) -> Tensor:
     """log_softmax over `dim`; as softmax. Its backward is lmloss's exact
     one (dx = dy - softmax * sum(dy), the argmax entry from the others)."""
+    if process_group is not None:
+        return VP.softmax(logits, log=True, process_group=process_group,
+                          vocab_start=vocab_start, vocab_size=vocab_size, backend=backend,
+                          num_threads=num_threads)
     return _softmax(logits, dim, True, backend, num_threads)
 
 
@@ -465,8 +514,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          num_items: Optional[Union[Number, Tensor]] = None, dft: bool = False,
                          shift: Union[bool, int] = 0, return_lse: bool = False,
                          return_entropy: bool = False, return_argmax: bool = False,
-                         backend: str = "auto",
-                         num_threads: int = 0) -> Union[Tensor, LinearCrossEntropyResult]:
+                         backend: str = "auto", num_threads: int = 0,
+                         process_group: Optional[Any] = None, vocab_start: Optional[int] = None,
+                         vocab_size: Optional[int] = None
+                         ) -> Union[Tensor, LinearCrossEntropyResult]:
     """Cross-entropy of logits = hidden [..., H] weight[V, H]^T (+ bias [V])
     against target [...], never materializing the logits: the keywords of
     lmloss.linear_cross_entropy (weight is the head, so the per-class
@@ -484,7 +535,21 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     Cost: a loss reduced to a scalar, with gradients enabled and hidden or
     weight requiring them, computes its gradients in this call (the
     backward only scales them), so evaluate under torch.no_grad().
+
+    process_group (VOCAB_PARALLEL): weight [V_r, H] and bias [V_r] are this
+    rank's rows of the head, hidden the same on every rank; its gradient
+    is summed over the ranks.
     """
+    if process_group is not None:
+        if shift or return_lse or return_entropy or return_argmax:
+            raise _bad("shift and return_* are not vocab-parallel in the fused head")
+        return VP.linear_cross_entropy(
+            hidden, weight, target, process_group=process_group, bias=bias,
+            vocab_start=vocab_start, vocab_size=vocab_size, memory_budget=memory_budget,
+            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+            logit_scale=logit_scale, softcap=softcap, temperature=temperature,
+            token_weight=token_weight, class_weight=class_weight, reduction=reduction,
+            num_items=num_items, dft=dft, backend=backend, num_threads=num_threads)
     red, items, divisor = _reduction(reduction, num_items)
     h, w, b = _head(hidden, weight, bias, target)
     lead = hidden.shape[:-1]
