@@ -27,6 +27,10 @@ from ._linear import (LinearCrossEntropyResult, linear_cross_entropy, linear_log
 from ._logprob import entropy, log_probs, log_probs_backward, selective_log_softmax
 from ._softmax import log_softmax, softmax, softmax_backward
 
+# The size/version handshake with the library (_lib.check_abi): ImportError
+# on a mismatch; True when the library could report its struct sizes.
+ABI_CHECKED = _lib.check_abi(__version__)
+
 
 def has_cuda():
     """True when the loaded library has the CUDA backend built in."""

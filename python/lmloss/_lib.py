@@ -7,7 +7,10 @@ The library is looked up, in order, at:
   3. the build tree ``<repo>/build/`` (for ``PYTHONPATH=python``).
 
 The structs below mirror the C structs field by field (enums are C ints);
-ctypes applies the same natural alignment as the C compiler.
+ctypes applies the same natural alignment as the C compiler. check_abi,
+called by the package when it loads, holds them to the library's sizes
+(lmloss_struct_size, where the library has it) and the library's version
+to the package's.
 """
 
 import ctypes
@@ -97,6 +100,13 @@ class HeadGrads(ctypes.Structure):
     _fields_ = [("dhidden", Tensor), ("dweight", Tensor), ("dbias", Tensor)]
 
 
+# The mirrored structs by their C names: checked against the library when it
+# loads (check_abi). A module mirroring another struct adds it here.
+STRUCTS = {"lmloss_tensor": Tensor, "lmloss_context": Context, "lmloss_transform": Transform,
+           "lmloss_ce_options": CEOptions, "lmloss_ce_inputs": CEInputs,
+           "lmloss_ce_outputs": CEOutputs, "lmloss_head": Head,
+           "lmloss_head_options": HeadOptions, "lmloss_head_grads": HeadGrads}
+
 _P = ctypes.POINTER
 _status = ctypes.c_int
 
@@ -148,6 +158,55 @@ status_string = _proto("lmloss_status_string", ctypes.c_char_p, ctypes.c_int)
 last_error = _proto("lmloss_last_error", ctypes.c_char_p)
 has_cuda = _proto("lmloss_has_cuda", ctypes.c_int)
 cpu_isa = _proto("lmloss_cpu_isa", ctypes.c_char_p)
+
+
+version = _proto("lmloss_version", ctypes.c_int)
+
+
+def struct_size_fn(library=None):
+    """The library's size_t lmloss_struct_size(const char *name) (sizeof the
+    public struct of that name, 0 for a name it does not know), or None
+    where the library predates it."""
+    library = lib if library is None else library
+    if not hasattr(library, "lmloss_struct_size"):
+        return None
+    fn = library.lmloss_struct_size
+    fn.restype, fn.argtypes = ctypes.c_size_t, [ctypes.c_char_p]
+    return fn
+
+
+def struct_mismatches(size_of, structs=None):
+    """[(C name, ctypes size, library size)] of the mirrors whose size differs
+    from the library's (size_of: name bytes -> size; 0 = unknown there)."""
+    bad = []
+    for name, cls in (STRUCTS if structs is None else structs).items():
+        got = int(size_of(name.encode()))
+        if got != ctypes.sizeof(cls):
+            bad.append((name, ctypes.sizeof(cls), got))
+    return bad
+
+
+def check_abi(package_version, library=None):
+    """The handshake when the library loads: its version (lmloss_version())
+    is the package's MAJOR.MINOR, and, where it has lmloss_struct_size,
+    every ctypes mirror of a struct in STRUCTS has the C struct's size.
+    Raises ImportError naming the difference. Returns whether the sizes
+    were checked."""
+    major, minor = (int(p) for p in package_version.split(".")[:2])
+    have = version()
+    if (have // 10000, have // 100 % 100) != (major, minor):
+        raise ImportError("lmloss: %s is version %d.%d.%d but this package is %s; their ABIs "
+                          "differ (set LMLOSS_LIBRARY to a matching build)"
+                          % (path, have // 10000, have // 100 % 100, have % 100,
+                             package_version))
+    fn = struct_size_fn(library)
+    if fn is None:
+        return False
+    bad = struct_mismatches(fn)
+    if bad:
+        raise ImportError("lmloss: the ctypes mirrors of lmloss.h's structs differ from %s: %s"
+                          % (path, ", ".join("%s is %d bytes here, %d there" % b for b in bad)))
+    return True
 
 
 class Error(ValueError):

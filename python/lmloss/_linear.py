@@ -18,8 +18,8 @@ import numpy as np
 from . import _lib
 from ._ce import ce_options, ce_outputs
 from ._logprob import backward_args, stats_in, stats_out
-from ._tensor import Rows, _code, _rows, absent, index_shape, matrix, out_vector, shape_error
-from ._tensor import native, optional_vector, tensor
+from ._tensor import (Rows, absent, as_array, index_shape, matrix, native, optional_vector,
+                      out_matrix, out_vector, shape_error, vector)
 
 LinearCrossEntropyResult = collections.namedtuple(
     "LinearCrossEntropyResult", "loss dhidden dweight dbias lse entropy argmax")
@@ -42,13 +42,10 @@ class _Head:
         self.n, self.h, self.v = self.x.n, self.x.v, w.shape[0]
         bias_t, self.b = absent(), None
         if bias is not None:
-            b = native(np.asarray(bias))
+            b = native(as_array(bias))
             if b.dtype == np.float64:
                 b = b.astype(np.float32)
-            if b.shape != (self.v,):
-                raise shape_error("bias has shape %s, expected (%d,)" % (b.shape, self.v))
-            self.b, stride = _rows(b, self.v, 1)
-            bias_t = tensor(self.b, _code(b.dtype, "bias"), self.v, 1, stride)
+            self.b, bias_t = vector(b, self.v, (self.v,), "bias", "same")
         self.t = _lib.Head(self.x.t, self.w.t, bias_t)
 
     def grads(self, dhidden=True, dweight=True, dbias=True):
@@ -57,9 +54,7 @@ class _Head:
         dw, dw_t = self.w.empty(self.w.out_dtype()) if dweight else (None, absent())
         db, db_t = None, absent()
         if dbias and self.b is not None:
-            dt = self.w.out_dtype()
-            db = np.empty(self.v, dtype=dt)
-            db_t = tensor(db, _code(dt, "dbias"), self.v, 1, 1)
+            db, db_t = out_vector(self.v, self.w.out_dtype())
         if dh is not None:
             dh = dh.reshape(self.x.lead + (self.h,))
         return (dh, dw, db), _lib.HeadGrads(dh_t, dw_t, db_t)
@@ -143,8 +138,7 @@ def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit
     idx, idx_t = matrix(index, head.n, k, "index", "index")
     keep = [idx]
     mask_t = optional_vector(mask, head.n, head.x.lead, "mask", "mask", keep)
-    logp = np.empty((head.n, k), dtype=np.float32)
-    logp_t = tensor(logp, _lib.F32, head.n, k, k)
+    logp, logp_t = out_matrix(head.n, k)
     ent, ent_t = out_vector(head.n) if entropy else (None, None)
     st, st_t = stats_out(head.n) if stats else (None, None)
     tr = _lib.make_transform(logit_scale, softcap, temperature)

@@ -1,9 +1,8 @@
 """Per-token log-probs (selective log-softmax), entropy, and their backward."""
 
-import numpy as np
-
 from . import _lib
-from ._tensor import Rows, index_shape, matrix, optional_vector, out_vector, shape_error, vector
+from ._tensor import (Rows, as_array, index_shape, matrix, optional_vector, out_matrix, out_vector,
+                      shape_error, vector)
 
 
 def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, stats=False,
@@ -26,8 +25,7 @@ def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, stats
     idx, idx_t = matrix(index, x.n, k, "index", "index")
     keep = [idx]
     mask_t = optional_vector(mask, x.n, x.lead, "mask", "mask", keep)
-    logp = np.empty((x.n, k), dtype=np.float32)
-    logp_t = _lib.Tensor(logp.ctypes.data, _lib.F32, _lib.CPU_DEVICE, x.n, k, k)
+    logp, logp_t = out_matrix(x.n, k)
     ent, ent_t = out_vector(x.n) if entropy else (None, None)
     st, st_t = stats_out(x.n) if stats else (None, None)
     tr = _lib.make_transform(temperature=temperature)
@@ -65,18 +63,16 @@ def log_probs_backward(logits, index, dlogp, dentropy=None, *, temperature=1.0, 
 
 def stats_out(n):
     """A new float32 [n, 4] array for the rows' statistics, and its tensor."""
-    st = np.empty((n, _lib.ROW_STATS), dtype=np.float32)
-    return st, _lib.Tensor(st.ctypes.data, _lib.F32, _lib.CPU_DEVICE, n, _lib.ROW_STATS,
-                           _lib.ROW_STATS)
+    return out_matrix(n, _lib.ROW_STATS)
 
 
 def stats_in(stats, x, keep):
     """The tensor of given statistics ([..., 4] over the rows of x), or None."""
     if stats is None:
         return None
-    if np.shape(stats) != x.lead + (_lib.ROW_STATS,):
-        raise shape_error("stats has shape %s, expected %s"
-                          % (np.shape(stats), x.lead + (_lib.ROW_STATS,)))
+    got = as_array(stats).shape
+    if got != x.lead + (_lib.ROW_STATS,):
+        raise shape_error("stats has shape %s, expected %s" % (got, x.lead + (_lib.ROW_STATS,)))
     st, st_t = matrix(stats, x.n, _lib.ROW_STATS, "stats", "f32")
     keep.append(st)
     return st_t
@@ -91,8 +87,9 @@ def backward_args(x, n, index, dlogp, dentropy):
         idx, idx_t = matrix(index, n, kk, "index", "index")
         keep.append(idx)
         if dlogp is not None:
-            if np.shape(dlogp) != shape:
-                raise shape_error("dlogp has shape %s, expected %s" % (np.shape(dlogp), shape))
+            got = as_array(dlogp).shape
+            if got != shape:
+                raise shape_error("dlogp has shape %s, expected %s" % (got, shape))
             g, dlogp_t = matrix(dlogp, n, kk, "dlogp", "f32")
             keep.append(g)
             k = kk

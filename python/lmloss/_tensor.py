@@ -1,10 +1,15 @@
-"""NumPy arrays as lmloss_tensor views.
+"""NumPy arrays (and host arrays of other libraries) as lmloss_tensor views,
+through the one DLPack bridge (_dlpack.py).
 
 Contract of the conversions (the public functions document them too):
+- any host array with __dlpack__ (a torch CPU tensor, a JAX array) is read
+  as a NumPy view of its memory, without a copy; device arrays are refused
+  (LMLOSS_ERR_BAD_DEVICE: lmloss.torch takes CUDA tensors).
 - logits-like inputs: float32 passes through; float64 is converted to
   float32 (fp64 inputs are computed in fp32); ml_dtypes.bfloat16 and uint16
-  (bf16 bit patterns) are BF16; float16 is F16. Any other dtype is handed to
-  the C library under its own code, which rejects it (LMLOSS_ERR_BAD_DTYPE).
+  (bf16 bit patterns) are BF16; float16 is F16. int32/int64/bool reach the
+  C library under their own codes, which it rejects for logits; any other
+  dtype is LMLOSS_ERR_BAD_DTYPE here.
 - a [..., V] array is flattened to N rows; a view whose rows are evenly
   spaced with a contiguous last axis (e.g. logits[:, :V] of a wider array)
   is passed via row_stride without a copy, anything else is copied.
@@ -21,18 +26,13 @@ Contract of the conversions (the public functions document them too):
 
 import numpy as np
 
-from . import _lib
+from . import _dlpack, _lib
 
-_BY_NAME = {"float32": _lib.F32, "float64": _lib.F64, "float16": _lib.F16,
-            "bfloat16": _lib.BF16, "uint16": _lib.BF16, "int32": _lib.I32, "int64": _lib.I64,
-            "bool": _lib.BOOL}
-
-
-def _code(dtype, name):
-    code = _BY_NAME.get(np.dtype(dtype).name)
-    if code is None:
-        raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "%s: dtype %s not supported" % (name, dtype))
-    return code
+try:  # optional: NumPy's bfloat16
+    import ml_dtypes
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # bf16 is then uint16 bit patterns only
+    _BF16 = None
 
 
 def native(a):
@@ -46,23 +46,39 @@ def shape_error(msg):
     return _lib.Error("LMLOSS_ERR_BAD_SHAPE", msg)
 
 
-def _rows(a, rows, cols):
-    """a as a 2-D [rows, cols] array with a contiguous last axis and evenly
-    spaced rows (a view when possible) and its row stride in elements."""
-    a2 = a.reshape(rows, cols)
-    item = a2.itemsize
-    s0, s1 = a2.strides
-    ok = a2.flags.aligned and a2.dtype.isnative and (s1 == item or cols <= 1)
-    dense = max(cols, 1)
-    if rows <= 1:
-        return (a2, dense) if ok else (np.ascontiguousarray(a2), dense)
-    if ok and s0 % item == 0 and s0 >= dense * item:
-        return a2, s0 // item
-    return np.ascontiguousarray(a2), dense
+def as_array(x):
+    """x as a NumPy array: an ndarray as it is; a host array of another
+    library (anything with __dlpack__: a torch CPU tensor, a JAX array) as
+    a NumPy view of it through DLPack (bfloat16 as ml_dtypes.bfloat16, or
+    uint16 bit patterns without ml_dtypes); anything else np.asarray."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__dlpack__") and not isinstance(x, np.generic):
+        a, bf16 = _dlpack.as_numpy(x)
+        return a.view(_BF16) if bf16 and _BF16 is not None else a
+    return np.asarray(x)
 
 
-def tensor(a, code, rows, cols, stride):
-    return _lib.Tensor(a.ctypes.data, code, _lib.CPU_DEVICE, rows, cols, stride)
+def view(a, vector=False, name="array"):
+    """(array, lmloss_tensor) of a NumPy array through the DLPack bridge:
+    rows of a [..., C] with a contiguous last axis (vector: every element a
+    row of one), a view of a when its rows are evenly spaced, else of a
+    contiguous copy. The returned array must outlive the C call."""
+    for attempt in (a, None):
+        if attempt is None:
+            a = np.ascontiguousarray(a)
+        b = a.view(np.uint16) if _BF16 is not None and a.dtype == _BF16 else a
+        try:
+            arr = _dlpack.from_dlpack(b)
+        except (BufferError, TypeError, ValueError) as e:  # e.g. NumPy 1.x and read-only
+            if attempt is None:
+                raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "%s: dtype %s not supported (%s)"
+                                 % (name, a.dtype, e))
+            continue
+        t = _dlpack.view(arr, vector, name)
+        if t is not None:
+            return a, t
+    raise AssertionError("a contiguous array is always a view")  # pragma: no cover
 
 
 def absent():
@@ -74,7 +90,7 @@ class Rows:
     (the 2-D array the C call reads; keep it alive) and .t (the tensor)."""
 
     def __init__(self, x, name):
-        x = native(np.asarray(x))
+        x = native(as_array(x))
         if x.ndim < 1:
             raise shape_error("%s must have at least one axis, got a scalar" % name)
         if x.dtype == np.float64:
@@ -82,8 +98,7 @@ class Rows:
         self.dtype = x.dtype
         self.lead, self.v = x.shape[:-1], x.shape[-1]
         self.n = int(np.prod(self.lead, dtype=np.int64))
-        self.arr, stride = _rows(x, self.n, self.v)
-        self.t = tensor(self.arr, _code(x.dtype, name), self.n, self.v, stride)
+        self.arr, self.t = view(x, name=name)
 
     def out_dtype(self):
         """float32 for fp32/fp64 input, else the input's dtype (bf16, fp16)."""
@@ -91,21 +106,17 @@ class Rows:
 
     def empty(self, dtype):
         """A new contiguous [N, V] array and its tensor."""
-        out = np.empty((self.n, self.v), dtype=dtype)
-        return out, tensor(out, _code(dtype, "output"), self.n, self.v, self.v)
+        return view(np.empty((self.n, self.v), dtype=dtype))
 
 
 def vector(v, n, lead, name, kind):
     """A per-row (or per-class) vector of length n, shaped `lead`, as a
     tensor [n, 1]. kind: "f32" converts to float32, "index" keeps
     int64/int32, "mask" accepts bool/uint8. Returns (array, tensor)."""
-    v = np.asarray(v)
+    v = as_array(v)
     if v.shape != tuple(lead):
         raise shape_error("%s has shape %s, expected %s" % (name, v.shape, tuple(lead)))
-    v = _convert(v, kind, name)
-    code = _lib.BOOL if kind == "mask" and v.dtype == np.uint8 else _code(v.dtype, name)
-    a, stride = _rows(v, n, 1)
-    return a, tensor(a, code, n, 1, stride)
+    return view(_convert(v, kind, name), vector=True, name=name)
 
 
 def optional_vector(v, n, lead, name, kind, keep):
@@ -119,9 +130,7 @@ def optional_vector(v, n, lead, name, kind, keep):
 
 def matrix(m, n, k, name, kind):
     """An [n, k] input (index or dlogp), as (array, tensor)."""
-    m = _convert(np.asarray(m), kind, name)
-    a, stride = _rows(m, n, k)
-    return a, tensor(a, _code(m.dtype, name), n, k, stride)
+    return view(_convert(as_array(m), kind, name).reshape(n, k), name=name)
 
 
 _I64_MAX = np.iinfo(np.int64).max
@@ -143,13 +152,18 @@ def _convert(v, kind, name="input"):
 
 
 def out_vector(n, dtype=np.float32):
-    out = np.empty(n, dtype=dtype)
-    return out, tensor(out, _code(dtype, "output"), n, 1, 1)
+    """A new [n] output array and its [n, 1] tensor."""
+    return view(np.empty(n, dtype=dtype), vector=True)
+
+
+def out_matrix(n, k, dtype=np.float32):
+    """A new [n, k] output array and its tensor."""
+    return view(np.empty((n, k), dtype=dtype))
 
 
 def index_shape(rows, index):
     """K and the result shape for an index of shape lead or lead + (K,)."""
-    shape = np.shape(index)
+    shape = as_array(index).shape
     if shape == rows.lead:
         return 1, rows.lead
     if len(shape) == len(rows.lead) + 1 and shape[:-1] == rows.lead:

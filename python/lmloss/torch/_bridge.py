@@ -1,8 +1,10 @@
 """torch tensors as lmloss_tensor views, contexts and workspaces.
 
-Contract: a tensor is passed by its data_ptr() (no copy) when its last axis
-is contiguous and its rows are evenly spaced (row_stride >= cols), as a
-logits[:, :V] slice is; otherwise it is copied with .contiguous(). CUDA
+Contract: a tensor becomes an lmloss_tensor through the one array bridge
+(lmloss/_dlpack.py, which NumPy's API shares): passed by its data pointer
+(no copy) when its last axis is contiguous and its rows are evenly spaced
+(row_stride >= cols), as a logits[:, :V] slice is; otherwise it is copied
+with .contiguous(). CUDA
 tensors are passed with device LMLOSS_CUDA and the context carries
 torch.cuda.current_stream(device).cuda_stream, so a call is queued on the
 caller's stream and never synchronizes the host. Workspaces come from the
@@ -15,12 +17,9 @@ import ctypes
 
 import torch
 
-from .. import _lib
+from .. import _dlpack, _lib
 
-CUDA_DEVICE = 1
-_CODES = {torch.float32: _lib.F32, torch.bfloat16: _lib.BF16, torch.float16: _lib.F16,
-          torch.float64: _lib.F64, torch.int32: _lib.I32, torch.int64: _lib.I64,
-          torch.bool: _lib.BOOL, torch.uint8: _lib.BOOL}
+CUDA_DEVICE = _dlpack.CUDA_DEVICE
 BACKENDS = {"auto": 0, "ref": 1, "cpu": 2, "cuda": 3}
 
 
@@ -42,26 +41,17 @@ def backend_code(backend):
 def view(t, keep):
     """lmloss_tensor of a 2-D tensor, or of a 1-D tensor as [N, 1]; an absent
     (zeroed) one for None, as the module docstring says. Tensors the C call
-    reads are appended to keep. Shape and strides are read once: this runs
-    a few times in every call."""
+    reads are appended to keep. This runs a few times in every call:
+    _dlpack.torch_view reads the tensor's fields without a capsule."""
     if t is None:
         return _lib.Tensor()
-    code = _CODES.get(t.dtype)
-    if code is None:
-        raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "dtype %s not supported" % t.dtype)
-    if t.dim() == 1:  # as [N, 1]
-        rows, cols, s0, s1 = t.shape[0], 1, t.stride(0), 1
-    else:
-        rows, cols = t.shape
-        s0, s1 = t.stride()
-    dense = max(cols, 1)
-    if (cols <= 1 or s1 == 1) and (rows <= 1 or s0 >= dense):
-        stride = s0 if rows > 1 else dense
-    else:
-        t, stride = t.contiguous(), dense
+    vector = t.dim() == 1
+    v = _dlpack.torch_view(t, vector)
+    if v is None:
+        t = t.contiguous()
+        v = _dlpack.torch_view(t, vector)
     keep.append(t)
-    return _lib.Tensor(t.data_ptr(), code, CUDA_DEVICE if t.is_cuda else _lib.CPU_DEVICE, rows,
-                       cols, stride)
+    return v
 
 
 def ptr(t):
