@@ -32,12 +32,12 @@ from ._softmax import log_softmax, softmax, softmax_backward
 ABI_CHECKED = _lib.check_abi(__version__)
 
 
-def has_cuda():
+def has_cuda() -> bool:
     """True when the loaded library has the CUDA backend built in."""
     return bool(_lib.has_cuda())
 
 
-def cpu_isa():
+def cpu_isa() -> str:
     """The CPU kernels' instruction set: "avx512", "avx2" or "portable"."""
     return _lib.cpu_isa().decode()
 

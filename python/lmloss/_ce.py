@@ -1,8 +1,10 @@
 """Cross-entropy over the vocabulary axis (lmloss_cross_entropy)."""
 
 import collections
+from typing import Optional, Tuple, Union
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _lib
 from ._tensor import Rows, optional_vector, out_vector
@@ -59,11 +61,16 @@ def ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temp
     return opt
 
 
-def cross_entropy(logits, target, *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                  logit_scale=1.0, softcap=None, temperature=1.0, weight=None,
-                  token_weight=None, class_weight=None, reduction="mean", num_items=None,
-                  dft=False, grad=False, return_lse=False, return_entropy=False,
-                  return_argmax=False, backend="auto", num_threads=0):
+def cross_entropy(logits: ArrayLike, target: ArrayLike, *, ignore_index: int = -100,
+                  label_smoothing: float = 0.0, z_loss: float = 0.0, logit_scale: float = 1.0,
+                  softcap: Optional[float] = None, temperature: float = 1.0,
+                  weight: Optional[ArrayLike] = None, token_weight: Optional[ArrayLike] = None,
+                  class_weight: Optional[ArrayLike] = None, reduction: str = "mean",
+                  num_items: Optional[float] = None, dft: bool = False, grad: bool = False,
+                  return_lse: bool = False, return_entropy: bool = False,
+                  return_argmax: bool = False, backend: str = "auto", num_threads: int = 0
+                  ) -> Union[float, np.ndarray, Tuple[Union[float, np.ndarray], np.ndarray],
+                             "CrossEntropyResult"]:
     """Cross-entropy of logits [..., V] against target [...] (int64/int32).
 
     Per row with target y != ignore_index, z = transform(x) (x * logit_scale,

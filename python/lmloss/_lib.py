@@ -186,6 +186,19 @@ def struct_mismatches(size_of, structs=None):
     return bad
 
 
+def register_struct(name, cls):
+    """Add a ctypes mirror of struct `name` to STRUCTS (a module that mirrors
+    one more, e.g. lmloss_shard) and hold it to the library's size now
+    (ImportError on a mismatch) where the library reports sizes."""
+    STRUCTS[name] = cls
+    fn = struct_size_fn()
+    bad = struct_mismatches(fn, {name: cls}) if fn is not None else []
+    if bad:
+        raise ImportError("lmloss: the ctypes mirror of %s is %d bytes here, %d in %s"
+                          % (bad[0] + (path,)))
+    return cls
+
+
 def check_abi(package_version, library=None):
     """The handshake when the library loads: its version (lmloss_version())
     is the package's MAJOR.MINOR, and, where it has lmloss_struct_size,
@@ -213,7 +226,7 @@ class Error(ValueError):
     """A call into lmloss failed. ``status`` is the C status name (for
     example ``"LMLOSS_ERR_INDEX_OUT_OF_RANGE"``); str() adds the C message."""
 
-    def __init__(self, status, message):
+    def __init__(self, status: str, message: str) -> None:
         super().__init__("%s: %s" % (status, message))
         self.status = status
         self.message = message

@@ -12,8 +12,10 @@ heads, else in the head's dtype; dhidden is shaped like hidden.
 
 import collections
 import ctypes
+from typing import Optional, Tuple, Union
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _lib
 from ._ce import ce_options, ce_outputs
@@ -79,12 +81,18 @@ def _workspace(head, hopt, grads, k):
     return buf, buf.ctypes.data + off, size.value
 
 
-def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=None,
-                         ignore_index=-100, label_smoothing=0.0, z_loss=0.0, logit_scale=1.0,
-                         softcap=None, temperature=1.0, token_weight=None, class_weight=None,
-                         reduction="mean", num_items=None, dft=False, grad=False,
-                         return_lse=False, return_entropy=False, return_argmax=False,
-                         backend="auto", num_threads=0):
+def linear_cross_entropy(hidden: ArrayLike, weight: ArrayLike, target: ArrayLike, *,
+                         bias: Optional[ArrayLike] = None, memory_budget: Optional[int] = None,
+                         ignore_index: int = -100, label_smoothing: float = 0.0,
+                         z_loss: float = 0.0, logit_scale: float = 1.0,
+                         softcap: Optional[float] = None, temperature: float = 1.0,
+                         token_weight: Optional[ArrayLike] = None,
+                         class_weight: Optional[ArrayLike] = None, reduction: str = "mean",
+                         num_items: Optional[float] = None, dft: bool = False,
+                         grad: bool = False, return_lse: bool = False,
+                         return_entropy: bool = False, return_argmax: bool = False,
+                         backend: str = "auto", num_threads: int = 0
+                         ) -> Union[float, np.ndarray, tuple, "LinearCrossEntropyResult"]:
     """Cross-entropy of logits = hidden [..., H] weight[V, H]^T (+ bias [V])
     against target [...], never holding the logits whole.
 
@@ -118,9 +126,13 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, memory_budget=Non
     return (loss, dh, dw, db) if grad else loss
 
 
-def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit_scale=1.0,
-                     softcap=None, mask=None, entropy=False, stats=False, memory_budget=None,
-                     backend="auto", num_threads=0):
+def linear_log_probs(hidden: ArrayLike, weight: ArrayLike, index: ArrayLike, *,
+                     bias: Optional[ArrayLike] = None, temperature: float = 1.0,
+                     logit_scale: float = 1.0, softcap: Optional[float] = None,
+                     mask: Optional[ArrayLike] = None, entropy: bool = False,
+                     stats: bool = False, memory_budget: Optional[int] = None,
+                     backend: str = "auto", num_threads: int = 0
+                     ) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """log softmax(transform(logits)) gathered at index, logits = hidden
     [..., H] weight[V, H]^T (+ bias [V]); transform as in cross_entropy
     (logit_scale, then softcap, then temperature).
@@ -150,9 +162,14 @@ def linear_log_probs(hidden, weight, index, *, bias=None, temperature=1.0, logit
     return out if len(out) > 1 else out[0]
 
 
-def linear_log_probs_backward(hidden, weight, index, dlogp, dentropy=None, *, bias=None,
-                              temperature=1.0, logit_scale=1.0, softcap=None, mask=None,
-                              stats=None, memory_budget=None, backend="auto", num_threads=0):
+def linear_log_probs_backward(hidden: ArrayLike, weight: ArrayLike, index: Optional[ArrayLike],
+                              dlogp: Optional[ArrayLike], dentropy: Optional[ArrayLike] = None,
+                              *, bias: Optional[ArrayLike] = None, temperature: float = 1.0,
+                              logit_scale: float = 1.0, softcap: Optional[float] = None,
+                              mask: Optional[ArrayLike] = None, stats: Optional[ArrayLike] = None,
+                              memory_budget: Optional[int] = None, backend: str = "auto",
+                              num_threads: int = 0
+                              ) -> Tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
     """Gradients of sum(dlogp * logp) + sum(dentropy * entropy) of
     linear_log_probs: returns (dhidden, dweight, dbias), dbias None without
     bias. dlogp (shaped like index) may be None when dentropy ([...]) is

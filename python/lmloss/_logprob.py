@@ -1,12 +1,19 @@
 """Per-token log-probs (selective log-softmax), entropy, and their backward."""
 
+from typing import Optional, Tuple, Union
+
+import numpy as np
+from numpy.typing import ArrayLike
+
 from . import _lib
 from ._tensor import (Rows, as_array, index_shape, matrix, optional_vector, out_matrix, out_vector,
                       shape_error, vector)
 
 
-def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, stats=False,
-              backend="auto", num_threads=0):
+def log_probs(logits: ArrayLike, index: ArrayLike, *, temperature: float = 1.0,
+              mask: Optional[ArrayLike] = None, entropy: bool = False, stats: bool = False,
+              backend: str = "auto", num_threads: int = 0
+              ) -> Union[np.ndarray, Tuple[np.ndarray, ...]]:
     """log softmax(logits / temperature) gathered at index.
 
     logits [..., V] (fp32, fp64 computed in fp32, bf16 as ml_dtypes.bfloat16
@@ -38,8 +45,11 @@ def log_probs(logits, index, *, temperature=1.0, mask=None, entropy=False, stats
 selective_log_softmax = log_probs  # TRL's name: gather(log_softmax(logits), index)
 
 
-def log_probs_backward(logits, index, dlogp, dentropy=None, *, temperature=1.0, mask=None,
-                       stats=None, backend="auto", num_threads=0):
+def log_probs_backward(logits: ArrayLike, index: Optional[ArrayLike],
+                       dlogp: Optional[ArrayLike], dentropy: Optional[ArrayLike] = None, *,
+                       temperature: float = 1.0, mask: Optional[ArrayLike] = None,
+                       stats: Optional[ArrayLike] = None, backend: str = "auto",
+                       num_threads: int = 0) -> np.ndarray:
     """dlogits = d/dlogits of sum(dlogp * logp) + sum(dentropy * entropy).
 
     Shapes as in log_probs; dlogp (shaped like index) and dentropy (shaped
@@ -101,8 +111,10 @@ def backward_args(x, n, index, dlogp, dentropy):
     return keep, idx_t, dlogp_t, dent_t, k
 
 
-def entropy(logits, *, temperature=1.0, backend="auto", num_threads=0):
-    """Entropy of softmax(logits / temperature) per row: float32 [...]."""
+def entropy(logits: ArrayLike, *, temperature: float = 1.0, backend: str = "auto",
+            num_threads: int = 0) -> np.ndarray:
+    """Entropy (nats) of softmax(logits / temperature) per row of logits
+    [..., V] (fp32, fp64 computed in fp32, bf16, fp16): float32 [...]."""
     ctx = _lib.make_context(backend, num_threads)
     x = Rows(logits, "logits")
     ent, ent_t = out_vector(x.n)

@@ -3,6 +3,7 @@
 import operator
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import _lib
 from ._tensor import Rows, shape_error
@@ -27,20 +28,24 @@ def _forward(logits, axis, log, backend, num_threads):
     return out.reshape(x.lead + (x.v,))
 
 
-def softmax(logits, axis=-1, *, backend="auto", num_threads=0):
+def softmax(logits: ArrayLike, axis: int = -1, *, backend: str = "auto",
+            num_threads: int = 0) -> np.ndarray:
     """softmax over `axis` (the last by default) of logits [..., V]. Same
     shape; float32 for fp32/fp64 input, else the input's dtype (bf16 as
     ml_dtypes.bfloat16 or uint16 bits, fp16)."""
     return _forward(logits, axis, False, backend, num_threads)
 
 
-def log_softmax(logits, axis=-1, *, backend="auto", num_threads=0):
+def log_softmax(logits: ArrayLike, axis: int = -1, *, backend: str = "auto",
+                num_threads: int = 0) -> np.ndarray:
     """log_softmax over `axis`; shapes and dtypes as softmax."""
     return _forward(logits, axis, True, backend, num_threads)
 
 
-def softmax_backward(y, dy, log=False, *, backend="auto", num_threads=0):
-    """dx from the forward output y and upstream dy (both [..., V]):
+def softmax_backward(y: ArrayLike, dy: ArrayLike, log: bool = False, *, backend: str = "auto",
+                     num_threads: int = 0) -> np.ndarray:
+    """dx from the forward output y and upstream dy (both [..., V], the
+    forward's dtypes):
     softmax: dx = y * (dy - sum(dy * y)); log: dx = dy - exp(y) sum(dy).
     dx is float32 for fp32/fp64 dy, else dy's dtype."""
     ctx = _lib.make_context(backend, num_threads)

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import inspect
 import types
+from typing import Any, Optional
 
 import torch
 from transformers.loss import loss_utils
@@ -42,8 +43,10 @@ def _reduction(num_items_in_batch):
     return "mean" if num_items_in_batch is None else "sum"
 
 
-def for_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
-                       shift_labels=None, **kwargs):
+def for_causal_lm_loss(logits: torch.Tensor, labels: Optional[torch.Tensor], vocab_size: int,
+                       num_items_in_batch: Optional[Any] = None, ignore_index: int = -100,
+                       shift_labels: Optional[torch.Tensor] = None,
+                       **kwargs: Any) -> torch.Tensor:
     """transformers.loss.loss_utils.ForCausalLMLoss, computed by lmloss: labels
     shifted left (unless shift_labels is given), mean over non-ignored
     tokens, or sum / num_items_in_batch (a tensor stays on the device)."""
@@ -53,13 +56,13 @@ def for_causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, igno
                          num_items=num_items_in_batch)
 
 
-def enable():
+def enable() -> None:
     """Route LOSS_MAPPING["ForCausalLM"] to for_causal_lm_loss."""
     _saved.setdefault("ForCausalLM", loss_utils.LOSS_MAPPING["ForCausalLM"])
     loss_utils.LOSS_MAPPING["ForCausalLM"] = for_causal_lm_loss
 
 
-def disable():
+def disable() -> None:
     """Restore the LOSS_MAPPING entry enable() replaced."""
     if "ForCausalLM" in _saved:
         loss_utils.LOSS_MAPPING["ForCausalLM"] = _saved.pop("ForCausalLM")
@@ -83,7 +86,8 @@ _LOSS_KWARGS = ("labels", "shift_labels", "num_items_in_batch", "ignore_index",
                 "logits_to_keep", "return_dict")
 
 
-def patch_causal_lm(model, *, memory_budget=None):
+def patch_causal_lm(model: torch.nn.Module, *,
+                    memory_budget: Optional[int] = None) -> torch.nn.Module:
     """Make model's training loss come from the fused head (see the module
     docstring); returns model. Patching twice is a no-op."""
     if "_lmloss_original_forward" in model.__dict__:
@@ -136,7 +140,7 @@ def patch_causal_lm(model, *, memory_budget=None):
     return model
 
 
-def unpatch(model):
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo patch_causal_lm(model); returns model."""
     if "_lmloss_original_forward" not in model.__dict__:
         return model

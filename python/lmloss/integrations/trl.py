@@ -16,6 +16,8 @@ module that imported them by name (e.g. trl.trainer.grpo_trainer).
 """
 
 import sys
+import types
+from typing import Any, List, Optional, Sequence
 
 from .. import torch as lt
 
@@ -38,9 +40,14 @@ class ChunkedLogProbFunction:
     original = None
 
     @classmethod
-    def apply(cls, hidden, weight, bias, targets, temperature, chunk_size,
-              final_logit_softcapping=None, logit_scale=1.0,
-              outputs=("log_probs", "entropy", "is_top1")):
+    def apply(cls, hidden: Any, weight: Any, bias: Any, targets: Any, temperature: float,
+              chunk_size: int, final_logit_softcapping: Optional[float] = None,
+              logit_scale: float = 1.0,
+              outputs: Sequence[str] = ("log_probs", "entropy", "is_top1")) -> tuple:
+        """TRL's ChunkedLogProbFunction.apply (the class docstring): hidden
+        [N, H] and weight [V, H] (bias [V] or None) in one float dtype,
+        targets [N] int64; returns float32 [N] log_probs and entropy (or
+        None) and bool [N] is_top1 (or None)."""
         if {"log_sum_sq_probs", "mean_logits"} & set(outputs) and cls.original is not None:
             return cls.original.apply(hidden, weight, bias, targets, temperature, chunk_size,
                                       final_logit_softcapping, logit_scale, outputs)
@@ -73,7 +80,7 @@ def _targets(module):
     return mods
 
 
-def enable(module=None):
+def enable(module: Optional[types.ModuleType] = None) -> List[types.ModuleType]:
     """Patch selective_log_softmax, entropy_from_logits and the fused-head
     kernel (where present) in `module` (default: TRL). Returns the patched
     modules."""
@@ -90,7 +97,7 @@ def enable(module=None):
     return mods
 
 
-def disable(module=None):
+def disable(module: Optional[types.ModuleType] = None) -> None:
     """Restore what enable() replaced (in `module` only, when given)."""
     for key, (mod, old) in list(_saved.items()):
         if module is None or mod is module:

@@ -1,20 +1,30 @@
 """nn.Module forms of the lmloss.torch losses (options fixed at construction)."""
 
+from typing import Any, Optional, Union
+
 import torch
+from torch import Tensor
 
 from . import _functional as F
 
+Items = Optional[Union[int, float, Tensor]]
+
 
 class CrossEntropyLoss(torch.nn.Module):
-    """Like torch.nn.CrossEntropyLoss over logits [..., V] and target [...]
-    (class indices; weight = per-class weights [V]), plus the lmloss options
-    z_loss, logit_scale, softcap, temperature, dft, num_items. forward(logits,
-    target, token_weight=None, num_items=None) -> loss (0-d, or [...] for
-    reduction="none"); a num_items given to forward overrides the module's."""
+    """Like torch.nn.CrossEntropyLoss over logits [..., V] (float32, bf16,
+    fp16) and target [...] (class indices, or class probabilities of the
+    logits' shape), weight = per-class weights [V] as torch's, plus the
+    lmloss options z_loss, logit_scale, softcap, temperature, dft, shift,
+    num_items. forward(logits, target, token_weight=None, num_items=None) ->
+    float32 loss (0-d, or [...] for reduction="none"; token_weight [...]
+    per-token weights); a num_items given to forward overrides the
+    module's. The function is lmloss.torch.cross_entropy."""
 
-    def __init__(self, weight=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                 *, z_loss=0.0, logit_scale=1.0, softcap=None, temperature=1.0, dft=False,
-                 num_items=None, shift=0, backend="auto"):
+    def __init__(self, weight: Optional[Tensor] = None, ignore_index: int = -100,
+                 reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0,
+                 logit_scale: float = 1.0, softcap: Optional[float] = None,
+                 temperature: float = 1.0, dft: bool = False, num_items: Items = None,
+                 shift: Union[bool, int] = 0, backend: str = "auto") -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.options = dict(ignore_index=ignore_index, reduction=reduction,
@@ -23,7 +33,8 @@ class CrossEntropyLoss(torch.nn.Module):
                             dft=dft, shift=shift, backend=backend)
         self.num_items = num_items
 
-    def forward(self, logits, target, token_weight=None, num_items=None):
+    def forward(self, logits: Tensor, target: Tensor, token_weight: Optional[Tensor] = None,
+                num_items: Items = None) -> Tensor:
         items = self.num_items if num_items is None else num_items
         return F.cross_entropy(logits, target, weight=self.weight, token_weight=token_weight,
                                num_items=items, **self.options)
@@ -47,13 +58,15 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     first); hidden and head_weight must share a device
     (LMLOSS_ERR_BAD_DEVICE)."""
 
-    def __init__(self, *, class_weight=None, num_items=None, **options):
+    def __init__(self, *, class_weight: Optional[Tensor] = None, num_items: Items = None,
+                 **options: Any) -> None:
         super().__init__()
         self.register_buffer("class_weight", class_weight)
         self.options, self.num_items = options, num_items
 
-    def forward(self, hidden, head_weight, labels, bias=None, token_weight=None,
-                num_items=None):
+    def forward(self, hidden: Tensor, head_weight: Tensor, labels: Tensor,
+                bias: Optional[Tensor] = None, token_weight: Optional[Tensor] = None,
+                num_items: Items = None) -> Tensor:
         items = self.num_items if num_items is None else num_items
         return F.linear_cross_entropy(hidden, head_weight, labels, bias=bias,
                                       class_weight=self.class_weight, token_weight=token_weight,
@@ -66,10 +79,11 @@ class LinearLogProbs(torch.nn.Module):
     float32 logp shaped like index (or (logp, entropy) with entropy=True).
     Keywords of lmloss.torch.linear_log_probs are fixed at construction."""
 
-    def __init__(self, **options):
+    def __init__(self, **options: Any) -> None:
         super().__init__()
         self.options = options
 
-    def forward(self, hidden, head_weight, index, bias=None, mask=None):
+    def forward(self, hidden: Tensor, head_weight: Tensor, index: Tensor,
+                bias: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> Any:
         return F.linear_log_probs(hidden, head_weight, index, bias=bias, mask=mask,
                                   **self.options)
