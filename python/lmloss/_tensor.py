@@ -65,8 +65,8 @@ def view(a, vector=False, name="array"):
     row of one), a view of a when its rows are evenly spaced, else of a
     contiguous copy. The returned array must outlive the C call."""
     for attempt in (a, None):
-        if attempt is None:
-            a = np.ascontiguousarray(a)
+        if attempt is None:  # a fresh, aligned, writable, contiguous copy
+            a = np.array(a, order="C", copy=True)
         b = a.view(np.uint16) if _BF16 is not None and a.dtype == _BF16 else a
         try:
             arr = _dlpack.from_dlpack(b)

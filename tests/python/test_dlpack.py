@@ -62,6 +62,10 @@ def test_numpy_arrays_go_through_dlpack():
     ro = np.broadcast_to(x[0], (3, 10))  # read-only, and rows that overlap: copied
     assert _dlpack.from_dlpack(ro).read_only
     assert np.array_equal(lmloss.softmax(ro), lmloss.softmax(np.ascontiguousarray(ro)))
+    buf = np.zeros(41, np.uint8)[1:].view(np.float32).reshape(2, 5)  # misaligned: copied
+    buf[:] = x[:2, :5]
+    assert not buf.flags.aligned
+    assert np.array_equal(lmloss.softmax(buf), lmloss.softmax(x[:2, :5]))
     codes = {np.float32: _lib.F32, np.float16: _lib.F16, np.float64: _lib.F64,
              np.int32: _lib.I32, np.int64: _lib.I64, np.bool_: _lib.BOOL, np.uint8: _lib.BOOL,
              np.uint16: _lib.BF16}
