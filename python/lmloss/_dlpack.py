@@ -38,6 +38,7 @@ seven tensors; a torch dtype outside the table goes through DLPack.
 
 import ctypes
 import struct
+import sys
 
 from . import _lib
 
@@ -123,7 +124,8 @@ def parse_capsule(capsule):
         p = _get_pointer(capsule, name)
         major, _minor, _ctx, _deleter, flags = _VERSIONED.unpack(_string_at(p, _VERSIONED.size))
         if major != 1:
-            raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "DLPack major version %d is not 1" % major)
+            raise _lib.Error("LMLOSS_ERR_UNSUPPORTED", "DLPack major version %d: lmloss reads "
+                             "version 1" % major)
         p += _VERSIONED.size
     elif name == b"dltensor":
         p, flags = _get_pointer(capsule, name), 0
@@ -174,7 +176,7 @@ def from_any(obj, stream=None):
 
 
 def _is_torch(obj):
-    torch = __import__("sys").modules.get("torch")
+    torch = sys.modules.get("torch")  # never imported here: no torch, no torch tensor
     return torch is not None and isinstance(obj, torch.Tensor)
 
 

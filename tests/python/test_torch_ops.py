@@ -342,6 +342,11 @@ def test_soft_targets_collapse_and_shift():
     close(lt.cross_entropy(x3, p3, shift=2), lt.cross_entropy(x3[:, :-2], p3[:, 2:]))
     with pytest.raises(lmloss.Error):
         lt.cross_entropy(x3, p3, return_lse=True)
+    close(lt.cross_entropy(x3[0, 0], p3[0, 0]),  # one row [V], as F.cross_entropy takes it
+          torch.nn.functional.cross_entropy(x3[0, 0].to(F64), p3[0, 0].to(F64)))
+    with pytest.raises(lmloss.Error) as e:
+        lt.cross_entropy(x3, [[1] * 5] * 2)
+    assert e.value.status == "LMLOSS_ERR_BAD_DTYPE"
 
 
 def test_log_probs_backward_reads_saved_stats(monkeypatch):

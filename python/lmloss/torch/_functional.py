@@ -225,7 +225,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
             num_items=num_items, dft=dft, return_lse=return_lse, return_entropy=return_entropy,
             return_argmax=return_argmax, backend=backend, num_threads=num_threads)
     red, items, divisor = _reduction(reduction, num_items)
-    if target.is_floating_point() and target.shape == logits.shape and logits.dim() > 1:
+    if (isinstance(target, torch.Tensor) and target.is_floating_point()
+            and target.shape == logits.shape):
         if dft or return_lse or return_entropy or return_argmax:
             raise _bad("dft and return_* need class-index targets, not probabilities")
         return _soft_cross_entropy(logits, target, class_weight, token_weight, label_smoothing,
