@@ -119,8 +119,9 @@ static lmloss_status ce_rows(const lmloss_context *ctx, ce_job *jb, void *ws) {
   const lmloss_ce_options *opt = jb->opt;
   const int64_t N = in->logits.rows, n = in->logits.cols, V = jb->sh.vocab;
   const float *cw = jb->cw;
-  double *row_loss = (double *)((char *)ws + LMLOSS_CE_WS_HEADER);
-  int64_t *rows = (int64_t *)(row_loss + 2 * N);
+  /* no rows may come without a workspace (NULL), and nothing indexes it */
+  double *row_loss = N ? (double *)((char *)ws + LMLOSS_CE_WS_HEADER) : NULL;
+  int64_t *rows = N ? (int64_t *)(row_loss + 2 * N) : NULL;
 
   int64_t M = 0;
   double denom = 0.0;

@@ -20,8 +20,11 @@ const char *lmloss_cpu_isa_name(void) {
  * Pure arithmetic, so a loop that calls it can vectorize: in the AVX-512
  * and x86-64-v3 clones, the latter only under -fno-trapping-math. */
 static inline float exp_neg(float hi, float lo) {
-  const float magic = 12582912.0f;       /* 1.5 * 2^23: round to nearest */
-  float h = hi > -104.0f ? hi : -104.0f; /* -inf and NaN stay convertible */
+  const float magic = 12582912.0f; /* 1.5 * 2^23: round to nearest */
+  /* -inf and NaN stay convertible, and so does a positive exponent, which
+   * only statistics not of these logits give (lmloss.h: garbage then, but
+   * never an out-of-range conversion) */
+  float h = hi > -104.0f ? (hi < 40.0f ? hi : 40.0f) : -104.0f;
   float n = (h * 1.44269504088896341f + magic) - magic;
   float r = fmaf(n, -0.693145751953125f, h);
   r = fmaf(n, -1.428606765330187e-06f, r) + lo;
