@@ -100,3 +100,12 @@ echo "== C tests under AddressSanitizer + UBSan"
 cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DLMLOSS_SANITIZE=ON -DLMLOSS_CUDA=OFF >/dev/null
 cmake --build build-asan -j"$jobs"
 ASAN_OPTIONS=detect_leaks=1 ctest --test-dir build-asan --output-on-failure -j"$jobs"
+
+# ---- fuzz (fuzz/run.sh: libFuzzer targets of every entry point family,
+# 20 s each; it prints why and skips where clang or libFuzzer is missing)
+echo "== fuzz"
+if command -v clang-14 >/dev/null || command -v clang >/dev/null; then
+  bash fuzz/run.sh 20
+else
+  echo "fuzz: no clang: skipped"
+fi
