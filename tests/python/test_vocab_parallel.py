@@ -164,6 +164,36 @@ def _check_head(world, rank, uneven, V):
         _close(got[3], ref[3][s:e], "head dbias %s" % case, rtol=1e-4, atol=1e-5)
 
 
+def _check_head_log_probs(world, rank, uneven, V):
+    """The fused head's log-probs and entropy with W's rows split."""
+    bounds = _bounds(V, world, uneven)
+    s, e = bounds[rank]
+    shard = dict(process_group=dist.group.WORLD)
+    if uneven:
+        shard.update(vocab_start=s, vocab_size=V)
+    g = torch.Generator().manual_seed(11 + world)
+    h = torch.randn(N, H, generator=g)
+    w = torch.randn(V, H, generator=g) / H ** 0.5
+    b = torch.randn(V, generator=g)
+    idx = torch.randint(V, (N,), generator=g)
+    mask = torch.arange(N) % 5 != 3
+    kw = dict(temperature=0.8, logit_scale=30.0, softcap=12.0, mask=mask, entropy=True)
+    for budget in (None, 3 * (e - s) * 12):
+        out = []
+        for fn, ww, bb, extra in ((LT.linear_log_probs, w, b, {}),
+                                  (LT.linear_log_probs, w[s:e], b[s:e],
+                                   dict(shard, memory_budget=budget))):
+            hh, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (h, ww, bb))
+            logp, ent = fn(hh, w2, idx, bias=b2, **kw, **extra)
+            (logp * 0.7 - ent * 1.3).sum().backward()
+            out.append((logp.detach(), ent.detach(), hh.grad, w2.grad, b2.grad))
+        ref, got = out
+        for name, a, r in zip(("logp", "entropy", "dhidden"), got[:3], ref[:3]):
+            _close(a, r, "head %s, budget %s" % (name, budget), rtol=1e-4, atol=1e-5)
+        _close(got[3], ref[3][s:e], "head log-probs dweight", rtol=1e-4, atol=1e-5)
+        _close(got[4], ref[4][s:e], "head log-probs dbias", rtol=1e-4, atol=1e-5)
+
+
 def _worker(rank, world, init):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -172,6 +202,7 @@ def _worker(rank, world, init):
         _check_rank(world, rank, True, 12 * world + 61)
         _check_head(world, rank, False, 20 * world)
         _check_head(world, rank, True, 12 * world + 61)
+        _check_head_log_probs(world, rank, world % 2 == 1, 12 * world + 61 if world % 2 else 20 * world)
     finally:
         dist.destroy_process_group()
 

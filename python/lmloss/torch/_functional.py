@@ -6,8 +6,8 @@ Signatures: the tensors positionally, then keyword-only options (a few
 positional extras where the names users arrive with have them: softmax's
 dim, TRL's selective_log_softmax and entropy_from_logits).
 
-VOCAB_PARALLEL: cross_entropy, log_probs, entropy, softmax, log_softmax
-and linear_cross_entropy take process_group= (torch.distributed: NCCL on
+VOCAB_PARALLEL: cross_entropy, log_probs, entropy, softmax, log_softmax,
+linear_cross_entropy and linear_log_probs take process_group= (torch.distributed: NCCL on
 GPUs, gloo on the CPU) for a vocabulary split over its ranks, Megatron's
 layout: rank r holds columns [r V_r, (r + 1) V_r) of the logits (rows of
 the head), or [vocab_start, vocab_start + V_r) of vocab_size with
@@ -577,12 +577,21 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *,
                      logit_scale: float = 1.0, softcap: Optional[float] = None,
                      mask: Optional[Tensor] = None, entropy: bool = False,
                      memory_budget: Optional[int] = None, backend: str = "auto",
-                     num_threads: int = 0) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+                     num_threads: int = 0, process_group: Optional[Any] = None,
+                     vocab_start: Optional[int] = None, vocab_size: Optional[int] = None
+                     ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """log softmax(transform(hidden weight^T + bias)) gathered at index, as
     lmloss.linear_log_probs: float32 shaped like index, or (logp, entropy)
     with entropy=True; masked-out rows are never computed and read 0.
     Differentiable w.r.t. hidden, weight and bias; dtypes as
-    linear_cross_entropy."""
+    linear_cross_entropy. process_group: as linear_cross_entropy's, one
+    index a row."""
+    if process_group is not None:
+        return VP.linear_log_probs(
+            hidden, weight, index, process_group=process_group, bias=bias,
+            vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature,
+            logit_scale=logit_scale, softcap=softcap, mask=mask, entropy=entropy,
+            memory_budget=memory_budget, backend=backend, num_threads=num_threads)
     h, w, b = _head(hidden, weight, bias, index)
     lead = hidden.shape[:-1]
     idx, shape = _index_2d(index, lead, hidden, "hidden")

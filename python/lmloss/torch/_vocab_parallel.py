@@ -157,28 +157,57 @@ def _lp_views(x, index, mask, keep):
             B.ptr(B.view(mask, keep)) if mask is not None else None)
 
 
+def _lp_cols(want_entropy):
+    return S.EXCHANGE_COLS_ENTROPY if want_entropy else S.EXCHANGE_COLS
+
+
+def lp_state_into(x, index, mask, tr, sh, state, run):
+    keep = []
+    with B.context(x, *run) as c:
+        _lib.check(S.lp_state(c, *_lp_views(x, index, mask, keep), tr, sh, B.view(state, keep)))
+
+
+def lp_finish_into(x, index, mask, tr, sh, merged, logp, ent, run):
+    """logp [n, 1] (with index) and entropy [n] (ent not None) of whole rows."""
+    keep = []
+    with B.context(x, *run) as c:
+        _lib.check(S.lp_finish(c, *_lp_views(x, index, mask, keep), tr, sh, B.view(merged, keep),
+                               B.ptr(B.view(logp, keep)) if index is not None else None,
+                               B.ptr(B.view(ent, keep)) if ent is not None else None))
+
+
+def lp_backward(x, index, mask, tr, sh, merged, dlogp, dent, run):
+    """This shard's dlogits from dlogp [n, 1] (with index) and dentropy [n]
+    (None: not wanted)."""
+    dx, keep = torch.empty_like(x, memory_format=torch.contiguous_format), []
+
+    def opt(t):
+        return None if t is None else B.ptr(B.view(t.to(F32).contiguous(), keep))
+
+    with B.context(x, *run) as c:
+        _lib.check(S.lp_backward_finish(c, *_lp_views(x, index, mask, keep), tr, sh,
+                                        B.view(merged, keep),
+                                        opt(dlogp if index is not None else None), opt(dent),
+                                        B.view(dx, keep)))
+    return dx
+
+
+def _lp_outputs(x, n, index, want_entropy):
+    return (x.new_empty((n, 1) if index is not None else (0,), dtype=F32),
+            x.new_empty((n,) if want_entropy else (0,), dtype=F32))
+
+
 class LogProbs(torch.autograd.Function):
     """log_probs (index [N, 1] or None) and entropy of a vocabulary shard:
     logp [N, 1] and entropy [N] of the whole rows on every rank."""
 
     @staticmethod
     def forward(ctx, x, index, mask, tr_args, want_entropy, shard, run):
-        tr = B.transform(*tr_args)
-        n, keep = x.shape[0], []
-        state = _state(x)
-        sh = shard.c(want_entropy)
-        with B.context(x, *run) as c:
-            _lib.check(S.lp_state(c, *_lp_views(x, index, mask, keep), tr, sh,
-                                  B.view(state, keep)))
-        cols = S.EXCHANGE_COLS_ENTROPY if want_entropy else S.EXCHANGE_COLS
-        merged = exchange(state, cols, shard, tr, run)
-        logp = x.new_empty((n, 1) if index is not None else (0,), dtype=F32)
-        ent = x.new_empty((n,) if want_entropy else (0,), dtype=F32)
-        with B.context(x, *run) as c:
-            _lib.check(S.lp_finish(c, *_lp_views(x, index, mask, keep), tr, sh,
-                                   B.view(merged, keep),
-                                   B.ptr(B.view(logp, keep)) if index is not None else None,
-                                   B.ptr(B.view(ent, keep)) if want_entropy else None))
+        tr, sh, state = B.transform(*tr_args), shard.c(want_entropy), _state(x)
+        lp_state_into(x, index, mask, tr, sh, state, run)
+        merged = exchange(state, _lp_cols(want_entropy), shard, tr, run)
+        logp, ent = _lp_outputs(x, x.shape[0], index, want_entropy)
+        lp_finish_into(x, index, mask, tr, sh, merged, logp, ent if want_entropy else None, run)
         ctx.save_for_backward(x, index, mask, merged)
         ctx.args = tr_args, want_entropy, shard, run
         return logp, ent
@@ -187,16 +216,8 @@ class LogProbs(torch.autograd.Function):
     def backward(ctx, dlogp, dent):
         x, index, mask, merged = ctx.saved_tensors
         tr_args, want_entropy, shard, run = ctx.args
-        dx, keep = torch.empty_like(x, memory_format=torch.contiguous_format), []
-
-        def opt(t, present):
-            return B.ptr(B.view(t.to(F32).contiguous(), keep)) if present else None
-
-        with B.context(x, *run) as c:
-            _lib.check(S.lp_backward_finish(
-                c, *_lp_views(x, index, mask, keep), B.transform(*tr_args),
-                shard.c(want_entropy), B.view(merged, keep), opt(dlogp, index is not None),
-                opt(dent, want_entropy), B.view(dx, keep)))
+        dx = lp_backward(x, index, mask, B.transform(*tr_args), shard.c(want_entropy), merged,
+                         dlogp, dent if want_entropy else None, run)
         return (dx,) + (None,) * 6
 
 
@@ -271,10 +292,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, b, target, tw, cw, fopts, iopts, shard, budget):
         opt, run = O._ce_opt(fopts, iopts), O.run_args(iopts)
-        n = h.shape[0]
-        per_row = w.shape[0] * (2 * h.element_size() + 4)
-        step = max(1, (budget or DEFAULT_BUDGET) // per_row)
-        chunks = [(i, min(n, i + step)) for i in range(0, n, step)]
+        n, chunks = h.shape[0], _plan(h, w, budget)
         state, kept = h.new_empty((n, S.STATE_COLS), dtype=F32), None
         for i0, i1 in chunks:
             z = _logits(h[i0:i1], w, b)
@@ -303,16 +321,42 @@ class LinearCrossEntropy(torch.autograd.Function):
             g = torch.ones((), device=h.device)
         else:
             g = dloss.to(F32) * scale
-        dh, dw, db = acc
-        dh = dh * g
-        if shard.world > 1:
-            dist.all_reduce(dh, group=shard.group)
-        return (dh.to(h.dtype), (dw * g).to(w.dtype), None if b is None else (db * g).to(b.dtype),
-                None, None, None, None, None, None, None)
+        return _head_grads(acc, g, shard, h, w, b) + (None,) * 7
+
+
+def _plan(h, w, budget):
+    """Row chunks whose logits, their gradient and a float a column fit the budget."""
+    n = h.shape[0]
+    step = max(1, (budget or DEFAULT_BUDGET) // (w.shape[0] * (2 * h.element_size() + 4)))
+    return [(i, min(n, i + step)) for i in range(0, n, step)]
 
 
 def _logits(h, w, b):
     return torch.addmm(b, h, w.t()) if b is not None else h @ w.t()
+
+
+def _new_acc(h, w, b):
+    return (torch.zeros(h.shape, dtype=F32, device=h.device),
+            torch.zeros(w.shape, dtype=F32, device=w.device),
+            None if b is None else torch.zeros(b.shape, dtype=F32, device=b.device))
+
+
+def _accumulate(acc, dz, h, w, b, i0, i1):
+    """A chunk's logits gradient dz into the fp32 sums of dhidden, dweight, dbias."""
+    acc[0][i0:i1] = (dz @ w).to(F32)
+    acc[1].add_((dz.t() @ h[i0:i1]).to(F32))
+    if b is not None:
+        acc[2].add_(dz.sum(0, dtype=F32))
+
+
+def _head_grads(acc, g, shard, h, w, b):
+    """The gradients times g, dhidden summed over the ranks (hidden is
+    replicated: each rank's part comes from its rows of the head)."""
+    dh, dw, db = acc
+    dh = dh * g
+    if shard.world > 1:
+        dist.all_reduce(dh, group=shard.group)
+    return (dh.to(h.dtype), (dw * g).to(w.dtype), None if b is None else (db * g).to(b.dtype))
 
 
 def _rows_of(t, i0, i1):
@@ -330,11 +374,7 @@ def _second_pass(h, w, b, target, tw, cw, opt, shard, merged, chunks, kept, run,
     """The row losses and, unless dloss is False, the fp32 sums of dhidden,
     dweight and dbias of sum_i dloss_i loss_i (dloss None: all 1)."""
     rows = h.new_empty((h.shape[0],), dtype=F32)
-    acc = None
-    if dloss is not False:
-        acc = (torch.zeros(h.shape, dtype=F32, device=h.device),
-               torch.zeros(w.shape, dtype=F32, device=w.device),
-               None if b is None else torch.zeros(b.shape, dtype=F32, device=b.device))
+    acc = None if dloss is False else _new_acc(h, w, b)
     for i0, i1 in chunks:
         z = kept if kept is not None else _logits(h[i0:i1], w, b)
         t, m, twc = target[i0:i1], merged[i0:i1], _rows_of(tw, i0, i1)
@@ -346,11 +386,50 @@ def _second_pass(h, w, b, target, tw, cw, opt, shard, merged, chunks, kept, run,
         if dloss is None or dloss is False:
             rows[i0:i1] = ce_finish(z, t, twc, cw, opt, shard, m, 0, run, dz)[0]
         if dz is not None:
-            acc[0][i0:i1] = (dz @ w).to(F32)
-            acc[1].add_((dz.t() @ h[i0:i1]).to(F32))
-            if b is not None:
-                acc[2].add_(dz.sum(0, dtype=F32))
+            _accumulate(acc, dz, h, w, b, i0, i1)
     return rows, acc
+
+
+class LinearLogProbs(torch.autograd.Function):
+    """log_probs (index [N, 1] or None) and entropy of logits = hidden
+    weight_r^T (+ bias_r), rank r's rows of the head: the states of every
+    chunk exchanged once, then the outputs; the backward recomputes the
+    logits (unless they took one chunk, which is kept) and sums dhidden
+    over the ranks."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, index, mask, tr_args, want_entropy, shard, run, budget):
+        tr, sh = B.transform(*tr_args), shard.c(want_entropy)
+        n, chunks = h.shape[0], _plan(h, w, budget)
+        state, kept = h.new_empty((n, S.STATE_COLS), dtype=F32), None
+        for i0, i1 in chunks:
+            z = _logits(h[i0:i1], w, b)
+            lp_state_into(z, _rows_of(index, i0, i1), _rows_of(mask, i0, i1), tr, sh,
+                          state[i0:i1], run)
+            kept = z if len(chunks) == 1 else None
+        merged = exchange(state, _lp_cols(want_entropy), shard, tr, run)
+        logp, ent = _lp_outputs(h, n, index, want_entropy)
+        for i0, i1 in chunks:
+            z = kept if kept is not None else _logits(h[i0:i1], w, b)
+            lp_finish_into(z, _rows_of(index, i0, i1), _rows_of(mask, i0, i1), tr, sh,
+                           merged[i0:i1], _rows_of(logp if index is not None else None, i0, i1),
+                           ent[i0:i1] if want_entropy else None, run)
+        ctx.save_for_backward(h, w, b, index, mask, merged)
+        ctx.args = tr_args, want_entropy, shard, run, chunks, kept
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, dlogp, dent):
+        h, w, b, index, mask, merged = ctx.saved_tensors
+        tr_args, want_entropy, shard, run, chunks, kept = ctx.args
+        tr, sh, acc = B.transform(*tr_args), shard.c(want_entropy), _new_acc(h, w, b)
+        for i0, i1 in chunks:
+            z = kept if kept is not None else _logits(h[i0:i1], w, b)
+            dz = lp_backward(z, _rows_of(index, i0, i1), _rows_of(mask, i0, i1), tr, sh,
+                             merged[i0:i1], _rows_of(dlogp, i0, i1),
+                             dent[i0:i1] if want_entropy else None, run)
+            _accumulate(acc, dz, h, w, b, i0, i1)
+        return _head_grads(acc, 1.0, shard, h, w, b) + (None,) * 7
 
 
 # ---------------------------------------------------------------- the functions lmloss.torch calls
@@ -382,6 +461,12 @@ def cross_entropy(logits, target, *, process_group, vocab_start=None, vocab_size
     return loss if pick is None else Fn.CrossEntropyResult(loss, None, *pick)
 
 
+def _one_index(index, lead):
+    if index.dim() != len(lead) and index.shape[-1] != 1:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "over a vocabulary shard, log_probs takes one "
+                         "index a row, got index %s" % (tuple(index.shape),))
+
+
 def log_probs(logits, index, *, process_group, vocab_start=None, vocab_size=None,
               temperature=1.0, mask=None, entropy=False, backend="auto", num_threads=0):
     """lmloss.torch.log_probs of a vocabulary shard: index [...] (one index
@@ -390,9 +475,7 @@ def log_probs(logits, index, *, process_group, vocab_start=None, vocab_size=None
     from . import _functional as Fn
     x = _rows(logits)
     lead = logits.shape[:-1]
-    if index.dim() != len(lead) and index.shape[-1] != 1:
-        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "over a vocabulary shard, log_probs takes one "
-                         "index a row, got index %s" % (tuple(index.shape),))
+    _one_index(index, lead)
     shard = Shard(process_group, x.shape[-1], vocab_start, vocab_size)
     logp, ent = LogProbs.apply(x, Fn._index(index).reshape(-1, 1), Fn._mask(mask),
                                (1.0, 0.0, float(temperature)), bool(entropy), shard,
@@ -440,3 +523,23 @@ def linear_cross_entropy(hidden, weight, target, *, process_group, bias=None, vo
                                     Fn._f32(token_weight), Fn._f32(class_weight), fopts, iopts,
                                     shard, Fn._budget(memory_budget))
     return Fn._finish(loss, None, None, None, hidden.shape[:-1], red, divisor, 0)[0]
+
+
+def linear_log_probs(hidden, weight, index, *, process_group, bias=None, vocab_start=None,
+                     vocab_size=None, temperature=1.0, logit_scale=1.0, softcap=None, mask=None,
+                     entropy=False, memory_budget=None, backend="auto", num_threads=0):
+    """lmloss.torch.linear_log_probs with the head's rows split over the
+    ranks (as linear_cross_entropy): one index a row, in the whole
+    vocabulary; the whole rows' log-probs (and entropy) on every rank."""
+    from . import _functional as Fn
+    h, w, b = Fn._head(hidden, weight, bias)
+    lead = hidden.shape[:-1]
+    _one_index(index, lead)
+    shard = Shard(process_group, w.shape[0], vocab_start, vocab_size)
+    logp, ent = LinearLogProbs.apply(h, w, b, Fn._index(index).reshape(-1, 1), Fn._mask(mask),
+                                     (float(logit_scale), float(softcap or 0.0),
+                                      float(temperature)), bool(entropy), shard,
+                                     (B.backend_code(backend), int(num_threads)),
+                                     Fn._budget(memory_budget))
+    logp = logp.reshape(index.shape)
+    return (logp, ent.reshape(lead)) if entropy else logp
