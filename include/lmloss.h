@@ -522,6 +522,11 @@ LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const
  * PATCH: compare it with this header's LMLOSS_VERSION_* at run time. */
 LMLOSS_API int lmloss_version(void);
 
+/* sizeof the public struct named `name` ("lmloss_tensor", "lmloss_shard",
+ * ...), 0 for a name that is none: how a binding that mirrors the structs
+ * (lmloss's ctypes layer) checks its mirrors against this build. */
+LMLOSS_API size_t lmloss_struct_size(const char *name);
+
 LMLOSS_API const char *lmloss_status_string(lmloss_status s); /* "LMLOSS_ERR_..." */
 LMLOSS_API const char *lmloss_last_error(void); /* message of this thread's last error */
 LMLOSS_API int lmloss_has_cuda(void);           /* 1 when the CUDA backend is built in */

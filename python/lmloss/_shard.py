@@ -22,6 +22,9 @@ class Shard(ctypes.Structure):
     _fields_ = [("col0", ctypes.c_int64), ("vocab", ctypes.c_int64), ("entropy", ctypes.c_int)]
 
 
+_lib.register_struct("lmloss_shard", Shard)
+
+
 def _proto(name, *argtypes):
     fn = getattr(_lib.lib, name)
     fn.restype = ctypes.c_int

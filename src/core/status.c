@@ -1,6 +1,7 @@
 /* status.c - status names and the thread-local last-error message. */
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "backend.h"
 
@@ -78,4 +79,23 @@ int lmloss_version(void) {
 lmloss_shard lmloss_shard_default(void) {
   lmloss_shard s = {0, 0, 0};
   return s;
+}
+
+size_t lmloss_struct_size(const char *name) {
+#define LMLOSS_STRUCT(t)                                                                           \
+  { #t, sizeof(t) }
+  static const struct {
+    const char *name;
+    size_t size;
+  } structs[] = {
+      LMLOSS_STRUCT(lmloss_tensor),     LMLOSS_STRUCT(lmloss_context),
+      LMLOSS_STRUCT(lmloss_transform),  LMLOSS_STRUCT(lmloss_ce_options),
+      LMLOSS_STRUCT(lmloss_ce_inputs),  LMLOSS_STRUCT(lmloss_ce_outputs),
+      LMLOSS_STRUCT(lmloss_head),       LMLOSS_STRUCT(lmloss_head_options),
+      LMLOSS_STRUCT(lmloss_head_grads), LMLOSS_STRUCT(lmloss_shard),
+  };
+#undef LMLOSS_STRUCT
+  for (size_t i = 0; name && i < sizeof structs / sizeof *structs; i++)
+    if (strcmp(name, structs[i].name) == 0) return structs[i].size;
+  return 0;
 }
