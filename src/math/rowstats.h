@@ -138,9 +138,9 @@ LMLOSS_HD float lmloss_rowstat_entropy(const lmloss_rowstat *s) {
  * other indices, dh the entropy's upstream, p = p_j, dk = dk_j and
  * hbar = t / (1 + R):
  *   dz_j = dj (1 - p_j) - rest p_j - dh p_j (dk_j + hbar),
- * with 1 - p_a = R / (1 + R) at the argmax. rest is summed apart: as
- * D - dj it cancels where dj is most of D, which left the argmax entry
- * of [1, -1e-6] with D's rounding, 1% of it. */
+ * with 1 - p_a = R / (1 + R) at the argmax. rest is summed apart, never
+ * as D - dj, which cancels where dj is most of D (dlogp {1, -1e-6}: D's
+ * rounding is 1% of the argmax entry). */
 LMLOSS_HD float lmloss_lp_entry_z(const lmloss_rowstat *s, float p, float dk, float hbar, float dj,
                                   float rest, float dh, int is_argmax) {
   const float q = is_argmax ? s->r / (1.0f + s->r) : 1.0f - p;
@@ -208,7 +208,7 @@ LMLOSS_HD float lmloss_ce_grad_z(const lmloss_ce_coef *q, const lmloss_rowstat *
   /* The complement form only where p_a > 1/2: below that A p_a is exact
    * enough and (A - B) - A R / (1 + R) would cancel. A - B_a is formed
    * from its parts, c_y (1 - e) [a != y] + e (C - c_a) / V: as A minus
-   * B_a, both near c_y, it kept only their rounding where e is small. */
+   * B_a, both near c_y, it would be their rounding where e is small. */
   if (is_argmax && s->r < 1.0f) {
     const float amb = (is_target ? 0.0f : q->hot) + q->smooth * (q->csum - cj);
     return amb - q->a_coef * (s->r / (1.0f + s->r));
