@@ -96,4 +96,5 @@ def test_type_hints_and_py_typed():
             missing.append("%s -> ?" % qual)
         if not (fn.__doc__ or "").strip() and not qual.endswith(("__init__", "forward")):
             missing.append("%s: no docstring" % qual)
-    assert seen >= 15 and not missing, missing
+    # the NumPy API alone has 14 (lmloss.torch adds its own where torch is installed)
+    assert seen >= 14 and not missing, missing
