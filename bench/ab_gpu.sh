@@ -1,8 +1,8 @@
 #!/bin/sh
 # ab_gpu.sh - A/B of a CUDA change in one GPU call: A is this tree, B the
 # baseline, this tree with a patch applied (the GPU machine gets no .git,
-# so make the patch here: git diff HEAD BASE -- src > ab.patch against a
-# commit, git diff -R -- src > ab.patch against HEAD when A is uncommitted
+# so make the patch here: git diff HEAD BASE -- CMakeLists.txt cmake src
+# include tests/c tools > ab.patch against a commit, git diff -R -- src > ab.patch against HEAD when A is uncommitted
 # work). Both are built side by side, A's C suite runs on CUDA, then every
 # bandwidth case of the issue (and CE / log-probs backward with the
 # default options, the softmax once, the fused head at the end) runs B, A,
@@ -21,7 +21,7 @@ PATCH=${1:?usage: bench/ab_gpu.sh PATCH}
 OUT=${OUT:-gpu-out}
 B_TREE=/tmp/ab-b
 mkdir -p "$OUT" "$B_TREE"
-cp -r CMakeLists.txt include src tests tools "$B_TREE"/ && patch -s -d "$B_TREE" -p1 <"$PATCH" ||
+cp -r CMakeLists.txt $( [ -d cmake ] && echo cmake) include src tests tools "$B_TREE"/ && patch -s -d "$B_TREE" -p1 <"$PATCH" ||
   exit 1
 build() {
   cmake -S "$1" -B "$1/build-gpu" -DCMAKE_BUILD_TYPE=Release -DLMLOSS_CUDA=ON \
@@ -49,7 +49,7 @@ for round in 1 2; do
     [ "$side" = B ] && L=$B
     echo "== $side, round $round" >>"$OUT/ab.txt"
     for shape in 8192,152064 4096,32768; do
-      run $L/lmloss bench $OPS --plain --device cuda --dtype bf16 --shape $shape
+      run $L/lmloss bench $OPS --plain --device cuda --queue 5 --dtype bf16 --shape $shape
     done
     run $L/lmloss bench ce-grad logprob-bwd --device cuda --dtype bf16 --shape 8192,152064
     [ $round = 1 ] && run $L/lmloss bench softmax --device cuda --dtype f32 --shape 4096,262144
