@@ -65,7 +65,9 @@ static void die(int rc, const char *fmt, ...) {
 
 static void *xcalloc(size_t n, size_t size) {
   void *p = calloc(n ? n : 1, size);
-  if (!p) die(1, "out of memory");
+  if (!p)
+    die(1, "out of memory for %.1f GiB (a smaller --vocab or --batch?)",
+        (double)n * size / (1 << 30));
   return p;
 }
 
