@@ -68,19 +68,38 @@ __device__ void fill_row(void *out, lmloss_dtype dt, int64_t os, int64_t i, int6
     lmloss_store(o, dt, j, v);
 }
 
+/* f(j, v) over the columns j of a row this thread owns (j = threadIdx.x
+ * + q SHARD_THREADS, in order), v the logit: UNROLL loads are issued
+ * before their elements are used, so that a thread keeps several reads in
+ * flight where each element's work waits on the one before. */
+constexpr int UNROLL = 8;
+template <typename F>
+__device__ __forceinline__ void each_loaded(const void *row, lmloss_dtype dt, int64_t n, F f) {
+  int64_t j = threadIdx.x;
+  for (; j + (UNROLL - 1) * SHARD_THREADS < n; j += UNROLL * SHARD_THREADS) {
+    float v[UNROLL];
+#pragma unroll
+    for (int q = 0; q < UNROLL; q++)
+      v[q] = lmloss_load(row, dt, j + q * SHARD_THREADS);
+#pragma unroll
+    for (int q = 0; q < UNROLL; q++)
+      f(j + q * SHARD_THREADS, v[q]);
+  }
+  for (; j < n; j += SHARD_THREADS)
+    f(j, lmloss_load(row, dt, j));
+}
+
 /* f(j, jg, x, dk, e) over the columns of row i this thread owns: j in
  * the shard, jg in the vocabulary, x the logit, dk = (w - m) k (exactly 0
  * at the argmax), e = exp(dk). */
 template <typename F>
 __device__ __forceinline__ void each_column(const ShardRows &R, const lmloss_rowstat &s, int64_t i,
                                             F f) {
-  const void *row = R.row(i);
-  for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
+  each_loaded(R.row(i), R.dt, R.n, [&](int64_t j, float x) {
     const int64_t jg = R.col0 + j;
-    const float x = lmloss_load(row, R.dt, j);
     const float dk = lmloss_rowstat_dk(&s, R.f.k, jg, lmloss_xform_w(&R.f, x));
     f(j, jg, x, dk, expf(dk));
-  }
+  });
 }
 
 /* The CTA's merge of its threads' states, in a fixed tree; every thread
@@ -122,11 +141,10 @@ __device__ lmloss_rowstate row_state(const ShardRows &R, int64_t i, long long la
   const void *row = R.row(i);
   const float k = R.f.k;
   lmloss_rowstate x = lmloss_rowstate_empty();
-  for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
-    const float v = lmloss_load(row, R.dt, j);
+  each_loaded(row, R.dt, R.n, [&](int64_t j, float v) {
     if (v != v || v == INFINITY) {
       x.flags |= LMLOSS_STATE_NONFINITE;
-      continue;
+      return;
     }
     if (v != -INFINITY) x.flags |= LMLOSS_STATE_LOGIT;
     const float cj = need_u ? (cw ? cw[(R.col0 + j) * cws] : 1.0f) : 0.0f;
@@ -139,7 +157,7 @@ __device__ lmloss_rowstate row_state(const ShardRows &R, int64_t i, long long la
       e.s.a = R.col0 + j;
     }
     x = lmloss_rowstate_merge(x, e, k);
-  }
+  });
   x = cta_merge(x, k);
   const long long yl = label - R.col0;
   if (yl >= 0 && yl < R.n) {
@@ -374,12 +392,11 @@ __global__ void __launch_bounds__(SHARD_THREADS) softmax_kernel(LpFinish a) {
     return;
   }
   const float l1r = log1pf(st.s.r), inv = 1.0f / (1.0f + st.s.r);
-  const void *row = R.row(i);
   void *o = out_row(a.out, a.odt, a.os, i);
-  for (int64_t j = threadIdx.x; j < R.n; j += SHARD_THREADS) {
-    const float d = lmloss_load(row, R.dt, j) - st.s.m;
+  each_loaded(R.row(i), R.dt, R.n, [&](int64_t j, float x) {
+    const float d = x - st.s.m;
     lmloss_store(o, a.odt, j, a.log ? d - l1r : expf(d) * inv);
-  }
+  });
 }
 
 /* ---- host side ---- */
