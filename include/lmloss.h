@@ -105,7 +105,7 @@ typedef enum {
 typedef struct {
   lmloss_backend backend;
   void *stream;    /* cudaStream_t for CUDA calls; NULL = default stream */
-  int num_threads; /* CPU threads; 0 = OpenMP's default */
+  int num_threads; /* CPU threads: 0 = OpenMP's default, else 1..1024 (outside: BAD_OPTION) */
 } lmloss_context;
 
 LMLOSS_API lmloss_context lmloss_context_default(void);
