@@ -126,19 +126,24 @@ def _check_rank(world, rank, uneven, V):
         _close(ggot, gref[:, s:e], "softmax grad log=%s" % log, rtol=1e-4, atol=1e-5)
 
 
-def _check_head(world, rank, uneven, V):
-    """The fused head with W's rows split: loss, dhidden (summed over the
-    ranks), the rank's rows of dW and db, against the whole head."""
-    bounds = _bounds(V, world, uneven)
-    s, e = bounds[rank]
+def _head_case(world, rank, uneven, V, seed):
+    """This rank's [s, e), the sharding keywords, a generator, and hidden
+    [N, H], the whole head [V, H] and bias [V]."""
+    s, e = _bounds(V, world, uneven)[rank]
     shard = dict(process_group=dist.group.WORLD)
     if uneven:
         shard.update(vocab_start=s, vocab_size=V)
-    g = torch.Generator().manual_seed(7 + world)
+    g = torch.Generator().manual_seed(seed + world)
     h = torch.randn(N, H, generator=g)
     w = torch.randn(V, H, generator=g) / H ** 0.5
-    b = torch.randn(V, generator=g)
-    _, y = _rows(V, bounds, seed=world)
+    return s, e, shard, g, h, w, torch.randn(V, generator=g)
+
+
+def _check_head(world, rank, uneven, V):
+    """The fused head with W's rows split: loss, dhidden (summed over the
+    ranks), the rank's rows of dW and db, against the whole head."""
+    s, e, shard, g, h, w, b = _head_case(world, rank, uneven, V, 7)
+    _, y = _rows(V, _bounds(V, world, uneven), seed=world)
     tw = torch.rand(N, generator=g) + 0.5
     cases = [
         dict(),
@@ -166,15 +171,7 @@ def _check_head(world, rank, uneven, V):
 
 def _check_head_log_probs(world, rank, uneven, V):
     """The fused head's log-probs and entropy with W's rows split."""
-    bounds = _bounds(V, world, uneven)
-    s, e = bounds[rank]
-    shard = dict(process_group=dist.group.WORLD)
-    if uneven:
-        shard.update(vocab_start=s, vocab_size=V)
-    g = torch.Generator().manual_seed(11 + world)
-    h = torch.randn(N, H, generator=g)
-    w = torch.randn(V, H, generator=g) / H ** 0.5
-    b = torch.randn(V, generator=g)
+    s, e, shard, g, h, w, b = _head_case(world, rank, uneven, V, 11)
     idx = torch.randint(V, (N,), generator=g)
     mask = torch.arange(N) % 5 != 3
     kw = dict(temperature=0.8, logit_scale=30.0, softcap=12.0, mask=mask, entropy=True)
