@@ -1,19 +1,20 @@
 /*
- * Cross-entropy over a vocabulary split across MPI ranks (Megatron's
- * layout, uneven shards), with lmloss's public row contract:
+ * Losses over a vocabulary split across MPI ranks (Megatron's layout,
+ * uneven shards), with lmloss's public row contract, for each family:
  *
- *   1. each rank: lmloss_cross_entropy_state of its columns;
- *   2. one MPI_Allgather of each state's leading
- *      LMLOSS_ROW_STATE_EXCHANGE_COLS floats (16 bytes a row), merged in
- *      rank order with lmloss_row_state_merge, so every rank holds the same
- *      bits;
- *   3. each rank: lmloss_cross_entropy_finish, the whole rows' loss and the
- *      gradient of its own columns.
+ *   1. each rank: the state of its columns (lmloss_cross_entropy_state,
+ *      lmloss_log_probs_state);
+ *   2. one MPI_Allgather of each state's leading columns (16 bytes a row,
+ *      20 with entropy), merged in rank order with lmloss_row_state_merge,
+ *      so every rank holds the same bits;
+ *   3. each rank: the finish, the whole rows' outputs and the gradient of
+ *      its own columns.
  *
- * Every rank checks its results against the one-shot call on the whole
- * rows, on rows peaked by up to 1000 at a label that lies on each rank in
- * turn, where a sum of exp all-reduced in fp32 reads a loss of 0. Exits 1
- * when they differ.
+ * Every rank checks its results against the one-shot calls on the whole
+ * rows: cross-entropy, log-probs with entropy (and their backward) and
+ * softmax, on rows peaked by up to 1000 at a label that lies on each rank
+ * in turn, where a sum of exp all-reduced in fp32 reads a loss of 0.
+ * Exits 1 when they differ.
  */
 #include <lmloss.h>
 #include <math.h>
@@ -37,6 +38,53 @@ static lmloss_tensor view(void *data, lmloss_dtype dt, int64_t rows, int64_t col
   return t;
 }
 
+static int rank, world;
+
+/* Step 2: the leading `cols` columns of every rank's states [N, 8] into
+ * merged [N, 8], the rest 0, merged in rank order. */
+static lmloss_status exchange(const float *state, int cols, const lmloss_transform *tr,
+                              float *merged) {
+  enum { S = LMLOSS_ROW_STATE_COLS };
+  float *wire = malloc(sizeof(float) * N * cols), *all = malloc(sizeof(float) * N * cols * world);
+  float *part = calloc((size_t)N * S, sizeof(float));
+  for (int64_t i = 0; i < N; i++)
+    memcpy(wire + i * cols, state + i * S, sizeof(float) * cols);
+  MPI_Allgather(wire, N * cols, MPI_FLOAT, all, N * cols, MPI_FLOAT, MPI_COMM_WORLD);
+  memset(merged, 0, sizeof(float) * N * S);
+  lmloss_context ctx = lmloss_context_default();
+  lmloss_tensor mt = {merged, LMLOSS_F32, LMLOSS_CPU, N, S, S}, pt = mt;
+  pt.data = part;
+  lmloss_status s = LMLOSS_OK;
+  for (int r = 0; r < world && !s; r++) {
+    float *dst = r == 0 ? merged : part;
+    for (int64_t i = 0; i < N; i++)
+      memcpy(dst + i * S, all + ((int64_t)r * N + i) * cols, sizeof(float) * cols);
+    if (r > 0) s = lmloss_row_state_merge(&ctx, &mt, &pt, tr, &mt);
+  }
+  free(wire), free(all), free(part);
+  return s;
+}
+
+/* The worst relative difference of got [rows, cols] (row stride gs) from
+ * ref's columns [c0, c0 + cols) (row stride rs, V columns a row), each
+ * row's difference against the largest magnitude of its whole ref row: a
+ * gradient entry that cancels (the entropy's crosses 0) carries the
+ * rounding of its row's terms, not of its own size. */
+static double worst_of(const float *got, int64_t gs, const float *ref, int64_t rs, int64_t c0,
+                       int64_t rows, int64_t cols) {
+  double w = 0;
+  for (int64_t i = 0; i < rows; i++) {
+    double scale = 0, err = 0;
+    for (int64_t j = 0; j < (rs == 1 ? 1 : V); j++)
+      scale = fmax(scale, fabs(ref[i * rs + j]));
+    for (int64_t j = 0; j < cols; j++)
+      if (got[i * gs + j] != ref[i * rs + c0 + j])
+        err = fmax(err, fabs((double)got[i * gs + j] - ref[i * rs + c0 + j]));
+    if (err > 0) w = fmax(w, err / scale);
+  }
+  return w;
+}
+
 #define CHECK(call)                                                                                \
   do {                                                                                             \
     lmloss_status s_ = (call);                                                                     \
@@ -48,91 +96,100 @@ static lmloss_tensor view(void *data, lmloss_dtype dt, int64_t rows, int64_t col
 
 int main(int argc, char **argv) {
   MPI_Init(&argc, &argv);
-  int rank, world;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   /* Uneven shards: rank r holds [col0, col0 + n) */
   const int64_t col0 = V * rank / world, n = V * (rank + 1) / world - col0;
 
   float *x = malloc(sizeof(float) * N * V), *g1 = malloc(sizeof(float) * N * V);
-  int64_t target[N];
+  float *g = malloc(sizeof(float) * N * n);
+  int64_t target[N], index[N];
   for (int64_t i = 0; i < N; i++) {
     float mx = -INFINITY;
     for (int64_t j = 0; j < V; j++)
       x[i * V + j] = logit(i, j), mx = fmaxf(mx, x[i * V + j]);
     const int owner = (int)(i % world);
-    target[i] = V * owner / world + (i * 7919) % (V / world);
+    target[i] = index[i] = V * owner / world + (i * 7919) % (V / world);
     const float margins[] = {0, 5, 17, 30, 50, 1000};
     x[i * V + target[i]] = mx + margins[i % 6];
   }
   target[7] = -100; /* an ignored row */
 
   lmloss_context ctx = lmloss_context_default();
+  const lmloss_transform tr = lmloss_transform_default();
+  const lmloss_tensor whole = view(x, LMLOSS_F32, N, V, V),
+                      shard_x = view(x + col0, LMLOSS_F32, N, n, V);
+  float *state = malloc(sizeof(float) * N * LMLOSS_ROW_STATE_COLS);
+  float *merged = malloc(sizeof(float) * N * LMLOSS_ROW_STATE_COLS);
+  const lmloss_tensor st = view(state, LMLOSS_F32, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
+  const lmloss_tensor mt =
+      view(merged, LMLOSS_F32, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
+  double worst[3] = {0, 0, 0}; /* CE, log-probs, softmax */
+
+  /* Cross-entropy: the loss of every row, the gradient of this rank's columns */
   lmloss_ce_options opt = lmloss_ce_options_default();
   opt.reduction = LMLOSS_REDUCE_NONE;
   size_t wsb = lmloss_cross_entropy_workspace_size(N);
   void *ws = malloc(wsb);
-
-  /* the one-shot result on the whole rows, for the check */
   float loss1[N], loss[N];
-  lmloss_ce_inputs whole = {view(x, LMLOSS_F32, N, V, V), view(target, LMLOSS_I64, N, 1, 1)};
+  lmloss_ce_inputs in = {whole, view(target, LMLOSS_I64, N, 1, 1)};
   lmloss_ce_outputs out1 = {.loss = view(loss1, LMLOSS_F32, N, 1, 1),
                             .dlogits = view(g1, LMLOSS_F32, N, V, V)};
-  CHECK(lmloss_cross_entropy(&ctx, &whole, &opt, &out1, ws, wsb));
-
-  /* 1. this rank's state */
-  lmloss_ce_inputs in = whole;
-  in.logits = view(x + col0, LMLOSS_F32, N, n, V);
+  CHECK(lmloss_cross_entropy(&ctx, &in, &opt, &out1, ws, wsb));
+  in.logits = shard_x;
   lmloss_shard shard = {col0, V, 0};
-  float *state = malloc(sizeof(float) * N * LMLOSS_ROW_STATE_COLS);
-  lmloss_tensor st = view(state, LMLOSS_F32, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
   CHECK(lmloss_cross_entropy_state(&ctx, &in, &opt, &shard, &st));
-
-  /* 2. one exchange: the leading columns of every row's state */
-  enum { E = LMLOSS_ROW_STATE_EXCHANGE_COLS };
-  float *wire = malloc(sizeof(float) * N * E), *all = malloc(sizeof(float) * N * E * world);
-  for (int64_t i = 0; i < N; i++)
-    memcpy(wire + i * E, state + i * LMLOSS_ROW_STATE_COLS, sizeof(float) * E);
-  MPI_Allgather(wire, N * E, MPI_FLOAT, all, N * E, MPI_FLOAT, MPI_COMM_WORLD);
-  float *merged = calloc((size_t)N * LMLOSS_ROW_STATE_COLS, sizeof(float));
-  float *part = calloc((size_t)N * LMLOSS_ROW_STATE_COLS, sizeof(float));
-  lmloss_tensor mt = view(merged, LMLOSS_F32, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
-  lmloss_tensor pt = view(part, LMLOSS_F32, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
-  for (int r = 0; r < world; r++) {
-    float *dst = r == 0 ? merged : part;
-    for (int64_t i = 0; i < N; i++)
-      memcpy(dst + i * LMLOSS_ROW_STATE_COLS, all + ((int64_t)r * N + i) * E, sizeof(float) * E);
-    if (r > 0) CHECK(lmloss_row_state_merge(&ctx, &mt, &pt, &opt.transform, &mt));
-  }
-
-  /* 3. the whole rows' loss, this rank's columns of the gradient */
-  float *g = malloc(sizeof(float) * N * n);
+  CHECK(exchange(state, LMLOSS_ROW_STATE_EXCHANGE_COLS, &opt.transform, merged));
   lmloss_ce_outputs out = {.loss = view(loss, LMLOSS_F32, N, 1, 1),
                            .dlogits = view(g, LMLOSS_F32, N, n, n)};
   CHECK(lmloss_cross_entropy_finish(&ctx, &in, &opt, &shard, &mt, &out, ws, wsb));
+  worst[0] = fmax(worst_of(loss, 1, loss1, 1, 0, N, 1), worst_of(g, n, g1, V, col0, N, n));
 
-  double worst = 0;
-  for (int64_t i = 0; i < N; i++) {
-    worst = fmax(worst, fabs(loss[i] - loss1[i]) / fmax(fabs(loss1[i]), 1e-30));
-    for (int64_t j = 0; j < n; j++) {
-      const double a = g[i * n + j], b = g1[i * V + col0 + j];
-      worst = fmax(worst, fabs(a - b) / (fabs(b) + 1e-7));
+  /* Log-probs of the index and entropy, and their backward from dlogp = dH = 1 */
+  float lp1[N], lp[N], h1[N], h[N], ones[N];
+  for (int64_t i = 0; i < N; i++)
+    ones[i] = 1.0f;
+  const lmloss_tensor idx = view(index, LMLOSS_I64, N, 1, 1), one = view(ones, LMLOSS_F32, N, 1, 1);
+  const lmloss_tensor lpt = view(lp, LMLOSS_F32, N, 1, 1), ht = view(h, LMLOSS_F32, N, 1, 1);
+  const lmloss_tensor lp1t = view(lp1, LMLOSS_F32, N, 1, 1), h1t = view(h1, LMLOSS_F32, N, 1, 1);
+  const lmloss_tensor g1t = view(g1, LMLOSS_F32, N, V, V), gt = view(g, LMLOSS_F32, N, n, n);
+  CHECK(lmloss_log_probs(&ctx, &whole, &idx, NULL, &tr, &lp1t, &h1t, NULL));
+  CHECK(lmloss_log_probs_backward(&ctx, &whole, &idx, NULL, &tr, &one, &one, &g1t, NULL));
+  shard.entropy = 1;
+  CHECK(lmloss_log_probs_state(&ctx, &shard_x, &idx, NULL, &tr, &shard, &st));
+  CHECK(exchange(state, LMLOSS_ROW_STATE_EXCHANGE_COLS_ENTROPY, &tr, merged));
+  CHECK(lmloss_log_probs_finish(&ctx, &shard_x, &idx, NULL, &tr, &shard, &mt, &lpt, &ht));
+  CHECK(lmloss_log_probs_backward_finish(&ctx, &shard_x, &idx, NULL, &tr, &shard, &mt, &one, &one,
+                                         &gt));
+  worst[1] = fmax(fmax(worst_of(lp, 1, lp1, 1, 0, N, 1), worst_of(h, 1, h1, 1, 0, N, 1)),
+                  worst_of(g, n, g1, V, col0, N, n));
+
+  /* Softmax of this rank's columns */
+  shard.entropy = 0;
+  CHECK(lmloss_softmax(&ctx, &whole, 0, &g1t));
+  CHECK(lmloss_log_probs_state(&ctx, &shard_x, NULL, NULL, &tr, &shard, &st));
+  CHECK(exchange(state, LMLOSS_ROW_STATE_EXCHANGE_COLS, &tr, merged));
+  CHECK(lmloss_softmax_finish(&ctx, &shard_x, &shard, &mt, 0, &gt));
+  worst[2] = worst_of(g, n, g1, V, col0, N, n);
+
+  double all_worst[3];
+  MPI_Reduce(worst, all_worst, 3, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+  int bad = 0;
+  if (rank == 0) {
+    printf("vocab-parallel over %d ranks, V = %d, %d rows, one exchange of 16 (CE, softmax) or "
+           "20 (log-probs + entropy) bytes a row\n",
+           world, V, N);
+    for (int64_t i = 0; i < 6; i++)
+      printf("  CE row %lld (margin %s): loss %.9g, one-shot %.9g\n", (long long)i,
+             (const char *[]){"0", "5", "17", "30", "50", "1000"}[i], loss[i], loss1[i]);
+    const char *names[] = {"CE", "log-probs + entropy", "softmax"};
+    for (int f = 0; f < 3; f++) {
+      printf("%s: worst relative difference from the one-shot call %.3g\n", names[f], all_worst[f]);
+      bad |= !(all_worst[f] < 1e-5);
     }
   }
-  double all_worst;
-  MPI_Reduce(&worst, &all_worst, 1, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
-  if (rank == 0) {
-    printf("vocab-parallel CE over %d ranks, V = %d, %d rows, %d bytes a row exchanged\n", world, V,
-           N, (int)(E * sizeof(float)));
-    for (int64_t i = 0; i < 6; i++)
-      printf("  row %lld (margin %s): loss %.9g, one-shot %.9g\n", (long long)i,
-             (const char *[]){"0", "5", "17", "30", "50", "1000"}[i], loss[i], loss1[i]);
-    printf("worst relative difference from the one-shot call: %.3g\n", all_worst);
-  }
-  int bad = rank == 0 && !(all_worst < 1e-4);
   MPI_Bcast(&bad, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  free(x), free(g1), free(ws), free(state), free(wire), free(all), free(merged), free(part);
-  free(g);
+  free(x), free(g1), free(g), free(ws), free(state), free(merged);
   MPI_Finalize();
   return bad;
 }
