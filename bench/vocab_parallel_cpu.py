@@ -7,7 +7,6 @@ is the one-shot call on an [N, V / ranks] block in one process, one
 thread: the same arithmetic without the exchange and the merge. Rows are
 peaked (each label lifted 0-15 above its row's max). Prints medians."""
 
-import os
 import statistics
 import sys
 import tempfile

@@ -42,7 +42,8 @@ class Shard:
         self.col0 = rank * cols if vocab_start is None else int(vocab_start)
         self.vocab = self.world * cols if vocab_size is None else int(vocab_size)
 
-    def c(self, entropy=False):
+    def struct(self, entropy=False):
+        """The lmloss_shard of this rank (entropy: the state carries t)."""
         return S.Shard(self.col0, self.vocab, int(bool(entropy)))
 
 
@@ -88,7 +89,7 @@ def ce_state(x, target, tw, cw, opt, shard, entropy, run):
     state, keep = _state(x), []
     with B.context(x, *run) as ctx:
         _lib.check(S.ce_state(ctx, _ce_inputs(x, target, tw, cw, keep), opt,
-                              shard.c(entropy), B.view(state, keep)))
+                              shard.struct(entropy), B.view(state, keep)))
     return exchange(state, _ce_cols(opt, entropy), shard, opt.transform, run)
 
 
@@ -110,7 +111,7 @@ def ce_finish(x, target, tw, cw, opt, shard, merged, extras, run, dlogits=None):
             out.dlogits = B.view(dlogits, keep)
         ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(n), x.device)
         _lib.check(S.ce_finish(ctx, _ce_inputs(x, target, tw, cw, keep), opt,
-                               shard.c(extras & O.EXTRA_ENTROPY), B.view(merged, keep), out,
+                               shard.struct(extras & O.EXTRA_ENTROPY), B.view(merged, keep), out,
                                addr, nbytes))
     return loss, lse, ent, amax
 
@@ -120,7 +121,7 @@ def ce_backward(x, target, tw, cw, opt, shard, merged, dloss, entropy, run):
     with B.context(x, *run) as ctx:
         ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
         _lib.check(S.ce_backward_finish(ctx, _ce_inputs(x, target, tw, cw, keep), opt,
-                                        shard.c(entropy), B.view(merged, keep),
+                                        shard.struct(entropy), B.view(merged, keep),
                                         B.view(dloss.reshape(-1).to(F32), keep),
                                         B.view(dlogits, keep), addr, nbytes))
     return dlogits
@@ -203,7 +204,7 @@ class LogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, index, mask, tr_args, want_entropy, shard, run):
-        tr, sh, state = B.transform(*tr_args), shard.c(want_entropy), _state(x)
+        tr, sh, state = B.transform(*tr_args), shard.struct(want_entropy), _state(x)
         lp_state_into(x, index, mask, tr, sh, state, run)
         merged = exchange(state, _lp_cols(want_entropy), shard, tr, run)
         logp, ent = _lp_outputs(x, x.shape[0], index, want_entropy)
@@ -216,7 +217,7 @@ class LogProbs(torch.autograd.Function):
     def backward(ctx, dlogp, dent):
         x, index, mask, merged = ctx.saved_tensors
         tr_args, want_entropy, shard, run = ctx.args
-        dx = lp_backward(x, index, mask, B.transform(*tr_args), shard.c(want_entropy), merged,
+        dx = lp_backward(x, index, mask, B.transform(*tr_args), shard.struct(want_entropy), merged,
                          dlogp, dent if want_entropy else None, run)
         return (dx,) + (None,) * 6
 
@@ -231,12 +232,12 @@ class Softmax(torch.autograd.Function):
         tr, keep = _lib.transform_default(), []
         state = _state(x)
         with B.context(x, *run) as c:
-            _lib.check(S.lp_state(c, B.view(x, keep), None, None, tr, shard.c(),
+            _lib.check(S.lp_state(c, B.view(x, keep), None, None, tr, shard.struct(),
                                   B.view(state, keep)))
         merged = exchange(state, S.EXCHANGE_COLS, shard, tr, run)
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         with B.context(x, *run) as c:
-            _lib.check(S.softmax_finish(c, B.view(x, keep), shard.c(), B.view(merged, keep),
+            _lib.check(S.softmax_finish(c, B.view(x, keep), shard.struct(), B.view(merged, keep),
                                         int(log), B.view(y, keep)))
         ctx.save_for_backward(y)
         ctx.args = log, shard
@@ -366,7 +367,7 @@ def _rows_of(t, i0, i1):
 def _state_into(z, target, tw, cw, opt, shard, run, state):
     keep = []
     with B.context(z, *run) as ctx:
-        _lib.check(S.ce_state(ctx, _ce_inputs(z, target, tw, cw, keep), opt, shard.c(),
+        _lib.check(S.ce_state(ctx, _ce_inputs(z, target, tw, cw, keep), opt, shard.struct(),
                               B.view(state, keep)))
 
 
@@ -399,7 +400,7 @@ class LinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, b, index, mask, tr_args, want_entropy, shard, run, budget):
-        tr, sh = B.transform(*tr_args), shard.c(want_entropy)
+        tr, sh = B.transform(*tr_args), shard.struct(want_entropy)
         n, chunks = h.shape[0], _plan(h, w, budget)
         state, kept = h.new_empty((n, S.STATE_COLS), dtype=F32), None
         for i0, i1 in chunks:
@@ -422,7 +423,7 @@ class LinearLogProbs(torch.autograd.Function):
     def backward(ctx, dlogp, dent):
         h, w, b, index, mask, merged = ctx.saved_tensors
         tr_args, want_entropy, shard, run, chunks, kept = ctx.args
-        tr, sh, acc = B.transform(*tr_args), shard.c(want_entropy), _new_acc(h, w, b)
+        tr, sh, acc = B.transform(*tr_args), shard.struct(want_entropy), _new_acc(h, w, b)
         for i0, i1 in chunks:
             z = kept if kept is not None else _logits(h[i0:i1], w, b)
             dz = lp_backward(z, _rows_of(index, i0, i1), _rows_of(mask, i0, i1), tr, sh,
