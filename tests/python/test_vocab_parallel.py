@@ -123,7 +123,9 @@ def _check_rank(world, rank, uneven, V):
                              xs)
         dist.all_reduce(got)
         _close(got, ref, "softmax log=%s" % log, rtol=1e-4)
-        _close(ggot, gref[:, s:e], "softmax grad log=%s" % log, rtol=1e-4, atol=1e-5)
+        # confident rows' gradients are tiny: held entry by entry, the
+        # argmax's too (dy_a - sum_j y_j dy_j would cancel there)
+        _close(ggot, gref[:, s:e], "softmax grad log=%s" % log, rtol=1e-4, atol=1e-30)
 
 
 def _head_case(world, rank, uneven, V, seed):

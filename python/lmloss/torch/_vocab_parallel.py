@@ -7,8 +7,9 @@ all-gather exchanges their leading columns (16 bytes a row for CE,
 log-probs and softmax; docs/design.md), every rank merges the parts in
 rank order with lmloss_row_state_merge, so that every rank holds the same
 bits and reports the same loss, and finishes its own columns. The
-backward needs no collective of its own, except softmax's (one float a
-row) and the fused head's dhidden, which is summed over the ranks.
+backward needs no collective of its own, except softmax's (12 bytes a
+row, log-softmax's 16) and the fused head's dhidden, which is summed
+over the ranks.
 Never an all-reduce of a sum of exponentials: that is the collapse.
 
 The functions here are eager autograd Functions (a process group cannot
@@ -239,21 +240,53 @@ class Softmax(torch.autograd.Function):
         with B.context(x, *run) as c:
             _lib.check(S.softmax_finish(c, B.view(x, keep), shard.struct(), B.view(merged, keep),
                                         int(log), B.view(y, keep)))
-        ctx.save_for_backward(y)
+        ctx.save_for_backward(y, merged)
         ctx.args = log, shard
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        # The row sum spans the ranks: one all-reduce of a float a row.
-        (y,) = ctx.saved_tensors
+        # softmax: dx_j = y_j (dy_j - sum_k y_k dy_k); log: dx_j = dy_j -
+        # p_j sum_k dy_k. The sums span the ranks. At the argmax a they
+        # cancel on a confident row, so the others' sum is formed apart and
+        # 1 - p_a = R / (1 + R) comes from the merged state, as in the
+        # one-shot backward: log's dx_a = dy_a (1 - p_a) - p_a sum_{k != a}
+        # dy_k (one all-reduce: that sum and dy_a). Softmax's c = sum_{k !=
+        # a} y_k (dy_a - dy_k) gives dx_a = p_a c and dx_j = y_j ((dy_j -
+        # dy_a) + c); summed after dy_a is known it cancels only where the
+        # row's dy does, so it takes a first all-reduce of dy_a (4 bytes a
+        # row) before its own (8).
+        y, merged = ctx.saved_tensors
         log, shard = ctx.args
         dy32, y32 = dy.to(F32), y.to(F32)
-        s = (dy32 if log else dy32 * y32).sum(-1, keepdim=True)
-        if shard.world > 1:
-            dist.all_reduce(s, group=shard.group)
-        dx = dy32 - y32.exp() * s if log else y32 * (dy32 - s)
-        return dx.to(y.dtype), None, None, None
+        a = merged[:, 2:3].round().long() - shard.col0
+        own = (a >= 0) & (a < y.shape[1])
+        ac = a.clamp(0, y.shape[1] - 1)
+        at_a = own & (torch.arange(y.shape[1], device=y.device) == ac)
+        dy_a = torch.where(own, dy32.gather(1, ac), 0.0)
+        r = merged[:, 1:2].double()
+        p_a = 1.0 / (1.0 + r)
+        f64 = torch.float64
+        if log:
+            p = y32.exp()
+            sums = torch.cat([torch.where(at_a, 0.0, dy32).sum(-1, keepdim=True, dtype=f64),
+                              dy_a.double()], 1)
+            _all_reduce(sums, shard)
+            s_other, dy_a = sums[:, 0:1], sums[:, 1:2]
+            dx = dy32 - p * (s_other + dy_a).to(F32)
+            dx_a = dy_a * (r * p_a) - p_a * s_other
+        else:
+            _all_reduce(dy_a, shard)
+            c = torch.where(at_a, 0.0, y32 * (dy_a - dy32)).sum(-1, keepdim=True, dtype=f64)
+            _all_reduce(c, shard)
+            dx = y32 * ((dy32 - dy_a) + c.to(F32))
+            dx_a = p_a * c
+        return torch.where(at_a, dx_a.to(F32), dx).to(y.dtype), None, None, None
+
+
+def _all_reduce(t, shard):
+    if shard.world > 1:
+        dist.all_reduce(t, group=shard.group)
 
 
 # ---------------------------------------------------------------- the fused head, W split by rows
