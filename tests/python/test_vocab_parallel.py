@@ -193,12 +193,34 @@ def _check_head_log_probs(world, rank, uneven, V):
         _close(got[4], ref[4][s:e], "head log-probs dbias", rtol=1e-4, atol=1e-5)
 
 
+def _check_bf16(world, rank, uneven, V):
+    """bf16 logits: computed in fp32 like the one-shot call, so the loss,
+    log-probs and entropy agree to fp32 rounding and the bf16 gradients to
+    one bf16 rounding."""
+    bounds = _bounds(V, world, uneven)
+    s, e = bounds[rank]
+    shard = dict(process_group=dist.group.WORLD)
+    if uneven:
+        shard.update(vocab_start=s, vocab_size=V)
+    x, y = _rows(V, bounds, seed=world * 10 + 7)
+    x = x.bfloat16()
+    for name, fn in (("CE", lambda t, **k: LT.cross_entropy(t, y, reduction="none", **k)),
+                     ("log-probs + entropy",
+                      lambda t, **k: sum(LT.log_probs(t, y.clamp(min=0), entropy=True, **k)))):
+        ref, gref = _grad_of(fn, x)
+        got, ggot = _grad_of(lambda t: fn(t, **shard), x[:, s:e])
+        _close(got, ref, "bf16 %s" % name)
+        _close(ggot.float(), gref[:, s:e].float(), "bf16 %s grad" % name, rtol=2 ** -8,
+               atol=1e-30)
+
+
 def _worker(rank, world, init):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         _check_rank(world, rank, False, 20 * world)
         _check_rank(world, rank, True, 12 * world + 61)
+        _check_bf16(world, rank, world == 3, 12 * world + 61 if world == 3 else 20 * world)
         _check_head(world, rank, False, 20 * world)
         _check_head(world, rank, True, 12 * world + 61)
         _check_head_log_probs(world, rank, world % 2 == 1, 12 * world + 61 if world % 2 else 20 * world)
