@@ -418,13 +418,14 @@ LMLOSS_API lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx,
  *   [5] u      sum_j c_j (m - w_j) k   (label smoothing, else unspecified)
  *   [6] c      sum_j c_j               (label smoothing, else unspecified)
  *   [7] 0      reserved
- * The leading columns are a complete state for a finish that needs no
- * more, so an exchange sends only those and the receiver fills the rest
- * with 0: LMLOSS_ROW_STATE_EXCHANGE_COLS (16 bytes a row: cross-entropy,
- * log-probs of a label, softmax), _ENTROPY (an entropy output or
- * gradient) or _SMOOTHING (cross-entropy with label smoothing). A state
- * must be finished with the logits' transform and options that formed
- * it. */
+ * An exchange need send only the columns a finish reads: m, r and a
+ * always, w_y with a label, t with entropy, u and c with label smoothing;
+ * the receiver fills the others with 0 (w_y with NaN). The leading ones
+ * serve as such a set: LMLOSS_ROW_STATE_EXCHANGE_COLS (16 bytes a row:
+ * cross-entropy, log-probs of a label, softmax), _ENTROPY (an entropy
+ * output or gradient) or _SMOOTHING (cross-entropy with label
+ * smoothing). A state must be finished with the logits' transform and
+ * options that formed it. */
 #define LMLOSS_ROW_STATE_VERSION 2
 #define LMLOSS_ROW_STATE_COLS 8
 #define LMLOSS_ROW_STATE_EXCHANGE_COLS 4

@@ -11,9 +11,16 @@ _T, _Ctx, _Tr = _P(_lib.Tensor), _P(_lib.Context), _P(_lib.Transform)
 _CEI, _CEO = _P(_lib.CEInputs), _P(_lib.CEOptions)
 
 STATE_COLS = 8  # LMLOSS_ROW_STATE_COLS
-# LMLOSS_ROW_STATE_EXCHANGE_COLS{,_ENTROPY,_SMOOTHING}: the leading columns
-# an exchange sends (the receiver fills the rest with 0).
-EXCHANGE_COLS, EXCHANGE_COLS_ENTROPY, EXCHANGE_COLS_SMOOTHING = 4, 5, 7
+# The packed state's columns (lmloss.h, layout version 2).
+COL_M, COL_R, COL_A, COL_WY, COL_T, COL_U, COL_C = range(7)
+
+
+def exchange_columns(label, entropy, smoothing):
+    """The columns a finish reads, all an exchange must send: m, r and a;
+    w_y for a label; t for entropy; u and c for label smoothing (4 bytes
+    each a row). The receiver fills the others: 0, and w_y NaN (no label)."""
+    return ((COL_M, COL_R, COL_A) + ((COL_WY,) if label else ()) + ((COL_T,) if entropy else ())
+            + ((COL_U, COL_C) if smoothing else ()))
 
 
 class Shard(ctypes.Structure):

@@ -3,8 +3,8 @@ torch.distributed process group (Megatron's layout: rank r holds columns
 [col0, col0 + V_r) of every row, hidden states replicated).
 
 Each rank forms its shard's row states (lmloss.h's row contract), one
-all-gather exchanges their leading columns (16 bytes a row for CE,
-log-probs and softmax; docs/design.md), every rank merges the parts in
+all-gather exchanges the columns its finish reads (16 bytes a row for CE,
+log-probs and entropy, 12 for softmax; docs/design.md), every rank merges the parts in
 rank order with lmloss_row_state_merge, so that every rank holds the same
 bits and reports the same loss, and finishes its own columns. The
 backward needs no collective of its own, except softmax's (12 bytes a
@@ -52,17 +52,19 @@ def _state(x):
     return x.new_empty((x.shape[0], S.STATE_COLS), dtype=F32)
 
 
-def exchange(state, ncols, shard, tr, run):
+def exchange(state, cols, shard, tr, run):
     """The merged states of every rank's shard: an all-gather of the
-    leading ncols columns, merged in rank order on every rank."""
+    columns cols (_shard.exchange_columns), merged in rank order on every
+    rank."""
     if shard.world == 1:
         return state
-    n = state.shape[0]
-    wire = state[:, :ncols].contiguous()
-    parts = wire.new_empty((shard.world * n, ncols))
+    n, cols = state.shape[0], list(cols)
+    wire = state[:, cols].contiguous()
+    parts = wire.new_empty((shard.world * n, len(cols)))
     dist.all_gather_into_tensor(parts, wire, group=shard.group)
     full = state.new_zeros((shard.world, n, S.STATE_COLS))
-    full[:, :, :ncols] = parts.view(shard.world, n, ncols)
+    full[:, :, S.COL_WY] = float("nan")
+    full[:, :, cols] = parts.view(shard.world, n, len(cols))
     merged = full[0]
     keep = []
     with B.context(state, *run) as ctx:
@@ -80,9 +82,7 @@ def _ce_inputs(x, target, tw, cw, keep):
 
 
 def _ce_cols(opt, entropy):
-    if opt.label_smoothing > 0:
-        return S.EXCHANGE_COLS_SMOOTHING
-    return S.EXCHANGE_COLS_ENTROPY if entropy else S.EXCHANGE_COLS
+    return S.exchange_columns(True, entropy, opt.label_smoothing > 0)
 
 
 def ce_state(x, target, tw, cw, opt, shard, entropy, run):
@@ -159,8 +159,8 @@ def _lp_views(x, index, mask, keep):
             B.ptr(B.view(mask, keep)) if mask is not None else None)
 
 
-def _lp_cols(want_entropy):
-    return S.EXCHANGE_COLS_ENTROPY if want_entropy else S.EXCHANGE_COLS
+def _lp_cols(index, want_entropy):
+    return S.exchange_columns(index is not None, want_entropy, False)
 
 
 def lp_state_into(x, index, mask, tr, sh, state, run):
@@ -207,7 +207,7 @@ class LogProbs(torch.autograd.Function):
     def forward(ctx, x, index, mask, tr_args, want_entropy, shard, run):
         tr, sh, state = B.transform(*tr_args), shard.struct(want_entropy), _state(x)
         lp_state_into(x, index, mask, tr, sh, state, run)
-        merged = exchange(state, _lp_cols(want_entropy), shard, tr, run)
+        merged = exchange(state, _lp_cols(index, want_entropy), shard, tr, run)
         logp, ent = _lp_outputs(x, x.shape[0], index, want_entropy)
         lp_finish_into(x, index, mask, tr, sh, merged, logp, ent if want_entropy else None, run)
         ctx.save_for_backward(x, index, mask, merged)
@@ -235,7 +235,7 @@ class Softmax(torch.autograd.Function):
         with B.context(x, *run) as c:
             _lib.check(S.lp_state(c, B.view(x, keep), None, None, tr, shard.struct(),
                                   B.view(state, keep)))
-        merged = exchange(state, S.EXCHANGE_COLS, shard, tr, run)
+        merged = exchange(state, S.exchange_columns(False, False, False), shard, tr, run)
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         with B.context(x, *run) as c:
             _lib.check(S.softmax_finish(c, B.view(x, keep), shard.struct(), B.view(merged, keep),
@@ -441,7 +441,7 @@ class LinearLogProbs(torch.autograd.Function):
             lp_state_into(z, _rows_of(index, i0, i1), _rows_of(mask, i0, i1), tr, sh,
                           state[i0:i1], run)
             kept = z if len(chunks) == 1 else None
-        merged = exchange(state, _lp_cols(want_entropy), shard, tr, run)
+        merged = exchange(state, _lp_cols(index, want_entropy), shard, tr, run)
         logp, ent = _lp_outputs(h, n, index, want_entropy)
         for i0, i1 in chunks:
             z = kept if kept is not None else _logits(h[i0:i1], w, b)
