@@ -14,7 +14,8 @@ int main(void) {
   float logits[N * V], loss[N];
   int64_t target[N] = {3, 0, 15, 7};
   for (int i = 0; i < N; i++)
-    for (int j = 0; j < V; j++) logits[i * V + j] = (j == target[i]) ? 8.0f : 0.01f * j;
+    for (int j = 0; j < V; j++)
+      logits[i * V + j] = (j == target[i]) ? 8.0f : 0.01f * j;
 
   lmloss_ce_inputs in = {.logits = {logits, LMLOSS_F32, LMLOSS_CPU, N, V, V},
                          .target = {target, LMLOSS_I64, LMLOSS_CPU, N, 1, 1}};

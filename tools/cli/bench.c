@@ -120,7 +120,11 @@ int cmd_bench(int argc, char **argv) {
       else if (strcmp(v, "f32"))
         return fprintf(stderr, "lmloss bench: --dtype f32|bf16|f16\n"), 2;
     } else if (!strcmp(argv[a], "--shape") && ++a) {
-      if (!parse_shape(v, &N, &V, &H)) return fprintf(stderr, "lmloss bench: --shape N,V[,H]: whole numbers below 2^31, N, H >= 1, V >= 3\n"), 2;
+      if (!parse_shape(v, &N, &V, &H))
+        return fprintf(
+                   stderr,
+                   "lmloss bench: --shape N,V[,H]: whole numbers below 2^31, N, H >= 1, V >= 3\n"),
+               2;
     } else if (!strcmp(argv[a], "--reps") && ++a) {
       if (!parse_int(v, 1, 1000000, &reps))
         return fprintf(stderr, "lmloss bench: --reps R, 1 <= R <= 1000000\n"), 2;

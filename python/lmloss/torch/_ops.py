@@ -78,6 +78,22 @@ def run_args(iopts):
 
 # ---------------------------------------------------------------- cross-entropy
 
+def ce_inputs(logits, target, token_weight, class_weight, keep):
+    """lmloss_ce_inputs over the tensors (their views appended to keep)."""
+    return _lib.CEInputs(B.view(logits, keep), B.view(target, keep), B.view(token_weight, keep),
+                         B.view(class_weight, keep))
+
+
+def ce_outputs(loss, lse, ent, amax, extras, keep):
+    """lmloss_ce_outputs: the loss and the extras that `extras` requests."""
+    out = _lib.CEOutputs(loss=B.view(loss.reshape(-1), keep))
+    for name, t, flag in (("lse", lse, EXTRA_LSE), ("entropy", ent, EXTRA_ENTROPY),
+                          ("argmax", amax, EXTRA_ARGMAX)):
+        if extras & flag:
+            setattr(out, name, B.view(t, keep))
+    return out
+
+
 @custom_op("lmloss::cross_entropy")
 def cross_entropy(logits: Tensor, target: Tensor, token_weight: Optional[Tensor],
                   class_weight: Optional[Tensor], fopts: list[float], iopts: list[int],
@@ -88,13 +104,8 @@ def cross_entropy(logits: Tensor, target: Tensor, token_weight: Optional[Tensor]
     lse, ent, amax = _extras(logits, n, extras)
     keep = []
     with B.context(logits, *run_args(iopts)) as ctx:
-        inputs = _lib.CEInputs(B.view(logits, keep), B.view(target, keep),
-                               B.view(token_weight, keep), B.view(class_weight, keep))
-        out = _lib.CEOutputs(loss=B.view(loss.reshape(-1), keep))
-        for name, t, flag in (("lse", lse, EXTRA_LSE), ("entropy", ent, EXTRA_ENTROPY),
-                              ("argmax", amax, EXTRA_ARGMAX)):
-            if extras & flag:
-                setattr(out, name, B.view(t, keep))
+        inputs = ce_inputs(logits, target, token_weight, class_weight, keep)
+        out = ce_outputs(loss, lse, ent, amax, extras, keep)
         ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(n), logits.device)
         _lib.check(_lib.cross_entropy(ctx, inputs, opt, out, addr, nbytes))
     return loss, lse, ent, amax
@@ -114,8 +125,7 @@ def cross_entropy_backward(dloss: Tensor, logits: Tensor, target: Tensor,
     dlogits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     keep = []
     with B.context(logits, *run_args(iopts)) as ctx:
-        inputs = _lib.CEInputs(B.view(logits, keep), B.view(target, keep),
-                               B.view(token_weight, keep), B.view(class_weight, keep))
+        inputs = ce_inputs(logits, target, token_weight, class_weight, keep)
         dl = B.view(dloss.reshape(-1).to(F32), keep)
         ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(logits.shape[0]), logits.device)
         _lib.check(B.ce_backward(ctx, inputs, opt, dl, B.view(dlogits, keep), addr, nbytes))

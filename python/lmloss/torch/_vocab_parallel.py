@@ -76,11 +76,6 @@ def exchange(state, cols, shard, tr, run):
 
 # ---------------------------------------------------------------- cross-entropy
 
-def _ce_inputs(x, target, tw, cw, keep):
-    return _lib.CEInputs(B.view(x, keep), B.view(target, keep), B.view(tw, keep),
-                         B.view(cw, keep))
-
-
 def _ce_cols(opt, entropy):
     return S.exchange_columns(True, entropy, opt.label_smoothing > 0)
 
@@ -89,7 +84,7 @@ def ce_state(x, target, tw, cw, opt, shard, entropy, run):
     """This shard's CE states, exchanged and merged."""
     state, keep = _state(x), []
     with B.context(x, *run) as ctx:
-        _lib.check(S.ce_state(ctx, _ce_inputs(x, target, tw, cw, keep), opt,
+        _lib.check(S.ce_state(ctx, O.ce_inputs(x, target, tw, cw, keep), opt,
                               shard.struct(entropy), B.view(state, keep)))
     return exchange(state, _ce_cols(opt, entropy), shard, opt.transform, run)
 
@@ -103,15 +98,11 @@ def ce_finish(x, target, tw, cw, opt, shard, merged, extras, run, dlogits=None):
     lse, ent, amax = O._extras(x, n, extras)
     keep = []
     with B.context(x, *run) as ctx:
-        out = _lib.CEOutputs(loss=B.view(loss.reshape(-1), keep))
-        for name, t, flag in (("lse", lse, O.EXTRA_LSE), ("entropy", ent, O.EXTRA_ENTROPY),
-                              ("argmax", amax, O.EXTRA_ARGMAX)):
-            if extras & flag:
-                setattr(out, name, B.view(t, keep))
+        out = O.ce_outputs(loss, lse, ent, amax, extras, keep)
         if dlogits is not None:
             out.dlogits = B.view(dlogits, keep)
         ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(n), x.device)
-        _lib.check(S.ce_finish(ctx, _ce_inputs(x, target, tw, cw, keep), opt,
+        _lib.check(S.ce_finish(ctx, O.ce_inputs(x, target, tw, cw, keep), opt,
                                shard.struct(extras & O.EXTRA_ENTROPY), B.view(merged, keep), out,
                                addr, nbytes))
     return loss, lse, ent, amax
@@ -121,7 +112,7 @@ def ce_backward(x, target, tw, cw, opt, shard, merged, dloss, entropy, run):
     dlogits, keep = torch.empty_like(x, memory_format=torch.contiguous_format), []
     with B.context(x, *run) as ctx:
         ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
-        _lib.check(S.ce_backward_finish(ctx, _ce_inputs(x, target, tw, cw, keep), opt,
+        _lib.check(S.ce_backward_finish(ctx, O.ce_inputs(x, target, tw, cw, keep), opt,
                                         shard.struct(entropy), B.view(merged, keep),
                                         B.view(dloss.reshape(-1).to(F32), keep),
                                         B.view(dlogits, keep), addr, nbytes))
@@ -400,7 +391,7 @@ def _rows_of(t, i0, i1):
 def _state_into(z, target, tw, cw, opt, shard, run, state):
     keep = []
     with B.context(z, *run) as ctx:
-        _lib.check(S.ce_state(ctx, _ce_inputs(z, target, tw, cw, keep), opt, shard.struct(),
+        _lib.check(S.ce_state(ctx, O.ce_inputs(z, target, tw, cw, keep), opt, shard.struct(),
                               B.view(state, keep)))
 
 
