@@ -149,7 +149,8 @@ def correctness(R):
                      ("fused head log-probs", LT.linear_log_probs)):
         res = []
         for ww, kw in ((w, {}), (w[R.s:R.e], R.shard)):
-            hh, w2 = hid.detach().clone().requires_grad_(True), ww.detach().clone().requires_grad_(True)
+            hh = hid.detach().clone().requires_grad_(True)
+            w2 = ww.detach().clone().requires_grad_(True)
             o = fn(hh, w2, idx[:n] if "log" in name else y[:n], **kw)
             o.float().sum().backward()
             res.append((o.detach(), hh.grad, w2.grad))
@@ -228,7 +229,8 @@ def collapse(R):
 
 def main():
     R = Run(args())
-    R.say("%d ranks, %s" % (R.world, "gloo, CPU" if R.cpu else "NCCL, %s" % torch.cuda.get_device_name()))
+    what = "gloo, CPU" if R.cpu else "NCCL, %s" % torch.cuda.get_device_name()
+    R.say("%d ranks, %s" % (R.world, what))
     R.say("correctness against the one-process call:")
     correctness(R)
     R.say("the collapse, fp32 logits:")

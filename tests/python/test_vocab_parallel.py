@@ -116,11 +116,10 @@ def _check_rank(world, rank, uneven, V):
     _close(got, ref, "entropy")
     _close(ggot, gref[:, s:e], "entropy grad")
     for log in (False, True):
-        f_ref = LT.log_softmax if log else LT.softmax
+        fn = LT.log_softmax if log else LT.softmax
         xf = torch.where(torch.isinf(x), torch.zeros_like(x), x)  # finite gradients
-        ref, gref = _grad_of(lambda t: (f_ref(t) * xf).sum(), x)
-        got, ggot = _grad_of(lambda t: ((LT.log_softmax if log else LT.softmax)(t, **shard) * xf[:, s:e]).sum(),
-                             xs)
+        ref, gref = _grad_of(lambda t: (fn(t) * xf).sum(), x)
+        got, ggot = _grad_of(lambda t: (fn(t, **shard) * xf[:, s:e]).sum(), xs)
         dist.all_reduce(got)
         _close(got, ref, "softmax log=%s" % log, rtol=1e-4)
         # confident rows' gradients are tiny: held entry by entry, the
@@ -223,7 +222,8 @@ def _worker(rank, world, init):
         _check_bf16(world, rank, world == 3, 12 * world + 61 if world == 3 else 20 * world)
         _check_head(world, rank, False, 20 * world)
         _check_head(world, rank, True, 12 * world + 61)
-        _check_head_log_probs(world, rank, world % 2 == 1, 12 * world + 61 if world % 2 else 20 * world)
+        uneven = world % 2 == 1
+        _check_head_log_probs(world, rank, uneven, 12 * world + 61 if uneven else 20 * world)
     finally:
         dist.destroy_process_group()
 

@@ -80,12 +80,18 @@ def _ce_cols(opt, entropy):
     return S.exchange_columns(True, entropy, opt.label_smoothing > 0)
 
 
-def ce_state(x, target, tw, cw, opt, shard, entropy, run):
-    """This shard's CE states, exchanged and merged."""
-    state, keep = _state(x), []
+def ce_state_into(x, target, tw, cw, opt, shard, entropy, run, state):
+    """This shard's CE states of x's rows into state [N, 8]."""
+    keep = []
     with B.context(x, *run) as ctx:
         _lib.check(S.ce_state(ctx, O.ce_inputs(x, target, tw, cw, keep), opt,
                               shard.struct(entropy), B.view(state, keep)))
+
+
+def ce_state(x, target, tw, cw, opt, shard, entropy, run):
+    """This shard's CE states, exchanged and merged."""
+    state = _state(x)
+    ce_state_into(x, target, tw, cw, opt, shard, entropy, run, state)
     return exchange(state, _ce_cols(opt, entropy), shard, opt.transform, run)
 
 
@@ -301,7 +307,10 @@ def _scale(opt, target, cw):
     if opt.reduction != _lib.REDUCTIONS["mean"]:
         return torch.ones((), device=target.device)
     valid = target != opt.ignore_index
-    den = (cw[target.clamp(0, cw.numel() - 1)] * valid).sum() if cw is not None else valid.sum().to(F32)
+    if cw is None:
+        den = valid.sum().to(F32)
+    else:
+        den = (cw[target.clamp(0, cw.numel() - 1)] * valid).sum()
     return torch.where(den > 0, 1.0 / den.clamp(min=1e-30), torch.zeros_like(den))
 
 
@@ -321,8 +330,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         state, kept = h.new_empty((n, S.STATE_COLS), dtype=F32), None
         for i0, i1 in chunks:
             z = _logits(h[i0:i1], w, b)
-            _state_into(z, target[i0:i1], _rows_of(tw, i0, i1), cw, opt, shard, run,
-                        state[i0:i1])
+            ce_state_into(z, target[i0:i1], _rows_of(tw, i0, i1), cw, opt, shard, False, run,
+                          state[i0:i1])
             kept = z if len(chunks) == 1 else None
         merged = exchange(state, _ce_cols(opt, False), shard, opt.transform, run)
         scalar = opt.reduction != _lib.REDUCTIONS["none"]
@@ -386,13 +395,6 @@ def _head_grads(acc, g, shard, h, w, b):
 
 def _rows_of(t, i0, i1):
     return None if t is None else t[i0:i1]
-
-
-def _state_into(z, target, tw, cw, opt, shard, run, state):
-    keep = []
-    with B.context(z, *run) as ctx:
-        _lib.check(S.ce_state(ctx, O.ce_inputs(z, target, tw, cw, keep), opt, shard.struct(),
-                              B.view(state, keep)))
 
 
 def _second_pass(h, w, b, target, tw, cw, opt, shard, merged, chunks, kept, run, dloss):
