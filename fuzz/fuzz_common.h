@@ -252,6 +252,9 @@ static inline int fz_tame(const lmloss_tensor *x, const lmloss_transform *t) {
         t->temperature <= 16.0f &&
         (t->softcap == 0.0f || (t->softcap >= 1.0f && t->softcap <= 1000.0f))))
     return 0;
+  /* softcap's w is rounded to fp32 at the cap's magnitude, so an exponent
+   * carries cap / T ulps of 1 from the input alone (design.md, section 8) */
+  if (t->softcap > 0.0f && t->softcap / t->temperature > 8.0f) return 0;
   for (int64_t i = 0; i < x->rows; i++)
     for (int64_t j = 0; j < x->cols; j++) {
       const float v = ((const float *)x->data)[i * x->row_stride + j];

@@ -5,6 +5,8 @@
 # go to a scratch copy, so the committed corpus changes only by hand; a
 # crash leaves its input in build-fuzz/ and fails the script.
 #   bash fuzz/run.sh [SECONDS] [TARGET...]
+# FUZZ_SEED fixes libFuzzer's seed (tests/run.sh does, so a CI run is
+# repeatable); unset, every run explores from a new one.
 # CC (default clang-14, else clang) needs libFuzzer (Debian:
 # libclang-rt-dev); without it, or without clang, the script says so and
 # skips. Without clang's OpenMP (libomp-dev) the library's OpenMP pragmas
@@ -73,7 +75,7 @@ for t in "${targets[@]}"; do
   if ! OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
     ASAN_OPTIONS=detect_leaks=1:allocator_may_return_null=1 \
     UBSAN_OPTIONS=print_stacktrace=1 \
-    "$out/$t" -max_total_time="$secs" -max_len=4096 -timeout=10 -rss_limit_mb=4096 \
+    "$out/$t" -seed="${FUZZ_SEED:-0}" -max_total_time="$secs" -max_len=4096 -timeout=10 -rss_limit_mb=4096 \
     -artifact_prefix="$out/$t-" -print_final_stats=0 "$work" 2>"$out/$t.log"; then
     tail -40 "$out/$t.log"
     echo "fuzz: $t FAILED; the input is $(ls -t "$out/$t"-* 2>/dev/null | head -1)"
