@@ -270,6 +270,78 @@ LMLOSS_API lmloss_status lmloss_softmax_backward(const lmloss_context *ctx, cons
 /* ================================================================== */
 
 /* ------------------------------------------------------------------ */
+/* Divergences between a student's and a teacher's logits [N, V]       */
+/* ------------------------------------------------------------------ */
+
+/* p = softmax(student z), q = softmax(teacher z), each side with its own
+ * transform. Per row:
+ *   KL:         sum_j q_j log(q_j / p_j)           (forward, KL(q || p))
+ *   REVERSE_KL: sum_j p_j log(p_j / q_j)           (KL(p || q))
+ *   JSD:        beta KL(q || M) + (1 - beta) KL(p || M),
+ *               M = (1 - beta) p + beta q; beta 0 is KL and beta 1 is
+ *               REVERSE_KL, as TRL's generalized_jsd_loss defines them
+ *   TVD:        0.5 sum_j |p_j - q_j|
+ * loss_i = soft_weight * D_i + hard_weight * ce_i, ce_i the student's
+ * cross-entropy against label_i (Liger-Kernel's distillation losses mix
+ * them so). Only the student is differentiated. Every value is formed
+ * from log(q_j / p_j) computed without cancellation, so identical rows
+ * give exactly 0 and a zero gradient, and confident rows keep theirs. */
+typedef enum {
+  LMLOSS_DIV_KL = 0,
+  LMLOSS_DIV_REVERSE_KL = 1,
+  LMLOSS_DIV_JSD = 2,
+  LMLOSS_DIV_TVD = 3
+} lmloss_divergence_kind;
+
+typedef struct {
+  lmloss_divergence_kind kind;
+  float beta;               /* JSD's mixture weight, in [0, 1] */
+  lmloss_transform student; /* each side's scale, softcap, temperature */
+  lmloss_transform teacher;
+  float soft_weight;          /* >= 0, default 1 */
+  float hard_weight;          /* >= 0, default 0; > 0 needs a label */
+  int64_t ignore_index;       /* default -100: rows with that label are skipped */
+  lmloss_reduction reduction; /* MEAN: over rows not ignored (TRL's batchmean) */
+  double num_items;           /* > 0, for LMLOSS_REDUCE_SUM_OVER_ITEMS */
+  float grad_output;          /* fused forward + backward: the upstream, default 1 */
+} lmloss_div_options;
+
+LMLOSS_API lmloss_div_options lmloss_div_options_default(void);
+
+typedef struct {
+  lmloss_tensor student; /* [N, V] F32/BF16/F16 */
+  lmloss_tensor teacher; /* [N, V] F32/BF16/F16, any of them */
+  lmloss_tensor label;   /* optional [N] I64/I32: ignore_index skips a row;
+                            the target of the hard term */
+} lmloss_div_inputs;
+
+typedef struct {
+  lmloss_tensor loss;       /* required: F32 [N] for NONE, [1] otherwise */
+  lmloss_tensor divergence; /* optional F32 [N]: D_i (ignored rows 0) */
+  lmloss_tensor ce;         /* optional F32 [N]: ce_i (needs a label) */
+  lmloss_tensor dstudent;   /* optional [N, V]: fused forward and backward;
+                               may alias the student's logits exactly */
+} lmloss_div_outputs;
+
+/* Forward (and with outputs->dstudent the gradient, upstream
+ * opt->grad_output). workspace: lmloss_cross_entropy_workspace_size(N)
+ * bytes. A row whose student or teacher holds NaN or +inf, or only -inf,
+ * reads NaN (its gradient row too). Errors as lmloss_cross_entropy;
+ * UNSUPPORTED on a backend without divergences (CUDA, for now). */
+LMLOSS_API lmloss_status lmloss_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                           const lmloss_div_options *opt,
+                                           const lmloss_div_outputs *out, void *workspace,
+                                           size_t workspace_bytes);
+
+/* Backward: dstudent [N, V] from dloss (F32, [1] or [N] for NONE). */
+LMLOSS_API lmloss_status lmloss_divergence_backward(const lmloss_context *ctx,
+                                                    const lmloss_div_inputs *in,
+                                                    const lmloss_div_options *opt,
+                                                    const lmloss_tensor *dloss,
+                                                    const lmloss_tensor *dstudent, void *workspace,
+                                                    size_t workspace_bytes);
+
+/* ------------------------------------------------------------------ */
 /* Fused linear head: the same losses from hidden states and the head */
 /* ------------------------------------------------------------------ */
 

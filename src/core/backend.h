@@ -129,7 +129,8 @@ typedef struct {
 typedef enum {
   LMLOSS_CAN_FUSED_HEAD, /* the linear prims */
   LMLOSS_CAN_16BIT_HEAD, /* BF16/F16 hidden and head */
-  LMLOSS_CAN_ROW_STATES  /* the state ops */
+  LMLOSS_CAN_ROW_STATES, /* the state ops */
+  LMLOSS_CAN_DIVERGENCE  /* the divergence op */
 } lmloss_capability;
 
 /* The row ops take the public arguments, plus (for the ops that write a
@@ -162,6 +163,12 @@ typedef struct {
                            const lmloss_tensor *out);
   lmloss_status (*softmax_backward)(const lmloss_context *, const lmloss_tensor *y,
                                     const lmloss_tensor *dy, int log, const lmloss_tensor *dx);
+  /* The forward's outputs (out), or the backward's dstudent from dloss
+   * (out NULL); dstudent may be given with out (fused). */
+  lmloss_status (*divergence)(const lmloss_context *, const lmloss_div_inputs *,
+                              const lmloss_div_options *, const lmloss_div_outputs *out,
+                              const lmloss_tensor *dloss, const lmloss_tensor *dstudent, void *,
+                              size_t);
   const lmloss_linear_prims *linear; /* when it supports LMLOSS_CAN_FUSED_HEAD */
   const lmloss_state_ops *states;    /* when it supports LMLOSS_CAN_ROW_STATES */
   int (*supports)(lmloss_capability);

@@ -127,6 +127,17 @@ lmloss_status lmloss_pick_backend(const lmloss_context *ctx, lmloss_device devic
   return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown backend %d", (int)b);
 }
 
+lmloss_status lmloss_check_reduction(lmloss_reduction r, double num_items, float grad_output) {
+  if ((unsigned)r > LMLOSS_REDUCE_SUM_OVER_ITEMS)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown reduction %d", (int)r);
+  if (r == LMLOSS_REDUCE_SUM_OVER_ITEMS && !(isfinite(num_items) && num_items > 0))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "num_items must be finite and > 0, got %g",
+                       num_items);
+  if (!isfinite(grad_output))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "grad_output must be finite");
+  return LMLOSS_OK;
+}
+
 lmloss_status lmloss_check_ce_options(const lmloss_ce_options *o) {
   TRY(lmloss_check_transform(&o->transform));
   if (!(o->label_smoothing >= 0.0f && o->label_smoothing <= 1.0f))
@@ -135,15 +146,9 @@ lmloss_status lmloss_check_ce_options(const lmloss_ce_options *o) {
   if (!(isfinite(o->z_loss) && o->z_loss >= 0.0f))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "z_loss must be finite and >= 0, got %g",
                        (double)o->z_loss);
-  if ((unsigned)o->reduction > LMLOSS_REDUCE_SUM_OVER_ITEMS)
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown reduction %d", (int)o->reduction);
-  if (o->reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS && !(isfinite(o->num_items) && o->num_items > 0))
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "num_items must be finite and > 0, got %g",
-                       o->num_items);
+  TRY(lmloss_check_reduction(o->reduction, o->num_items, o->grad_output));
   if (o->dft != 0 && o->dft != 1)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "dft must be 0 or 1, got %d", o->dft);
-  if (!isfinite(o->grad_output))
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "grad_output must be finite");
   if (o->zero_ignored_rows != 0 && o->zero_ignored_rows != 1)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "zero_ignored_rows must be 0 or 1");
   return LMLOSS_OK;

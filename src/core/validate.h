@@ -54,6 +54,10 @@ lmloss_status lmloss_check_stats(const lmloss_tensor *stats, int64_t N, int64_t 
 /* The per-row outputs of a cross-entropy call (loss, lse, entropy, argmax). */
 lmloss_status lmloss_check_ce_rows(const lmloss_ce_outputs *out, int64_t N, lmloss_reduction r);
 
+/* A reduction, its item count (SUM_OVER_ITEMS) and a fused call's
+ * upstream gradient. */
+lmloss_status lmloss_check_reduction(lmloss_reduction r, double num_items, float grad_output);
+
 /* Every cross-entropy option in range (also checks its transform). */
 lmloss_status lmloss_check_ce_options(const lmloss_ce_options *o);
 

@@ -22,6 +22,9 @@ lmloss_status lmloss_cpu_softmax(const lmloss_context *, const lmloss_tensor *, 
                                  const lmloss_tensor *);
 lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *, const lmloss_tensor *,
                                           const lmloss_tensor *, int, const lmloss_tensor *);
+lmloss_status lmloss_cpu_divergence(const lmloss_context *, const lmloss_div_inputs *,
+                                    const lmloss_div_options *, const lmloss_div_outputs *,
+                                    const lmloss_tensor *, const lmloss_tensor *, void *, size_t);
 
 lmloss_status lmloss_cpu_ce_state(const lmloss_context *, const lmloss_ce_inputs *,
                                   const lmloss_ce_options *, const lmloss_shard *,
@@ -64,6 +67,7 @@ const lmloss_backend_ops lmloss_cpu_ops = {
     lmloss_cpu_log_probs_backward,
     lmloss_cpu_softmax,
     lmloss_cpu_softmax_backward,
+    lmloss_cpu_divergence,
     &lmloss_cpu_linear,
     &cpu_states,
     cpu_supports,

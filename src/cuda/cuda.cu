@@ -29,8 +29,9 @@ lmloss_status lmloss_cuda_softmax_backward(const lmloss_context *, const lmloss_
 extern const lmloss_linear_prims lmloss_cuda_linear; /* fused_linear.cu */
 extern const lmloss_state_ops lmloss_cuda_states;    /* shard.cu */
 
-/* Everything: the fused head, also of 16-bit heads, and row states. */
-static int cuda_supports(lmloss_capability c) { return 1; }
+/* The fused head, also of 16-bit heads, and row states; no divergences
+ * yet. */
+static int cuda_supports(lmloss_capability c) { return c != LMLOSS_CAN_DIVERGENCE; }
 
 extern const lmloss_backend_ops lmloss_cuda_ops = {
     lmloss_cuda_cross_entropy,
@@ -39,6 +40,7 @@ extern const lmloss_backend_ops lmloss_cuda_ops = {
     lmloss_cuda_log_probs_backward,
     lmloss_cuda_softmax,
     lmloss_cuda_softmax_backward,
+    NULL,
     &lmloss_cuda_linear,
     &lmloss_cuda_states,
     cuda_supports,

@@ -25,10 +25,13 @@ lmloss_status lmloss_ref_softmax(const lmloss_context *, const lmloss_tensor *, 
                                  const lmloss_tensor *);
 lmloss_status lmloss_ref_softmax_backward(const lmloss_context *, const lmloss_tensor *,
                                           const lmloss_tensor *, int, const lmloss_tensor *);
+lmloss_status lmloss_ref_divergence(const lmloss_context *, const lmloss_div_inputs *,
+                                    const lmloss_div_options *, const lmloss_div_outputs *,
+                                    const lmloss_tensor *, const lmloss_tensor *, void *, size_t);
 
 /* Neither the fused head (its oracle is the full product in the tests)
  * nor row states (theirs is the one-shot call). */
-static int ref_supports(lmloss_capability c) { return 0; }
+static int ref_supports(lmloss_capability c) { return c == LMLOSS_CAN_DIVERGENCE; }
 
 const lmloss_backend_ops lmloss_ref_ops = {
     lmloss_ref_cross_entropy,
@@ -37,6 +40,7 @@ const lmloss_backend_ops lmloss_ref_ops = {
     lmloss_ref_log_probs_backward,
     lmloss_ref_softmax,
     lmloss_ref_softmax_backward,
+    lmloss_ref_divergence,
     NULL,
     NULL,
     ref_supports,

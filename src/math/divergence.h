@@ -1,0 +1,100 @@
+/*
+ * divergence.h - the divergences between a student row p and a teacher
+ * row q, written once for C and CUDA (design.md, section 3).
+ *
+ * Everything is formed from delta_j = log q_j - log p_j, never from the
+ * difference of two log-sum-exps of two rows: with g_j = zt_j - zs_j and
+ * G = g's value between the rows' maxes (zt at the teacher's max minus zs
+ * at the student's),
+ *   delta_j = (g_j - G) - log1p(D / (1 + Rs)),  D = Rt - Rs,
+ * and D is summed term by term as e^dt_j - e^ds_j (ds, dt each row's
+ * exponent below its max), through e^ds_j expm1(g_j - G) where the two
+ * are close. Student == teacher gives g - G = 0 and D = 0 exactly, so
+ * every loss and gradient is exactly 0; confident rows keep D's tiny
+ * terms; small gaps keep delta to its own rounding.
+ */
+#ifndef LMLOSS_MATH_DIVERGENCE_H
+#define LMLOSS_MATH_DIVERGENCE_H
+
+#include "rowstats.h"
+
+/* a * b - c * d without the cancellation of two rounded products: each
+ * product's rounding error comes back through an fma. */
+LMLOSS_HD float lmloss_diff_of_products(float a, float b, float c, float d) {
+  const float ab = a * b, cd = c * d;
+  return (ab - cd) + (fmaf(a, b, -ab) - fmaf(c, d, -cd));
+}
+
+/* g = zt - zs of one column from the two rows' w and k. */
+LMLOSS_HD float lmloss_pair_gap(float wt, float kt, float ws, float ks) {
+  if (!(wt > -INFINITY) || !(ws > -INFINITY)) return wt * kt - ws * ks; /* +-inf or NaN */
+  return lmloss_diff_of_products(wt, kt, ws, ks);
+}
+
+/* g = zt - zs for rows that share one transform with a softcap c:
+ * (c / T)(tanh ut - tanh us) = (c / T) sinh(ut - us) / (cosh ut cosh us),
+ * u = s x / c, so g keeps its own precision instead of the fp32 rounding
+ * of w at c's magnitude, which would be all of a small gap. */
+LMLOSS_HD float lmloss_capped_gap(const lmloss_xform *f, float xt, float xs) {
+  const float ut = f->s * xt * f->inv_cap, us = f->s * xs * f->inv_cap;
+  if (fabsf(ut) < 40.0f && fabsf(us) < 40.0f)
+    return f->cap * f->k * sinhf(f->s * (xt - xs) * f->inv_cap) / (coshf(ut) * coshf(us));
+  return (lmloss_xform_w(f, xt) - lmloss_xform_w(f, xs)) * f->k; /* far out: w is exact enough */
+}
+
+/* One column's term of D = Rt - Rs, e^dt - e^ds, from its exponents
+ * below each row's max and dg = g_j - G (= dt - ds where both are finite). */
+LMLOSS_HD float lmloss_pair_d_term(float ds, float dg, float dt) {
+  if (fabsf(dg) <= 0.5f) return expf(ds) * expm1f(dg);
+  return expf(dt) - expf(ds); /* no cancellation left to fear; NaN-free for -inf */
+}
+
+/* log1p(D / (1 + Rs)): log((1 + Rt) / (1 + Rs)), the part of
+ * log q_j - log p_j that the rows' sums add to the columns' gaps. */
+LMLOSS_HD float lmloss_pair_ell(float d, float rs) { return log1pf(d / (1.0f + rs)); }
+
+/* phi(x) = x - 1 + e^-x >= 0, the KL summand per unit of mass: a series
+ * where x + expm1(-x) would cancel. */
+LMLOSS_HD float lmloss_phi(float x) {
+  if (fabsf(x) < 0.25f) {
+    float s = 1.0f / 40320.0f; /* x^2 (1/2 - x/6 + x^2/24 - ...), 1e-9 at 0.25 */
+    s = fmaf(s, -x, 1.0f / 5040.0f);
+    s = fmaf(s, -x, 1.0f / 720.0f);
+    s = fmaf(s, -x, 1.0f / 120.0f);
+    s = fmaf(s, -x, 1.0f / 24.0f);
+    s = fmaf(s, -x, 1.0f / 6.0f);
+    s = fmaf(s, -x, 0.5f);
+    return x * x * s;
+  }
+  return x + expm1f(-x);
+}
+
+/* a log(a / b) - a + b with x = log(a / b): a summand of KL(a || b) whose
+ * row sum is the divergence, each one >= 0. Where e^-x would overflow, b
+ * (the larger) comes in as itself. */
+LMLOSS_HD float lmloss_kl_term(float a, float b, float x) {
+  if (a == 0.0f) return b;
+  if (x < -1.0f) return b + a * (x - 1.0f);
+  return a * lmloss_phi(x);
+}
+
+/* p - q = -p expm1(delta), exact for close rows; directly where far. */
+LMLOSS_HD float lmloss_p_minus_q(float p, float q, float delta) {
+  return fabsf(delta) < 1.0f ? -p * expm1f(delta) : p - q;
+}
+
+/* The JSD mixture M = (1 - beta) p + beta q seen from each row:
+ * mu = log(M / p) = log1p(beta expm1(delta)) and
+ * nu = log(q / M) = -log1p((1 - beta) expm1(-delta)), each in the form
+ * that neither overflows nor cancels for its sign of delta. */
+LMLOSS_HD float lmloss_jsd_mu(float delta, float beta) {
+  if (delta < 80.0f) return log1pf(beta * expm1f(delta));
+  return delta + logf(beta); /* (1 - beta) e^-delta is below rounding */
+}
+
+LMLOSS_HD float lmloss_jsd_nu(float delta, float beta) {
+  if (delta > -80.0f) return -log1pf((1.0f - beta) * expm1f(-delta));
+  return delta - log1pf(-beta);
+}
+
+#endif
