@@ -13,13 +13,16 @@ for bf16/fp16 (float32 otherwise); per-row results are float32.
 
 The fused linear head (linear_cross_entropy, linear_log_probs and its
 backward) takes hidden states [..., H] and the head weight [V, H] (+ bias)
-instead of logits and never materializes the [N, V] logits.
+instead of logits and never materializes the [N, V] logits. divergence
+takes a student's and a teacher's logits [..., V] (KL either way, TRL's
+generalized JSD, TVD) and differentiates the student.
 """
 
 __version__ = "0.1.0"
 
 from . import _lib
 from ._ce import CrossEntropyResult, cross_entropy
+from ._divergence import DivergenceResult, divergence
 from ._lib import Error
 from ._lib import path as library_path
 from ._linear import (LinearCrossEntropyResult, linear_cross_entropy, linear_log_probs,
@@ -42,7 +45,8 @@ def cpu_isa() -> str:
     return _lib.cpu_isa().decode()
 
 
-__all__ = ["CrossEntropyResult", "Error", "LinearCrossEntropyResult", "cpu_isa", "cross_entropy",
-           "entropy", "has_cuda", "library_path", "linear_cross_entropy", "linear_log_probs",
-           "linear_log_probs_backward", "log_probs", "log_probs_backward", "log_softmax",
-           "selective_log_softmax", "softmax", "softmax_backward", "__version__"]
+__all__ = ["CrossEntropyResult", "DivergenceResult", "Error", "LinearCrossEntropyResult", "cpu_isa",
+           "cross_entropy", "divergence", "entropy", "has_cuda", "library_path",
+           "linear_cross_entropy", "linear_log_probs", "linear_log_probs_backward", "log_probs",
+           "log_probs_backward", "log_softmax", "selective_log_softmax", "softmax",
+           "softmax_backward", "__version__"]

@@ -43,22 +43,37 @@ def class_weights(weight, class_weight):
 def ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
                reduction, num_items, dft):
     """lmloss_ce_options from cross_entropy's keywords (shared with the fused head)."""
+    opt = _lib.ce_options_default()
+    set_reduction(opt, reduction, num_items)
+    opt.ignore_index = _lib.int64_option("ignore_index", ignore_index)
+    opt.label_smoothing = _lib.float_option("label_smoothing", label_smoothing)
+    opt.z_loss = _lib.float_option("z_loss", z_loss)
+    opt.transform = _lib.make_transform(logit_scale, softcap, temperature)
+    opt.dft = int(bool(dft))
+    return opt
+
+
+def set_reduction(opt, reduction, num_items):
+    """opt.reduction (and opt.num_items) of an options struct from the
+    keywords reduction ("none", "sum", "mean") and num_items (None, or > 0:
+    the sum over num_items, with "sum" or "mean")."""
     if reduction not in _lib.REDUCTIONS:
         raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "reduction must be 'none', 'sum' or 'mean', "
                          "got %r" % (reduction,))
     if num_items is not None and reduction == "none":
         raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "num_items needs reduction 'sum' or 'mean'")
-    opt = _lib.ce_options_default()
-    opt.ignore_index = _lib.int64_option("ignore_index", ignore_index)
-    opt.label_smoothing = _lib.float_option("label_smoothing", label_smoothing)
-    opt.z_loss = _lib.float_option("z_loss", z_loss)
-    opt.transform = _lib.make_transform(logit_scale, softcap, temperature)
     opt.reduction = _lib.REDUCTIONS[reduction]
     if num_items is not None:
         opt.reduction = _lib.REDUCE_SUM_OVER_ITEMS
         opt.num_items = _lib.float_option("num_items", num_items)
-    opt.dft = int(bool(dft))
-    return opt
+
+
+def workspace(n):
+    """(array, address, bytes) of the workspace of a CE-sized call over n rows
+    (lmloss_cross_entropy_workspace_size), 8-byte aligned."""
+    nbytes = _lib.ce_workspace_size(n)
+    ws = np.empty(max(1, -(-nbytes // 8)), dtype=np.float64)
+    return ws, ws.ctypes.data, ws.nbytes
 
 
 def cross_entropy(logits: ArrayLike, target: ArrayLike, *, ignore_index: int = -100,
@@ -112,9 +127,8 @@ def cross_entropy(logits: ArrayLike, target: ArrayLike, *, ignore_index: int = -
     if grad:
         dlogits, outputs.dlogits = x.empty(x.out_dtype())
 
-    ws_bytes = _lib.ce_workspace_size(n)
-    ws = np.empty(max(1, -(-ws_bytes // 8)), dtype=np.float64)  # 8-byte aligned
-    _lib.check(_lib.cross_entropy(ctx, inputs, opt, outputs, ws.ctypes.data, ws.nbytes))
+    ws, addr, nbytes = workspace(n)
+    _lib.check(_lib.cross_entropy(ctx, inputs, opt, outputs, addr, nbytes))
 
     loss = loss.reshape(x.lead) if reduction == "none" else float(loss[0])
     if dlogits is not None:

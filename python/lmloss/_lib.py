@@ -49,6 +49,7 @@ CPU_DEVICE = 0
 BACKENDS = {"auto": 0, "ref": 1, "cpu": 2}
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 REDUCE_SUM_OVER_ITEMS = 3
+DIV_KINDS = {"kl": 0, "reverse_kl": 1, "jsd": 2, "tvd": 3}  # lmloss_divergence_kind
 
 _c_int64 = ctypes.c_int64
 
@@ -87,6 +88,22 @@ class CEOutputs(ctypes.Structure):
                 ("dlogits", Tensor)]
 
 
+class DivOptions(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("beta", ctypes.c_float), ("student", Transform),
+                ("teacher", Transform), ("soft_weight", ctypes.c_float),
+                ("hard_weight", ctypes.c_float), ("ignore_index", _c_int64),
+                ("reduction", ctypes.c_int), ("num_items", ctypes.c_double),
+                ("grad_output", ctypes.c_float)]
+
+
+class DivInputs(ctypes.Structure):
+    _fields_ = [("student", Tensor), ("teacher", Tensor), ("label", Tensor)]
+
+
+class DivOutputs(ctypes.Structure):
+    _fields_ = [("loss", Tensor), ("divergence", Tensor), ("ce", Tensor), ("dstudent", Tensor)]
+
+
 class Head(ctypes.Structure):
     """lmloss_head: hidden [N, H], weight [V, H], optional bias [V]."""
     _fields_ = [("hidden", Tensor), ("weight", Tensor), ("bias", Tensor)]
@@ -104,7 +121,8 @@ class HeadGrads(ctypes.Structure):
 # loads (check_abi). A module mirroring another struct adds it here.
 STRUCTS = {"lmloss_tensor": Tensor, "lmloss_context": Context, "lmloss_transform": Transform,
            "lmloss_ce_options": CEOptions, "lmloss_ce_inputs": CEInputs,
-           "lmloss_ce_outputs": CEOutputs, "lmloss_head": Head,
+           "lmloss_ce_outputs": CEOutputs, "lmloss_div_options": DivOptions,
+           "lmloss_div_inputs": DivInputs, "lmloss_div_outputs": DivOutputs, "lmloss_head": Head,
            "lmloss_head_options": HeadOptions, "lmloss_head_grads": HeadGrads}
 
 _P = ctypes.POINTER
@@ -135,6 +153,12 @@ entropy = _proto("lmloss_entropy", _status, _P(Context), _P(Tensor), _P(Transfor
 softmax = _proto("lmloss_softmax", _status, _P(Context), _P(Tensor), ctypes.c_int, _P(Tensor))
 softmax_backward = _proto("lmloss_softmax_backward", _status, _P(Context), _P(Tensor),
                           _P(Tensor), ctypes.c_int, _P(Tensor))
+div_options_default = _proto("lmloss_div_options_default", DivOptions)
+divergence = _proto("lmloss_divergence", _status, _P(Context), _P(DivInputs), _P(DivOptions),
+                    _P(DivOutputs), ctypes.c_void_p, ctypes.c_size_t)
+divergence_backward = _proto("lmloss_divergence_backward", _status, _P(Context), _P(DivInputs),
+                             _P(DivOptions), _P(Tensor), _P(Tensor), ctypes.c_void_p,
+                             ctypes.c_size_t)
 head_options_default = _proto("lmloss_head_options_default", HeadOptions)
 linear_workspace_size = _proto("lmloss_linear_workspace_size", _status, _P(Head),
                                _P(HeadOptions), _P(HeadGrads), _c_int64, _P(ctypes.c_size_t))

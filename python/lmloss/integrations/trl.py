@@ -9,14 +9,19 @@ logits [total_nnz, V]).
 ChunkedLogProbFunction stands in for TRL's fused LM head kernel behind
 add_fused_lm_head (SFT's and GRPO's loss): per-token log-probs, entropy and
 is_top1 from lmloss's fused head, never materializing the logits.
+generalized_jsd_loss is GKDTrainer.generalized_jsd_loss (TRL's GKD
+distillation loss) through lmloss.torch.generalized_jsd.
 
 enable(module=None) / disable(module=None): patch (and restore) those names
 in `module`, by default trl.trainer.utils together with every imported trl
-module that imported them by name (e.g. trl.trainer.grpo_trainer).
+module that imported them by name (e.g. trl.trainer.grpo_trainer), and
+GKDTrainer.generalized_jsd_loss where TRL has that trainer
+(trl.experimental.gkd).
 """
 
 import sys
 import types
+import warnings
 from typing import Any, List, Optional, Sequence
 
 from .. import torch as lt
@@ -62,6 +67,67 @@ class ChunkedLogProbFunction:
         return logp, (ent if want_entropy else None), None, None, None
 
 
+def _gkd_trainer():
+    """TRL's GKDTrainer, or None where TRL or that module is absent. The
+    import keeps trl.experimental's import warning quiet: enable() is not
+    the user choosing an experimental API."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are importing from 'trl.experimental'")
+        try:
+            from trl.experimental.gkd.gkd_trainer import GKDTrainer
+        except ImportError:
+            return None
+    return GKDTrainer
+
+
+_JSD_KEY = ("trl.experimental.gkd.gkd_trainer.GKDTrainer", "generalized_jsd_loss")
+_JSD_REDUCTIONS = ("batchmean", "sum", "mean")  # TRL's others return its [..., V] terms
+
+
+def _trl_jsd():
+    """TRL's own generalized_jsd_loss (the one enable() replaced, if it did)."""
+    if _JSD_KEY in _saved:
+        return _saved[_JSD_KEY][1].__func__
+    cls = _gkd_trainer()
+    if cls is None:
+        raise ImportError("lmloss: this call needs TRL's generalized_jsd_loss (reduction "
+                          "'none', or CUDA tensors) and trl.experimental.gkd is not importable")
+    return cls.generalized_jsd_loss
+
+
+def generalized_jsd_loss(student_logits: Any, teacher_logits: Any, labels: Any = None,
+                         beta: float = 0.5, temperature: float = 1.0,
+                         reduction: str = "batchmean", num_items_in_batch: Any = None) -> Any:
+    """GKDTrainer.generalized_jsd_loss (a staticmethod there) through
+    lmloss.torch.generalized_jsd: its signature and results, as a float32
+    tensor (TRL's is in the logits' dtype), exact on identical and
+    confident rows where TRL's difference of log-softmaxes cancels.
+    student_logits, teacher_logits [B, T, V] (any [..., V]); labels
+    [B, T], -100 dropped. Two cases go to TRL's original: reduction
+    "none" (TRL returns the elementwise [..., V] terms, lmloss forms rows)
+    and CUDA tensors (lmloss's CUDA backend has no divergence yet)."""
+    if student_logits.is_cuda or (num_items_in_batch is None
+                                  and reduction not in _JSD_REDUCTIONS):
+        return _trl_jsd()(student_logits, teacher_logits, labels, beta, temperature, reduction,
+                          num_items_in_batch)
+    return lt.generalized_jsd(student_logits, teacher_logits, labels, beta, temperature,
+                              reduction, num_items_in_batch)
+
+
+_JSD_STATIC = staticmethod(generalized_jsd_loss)
+
+
+def _patch_gkd():
+    """GKDTrainer.generalized_jsd_loss -> generalized_jsd_loss where TRL has
+    the trainer; its own staticmethod is saved for disable()."""
+    cls = _gkd_trainer()
+    old = None if cls is None else vars(cls).get("generalized_jsd_loss")
+    if not isinstance(old, staticmethod) or old is _JSD_STATIC:  # absent, or TRL changed it
+        return
+    _saved[_JSD_KEY] = (cls, old)
+    cls.generalized_jsd_loss = _JSD_STATIC
+
+
 _REPLACEMENTS = {"selective_log_softmax": selective_log_softmax,
                  "entropy_from_logits": entropy_from_logits,
                  "_ChunkedLogProbFunction": ChunkedLogProbFunction}
@@ -82,9 +148,11 @@ def _targets(module):
 
 def enable(module: Optional[types.ModuleType] = None) -> List[types.ModuleType]:
     """Patch selective_log_softmax, entropy_from_logits and the fused-head
-    kernel (where present) in `module` (default: TRL). Returns the patched
-    modules."""
+    kernel (where present) in `module` (default: TRL, and then
+    GKDTrainer.generalized_jsd_loss too). Returns the patched modules."""
     mods = _targets(module)
+    if module is None:
+        _patch_gkd()
     for mod in mods:
         for attr, new in _REPLACEMENTS.items():
             old = getattr(mod, attr, None)

@@ -16,20 +16,28 @@ the caching allocator. Logits may be float32, bfloat16 or float16 (float64
 is computed in float32); accumulation is the C library's fp32. A CUDA tensor
 with a library built without CUDA raises lmloss.Error (LMLOSS_ERR_UNSUPPORTED).
 
+The divergences of a student's logits from a teacher's (generalized_jsd,
+kl_div, tvd: _divergence.py) take TRL's generalized_jsd_loss arguments
+and F.kl_div's reductions ("batchmean" by default) rather than lmloss's
+reduction names, and are CPU-only for now (the C library's CUDA backend
+has no divergence yet: LMLOSS_ERR_UNSUPPORTED).
+
 The ops are registered with torch.library (namespace ``lmloss``: see
-_ops.py and _linear_ops.py) with fake impls from symbolic shapes, so
-torch.compile(fullgraph=True) traces them without graph breaks, and a new
-batch size under dynamic shapes does not recompile. Calls made outside
-any tracing skip torch.library's dispatch (its host cost per call;
-_dispatch.py): the same op bodies and autograd formulas run from a
-torch.autograd.Function.
+_ops.py, _linear_ops.py and _div_ops.py) with fake impls from symbolic
+shapes, so torch.compile(fullgraph=True) traces them without graph
+breaks, and a new batch size under dynamic shapes does not recompile.
+Calls made outside any tracing skip torch.library's dispatch (its host
+cost per call; _dispatch.py): the same op bodies and autograd formulas
+run from a torch.autograd.Function.
 """
 
+from ._divergence import generalized_jsd, kl_div, tvd
 from ._functional import (cross_entropy, entropy, entropy_from_logits, linear_cross_entropy,
                           linear_log_probs, log_probs, log_softmax, selective_log_softmax,
                           softmax)
 from ._modules import CrossEntropyLoss, LinearCrossEntropyLoss, LinearLogProbs
 
 __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "LinearLogProbs", "cross_entropy",
-           "entropy", "entropy_from_logits", "linear_cross_entropy", "linear_log_probs",
-           "log_probs", "log_softmax", "selective_log_softmax", "softmax"]
+           "entropy", "entropy_from_logits", "generalized_jsd", "kl_div", "linear_cross_entropy",
+           "linear_log_probs", "log_probs", "log_softmax", "selective_log_softmax", "softmax",
+           "tvd"]

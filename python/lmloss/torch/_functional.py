@@ -74,12 +74,13 @@ def _indices(t, like, name, like_name="the logits"):
     return _index(t)
 
 
-def _target(target, lead, like, like_name="the logits"):
-    """CE's class-index target, shaped like the rows (`lead`), on like's device."""
-    target = _indices(target, like, "target", like_name)
+def _target(target, lead, like, like_name="the logits", name="target"):
+    """CE's class-index target (or another per-row index, `name`), shaped like
+    the rows (`lead`), on like's device."""
+    target = _indices(target, like, name, like_name)
     if target.shape != lead:
-        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "target has shape %s, expected %s (one class "
-                         "index per row)" % (tuple(target.shape), tuple(lead)))
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "%s has shape %s, expected %s (one class "
+                         "index per row)" % (name, tuple(target.shape), tuple(lead)))
     return target.reshape(-1)
 
 

@@ -1,0 +1,149 @@
+"""The divergences of lmloss.torch: generalized_jsd (TRL's
+GKDTrainer.generalized_jsd_loss), kl_div and tvd of a student's logits
+from a teacher's, both [..., V], differentiable w.r.t. the student only.
+
+Reductions are F.kl_div's and TRL's, over the loss tensor TRL forms (the
+elementwise terms of the rows that labels keep):
+  "batchmean"  sum / the rows labels keep (at least 1); without labels,
+               sum / max(student_logits.size(0), 1): B of a [B, T, V]
+               input, as F.kl_div and TRL divide (not B * T)
+  "sum"        sum
+  "mean"       sum / (the rows kept * V): TRL's jsd.mean() over elements
+               (NaN when no row is kept, as there)
+  "none"       per-row values [...], rows labels drop 0 (TRL returns the
+               elementwise [.., V] tensor there)
+and num_items_in_batch (a number or tensor) -> sum / num_items_in_batch
+whatever the reduction, as TRL. The C call reduces to a sum (or per-row
+values) and the divisions run in torch on the device, so nothing reads
+back to the host.
+"""
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import _lib
+from .._divergence import sides
+from . import _div_ops as D
+from ._bridge import backend_code
+from ._functional import Number, _bad, _rows, _same_device, _target
+
+REDUCTIONS = ("batchmean", "sum", "mean", "none")
+Items = Optional[Union[Number, Tensor]]
+
+
+def _divisor(reduction, num_items, label, ignore_index, rows, v, size0, device):
+    """What the summed loss is divided by (module docstring), or None."""
+    if num_items is not None:
+        return num_items.to(device) if isinstance(num_items, Tensor) else num_items
+    kept = None if label is None else (label != ignore_index).sum()  # on the device
+    if reduction == "batchmean":
+        return max(size0, 1) if kept is None else kept.clamp_min(1)
+    if reduction == "mean":
+        return (rows if kept is None else kept) * v
+    return None
+
+
+def _distill(student_logits, teacher_logits, labels, kind, beta, temperature, reduction,
+             num_items, teacher_temperature, logit_scale, teacher_logit_scale, softcap,
+             teacher_softcap, soft_weight, hard_weight, ignore_index, backend, num_threads):
+    """The one body of the public functions: their arguments, and the kind."""
+    if reduction not in REDUCTIONS:
+        raise _bad("reduction must be one of %s, got %r" % (", ".join(REDUCTIONS), reduction))
+    if teacher_logits.shape != student_logits.shape:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "teacher_logits has shape %s, student_logits %s"
+                         % (tuple(teacher_logits.shape), tuple(student_logits.shape)))
+    _same_device(teacher_logits, student_logits, "teacher_logits", "student_logits")
+    x, t = _rows(student_logits, "student_logits"), _rows(teacher_logits, "teacher_logits")
+    lead = student_logits.shape[:-1]
+    label = None if labels is None else _target(labels, lead, student_logits,
+                                                "student_logits", "labels")
+    per_row = reduction == "none" and num_items is None
+    fopts, iopts = D.div_args(kind, beta, *sides(logit_scale, softcap, temperature,
+                                                 teacher_logit_scale, teacher_softcap,
+                                                 teacher_temperature),
+                              soft_weight, hard_weight, ignore_index,
+                              "none" if per_row else "sum", backend_code(backend), num_threads)
+    if x.shape[0] == 0:  # no rows: an empty or zero sum, in the graph (the C call needs data)
+        loss = x.float().sum(-1)
+        loss = loss if per_row else loss.sum()
+    else:
+        fused = not per_row and torch.is_grad_enabled() and x.requires_grad
+        loss = D.divergence(x, t.detach(), label, fopts, iopts, fused)[0]
+    if per_row:
+        return loss.reshape(lead)
+    divisor = _divisor(reduction, num_items, label, ignore_index, x.shape[0], x.shape[-1],
+                       student_logits.shape[0], loss.device)
+    return loss if divisor is None else loss / divisor
+
+
+def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor,
+                    labels: Optional[Tensor] = None, beta: float = 0.5,
+                    temperature: float = 1.0, reduction: str = "batchmean",
+                    num_items_in_batch: Items = None, *,
+                    teacher_temperature: Optional[float] = None, logit_scale: float = 1.0,
+                    teacher_logit_scale: Optional[float] = None, softcap: Optional[float] = None,
+                    teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
+                    hard_weight: float = 0.0, ignore_index: int = -100, backend: str = "auto",
+                    num_threads: int = 0) -> Tensor:
+    """TRL's GKDTrainer.generalized_jsd_loss (its positional signature and
+    results, but "none": module docstring): per row
+    beta KL(q || M) + (1 - beta) KL(p || M), M = (1 - beta) p + beta q,
+    p = softmax(student_logits / temperature), q the teacher's; beta 0 is
+    KL(q || p), 1 is KL(p || q), both exactly.
+
+    student_logits, teacher_logits: [..., V] float32, bfloat16 or float16
+    (each its own; float64 computed in float32) on one device; labels:
+    [...] integers, rows equal to ignore_index (TRL: -100) dropped.
+    Returns float32 (TRL's is in the logits' dtype): 0-d, or [...] for
+    "none". Beyond TRL's keywords: teacher_temperature, logit_scale,
+    softcap and their teacher_* forms (None: the student's; softcap None
+    or 0 is off), applied as in cross_entropy; soft_weight and hard_weight
+    make each row's loss soft_weight * D + hard_weight * CE(student,
+    labels) (Liger-Kernel's distillation mix; labels needed). CUDA tensors
+    raise lmloss.Error (LMLOSS_ERR_UNSUPPORTED) until the C library has a
+    CUDA divergence.
+
+    Cost: a scalar loss whose student needs a gradient computes it in this
+    call and holds it (student-sized) until the backward, which scales it
+    by the upstream gradient (for a 16-bit student a second rounding,
+    unless that is 1).
+    """
+    return _distill(student_logits, teacher_logits, labels, "jsd", beta, temperature, reduction,
+                    num_items_in_batch, teacher_temperature, logit_scale, teacher_logit_scale,
+                    softcap, teacher_softcap, soft_weight, hard_weight, ignore_index, backend,
+                    num_threads)
+
+
+def kl_div(student_logits: Tensor, teacher_logits: Tensor, labels: Optional[Tensor] = None, *,
+           reverse: bool = False, temperature: float = 1.0, reduction: str = "batchmean",
+           num_items_in_batch: Items = None, teacher_temperature: Optional[float] = None,
+           logit_scale: float = 1.0, teacher_logit_scale: Optional[float] = None,
+           softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
+           soft_weight: float = 1.0, hard_weight: float = 0.0, ignore_index: int = -100,
+           backend: str = "auto", num_threads: int = 0) -> Tensor:
+    """KL(q || p) = sum_j q_j log(q_j / p_j) per row, q the teacher's softmax
+    and p the student's: F.kl_div(log p, log q, log_target=True) summed
+    over the classes (the forward KL of distillation, TRL's beta 0);
+    reverse=True: KL(p || q) (TRL's beta 1). Arguments, reductions and
+    results as generalized_jsd's."""
+    return _distill(student_logits, teacher_logits, labels, "reverse_kl" if reverse else "kl",
+                    0.0, temperature, reduction, num_items_in_batch, teacher_temperature,
+                    logit_scale, teacher_logit_scale, softcap, teacher_softcap, soft_weight,
+                    hard_weight, ignore_index, backend, num_threads)
+
+
+def tvd(student_logits: Tensor, teacher_logits: Tensor, labels: Optional[Tensor] = None, *,
+        temperature: float = 1.0, reduction: str = "batchmean", num_items_in_batch: Items = None,
+        teacher_temperature: Optional[float] = None, logit_scale: float = 1.0,
+        teacher_logit_scale: Optional[float] = None, softcap: Optional[float] = None,
+        teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
+        hard_weight: float = 0.0, ignore_index: int = -100, backend: str = "auto",
+        num_threads: int = 0) -> Tensor:
+    """Total variation distance 0.5 sum_j |p_j - q_j| per row; arguments,
+    reductions and results as generalized_jsd's."""
+    return _distill(student_logits, teacher_logits, labels, "tvd", 0.0, temperature, reduction,
+                    num_items_in_batch, teacher_temperature, logit_scale, teacher_logit_scale,
+                    softcap, teacher_softcap, soft_weight, hard_weight, ignore_index, backend,
+                    num_threads)
