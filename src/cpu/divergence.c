@@ -3,17 +3,25 @@
  * student's and a teacher's rows on the CPU (math/divergence.h), with the
  * student's cross-entropy as a hard term.
  *
- * Per row, both rows are converted to fp32 (x and w) once into a
- * thread's scratch, then read four times from cache: the maxes, the sums
- * (Rs, Rt, D), the losses (and the row constants the gradients need), the
- * gradient. Row sums are kept in double: V terms of mixed sign in D.
+ * Per row, both rows are converted to fp32 once into a thread's scratch,
+ * then read from cache by branch-free loops that vectorize in the
+ * AVX-512 and x86-64-v3 clones (vmath.h): the maxes; the sums Rs, Rt, D,
+ * leaving each column's exponents and g - G in the scratch; the losses
+ * (and the row constants a gradient needs); the gradient. Sums run in
+ * floats of LMLOSS_DIV_RUN columns added in double: D's terms have both
+ * signs.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "common.h"
 #include "core/validate.h"
+#include "dispatch.h"
 #include "math/divergence.h"
 #include "rowpass.h"
+#include "vmath.h"
+
+#define LMLOSS_DIV_RUN 256
 
 typedef struct {
   const lmloss_div_options *opt;
@@ -22,25 +30,23 @@ typedef struct {
   int64_t V;
 } div_job;
 
-/* A row pair in fp32: the logits x and their transformed w. */
+/* A row pair's scratch, V floats each. Loaded: xs, ws (in es), wt (in
+ * et), xt (in dg); after the sums: the exponents below each row's max
+ * and g - G. */
 typedef struct {
-  float *xs, *xt, *ws, *wt;
+  float *xs, *es, *et, *dg, *grad;
 } pair_buf;
 
-/* One row pair's statistics (w units for the maxes, as rowstats.h). */
+/* The row's statistics and, after the loss pass, its constants. */
 typedef struct {
-  int ok;
-  float ms, mt, rs, rt, ell, G;
+  float ms, mt, G, rs, rt, ell, l1s, l1t, es_y;
+  float mu_a; /* JSD: log(M / p) at the student's argmax */
   int64_t as, at;
+  /* the divergence; the gradients' row sums over j != as (rev: p_j h_j,
+   * mix: p_j (mu_j - mu_a), h_j = log(q_j / p_j) - the same at as), which
+   * stay small where the sums they stand for cancel; TVD's masses */
+  double div, rev, mix, pos, neg, eq;
 } pair_row;
-
-/* Everything the gradient needs from the loss pass. */
-typedef struct {
-  double div, ce;
-  double k_rev;              /* REVERSE_KL: the row's KL(p || q) */
-  double k_mix;              /* JSD: the row's KL(p || M) */
-  double s_pos, s_neg, s_eq; /* TVD: p's mass where p > q, p < q, p == q */
-} row_sums;
 
 /* Both rows into the scratch; 0 when a row holds NaN or +inf (the raw
  * logit, also under softcap) or nothing above -inf. */
@@ -51,111 +57,213 @@ static int load_pair(const div_job *jb, const void *xs, lmloss_dtype ds, const v
     const float u = lmloss_load(xs, ds, j), v = lmloss_load(xt, dt, j);
     bad |= (u != u) | (u == INFINITY) | (v != v) | (v == INFINITY);
     any_s |= u > -INFINITY, any_t |= v > -INFINITY;
-    b->xs[j] = u, b->xt[j] = v;
-    b->ws[j] = lmloss_xform_w(&jb->fs, u);
-    b->wt[j] = lmloss_xform_w(&jb->ft, v);
+    b->xs[j] = u, b->dg[j] = v;
+    b->es[j] = lmloss_xform_w(&jb->fs, u);
+    b->et[j] = lmloss_xform_w(&jb->ft, v);
   }
   return !bad && any_s && any_t;
 }
 
-/* g = zt - zs between column jt of the teacher and js of the student. */
-static float gap(const div_job *jb, const pair_buf *b, int64_t jt, int64_t js) {
-  if (jb->shared_cap) return lmloss_capped_gap(&jb->fs, b->xt[jt], b->xs[js]);
-  return lmloss_pair_gap(b->wt[jt], jb->ft.k, b->ws[js], jb->fs.k);
+static int64_t first_max(const float *w, int64_t V, float *m) {
+  float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < V; j++)
+    mx = w[j] > mx ? w[j] : mx;
+  int64_t a = 0;
+  while (w[a] != mx)
+    a++;
+  *m = mx;
+  return a;
 }
 
-static pair_row pair_stats(const div_job *jb, const pair_buf *b) {
-  pair_row r = {1, b->ws[0], b->wt[0], 0.0f, 0.0f, 0.0f, 0.0f, 0, 0};
-  for (int64_t j = 1; j < jb->V; j++) {
-    if (b->ws[j] > r.ms) r.ms = b->ws[j], r.as = j;
-    if (b->wt[j] > r.mt) r.mt = b->wt[j], r.at = j;
-  }
-  const float ks = jb->fs.k, kt = jb->ft.k;
-  r.G = gap(jb, b, r.at, r.as);
+/* One column's g - G and D term; its exponents into es[j], et[j]. */
+static inline __attribute__((always_inline)) float sums_column(const div_job *jb, const pair_row *r,
+                                                               const pair_buf *b, int64_t j,
+                                                               int capped, float *e_s, float *e_t) {
+  const float ws = b->es[j], wt = b->et[j];
+  const float g = capped ? lmloss_capped_gap(&jb->fs, b->dg[j], b->xs[j])
+                         : lmloss_pair_gap(wt, jb->ft.k, ws, jb->fs.k);
+  const float as = (ws - r->ms) * jb->fs.k, at = (wt - r->mt) * jb->ft.k, dg = g - r->G;
+  *e_s = lmloss_vexp_neg(as, -0.0f), *e_t = lmloss_vexp_neg(at, -0.0f);
+  b->es[j] = as, b->et[j] = at, b->dg[j] = dg;
+  return fabsf(dg) <= 0.5f ? *e_s * lmloss_vexpm1_small(dg) : *e_t - *e_s;
+}
+
+static inline __attribute__((always_inline)) void sums(const div_job *jb, pair_row *r,
+                                                       const pair_buf *b, int capped) {
   double rs = 0.0, rt = 0.0, d = 0.0;
-  for (int64_t j = 0; j < jb->V; j++) {
-    const float es = (b->ws[j] - r.ms) * ks, et = (b->wt[j] - r.mt) * kt;
-    if (j != r.as) rs += expf(es);
-    if (j != r.at) rt += expf(et);
-    d += lmloss_pair_d_term(es, gap(jb, b, j, j) - r.G, et);
-  }
-  r.rs = (float)rs, r.rt = (float)rt;
-  r.ell = lmloss_pair_ell((float)d, r.rs);
-  return r;
-}
-
-/* Column j's p, q and delta = log q - log p; the argmax's exponent is 0
- * by index, never recomputed. */
-static void pair_column(const div_job *jb, const pair_row *r, const pair_buf *b, int64_t j,
-                        float *p, float *q, float *delta) {
-  const float es = j == r->as ? 0.0f : (b->ws[j] - r->ms) * jb->fs.k;
-  const float et = j == r->at ? 0.0f : (b->wt[j] - r->mt) * jb->ft.k;
-  *p = expf(es) / (1.0f + r->rs);
-  *q = expf(et) / (1.0f + r->rt);
-  *delta = (gap(jb, b, j, j) - r->G) - r->ell;
-}
-
-/* The divergence's summand at a column. */
-static float div_term(const lmloss_div_options *o, float p, float q, float delta, float *mix_term) {
-  switch (o->kind) {
-  case LMLOSS_DIV_KL: return lmloss_kl_term(q, p, delta);
-  case LMLOSS_DIV_REVERSE_KL: return lmloss_kl_term(p, q, -delta);
-  case LMLOSS_DIV_TVD: return 0.5f * fabsf(lmloss_p_minus_q(p, q, delta));
-  default: {
-    const float b = o->beta, M = (1.0f - b) * p + b * q;
-    *mix_term = lmloss_kl_term(p, M, -lmloss_jsd_mu(delta, b));
-    return b * lmloss_kl_term(q, M, lmloss_jsd_nu(delta, b)) + (1.0f - b) * *mix_term;
-  }
-  }
-}
-
-static row_sums loss_pass(const div_job *jb, const pair_row *r, const pair_buf *b, int64_t y) {
-  row_sums s = {0};
-  for (int64_t j = 0; j < jb->V; j++) {
-    float p, q, delta, mix = 0.0f;
-    pair_column(jb, r, b, j, &p, &q, &delta);
-    s.div += div_term(jb->opt, p, q, delta, &mix);
-    s.k_mix += mix;
-    if (jb->opt->kind == LMLOSS_DIV_TVD) {
-      const float pq = lmloss_p_minus_q(p, q, delta);
-      *(pq > 0.0f ? &s.s_pos : pq < 0.0f ? &s.s_neg : &s.s_eq) += p;
+  for (int64_t j0 = 0; j0 < jb->V; j0 += LMLOSS_DIV_RUN) {
+    const int64_t j1 = jb->V - j0 < LMLOSS_DIV_RUN ? jb->V : j0 + LMLOSS_DIV_RUN;
+    float s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s1, s2, s3)
+    for (int64_t j = j0; j < j1; j++) {
+      float e_s, e_t;
+      s3 += sums_column(jb, r, b, j, capped, &e_s, &e_t);
+      s1 += j == r->as ? 0.0f : e_s;
+      s2 += j == r->at ? 0.0f : e_t;
     }
+    rs += s1, rt += s2, d += s3;
   }
-  s.k_rev = s.div;
-  if (y >= 0) s.ce = log1pf(r->rs) - (y == r->as ? 0.0f : (b->ws[y] - r->ms) * jb->fs.k);
-  return s;
+  r->rs = (float)rs, r->rt = (float)rt;
+  r->l1s = log1pf(r->rs), r->l1t = log1pf(r->rt);
+  r->ell = lmloss_pair_ell((float)d, r->rs);
 }
 
-/* d divergence / d zs_j. */
-static float div_grad(const lmloss_div_options *o, const row_sums *s, float p, float q,
-                      float delta) {
-  if (p == 0.0f && o->kind != LMLOSS_DIV_KL) return 0.0f; /* whatever delta is */
-  switch (o->kind) {
-  case LMLOSS_DIV_KL: return lmloss_p_minus_q(p, q, delta);
-  case LMLOSS_DIV_REVERSE_KL: return -p * (delta + (float)s->k_rev);
-  case LMLOSS_DIV_TVD: {
-    /* s_j - sum_k p_k s_k, from the masses so no two large sums cancel */
-    const float pq = lmloss_p_minus_q(p, q, delta);
-    const double c = pq > 0.0f   ? 2.0 * s->s_neg + s->s_eq
-                     : pq < 0.0f ? -(2.0 * s->s_pos + s->s_eq)
-                                 : s->s_neg - s->s_pos;
-    return 0.5f * p * (float)c;
+/* a log(a / b) - a + b with x = log(a / b) (lmloss_kl_term's value):
+ * a phi(x) by its series inside |x| < 1, directly outside, where at most
+ * a factor 3.8 cancels. */
+static inline float kl_term(float a, float b, float x) {
+  if (a == 0.0f) return b;
+  return fabsf(x) < 1.0f ? a * lmloss_phi_series(x) : a * x - a + b;
+}
+
+static inline float p_minus_q(float p, float q, float delta) {
+  return fabsf(delta) < 1.0f ? -p * lmloss_vexpm1_small(delta) : p - q;
+}
+
+/* The JSD's log(M / p) (mu) and log(q / M) (nu): by log1p of the small
+ * forms inside |delta| < 1, else from log M as a log-add-exp of the rows'
+ * log-probabilities. */
+typedef struct {
+  float beta, log_1mb, log_b; /* beta, log(1 - beta), log(beta) */
+} jsd_beta;
+
+static inline void jsd_logs(float delta, float lp, float lq, const jsd_beta *jb, float *mu,
+                            float *nu) {
+  const float beta = jb->beta;
+  if (fabsf(delta) < 1.0f) {
+    *mu = lmloss_vlog1p_mid(beta * lmloss_vexpm1_small(delta));
+    *nu = -lmloss_vlog1p_mid((1.0f - beta) * lmloss_vexpm1_small(-delta));
+    return;
   }
-  default: return -(1.0f - o->beta) * p * (lmloss_jsd_mu(delta, o->beta) + (float)s->k_mix);
+  const float u = lp + jb->log_1mb, v = lq + jb->log_b;
+  const float hi = u > v ? u : v, lo = u > v ? v : u;
+  const float lm = hi + lmloss_vlog1p_mid(lmloss_vexp_neg(lo - hi, -0.0f));
+  *mu = lm - lp, *nu = lq - lm;
+}
+
+/* Column j's p, q, delta and log-probabilities from the scratch. */
+static inline void column(const pair_row *r, const pair_buf *b, int64_t j, float *p, float *q,
+                          float *delta, float *lp, float *lq) {
+  *p = lmloss_vexp_neg(b->es[j], -0.0f) / (1.0f + r->rs);
+  *q = lmloss_vexp_neg(b->et[j], -0.0f) / (1.0f + r->rt);
+  *delta = b->dg[j] - r->ell;
+  *lp = b->es[j] - r->l1s, *lq = b->et[j] - r->l1t;
+}
+
+static inline __attribute__((always_inline)) void
+losses(const div_job *jb, pair_row *r, const pair_buf *b, const jsd_beta *jbe, int kind) {
+  const float beta = jbe->beta, dg_a = b->dg[r->as];
+  if (kind == LMLOSS_DIV_JSD) {
+    float p, q, delta, lp, lq, nu;
+    column(r, b, r->as, &p, &q, &delta, &lp, &lq);
+    jsd_logs(delta, lp, lq, jbe, &r->mu_a, &nu);
+  }
+  for (int64_t j0 = 0; j0 < jb->V; j0 += LMLOSS_DIV_RUN) {
+    const int64_t j1 = jb->V - j0 < LMLOSS_DIV_RUN ? jb->V : j0 + LMLOSS_DIV_RUN;
+    float div = 0.0f, rev = 0.0f, mix = 0.0f, pos = 0.0f, neg = 0.0f, eq = 0.0f;
+#pragma omp simd reduction(+ : div, rev, mix, pos, neg, eq)
+    for (int64_t j = j0; j < j1; j++) {
+      float p, q, delta, lp, lq;
+      column(r, b, j, &p, &q, &delta, &lp, &lq);
+      const int rest = j != r->as && p != 0.0f;
+      if (kind == LMLOSS_DIV_KL) div += kl_term(q, p, delta);
+      if (kind == LMLOSS_DIV_REVERSE_KL) {
+        div += kl_term(p, q, -delta);
+        rev += rest ? p * (b->dg[j] - dg_a) : 0.0f;
+      }
+      if (kind == LMLOSS_DIV_TVD) {
+        const float pq = p_minus_q(p, q, delta);
+        div += 0.5f * fabsf(pq);
+        pos += pq > 0.0f ? p : 0.0f;
+        neg += pq < 0.0f ? p : 0.0f;
+        eq += pq == 0.0f ? p : 0.0f;
+      }
+      if (kind == LMLOSS_DIV_JSD) {
+        float mu, nu;
+        jsd_logs(delta, lp, lq, jbe, &mu, &nu);
+        const float M = (1.0f - beta) * p + beta * q;
+        div += beta * kl_term(q, M, nu) + (1.0f - beta) * kl_term(p, M, -mu);
+        mix += rest ? p * (mu - r->mu_a) : 0.0f;
+      }
+    }
+    r->div += div, r->rev += rev, r->mix += mix, r->pos += pos, r->neg += neg, r->eq += eq;
   }
 }
 
-/* The gradient row dx = scale (soft ddiv/dz + hard dce/dz) dz/dx. */
-static void grad_pass(const div_job *jb, const pair_row *r, const row_sums *s, const pair_buf *b,
-                      int64_t y, float scale, void *out, lmloss_dtype odt) {
+/* dx = scale (soft d div/dz + hard d ce/dz) dz/dx into b->grad. */
+/* The reverse KL's -p_j (delta_j + KL(p||q)) and the JSD's
+ * -(1 - beta) p_j (mu_j + KL(p||M)) are formed as -p_j (h_j - rev) and
+ * -(1 - beta) p_j ((mu_j - mu_a) - mix): where the teacher peaks away from
+ * the student's argmax a, delta_a and the KL are both about the margin
+ * and their sum, a's whole entry, would cancel. */
+static inline __attribute__((always_inline)) void gradient(const div_job *jb, const pair_row *r,
+                                                           const pair_buf *b, const jsd_beta *jbe,
+                                                           int64_t y, float scale, int kind) {
   const lmloss_div_options *o = jb->opt;
+  const float beta = jbe->beta, rev = (float)r->rev, mix = (float)r->mix, dg_a = b->dg[r->as];
+  const float cpos = (float)(2.0 * r->neg + r->eq), cneg = (float)-(2.0 * r->pos + r->eq);
+  const float ceq = (float)(r->neg - r->pos), hard = y >= 0 ? o->hard_weight : 0.0f;
+  const float one_minus_py = y == r->as ? r->rs / (1.0f + r->rs) : -1.0f;
+  const lmloss_xform f = jb->fs;
+#pragma omp simd
   for (int64_t j = 0; j < jb->V; j++) {
-    float p, q, delta;
-    pair_column(jb, r, b, j, &p, &q, &delta);
-    float g = o->soft_weight * div_grad(o, s, p, q, delta);
-    if (y >= 0 && o->hard_weight > 0.0f) /* p - [j == y], 1 - p_a = R / (1 + R) */
-      g += o->hard_weight * (j != y ? p : j == r->as ? -r->rs / (1.0f + r->rs) : p - 1.0f);
-    lmloss_store(out, odt, j, scale * g * lmloss_xform_dzdx(&jb->fs, b->xs[j]));
+    float p, q, delta, lp, lq, g = 0.0f;
+    column(r, b, j, &p, &q, &delta, &lp, &lq);
+    if (kind == LMLOSS_DIV_KL) g = p_minus_q(p, q, delta);
+    if (kind == LMLOSS_DIV_REVERSE_KL) g = p == 0.0f ? 0.0f : -p * ((b->dg[j] - dg_a) - rev);
+    if (kind == LMLOSS_DIV_TVD) {
+      const float pq = p_minus_q(p, q, delta);
+      g = 0.5f * p * (pq > 0.0f ? cpos : pq < 0.0f ? cneg : ceq);
+    }
+    if (kind == LMLOSS_DIV_JSD) {
+      float mu, nu;
+      jsd_logs(delta, lp, lq, jbe, &mu, &nu);
+      g = p == 0.0f ? 0.0f : -(1.0f - beta) * p * ((mu - r->mu_a) - mix);
+    }
+    /* the hard term p - [j == y], with 1 - p_y = R / (1 + R) at the argmax */
+    const float ce = j == y ? (one_minus_py < 0.0f ? p - 1.0f : -one_minus_py) : p;
+    float dzdx = f.k;
+    if (f.cap > 0.0f) {
+      const float e = lmloss_vexp_neg(-2.0f * fabsf(f.s * b->xs[j] * f.inv_cap), -0.0f);
+      dzdx = f.k * f.s * (4.0f * e / ((1.0f + e) * (1.0f + e)));
+    }
+    b->grad[j] = scale * (o->soft_weight * g + hard * ce) * dzdx;
+  }
+}
+
+/* Everything of one row pair that reads the scratch, per kind. */
+static inline __attribute__((always_inline)) void pair_kind(const div_job *jb, pair_row *r,
+                                                            const pair_buf *b, int64_t y, int grad,
+                                                            float scale, int kind) {
+  const float beta = jb->opt->beta;
+  const jsd_beta jbe = {beta, log1pf(-beta), logf(beta)};
+  losses(jb, r, b, &jbe, kind);
+  if (grad) gradient(jb, r, b, &jbe, y, scale, kind);
+}
+
+void lmloss_cpu_div_pair(const div_job *jb, pair_row *r, const pair_buf *b, int64_t y, int grad,
+                         float scale);
+
+/* The row pair's statistics, losses and (grad) gradient into b->grad. */
+LMLOSS_CPU_DISPATCH
+void lmloss_cpu_div_pair(const div_job *jb, pair_row *r, const pair_buf *b, int64_t y, int grad,
+                         float scale) {
+  r->as = first_max(b->es, jb->V, &r->ms);
+  r->at = first_max(b->et, jb->V, &r->mt);
+  r->G = jb->shared_cap ? lmloss_capped_gap(&jb->fs, b->dg[r->at], b->xs[r->as])
+                        : lmloss_pair_gap(r->mt, jb->ft.k, r->ms, jb->fs.k);
+  r->es_y = y >= 0 && y != r->as ? (b->es[y] - r->ms) * jb->fs.k : 0.0f;
+  if (jb->shared_cap)
+    sums(jb, r, b, 1);
+  else
+    sums(jb, r, b, 0);
+  r->div = r->rev = r->mix = r->pos = r->neg = r->eq = 0.0;
+  switch (jb->opt->kind) {
+  case LMLOSS_DIV_KL: pair_kind(jb, r, b, y, grad, scale, LMLOSS_DIV_KL); break;
+  case LMLOSS_DIV_REVERSE_KL: pair_kind(jb, r, b, y, grad, scale, LMLOSS_DIV_REVERSE_KL); break;
+  case LMLOSS_DIV_TVD: pair_kind(jb, r, b, y, grad, scale, LMLOSS_DIV_TVD); break;
+  default: pair_kind(jb, r, b, y, grad, scale, LMLOSS_DIV_JSD); break;
   }
 }
 
@@ -164,6 +272,15 @@ static int64_t label_of(const lmloss_div_inputs *in, const lmloss_div_options *o
   if (!lmloss_present(&in->label)) return -1;
   const int64_t y = lmloss_index_at(&in->label, i, 0);
   return y == o->ignore_index ? -2 : y;
+}
+
+static void store_row(const float *g, int64_t V, void *out, lmloss_dtype odt) {
+  if (odt == LMLOSS_F32) {
+    memcpy(out, g, (size_t)V * sizeof(float));
+    return;
+  }
+  for (int64_t j = 0; j < V; j++)
+    lmloss_store(out, odt, j, g[j]);
 }
 
 lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
@@ -187,8 +304,8 @@ lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_
   const int nt = lmloss_cpu_row_threads(ctx, 2 * N * V);
 #pragma omp parallel num_threads(nt)
   {
-    float *w = (float *)malloc((size_t)(4 * V) * sizeof(float));
-    const pair_buf b = {w, w + V, w + 2 * V, w + 3 * V};
+    float *w = (float *)malloc((size_t)(5 * V) * sizeof(float));
+    const pair_buf b = {w, w + V, w + 2 * V, w + 3 * V, w + 4 * V};
     if (!w) {
 #pragma omp atomic write
       oom = 1;
@@ -197,23 +314,22 @@ lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_
     for (int64_t i = 0; i < N; i++) {
       if (!w) continue;
       const int64_t y = label_of(in, opt, i);
-      const void *xs = lmloss_cpu_row(&in->student, i);
       void *drow = dx ? lmloss_cpu_row_mut(dx, i) : NULL;
       double div = 0.0, ce = 0.0;
       if (y == -2) {
         if (drow) lmloss_cpu_row_fill(drow, dx->dtype, V, 0.0f);
-      } else if (!load_pair(&jb, xs, in->student.dtype, lmloss_cpu_row(&in->teacher, i),
-                            in->teacher.dtype, &b)) {
+      } else if (!load_pair(&jb, lmloss_cpu_row(&in->student, i), in->student.dtype,
+                            lmloss_cpu_row(&in->teacher, i), in->teacher.dtype, &b)) {
         div = ce = NAN;
         if (drow) lmloss_cpu_row_fill(drow, dx->dtype, V, NAN);
       } else {
-        const pair_row r = pair_stats(&jb, &b);
-        const row_sums s = loss_pass(&jb, &r, &b, y);
-        div = s.div, ce = s.ce;
-        if (drow) {
-          const float up = dloss ? *lmloss_cpu_f32_at(dloss, reduced ? 0 : i) : opt->grad_output;
-          grad_pass(&jb, &r, &s, &b, y, (float)(up * factor), drow, dx->dtype);
-        }
+        const float up = !drow   ? 0.0f
+                         : dloss ? *lmloss_cpu_f32_at(dloss, reduced ? 0 : i)
+                                 : opt->grad_output;
+        pair_row r;
+        lmloss_cpu_div_pair(&jb, &r, &b, y, drow != NULL, (float)(up * factor));
+        div = r.div, ce = y >= 0 ? r.l1s - r.es_y : 0.0;
+        if (drow) store_row(b.grad, V, drow, dx->dtype);
       }
       row_loss[i] = y == -2 ? 0.0 : opt->soft_weight * div + opt->hard_weight * ce;
       if (out && lmloss_present(&out->divergence))

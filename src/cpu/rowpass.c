@@ -4,6 +4,7 @@
 #include "dispatch.h"
 #include "math/dtype.h"
 #include "rowpass.h"
+#include "vmath.h"
 
 const char *lmloss_cpu_isa_name(void) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -11,32 +12,6 @@ const char *lmloss_cpu_isa_name(void) {
   if (__builtin_cpu_supports("x86-64-v3")) return "avx2";
 #endif
   return "portable";
-}
-
-/* exp(hi + lo) for hi <= 0, down through the fp32 subnormals (a row sum
- * of many subnormal terms can be a normal number). Cody-Waite reduction,
- * degree-6 Taylor on |r| <= ln2/2 (error 1.7e-7); 2^n is applied as
- * 2^(n+64) 2^-64, so the one rounding into the subnormals happens last.
- * Pure arithmetic, so a loop that calls it can vectorize: in the AVX-512
- * and x86-64-v3 clones, the latter only under -fno-trapping-math. */
-static inline float exp_neg(float hi, float lo) {
-  const float magic = 12582912.0f; /* 1.5 * 2^23: round to nearest */
-  /* -inf and NaN stay convertible, and so does a positive exponent, which
-   * only statistics not of these logits give (lmloss.h: garbage then, but
-   * never an out-of-range conversion) */
-  float h = hi > -104.0f ? (hi < 40.0f ? hi : 40.0f) : -104.0f;
-  float n = (h * 1.44269504088896341f + magic) - magic;
-  float r = fmaf(n, -0.693145751953125f, h);
-  r = fmaf(n, -1.428606765330187e-06f, r) + lo;
-  float p = 1.0f / 720.0f;
-  p = fmaf(p, r, 1.0f / 120.0f);
-  p = fmaf(p, r, 1.0f / 24.0f);
-  p = fmaf(p, r, 1.0f / 6.0f);
-  p = fmaf(p, r, 0.5f);
-  p = fmaf(p, r, 1.0f);
-  p = fmaf(p, r, 1.0f);
-  float scale = lmloss_bits_f32((uint32_t)((int32_t)n + 64 + 127) << 23);
-  return hi < -103.972f ? 0.0f : p * scale * 0x1p-64f;
 }
 
 /* The exponent (w - m) k; lo carries the product's rounding error (fma),
@@ -146,7 +121,7 @@ block_sums(const float *restrict buf, int n, float m, float k, int unit_k, const
 #pragma omp simd reduction(+ : r, t, u, c, ties, nn) reduction(max : mb)
     for (int i = i0; i < i1; i++) {
       float lo, dk = exponent(buf[i], m, k, unit_k, &lo);
-      float e = exp_neg(dk, lo);
+      float e = lmloss_vexp_neg(dk, lo);
       if (careful) {
         int tie = buf[i] == m;
         e = tie ? 0.0f : e;
@@ -271,7 +246,7 @@ static inline __attribute__((always_inline)) void grad_block(const float *src, f
 #pragma omp simd
   for (int i = 0; i < n; i++) {
     float lo, dk = exponent(src[i], m, k, unit_k, &lo);
-    float e = exp_neg(dk, lo);
+    float e = lmloss_vexp_neg(dk, lo);
     float g = has_p2 ? (e > 0.0f ? e * (Pk + P2k * dk) : 0.0f) : e * Pk;
     if (has_q) g -= Qk * (cw ? cw[i] : 1.0f);
     dst[i] = g;
@@ -292,7 +267,7 @@ void lmloss_cpu_row_grad(const void *row, lmloss_dtype dt, int64_t V, const lmlo
       for (int i = 0; i < n; i++) {
         float x = buf[i], w = wbuf[i];
         float lo, dk = exponent(w, m, k, 0, &lo);
-        float e = exp_neg(dk, lo);
+        float e = lmloss_vexp_neg(dk, lo);
         float cj = cw ? cw[j0 + i] : 1.0f;
         buf[i] = ((e > 0.0f ? e * (P + P2 * dk) : 0.0f) - Q * cj) * lmloss_xform_dzdx(f, x);
       }
@@ -338,7 +313,7 @@ void lmloss_cpu_row_softmax(const void *row, lmloss_dtype dt, int64_t V, float m
 #pragma omp simd
       for (int i = 0; i < n; i++) {
         float lo, d = exponent(src[i], m, 1.0f, 1, &lo);
-        dst[i] = exp_neg(d, lo) * P;
+        dst[i] = lmloss_vexp_neg(d, lo) * P;
       }
     }
     if (!direct) store_block(out, odt, j0, n, buf);

@@ -7,9 +7,11 @@
  * log M_j as a log-add-exp of the two, and every summand in its
  * non-negative form a log(a / b) - a + b; p - q as -p expm1(delta) (two
  * near-1 probabilities of a confident row would cancel even in double).
- * Gradients with respect to the student's z:
- *   KL: p - q;  REVERSE_KL: -p (delta + KL(p || q));
- *   JSD: -(1 - beta) p (log(M / p) + KL(p || M));
+ * Gradients with respect to the student's z (a the student's argmax;
+ * the row sums relative to a's value, which even double would lose where
+ * the teacher peaks elsewhere and both terms are about the margin):
+ *   KL: p - q;  REVERSE_KL: -p ((delta - delta_a) - sum_k p_k (delta_k - delta_a));
+ *   JSD: -(1 - beta) p ((mu - mu_a) - sum_k p_k (mu_k - mu_a)), mu = log(M / p);
  *   TVD: p (s_j - sum_k p_k s_k) / 2, s = sign(p - q);  CE: p - [j == y].
  */
 #include "refrow.h"
@@ -60,22 +62,25 @@ static void pair_row(const lmloss_div_options *o, const ref_pair *b, int64_t V, 
     return;
   }
   const double beta = o->beta;
-  double sum = 0.0, kmix = 0.0, pos = 0.0, neg = 0.0, eq = 0.0;
-  for (int64_t j = 0; j < V; j++) {
+  double sum = 0.0, rev = 0.0, mix = 0.0, pos = 0.0, neg = 0.0, eq = 0.0;
+  for (int64_t j = 0; j < V; j++)
     b->lp[j] = ref_logp(&fs, &s, b->ws[j]), b->lq[j] = ref_logp(&ft, &t, b->wt[j]);
+  const int64_t a = s.a;
+  const double d_a = b->lq[a] - b->lp[a], mu_a = log_m_over_p(d_a, beta);
+  for (int64_t j = 0; j < V; j++) {
     const double lp = b->lp[j], lq = b->lq[j], p = exp(lp), q = exp(lq);
     const double delta = lq - lp, pq = p > 0.0 ? -p * expm1(delta) : -q;
     if (o->kind == LMLOSS_DIV_KL) sum += kl_term(q, p, delta);
     if (o->kind == LMLOSS_DIV_REVERSE_KL) sum += kl_term(p, q, -delta);
+    if (j != a && p > 0.0) rev += p * (delta - d_a);
     if (o->kind == LMLOSS_DIV_TVD) {
       sum += 0.5 * fabs(pq);
       *(pq > 0.0 ? &pos : pq < 0.0 ? &neg : &eq) += p;
     }
     if (o->kind == LMLOSS_DIV_JSD) {
       const double mu = log_m_over_p(delta, beta), M = (1.0 - beta) * p + beta * q;
-      const double km = kl_term(p, M, -mu);
-      sum += beta * kl_term(q, M, log_q_over_m(delta, beta)) + (1.0 - beta) * km;
-      kmix += km;
+      sum += beta * kl_term(q, M, log_q_over_m(delta, beta)) + (1.0 - beta) * kl_term(p, M, -mu);
+      if (j != a && p > 0.0) mix += p * (mu - mu_a);
     }
   }
   *div = sum;
@@ -84,11 +89,11 @@ static void pair_row(const lmloss_div_options *o, const ref_pair *b, int64_t V, 
     const double lp = b->lp[j], p = exp(lp), delta = b->lq[j] - lp;
     const double pq = p > 0.0 ? -p * expm1(delta) : -exp(b->lq[j]);
     double g = pq; /* KL */
-    if (o->kind == LMLOSS_DIV_REVERSE_KL) g = p > 0.0 ? -p * (delta + sum) : 0.0;
+    if (o->kind == LMLOSS_DIV_REVERSE_KL) g = p > 0.0 ? -p * ((delta - d_a) - rev) : 0.0;
     if (o->kind == LMLOSS_DIV_TVD)
       g = 0.5 * p * (pq > 0.0 ? 2.0 * neg + eq : pq < 0.0 ? -(2.0 * pos + eq) : neg - pos);
     if (o->kind == LMLOSS_DIV_JSD) {
-      g = p > 0.0 ? -(1.0 - beta) * p * (log_m_over_p(delta, beta) + kmix) : 0.0;
+      g = p > 0.0 ? -(1.0 - beta) * p * ((log_m_over_p(delta, beta) - mu_a) - mix) : 0.0;
     }
     g *= o->soft_weight;
     if (y >= 0) g += o->hard_weight * (j == y ? expm1(lp) : p);

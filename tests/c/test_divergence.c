@@ -43,49 +43,68 @@ static double dzdx(const lmloss_transform *t, double x) {
 }
 
 /* Per row, the floors of its divergence and of each gradient entry (per
- * unit of the row's gradient scale), from the inputs in double. */
+ * unit of the row's gradient scale), from the inputs in double. The
+ * reverse KL's and the JSD's entries are differences from the student's
+ * argmax a (lmloss's form): h_j = delta_j - delta_a carries TOL (|dg_j| +
+ * |dg_a|), dg = g - G, and is 0 at a, so a's floor is only its row sum's. */
 static void floors(const lmloss_tensor *s, const lmloss_tensor *t, const lmloss_div_options *o,
                    int64_t i, double *row_floor, double *gf) {
   const int64_t V = s->cols;
   double *zs = malloc(sizeof(double) * (size_t)V), *zt = malloc(sizeof(double) * (size_t)V);
   double ms = -INFINITY, mt = -INFINITY, ss = 0, st = 0;
+  int64_t a = 0;
   for (int64_t j = 0; j < V; j++) {
     zs[j] = zof(&o->student, tget(s, i, j)), zt[j] = zof(&o->teacher, tget(t, i, j));
-    ms = fmax(ms, zs[j]), mt = fmax(mt, zt[j]);
+    if (zs[j] > ms) ms = zs[j], a = j;
+    mt = fmax(mt, zt[j]);
   }
   for (int64_t j = 0; j < V; j++)
     ss += exp(zs[j] - ms), st += exp(zt[j] - mt);
   const double ls = ms + log(ss), lt = mt + log(st), G = mt - ms, ell = lt - ls - G;
-  double k_rev = 0, k_mix = 0, amb = 0;
   const double b = o->beta;
+  const int rev = o->kind == LMLOSS_DIV_REVERSE_KL || (o->kind == LMLOSS_DIV_JSD && b == 1);
+  const int fwd = o->kind == LMLOSS_DIV_KL || (o->kind == LMLOSS_DIV_JSD && b == 0);
+#define P(j) exp(zs[j] - ls)
+#define Q(j) exp(zt[j] - lt)
+#define D(j) ((zt[j] - lt) - (zs[j] - ls))
+#define DG(j) (isfinite(zt[j] - zs[j]) ? fabs(zt[j] - zs[j] - G) : 0.0)
+#define MU(j) log1p(b *expm1(fmin(D(j), 700)))
+  /* the errors of the row sums the entries subtract */
+  double e_rev = 0, e_mix = 0, amb = 0, sum_h = 0, sum_mu = 0;
+  const double mu_a = MU(a), dga = DG(a);
   for (int64_t j = 0; j < V; j++) {
-    double p = exp(zs[j] - ls), q = exp(zt[j] - lt), d = (zt[j] - lt) - (zs[j] - ls);
-    if (p > 0 && q > 0) k_rev += p * d;
-    double M = (1 - b) * p + b * q;
-    if (p > 0 && M > 0) k_mix += p * log(p / M);
+    double p = P(j), e_d = TOL_CANCEL * (DG(j) + fabs(G) + fabs(ell));
+    if (isfinite(D(j)) && fabs(D(j)) <= e_d) amb += p;
+    if (j == a || p == 0) continue;
+    double h = D(j) - D(a), e_h = TOL_CANCEL * (DG(j) + dga);
+    e_rev += p * (e_h + TOL_CANCEL * fabs(h)), sum_h += p * h;
+    double dmu = MU(j) - mu_a;
+    e_mix += p * (TOL_CANCEL * (fabs(MU(j)) + fabs(mu_a)) + e_h), sum_mu += p * dmu;
   }
-  k_rev = fabs(k_rev), k_mix = fabs(k_mix);
   *row_floor = 0;
   for (int64_t j = 0; j < V; j++) {
-    double p = exp(zs[j] - ls), q = exp(zt[j] - lt);
-    double mag = (isfinite(zt[j] - zs[j]) ? fabs(zt[j] - zs[j]) : 0) + fabs(G) + fabs(ell);
-    double e = TOL_CANCEL * mag, d = (zt[j] - lt) - (zs[j] - ls);
-    *row_floor += e * (p + q);
-    if (isfinite(d) && fabs(d) <= e) amb += p;
-    double f = 0;
-    if (o->kind == LMLOSS_DIV_KL || (o->kind == LMLOSS_DIV_JSD && b == 0))
-      f = e * (p + q);
-    else if (o->kind == LMLOSS_DIV_REVERSE_KL || (o->kind == LMLOSS_DIV_JSD && b == 1))
-      f = TOL_CANCEL * p * (mag + (isfinite(d) ? fabs(d) : 0) + k_rev);
-    else if (o->kind == LMLOSS_DIV_JSD)
-      f = TOL_CANCEL * (1 - b) * p * (mag + fabs(log1p(b * expm1(fmin(d, 700)))) + k_mix);
-    else
-      f = p * ((isfinite(d) && fabs(d) <= e) ? 1.0 : 0.0);
+    double p = P(j), q = Q(j), e_d = TOL_CANCEL * (DG(j) + fabs(G) + fabs(ell));
+    double e_h = j == a ? 0 : TOL_CANCEL * (DG(j) + dga), f;
+    *row_floor += e_d * (p + q);
+    if (fwd)
+      f = e_d * (p + q);
+    else if (p == 0)
+      f = 0; /* the entry is 0 by construction */
+    else if (rev)
+      f = p * (e_h + e_rev + TOL_CANCEL * fabs((D(j) - D(a)) - sum_h));
+    else if (o->kind == LMLOSS_DIV_JSD) {
+      double dmu = j == a ? 0 : MU(j) - mu_a;
+      double e_mu = j == a ? 0 : TOL_CANCEL * (fabs(MU(j)) + fabs(mu_a)) + e_h;
+      f = (1 - b) * p * (e_mu + e_mix + TOL_CANCEL * fabs(dmu - sum_mu));
+    } else /* TVD: a sign within delta's error may flip, moving p_j's mass */
+      f = p * ((isfinite(D(j)) && fabs(D(j)) <= e_d) ? 1.0 : 0.0) + p * amb + TOL_CANCEL * p;
     gf[j] = o->soft_weight * f;
   }
-  if (o->kind == LMLOSS_DIV_TVD)
-    for (int64_t j = 0; j < V; j++)
-      gf[j] += o->soft_weight * exp(zs[j] - ls) * amb + TOL_CANCEL * exp(zs[j] - ls);
+#undef P
+#undef Q
+#undef D
+#undef DG
+#undef MU
   free(zs), free(zt);
 }
 
@@ -327,6 +346,20 @@ int main(void) {
       }
     tg_end(&g);
   }
+  /* Every kind at every margin without a hard term, which would dominate
+   * the entries: a third of the rows with the teacher's peak elsewhere. */
+  tg_begin(&g, "every kind x margin 0-1000, soft term only");
+  for (int k = 0; k < NKINDS; k++)
+    for (int m = 0; m < 4; m++)
+      for (int v = 2; v < 4; v++) {
+        lmloss_div_options o = lmloss_div_options_default();
+        o.kind = kinds[k].kind, o.beta = kinds[k].beta;
+        o.reduction = LMLOSS_REDUCE_SUM;
+        rng_seed(9700 + 40 * k + 4 * m + v);
+        run_case(&g, 6, Vs[v], dts[(k + m) % 2], dts[m % 2], LMLOSS_F32, ROWS_PEAKED, margins[m],
+                 &o, m % 2);
+      }
+  tg_end(&g);
   tg_begin(&g, "bad arguments leave every output untouched");
   bad_input(&g);
   tg_end(&g);

@@ -1,0 +1,59 @@
+/*
+ * vmath.h - fp32 exp, expm1 and log1p as pure arithmetic, so the CPU
+ * passes that call them vectorize in their AVX-512 and x86-64-v3 clones
+ * (dispatch.h; libm's calls would keep each loop scalar).
+ */
+#ifndef LMLOSS_CPU_VMATH_H
+#define LMLOSS_CPU_VMATH_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "math/dtype.h"
+
+/* exp(hi + lo) for hi <= 0, down through the fp32 subnormals (a row sum
+ * of many subnormal terms can be a normal number). Cody-Waite reduction,
+ * degree-6 Taylor on |r| <= ln2/2 (error 1.7e-7); 2^n is applied as
+ * 2^(n+64) 2^-64, so the one rounding into the subnormals happens last.
+ * Pure arithmetic, so a loop that calls it can vectorize: in the AVX-512
+ * and x86-64-v3 clones, the latter only under -fno-trapping-math. */
+static inline float lmloss_vexp_neg(float hi, float lo) {
+  const float magic = 12582912.0f; /* 1.5 * 2^23: round to nearest */
+  /* -inf and NaN stay convertible, and so does a positive exponent, which
+   * only statistics not of these logits give (lmloss.h: garbage then, but
+   * never an out-of-range conversion) */
+  float h = hi > -104.0f ? (hi < 40.0f ? hi : 40.0f) : -104.0f;
+  float n = (h * 1.44269504088896341f + magic) - magic;
+  float r = fmaf(n, -0.693145751953125f, h);
+  r = fmaf(n, -1.428606765330187e-06f, r) + lo;
+  float p = 1.0f / 720.0f;
+  p = fmaf(p, r, 1.0f / 120.0f);
+  p = fmaf(p, r, 1.0f / 24.0f);
+  p = fmaf(p, r, 1.0f / 6.0f);
+  p = fmaf(p, r, 0.5f);
+  p = fmaf(p, r, 1.0f);
+  p = fmaf(p, r, 1.0f);
+  float scale = lmloss_bits_f32((uint32_t)((int32_t)n + 64 + 127) << 23);
+  return hi < -103.972f ? 0.0f : p * scale * 0x1p-64f;
+}
+
+/* expm1(x) for |x| <= 1: Taylor to degree 11 (error 2e-9 relative at
+ * |x| = 1), full relative precision near 0 where e^x - 1 would cancel. */
+static inline float lmloss_vexpm1_small(float x) {
+  float p = 1.0f;
+  for (int k = 11; k >= 2; k--)
+    p = fmaf(p, x * (1.0f / (float)k), 1.0f);
+  return x * p;
+}
+
+/* log1p(y) for y in [-0.64, 2] (|s| <= 1/2): 2 atanh(s), s = y / (2 + y),
+ * a series in s^2 to s^25 (error below 1e-9 at |s| = 1/2); exact near 0. */
+static inline float lmloss_vlog1p_mid(float y) {
+  const float s = y / (2.0f + y), s2 = s * s;
+  float p = 1.0f / 25.0f;
+  for (int k = 23; k >= 1; k -= 2)
+    p = fmaf(p, s2, 1.0f / (float)k);
+  return 2.0f * s * p;
+}
+
+#endif
