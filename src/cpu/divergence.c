@@ -22,6 +22,8 @@
 #include "vmath.h"
 
 #define LMLOSS_DIV_RUN 256
+/* every helper a loop calls is inlined into each ISA clone of the loop */
+#define DIV_INLINE static inline __attribute__((always_inline))
 
 typedef struct {
   const lmloss_div_options *opt;
@@ -76,31 +78,30 @@ static int64_t first_max(const float *w, int64_t V, float *m) {
   return a;
 }
 
-/* One column's g - G and D term; its exponents into es[j], et[j]. */
-static inline __attribute__((always_inline)) float sums_column(const div_job *jb, const pair_row *r,
-                                                               const pair_buf *b, int64_t j,
-                                                               int capped, float *e_s, float *e_t) {
-  const float ws = b->es[j], wt = b->et[j];
-  const float g = capped ? lmloss_capped_gap(&jb->fs, b->dg[j], b->xs[j])
-                         : lmloss_pair_gap(wt, jb->ft.k, ws, jb->fs.k);
-  const float as = (ws - r->ms) * jb->fs.k, at = (wt - r->mt) * jb->ft.k, dg = g - r->G;
-  *e_s = lmloss_vexp_neg(as, -0.0f), *e_t = lmloss_vexp_neg(at, -0.0f);
-  b->es[j] = as, b->et[j] = at, b->dg[j] = dg;
-  return fabsf(dg) <= 0.5f ? *e_s * lmloss_vexpm1_small(dg) : *e_t - *e_s;
-}
-
-static inline __attribute__((always_inline)) void sums(const div_job *jb, pair_row *r,
-                                                       const pair_buf *b, int capped) {
+/* The sums: each column's exponents below its row's max over its w, and
+ * g - G over its teacher x. Locals and restrict throughout, so the
+ * compiler sees no store that could move a pointer and vectorizes. */
+DIV_INLINE void sums(const div_job *jb, pair_row *r, const pair_buf *b, int capped) {
+  float *restrict es = b->es, *restrict et = b->et, *restrict dgs = b->dg;
+  const float *restrict xs = b->xs;
+  const float ms = r->ms, mt = r->mt, G = r->G, ks = jb->fs.k, kt = jb->ft.k;
+  const int64_t as = r->as, at = r->at;
+  const lmloss_xform f = jb->fs;
   double rs = 0.0, rt = 0.0, d = 0.0;
   for (int64_t j0 = 0; j0 < jb->V; j0 += LMLOSS_DIV_RUN) {
     const int64_t j1 = jb->V - j0 < LMLOSS_DIV_RUN ? jb->V : j0 + LMLOSS_DIV_RUN;
     float s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
 #pragma omp simd reduction(+ : s1, s2, s3)
     for (int64_t j = j0; j < j1; j++) {
-      float e_s, e_t;
-      s3 += sums_column(jb, r, b, j, capped, &e_s, &e_t);
-      s1 += j == r->as ? 0.0f : e_s;
-      s2 += j == r->at ? 0.0f : e_t;
+      const float ws = es[j], wt = et[j];
+      const float g =
+          capped ? lmloss_capped_gap(&f, dgs[j], xs[j]) : lmloss_pair_gap(wt, kt, ws, ks);
+      const float a = (ws - ms) * ks, c = (wt - mt) * kt, dg = g - G;
+      const float e_s = lmloss_vexp_neg(a, -0.0f), e_t = lmloss_vexp_neg(c, -0.0f);
+      es[j] = a, et[j] = c, dgs[j] = dg;
+      s3 += fabsf(dg) <= 0.5f ? e_s * lmloss_vexpm1_small(dg) : e_t - e_s;
+      s1 += j == as ? 0.0f : e_s;
+      s2 += j == at ? 0.0f : e_t;
     }
     rs += s1, rt += s2, d += s3;
   }
@@ -112,12 +113,12 @@ static inline __attribute__((always_inline)) void sums(const div_job *jb, pair_r
 /* a log(a / b) - a + b with x = log(a / b) (lmloss_kl_term's value):
  * a phi(x) by its series inside |x| < 1, directly outside, where at most
  * a factor 3.8 cancels. */
-static inline float kl_term(float a, float b, float x) {
-  if (a == 0.0f) return b;
-  return fabsf(x) < 1.0f ? a * lmloss_phi_series(x) : a * x - a + b;
+DIV_INLINE float kl_term(float a, float b, float x) {
+  const float t = fabsf(x) < 1.0f ? a * lmloss_phi_series(x) : a * x - a + b;
+  return a == 0.0f ? b : t;
 }
 
-static inline float p_minus_q(float p, float q, float delta) {
+DIV_INLINE float p_minus_q(float p, float q, float delta) {
   return fabsf(delta) < 1.0f ? -p * lmloss_vexpm1_small(delta) : p - q;
 }
 
@@ -128,49 +129,63 @@ typedef struct {
   float beta, log_1mb, log_b; /* beta, log(1 - beta), log(beta) */
 } jsd_beta;
 
-static inline void jsd_logs(float delta, float lp, float lq, const jsd_beta *jb, float *mu,
-                            float *nu) {
-  const float beta = jb->beta;
-  if (fabsf(delta) < 1.0f) {
-    *mu = lmloss_vlog1p_mid(beta * lmloss_vexpm1_small(delta));
-    *nu = -lmloss_vlog1p_mid((1.0f - beta) * lmloss_vexpm1_small(-delta));
-    return;
-  }
+DIV_INLINE void jsd_logs(float delta, float lp, float lq, const jsd_beta *jb, float *mu,
+                         float *nu) {
+  const float beta = jb->beta, small = fabsf(delta) < 1.0f, d = small ? delta : 0.0f;
   const float u = lp + jb->log_1mb, v = lq + jb->log_b;
   const float hi = u > v ? u : v, lo = u > v ? v : u;
   const float lm = hi + lmloss_vlog1p_mid(lmloss_vexp_neg(lo - hi, -0.0f));
-  *mu = lm - lp, *nu = lq - lm;
+  /* both forms, then a select: no branch, so the loops vectorize */
+  *mu = small ? lmloss_vlog1p_mid(beta * lmloss_vexpm1_small(d)) : lm - lp;
+  *nu = small ? -lmloss_vlog1p_mid((1.0f - beta) * lmloss_vexpm1_small(-d)) : lq - lm;
 }
 
-/* Column j's p, q, delta and log-probabilities from the scratch. */
-static inline void column(const pair_row *r, const pair_buf *b, int64_t j, float *p, float *q,
-                          float *delta, float *lp, float *lq) {
-  *p = lmloss_vexp_neg(b->es[j], -0.0f) / (1.0f + r->rs);
-  *q = lmloss_vexp_neg(b->et[j], -0.0f) / (1.0f + r->rt);
-  *delta = b->dg[j] - r->ell;
-  *lp = b->es[j] - r->l1s, *lq = b->et[j] - r->l1t;
+/* What the loss and gradient passes read: the scratch after the sums and
+ * the row's constants, as locals. */
+typedef struct {
+  const float *restrict es, *restrict et, *restrict dg, *restrict xs;
+  float is, it, ell, l1s, l1t;
+} pair_view;
+
+DIV_INLINE pair_view view_of(const pair_row *r, const pair_buf *b) {
+  pair_view v = {b->es,  b->et,  b->dg, b->xs, 1.0f / (1.0f + r->rs), 1.0f / (1.0f + r->rt),
+                 r->ell, r->l1s, r->l1t};
+  return v;
 }
 
-static inline __attribute__((always_inline)) void
-losses(const div_job *jb, pair_row *r, const pair_buf *b, const jsd_beta *jbe, int kind) {
+/* Column j's p, q, delta and log-probabilities. */
+DIV_INLINE void column(const pair_view *v, int64_t j, float *p, float *q, float *delta, float *lp,
+                       float *lq) {
+  *p = lmloss_vexp_neg(v->es[j], -0.0f) * v->is;
+  *q = lmloss_vexp_neg(v->et[j], -0.0f) * v->it;
+  *delta = v->dg[j] - v->ell;
+  *lp = v->es[j] - v->l1s, *lq = v->et[j] - v->l1t;
+}
+
+DIV_INLINE void losses(const div_job *jb, pair_row *r, const pair_buf *b, const jsd_beta *jbe,
+                       int kind) {
+  const pair_view v = view_of(r, b);
   const float beta = jbe->beta, dg_a = b->dg[r->as];
+  const int64_t as = r->as;
+  float mu_a = 0.0f;
   if (kind == LMLOSS_DIV_JSD) {
     float p, q, delta, lp, lq, nu;
-    column(r, b, r->as, &p, &q, &delta, &lp, &lq);
-    jsd_logs(delta, lp, lq, jbe, &r->mu_a, &nu);
+    column(&v, as, &p, &q, &delta, &lp, &lq);
+    jsd_logs(delta, lp, lq, jbe, &mu_a, &nu);
   }
+  r->mu_a = mu_a;
   for (int64_t j0 = 0; j0 < jb->V; j0 += LMLOSS_DIV_RUN) {
     const int64_t j1 = jb->V - j0 < LMLOSS_DIV_RUN ? jb->V : j0 + LMLOSS_DIV_RUN;
     float div = 0.0f, rev = 0.0f, mix = 0.0f, pos = 0.0f, neg = 0.0f, eq = 0.0f;
 #pragma omp simd reduction(+ : div, rev, mix, pos, neg, eq)
     for (int64_t j = j0; j < j1; j++) {
       float p, q, delta, lp, lq;
-      column(r, b, j, &p, &q, &delta, &lp, &lq);
-      const int rest = j != r->as && p != 0.0f;
+      column(&v, j, &p, &q, &delta, &lp, &lq);
+      const int rest = j != as && p != 0.0f;
       if (kind == LMLOSS_DIV_KL) div += kl_term(q, p, delta);
       if (kind == LMLOSS_DIV_REVERSE_KL) {
         div += kl_term(p, q, -delta);
-        rev += rest ? p * (b->dg[j] - dg_a) : 0.0f;
+        rev += rest ? p * (v.dg[j] - dg_a) : 0.0f;
       }
       if (kind == LMLOSS_DIV_TVD) {
         const float pq = p_minus_q(p, q, delta);
@@ -184,7 +199,7 @@ losses(const div_job *jb, pair_row *r, const pair_buf *b, const jsd_beta *jbe, i
         jsd_logs(delta, lp, lq, jbe, &mu, &nu);
         const float M = (1.0f - beta) * p + beta * q;
         div += beta * kl_term(q, M, nu) + (1.0f - beta) * kl_term(p, M, -mu);
-        mix += rest ? p * (mu - r->mu_a) : 0.0f;
+        mix += rest ? p * (mu - mu_a) : 0.0f;
       }
     }
     r->div += div, r->rev += rev, r->mix += mix, r->pos += pos, r->neg += neg, r->eq += eq;
@@ -197,21 +212,23 @@ losses(const div_job *jb, pair_row *r, const pair_buf *b, const jsd_beta *jbe, i
  * -(1 - beta) p_j ((mu_j - mu_a) - mix): where the teacher peaks away from
  * the student's argmax a, delta_a and the KL are both about the margin
  * and their sum, a's whole entry, would cancel. */
-static inline __attribute__((always_inline)) void gradient(const div_job *jb, const pair_row *r,
-                                                           const pair_buf *b, const jsd_beta *jbe,
-                                                           int64_t y, float scale, int kind) {
+DIV_INLINE void gradient(const div_job *jb, const pair_row *r, const pair_buf *b,
+                         const jsd_beta *jbe, int64_t y, float scale, int kind) {
   const lmloss_div_options *o = jb->opt;
   const float beta = jbe->beta, rev = (float)r->rev, mix = (float)r->mix, dg_a = b->dg[r->as];
   const float cpos = (float)(2.0 * r->neg + r->eq), cneg = (float)-(2.0 * r->pos + r->eq);
   const float ceq = (float)(r->neg - r->pos), hard = y >= 0 ? o->hard_weight : 0.0f;
   const float one_minus_py = y == r->as ? r->rs / (1.0f + r->rs) : -1.0f;
   const lmloss_xform f = jb->fs;
+  const pair_view v = view_of(r, b);
+  const float mu_a = r->mu_a, soft = o->soft_weight;
+  float *restrict out = b->grad;
 #pragma omp simd
   for (int64_t j = 0; j < jb->V; j++) {
     float p, q, delta, lp, lq, g = 0.0f;
-    column(r, b, j, &p, &q, &delta, &lp, &lq);
+    column(&v, j, &p, &q, &delta, &lp, &lq);
     if (kind == LMLOSS_DIV_KL) g = p_minus_q(p, q, delta);
-    if (kind == LMLOSS_DIV_REVERSE_KL) g = p == 0.0f ? 0.0f : -p * ((b->dg[j] - dg_a) - rev);
+    if (kind == LMLOSS_DIV_REVERSE_KL) g = p == 0.0f ? 0.0f : -p * ((v.dg[j] - dg_a) - rev);
     if (kind == LMLOSS_DIV_TVD) {
       const float pq = p_minus_q(p, q, delta);
       g = 0.5f * p * (pq > 0.0f ? cpos : pq < 0.0f ? cneg : ceq);
@@ -219,23 +236,19 @@ static inline __attribute__((always_inline)) void gradient(const div_job *jb, co
     if (kind == LMLOSS_DIV_JSD) {
       float mu, nu;
       jsd_logs(delta, lp, lq, jbe, &mu, &nu);
-      g = p == 0.0f ? 0.0f : -(1.0f - beta) * p * ((mu - r->mu_a) - mix);
+      g = p == 0.0f ? 0.0f : -(1.0f - beta) * p * ((mu - mu_a) - mix);
     }
     /* the hard term p - [j == y], with 1 - p_y = R / (1 + R) at the argmax */
     const float ce = j == y ? (one_minus_py < 0.0f ? p - 1.0f : -one_minus_py) : p;
-    float dzdx = f.k;
-    if (f.cap > 0.0f) {
-      const float e = lmloss_vexp_neg(-2.0f * fabsf(f.s * b->xs[j] * f.inv_cap), -0.0f);
-      dzdx = f.k * f.s * (4.0f * e / ((1.0f + e) * (1.0f + e)));
-    }
-    b->grad[j] = scale * (o->soft_weight * g + hard * ce) * dzdx;
+    const float e = lmloss_vexp_neg(-2.0f * fabsf(f.s * v.xs[j] * f.inv_cap), -0.0f);
+    const float dzdx = f.cap > 0.0f ? f.k * f.s * (4.0f * e / ((1.0f + e) * (1.0f + e))) : f.k;
+    out[j] = scale * (soft * g + hard * ce) * dzdx;
   }
 }
 
 /* Everything of one row pair that reads the scratch, per kind. */
-static inline __attribute__((always_inline)) void pair_kind(const div_job *jb, pair_row *r,
-                                                            const pair_buf *b, int64_t y, int grad,
-                                                            float scale, int kind) {
+DIV_INLINE void pair_kind(const div_job *jb, pair_row *r, const pair_buf *b, int64_t y, int grad,
+                          float scale, int kind) {
   const float beta = jb->opt->beta;
   const jsd_beta jbe = {beta, log1pf(-beta), logf(beta)};
   losses(jb, r, b, &jbe, kind);

@@ -11,13 +11,17 @@
 
 #include "math/dtype.h"
 
+/* Always inlined: an outlined copy is compiled for the baseline ISA and
+ * calls libm's fmaf, which undoes the clones' vectorization. */
+#define LMLOSS_VMATH static inline __attribute__((always_inline))
+
 /* exp(hi + lo) for hi <= 0, down through the fp32 subnormals (a row sum
  * of many subnormal terms can be a normal number). Cody-Waite reduction,
  * degree-6 Taylor on |r| <= ln2/2 (error 1.7e-7); 2^n is applied as
  * 2^(n+64) 2^-64, so the one rounding into the subnormals happens last.
  * Pure arithmetic, so a loop that calls it can vectorize: in the AVX-512
  * and x86-64-v3 clones, the latter only under -fno-trapping-math. */
-static inline float lmloss_vexp_neg(float hi, float lo) {
+LMLOSS_VMATH float lmloss_vexp_neg(float hi, float lo) {
   const float magic = 12582912.0f; /* 1.5 * 2^23: round to nearest */
   /* -inf and NaN stay convertible, and so does a positive exponent, which
    * only statistics not of these logits give (lmloss.h: garbage then, but
@@ -39,20 +43,38 @@ static inline float lmloss_vexp_neg(float hi, float lo) {
 
 /* expm1(x) for |x| <= 1: Taylor to degree 11 (error 2e-9 relative at
  * |x| = 1), full relative precision near 0 where e^x - 1 would cancel. */
-static inline float lmloss_vexpm1_small(float x) {
-  float p = 1.0f;
-  for (int k = 11; k >= 2; k--)
-    p = fmaf(p, x * (1.0f / (float)k), 1.0f);
+LMLOSS_VMATH float lmloss_vexpm1_small(float x) {
+  /* x (1 + x/2 (1 + x/3 (... (1 + x/11)))), unrolled: a loop here would
+   * keep the callers' loops from vectorizing */
+  float p = fmaf(x, 1.0f / 11.0f, 1.0f);
+  p = fmaf(p, x * (1.0f / 10.0f), 1.0f);
+  p = fmaf(p, x * (1.0f / 9.0f), 1.0f);
+  p = fmaf(p, x * (1.0f / 8.0f), 1.0f);
+  p = fmaf(p, x * (1.0f / 7.0f), 1.0f);
+  p = fmaf(p, x * (1.0f / 6.0f), 1.0f);
+  p = fmaf(p, x * (1.0f / 5.0f), 1.0f);
+  p = fmaf(p, x * (1.0f / 4.0f), 1.0f);
+  p = fmaf(p, x * (1.0f / 3.0f), 1.0f);
+  p = fmaf(p, x * 0.5f, 1.0f);
   return x * p;
 }
 
 /* log1p(y) for y in [-0.64, 2] (|s| <= 1/2): 2 atanh(s), s = y / (2 + y),
  * a series in s^2 to s^25 (error below 1e-9 at |s| = 1/2); exact near 0. */
-static inline float lmloss_vlog1p_mid(float y) {
+LMLOSS_VMATH float lmloss_vlog1p_mid(float y) {
   const float s = y / (2.0f + y), s2 = s * s;
-  float p = 1.0f / 25.0f;
-  for (int k = 23; k >= 1; k -= 2)
-    p = fmaf(p, s2, 1.0f / (float)k);
+  float p = fmaf(s2, 1.0f / 25.0f, 1.0f / 23.0f);
+  p = fmaf(p, s2, 1.0f / 21.0f);
+  p = fmaf(p, s2, 1.0f / 19.0f);
+  p = fmaf(p, s2, 1.0f / 17.0f);
+  p = fmaf(p, s2, 1.0f / 15.0f);
+  p = fmaf(p, s2, 1.0f / 13.0f);
+  p = fmaf(p, s2, 1.0f / 11.0f);
+  p = fmaf(p, s2, 1.0f / 9.0f);
+  p = fmaf(p, s2, 1.0f / 7.0f);
+  p = fmaf(p, s2, 1.0f / 5.0f);
+  p = fmaf(p, s2, 1.0f / 3.0f);
+  p = fmaf(p, s2, 1.0f);
   return 2.0f * s * p;
 }
 

@@ -18,15 +18,23 @@
 
 #include "rowstats.h"
 
+/* The CPU's vectorized loops call these: inlined always there (an
+ * outlined copy is the baseline ISA's, with libm's fmaf). */
+#if defined(__CUDACC__)
+#define LMLOSS_DIV_HD __host__ __device__ __forceinline__
+#else
+#define LMLOSS_DIV_HD static inline __attribute__((always_inline))
+#endif
+
 /* a * b - c * d without the cancellation of two rounded products: each
  * product's rounding error comes back through an fma. */
-LMLOSS_HD float lmloss_diff_of_products(float a, float b, float c, float d) {
+LMLOSS_DIV_HD float lmloss_diff_of_products(float a, float b, float c, float d) {
   const float ab = a * b, cd = c * d;
   return (ab - cd) + (fmaf(a, b, -ab) - fmaf(c, d, -cd));
 }
 
 /* g = zt - zs of one column from the two rows' w and k. */
-LMLOSS_HD float lmloss_pair_gap(float wt, float kt, float ws, float ks) {
+LMLOSS_DIV_HD float lmloss_pair_gap(float wt, float kt, float ws, float ks) {
   if (!(wt > -INFINITY) || !(ws > -INFINITY)) return wt * kt - ws * ks; /* +-inf or NaN */
   return lmloss_diff_of_products(wt, kt, ws, ks);
 }
@@ -35,7 +43,7 @@ LMLOSS_HD float lmloss_pair_gap(float wt, float kt, float ws, float ks) {
  * (c / T)(tanh ut - tanh us) = (c / T) sinh(ut - us) / (cosh ut cosh us),
  * u = s x / c, so g keeps its own precision instead of the fp32 rounding
  * of w at c's magnitude, which would be all of a small gap. */
-LMLOSS_HD float lmloss_capped_gap(const lmloss_xform *f, float xt, float xs) {
+LMLOSS_DIV_HD float lmloss_capped_gap(const lmloss_xform *f, float xt, float xs) {
   const float ut = f->s * xt * f->inv_cap, us = f->s * xs * f->inv_cap;
   if (fabsf(ut) < 40.0f && fabsf(us) < 40.0f)
     return f->cap * f->k * sinhf(f->s * (xt - xs) * f->inv_cap) / (coshf(ut) * coshf(us));
@@ -44,44 +52,48 @@ LMLOSS_HD float lmloss_capped_gap(const lmloss_xform *f, float xt, float xs) {
 
 /* One column's term of D = Rt - Rs, e^dt - e^ds, from its exponents
  * below each row's max and dg = g_j - G (= dt - ds where both are finite). */
-LMLOSS_HD float lmloss_pair_d_term(float ds, float dg, float dt) {
+LMLOSS_DIV_HD float lmloss_pair_d_term(float ds, float dg, float dt) {
   if (fabsf(dg) <= 0.5f) return expf(ds) * expm1f(dg);
   return expf(dt) - expf(ds); /* no cancellation left to fear; NaN-free for -inf */
 }
 
 /* log1p(D / (1 + Rs)): log((1 + Rt) / (1 + Rs)), the part of
  * log q_j - log p_j that the rows' sums add to the columns' gaps. */
-LMLOSS_HD float lmloss_pair_ell(float d, float rs) { return log1pf(d / (1.0f + rs)); }
+LMLOSS_DIV_HD float lmloss_pair_ell(float d, float rs) { return log1pf(d / (1.0f + rs)); }
 
 /* phi(x) = x - 1 + e^-x >= 0, the KL summand per unit of mass, for
  * |x| < 1 by its series x^2 (1/2 - x/6 + ... + x^10/12!) (error 2e-10 of
  * phi at |x| = 1), where x + expm1(-x) would cancel. Pure arithmetic, so
  * the CPU's loops vectorize over it. */
-LMLOSS_HD float lmloss_phi_series(float x) {
-  float s = 1.0f / 479001600.0f; /* 1 / 12! */
-  float f = 479001600.0f;
-  for (int k = 12; k > 2; k--) {
-    f /= (float)k;
-    s = fmaf(s, -x, 1.0f / f);
-  }
+LMLOSS_DIV_HD float lmloss_phi_series(float x) {
+  float s = fmaf(-x, 1.0f / 479001600.0f, 1.0f / 39916800.0f); /* 1/12!, 1/11! */
+  s = fmaf(s, -x, 1.0f / 3628800.0f);
+  s = fmaf(s, -x, 1.0f / 362880.0f);
+  s = fmaf(s, -x, 1.0f / 40320.0f);
+  s = fmaf(s, -x, 1.0f / 5040.0f);
+  s = fmaf(s, -x, 1.0f / 720.0f);
+  s = fmaf(s, -x, 1.0f / 120.0f);
+  s = fmaf(s, -x, 1.0f / 24.0f);
+  s = fmaf(s, -x, 1.0f / 6.0f);
+  s = fmaf(s, -x, 0.5f);
   return x * x * s;
 }
 
-LMLOSS_HD float lmloss_phi(float x) {
+LMLOSS_DIV_HD float lmloss_phi(float x) {
   return fabsf(x) < 1.0f ? lmloss_phi_series(x) : x + expm1f(-x);
 }
 
 /* a log(a / b) - a + b with x = log(a / b): a summand of KL(a || b) whose
  * row sum is the divergence, each one >= 0. Where e^-x would overflow, b
  * (the larger) comes in as itself. */
-LMLOSS_HD float lmloss_kl_term(float a, float b, float x) {
+LMLOSS_DIV_HD float lmloss_kl_term(float a, float b, float x) {
   if (a == 0.0f) return b;
   if (x < -1.0f) return b + a * (x - 1.0f);
   return a * lmloss_phi(x);
 }
 
 /* p - q = -p expm1(delta), exact for close rows; directly where far. */
-LMLOSS_HD float lmloss_p_minus_q(float p, float q, float delta) {
+LMLOSS_DIV_HD float lmloss_p_minus_q(float p, float q, float delta) {
   return fabsf(delta) < 1.0f ? -p * expm1f(delta) : p - q;
 }
 
@@ -89,12 +101,12 @@ LMLOSS_HD float lmloss_p_minus_q(float p, float q, float delta) {
  * mu = log(M / p) = log1p(beta expm1(delta)) and
  * nu = log(q / M) = -log1p((1 - beta) expm1(-delta)), each in the form
  * that neither overflows nor cancels for its sign of delta. */
-LMLOSS_HD float lmloss_jsd_mu(float delta, float beta) {
+LMLOSS_DIV_HD float lmloss_jsd_mu(float delta, float beta) {
   if (delta < 80.0f) return log1pf(beta * expm1f(delta));
   return delta + logf(beta); /* (1 - beta) e^-delta is below rounding */
 }
 
-LMLOSS_HD float lmloss_jsd_nu(float delta, float beta) {
+LMLOSS_DIV_HD float lmloss_jsd_nu(float delta, float beta) {
   if (delta > -80.0f) return -log1pf((1.0f - beta) * expm1f(-delta));
   return delta - log1pf(-beta);
 }
