@@ -5,6 +5,7 @@
 #include "math/dtype.h"
 #include "rowpass.h"
 #include "vmath.h"
+#include "block.h"
 
 const char *lmloss_cpu_isa_name(void) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -29,39 +30,6 @@ static inline float exponent(float w, float m, float k, int unit_k, float *lo) {
   return dk;
 }
 
-/* Convert n elements starting at j0 to fp32. */
-static inline void load_x(const void *row, lmloss_dtype dt, int64_t j0, int n, float *buf) {
-  if (dt == LMLOSS_F32) {
-    memcpy(buf, (const float *)row + j0, (size_t)n * sizeof(float));
-  } else if (dt == LMLOSS_BF16) {
-    const uint16_t *h = (const uint16_t *)row + j0;
-#pragma omp simd
-    for (int i = 0; i < n; i++)
-      buf[i] = lmloss_bf16_to_f32(h[i]);
-  } else {
-    const uint16_t *h = (const uint16_t *)row + j0;
-#pragma omp simd
-    for (int i = 0; i < n; i++)
-      buf[i] = lmloss_f16_to_f32(h[i]);
-  }
-}
-
-static inline void store_block(void *out, lmloss_dtype odt, int64_t j0, int n, const float *g) {
-  if (odt == LMLOSS_F32) {
-    memcpy((float *)out + j0, g, (size_t)n * sizeof(float));
-  } else if (odt == LMLOSS_BF16) {
-    uint16_t *h = (uint16_t *)out + j0;
-#pragma omp simd
-    for (int i = 0; i < n; i++)
-      h[i] = lmloss_f32_to_bf16(g[i]);
-  } else {
-    uint16_t *h = (uint16_t *)out + j0;
-#pragma omp simd
-    for (int i = 0; i < n; i++)
-      h[i] = lmloss_f32_to_f16(g[i]);
-  }
-}
-
 /* w = softcap(x) of a block. Every pass forms w through this one loop, so
  * a w recomputed by a later pass has the same rounding as the statistics
  * saw. */
@@ -79,7 +47,7 @@ static inline const float *block_w(const void *row, lmloss_dtype dt, int64_t j0,
   *bad = 0;
   *all_ninf = 0;
   if (dt == LMLOSS_F32 && f->cap == 0.0f) return (const float *)row + j0;
-  load_x(row, dt, j0, n, buf);
+  lmloss_cpu_load_block(row, dt, j0, n, buf);
   if (f->cap > 0.0f) {
     int nans = 0, pinf = 0, ninf = 0;
 #pragma omp simd reduction(+ : nans, pinf, ninf)
@@ -262,7 +230,7 @@ void lmloss_cpu_row_grad(const void *row, lmloss_dtype dt, int64_t V, const lmlo
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
     int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
     if (f->cap > 0.0f) {
-      load_x(row, dt, j0, n, buf);
+      lmloss_cpu_load_block(row, dt, j0, n, buf);
       softcap_block(f, n, buf, wbuf);
       for (int i = 0; i < n; i++) {
         float x = buf[i], w = wbuf[i];
@@ -277,7 +245,7 @@ void lmloss_cpu_row_grad(const void *row, lmloss_dtype dt, int64_t V, const lmlo
       const int direct = dt == LMLOSS_F32 && odt == LMLOSS_F32;
       const float *src = direct ? (const float *)row + j0 : buf;
       float *dst = direct ? (float *)out + j0 : buf;
-      if (!direct) load_x(row, dt, j0, n, buf);
+      if (!direct) lmloss_cpu_load_block(row, dt, j0, n, buf);
       const float *cwb = cw ? cw + j0 : NULL;
       if (P2 != 0.0f)
         grad_block(src, dst, n, m, k, 0, NULL, P, P2, Q, 1, 0); /* log-probs: Q is 0 */
@@ -291,7 +259,7 @@ void lmloss_cpu_row_grad(const void *row, lmloss_dtype dt, int64_t V, const lmlo
         grad_block(src, dst, n, m, k, 0, NULL, P, 0.0f, 0.0f, 0, 0);
       if (direct) continue;
     }
-    store_block(out, odt, j0, n, buf);
+    lmloss_cpu_store_block(out, odt, j0, n, buf);
   }
 }
 
@@ -304,7 +272,7 @@ void lmloss_cpu_row_softmax(const void *row, lmloss_dtype dt, int64_t V, float m
     int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
     const float *src = direct ? (const float *)row + j0 : buf;
     float *dst = direct ? (float *)out + j0 : buf;
-    if (!direct) load_x(row, dt, j0, n, buf);
+    if (!direct) lmloss_cpu_load_block(row, dt, j0, n, buf);
     if (log) {
 #pragma omp simd
       for (int i = 0; i < n; i++)
@@ -316,7 +284,7 @@ void lmloss_cpu_row_softmax(const void *row, lmloss_dtype dt, int64_t V, float m
         dst[i] = lmloss_vexp_neg(d, lo) * P;
       }
     }
-    if (!direct) store_block(out, odt, j0, n, buf);
+    if (!direct) lmloss_cpu_store_block(out, odt, j0, n, buf);
   }
 }
 
@@ -326,6 +294,6 @@ void lmloss_cpu_row_fill(void *out, lmloss_dtype odt, int64_t V, float v) {
     buf[i] = v;
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
     int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
-    store_block(out, odt, j0, n, buf);
+    lmloss_cpu_store_block(out, odt, j0, n, buf);
   }
 }

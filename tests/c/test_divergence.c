@@ -134,6 +134,11 @@ static void fill_rows(const lmloss_tensor *s, const lmloss_tensor *t, int rows, 
         if (i >= 3 && j != a && rng_uniform() < 0.2) tset(i == 3 ? s : t, i, j, -INFINITY);
         if (i == 5 && j % 3 == 0) tset(s, i, j, tget(s, i, a)); /* ties at the max */
       }
+      /* whole blocks of the CPU's sweeps (2048 columns) of -inf in one row */
+      for (int64_t j = 0; V > 3 * 2048 && j < 2048 + 17; j++) {
+        if (i == 3 && j != a) tset(s, i, j, -INFINITY);
+        if (i == 4 && V - 1 - j != a) tset(t, i, V - 1 - j, -INFINITY);
+      }
     }
   }
 }
