@@ -71,11 +71,16 @@ static void load(const div_job *jb, const void *rs, lmloss_dtype ds, const void 
   b->wt = side(rt, dt, &jb->ft, j0, b->n, b->bxt, b->bwt, &b->xt, &b->bad, &b->any_t);
 }
 
-/* g = zt - zs of columns of the teacher (w wt, raw xt) and the student.
- * capped is a constant where a loop calls this: each loop is compiled for
- * both, and the plain one vectorizes. */
+/* How a loop's columns are transformed, a constant of each compiled
+ * version of the loops (the plain one vectorizes): SHARED_CAP, both rows
+ * under one transform with a softcap (g through lmloss_capped_gap);
+ * STUDENT_CAP, the student's softcap (its chain rule in the gradient). */
+enum { SHARED_CAP = 1, STUDENT_CAP = 2 };
+
+/* g = zt - zs of columns of the teacher (w wt, raw xt) and the student. */
 DIV_INLINE float gap(const div_job *jb, int capped, float wt, float xt, float ws, float xs) {
-  return capped ? lmloss_capped_gap(&jb->fs, xt, xs) : lmloss_pair_gap(wt, jb->ft.k, ws, jb->fs.k);
+  return capped & SHARED_CAP ? lmloss_capped_gap(&jb->fs, xt, xs)
+                             : lmloss_pair_gap(wt, jb->ft.k, ws, jb->fs.k);
 }
 
 /* The statistics of a row pair's columns: each row's max (w), its first
@@ -224,7 +229,7 @@ DIV_INLINE float grad_entry(const div_job *jb, const pair_row *r, const grad_con
   const float ce = j == c->y ? (c->one_minus_py < 0.0f ? p - 1.0f : -c->one_minus_py) : p;
   const lmloss_xform f = jb->fs;
   float dzdx = f.k;
-  if (capped) {
+  if (capped & STUDENT_CAP) {
     const float e = lmloss_vexp_neg(-2.0f * fabsf(f.s * xs * f.inv_cap), -0.0f);
     dzdx = f.k * f.s * (4.0f * e / ((1.0f + e) * (1.0f + e)));
   }
@@ -364,8 +369,11 @@ void lmloss_cpu_div_pair(const div_job *jb, const pair_io *io, pair_block *b, fl
 LMLOSS_CPU_DISPATCH
 void lmloss_cpu_div_pair(const div_job *jb, const pair_io *io, pair_block *b, float *gbuf,
                          pair_row *r, int *ok) {
-  if (jb->capped)
-    div_pair(jb, io, b, gbuf, r, ok, 1);
+  const int mode = (jb->capped ? SHARED_CAP : 0) | (jb->fs.cap > 0.0f ? STUDENT_CAP : 0);
+  if (mode == (SHARED_CAP | STUDENT_CAP))
+    div_pair(jb, io, b, gbuf, r, ok, SHARED_CAP | STUDENT_CAP);
+  else if (mode == STUDENT_CAP)
+    div_pair(jb, io, b, gbuf, r, ok, STUDENT_CAP);
   else
     div_pair(jb, io, b, gbuf, r, ok, 0);
 }

@@ -338,6 +338,7 @@ int main(void) {
         o.soft_weight = (k + v) % 5 == 4 ? 2.0f : 1.0f;
         if ((k + v) % 4 == 1) o.teacher.temperature = 2.0f, o.student.temperature = 0.5f;
         if ((k + v) % 4 == 2) o.student.softcap = 4.0f, o.teacher.softcap = 4.0f;
+        if ((k + v) % 4 == 3) o.student.softcap = 3.0f, o.teacher.logit_scale = 1.5f;
         if (rows == ROWS_SAME) o.teacher = o.student;
         const int labels = o.hard_weight > 0 || (k + v) % 2;
         rng_seed(9000 + 100 * rows + 10 * k + v);
