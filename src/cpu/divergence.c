@@ -100,9 +100,10 @@ static int64_t first_max(const float *w, int n, float *m) {
 #pragma omp simd reduction(max : mx)
   for (int i = 0; i < n; i++)
     mx = w[i] > mx ? w[i] : mx;
-  int a = 0;
-  while (a < n - 1 && !(w[a] == mx))
-    a++;
+  int a = n - 1; /* the first column at the max, by a vectorized min */
+#pragma omp simd reduction(min : a)
+  for (int i = 0; i < n; i++)
+    a = w[i] == mx && i < a ? i : a;
   *m = mx;
   return a;
 }
