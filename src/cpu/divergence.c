@@ -122,9 +122,9 @@ DIV_INLINE pair_stats block_stats(const div_job *jb, const pair_block *b, int64_
   float rs = 0.0f, rt = 0.0f, d = 0.0f;
 #pragma omp simd reduction(+ : rs, rt, d)
   for (int i = 0; i < b->n; i++) {
-    const float es = lmloss_vexp_neg((ws[i] - ms) * ks, -0.0f);
-    const float et = lmloss_vexp_neg((wt[i] - mt) * kt, -0.0f);
-    const float dg = gap(jb, capped, wt[i], xt[i], ws[i], xs[i]) - G;
+    const float as_i = (ws[i] - ms) * ks, at_i = (wt[i] - mt) * kt;
+    const float es = lmloss_vexp_neg(as_i, -0.0f), et = lmloss_vexp_neg(at_i, -0.0f);
+    const float dg = lmloss_pair_dg(gap(jb, capped, wt[i], xt[i], ws[i], xs[i]), G, as_i, at_i);
     rs += i == as ? 0.0f : es;
     rt += i == at ? 0.0f : et;
     d += fabsf(dg) <= 0.5f ? es * lmloss_vexpm1_small(dg) : et - es;
@@ -154,7 +154,8 @@ static pair_stats merge(const div_job *jb, const pair_stats *x, const pair_stats
     if (no_s || no_t) /* D = St - Ss with one of them 0 */
       o.d += et * (no_t ? 0.0 : 1.0 + p->rt) - es * (no_s ? 0.0 : 1.0 + p->rs);
     else
-      o.d += lmloss_pair_d_term(ds, stats_G(jb, p) - G, dt) * (1.0 + p->rt) + es * p->d;
+      o.d += lmloss_pair_d_term(ds, lmloss_pair_dg(stats_G(jb, p), G, ds, dt), dt) * (1.0 + p->rt) +
+             es * p->d;
   }
   return o;
 }
@@ -195,7 +196,7 @@ DIV_INLINE void column(const div_job *jb, const pair_row *r, const pair_block *b
   const float es = (b->ws[i] - r->ms) * r->ks, et = (b->wt[i] - r->mt) * r->kt;
   *p = lmloss_vexp_neg(es, -0.0f) * r->is;
   *q = lmloss_vexp_neg(et, -0.0f) * r->it;
-  *dg = gap(jb, capped, b->wt[i], b->xt[i], b->ws[i], b->xs[i]) - r->G;
+  *dg = lmloss_pair_dg(gap(jb, capped, b->wt[i], b->xt[i], b->ws[i], b->xs[i]), r->G, es, et);
   *delta = *dg - r->ell;
   *lp = es - r->l1s, *lq = et - r->l1t;
 }
@@ -328,7 +329,7 @@ static void argmax_terms(const div_job *jb, pair_row *r, const pair_io *io) {
   const int64_t a = r->as;
   const float xs = lmloss_load(io->s, io->sdt, a), xt = lmloss_load(io->t, io->tdt, a);
   const float ws = lmloss_xform_w(&jb->fs, xs), wt = lmloss_xform_w(&jb->ft, xt);
-  r->dg_a = gap(jb, jb->capped, wt, xt, ws, xs) - r->G;
+  r->dg_a = lmloss_pair_dg(gap(jb, jb->capped, wt, xt, ws, xs), r->G, 0.0f, (wt - r->mt) * r->kt);
   float mu, nu;
   const float lq = (wt - r->mt) * r->kt - r->l1t;
   jsd_logs(jb, r->dg_a - r->ell, -r->l1s, lq, &mu, &nu);

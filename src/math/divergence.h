@@ -50,6 +50,14 @@ LMLOSS_DIV_HD float lmloss_capped_gap(const lmloss_xform *f, float xt, float xs)
   return (lmloss_xform_w(f, xt) - lmloss_xform_w(f, xs)) * f->k; /* far out: w is exact enough */
 }
 
+/* g_j - G = dt_j - ds_j, each side of it a difference: the gap form
+ * where the rows are close (its operands small: a small gap keeps its
+ * precision, identical rows give 0), the exponents' where the rows sit
+ * far apart (a teacher offset by 1e30 leaves g - G nothing). */
+LMLOSS_DIV_HD float lmloss_pair_dg(float g, float G, float ds, float dt) {
+  return fabsf(g) + fabsf(G) <= fabsf(dt) + fabsf(ds) ? g - G : dt - ds;
+}
+
 /* One column's term of D = Rt - Rs, e^dt - e^ds, from its exponents
  * below each row's max and dg = g_j - G (= dt - ds where both are finite). */
 LMLOSS_DIV_HD float lmloss_pair_d_term(float ds, float dg, float dt) {

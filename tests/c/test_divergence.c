@@ -9,8 +9,8 @@
  *
  * Floors (testing.h's cancel): every value comes from delta_j =
  * log q_j - log p_j, formed from g_j = zt_j - zs_j, G (the maxes' gap)
- * and ell = lse_t - lse_s - G, so delta carries TOL_REL (|g_j| + |G| +
- * |ell|) from its terms; a gradient entry gets that times its
+ * and ell = lse_t - lse_s - G, so delta carries TOL_REL (min(|g_j| + |G|,
+ * |dt_j| + |ds_j|) + |ell|) from its terms; a gradient entry gets that times its
  * derivative in delta, a row's divergence the sum over columns.
  */
 #include "support/testing.h"
@@ -45,8 +45,9 @@ static double dzdx(const lmloss_transform *t, double x) {
 /* Per row, the floors of its divergence and of each gradient entry (per
  * unit of the row's gradient scale), from the inputs in double. The
  * reverse KL's and the JSD's entries are differences from the student's
- * argmax a (lmloss's form): h_j = delta_j - delta_a carries TOL (|dg_j| +
- * |dg_a|), dg = g - G, and is 0 at a, so a's floor is only its row sum's. */
+ * argmax a (lmloss's form): h_j = delta_j - delta_a carries TOL times the
+ * operands of dg_j and dg_a (dg = g - G, or dt - ds where the rows sit far
+ * apart), and is 0 at a, so a's floor is only its row sum's. */
 static void floors(const lmloss_tensor *s, const lmloss_tensor *t, const lmloss_div_options *o,
                    int64_t i, double *row_floor, double *gf) {
   const int64_t V = s->cols;
@@ -67,13 +68,17 @@ static void floors(const lmloss_tensor *s, const lmloss_tensor *t, const lmloss_
 #define P(j) exp(zs[j] - ls)
 #define Q(j) exp(zt[j] - lt)
 #define D(j) ((zt[j] - lt) - (zs[j] - ls))
-#define DG(j) (isfinite(zt[j] - zs[j]) ? fabs(zt[j] - zs[j] - G) : 0.0)
+/* g_j - G's operands, in lmloss's better-conditioned form of the two */
+#define DG(j)                                                                                      \
+  (isfinite(zt[j] - zs[j])                                                                         \
+       ? fmin(fabs(zt[j] - zs[j]) + fabs(G), fabs(zt[j] - mt) + fabs(zs[j] - ms))                  \
+       : 0.0)
 #define MU(j) log1p(b *expm1(fmin(D(j), 700)))
   /* the errors of the row sums the entries subtract */
   double e_rev = 0, e_mix = 0, amb = 0, sum_h = 0, sum_mu = 0;
   const double mu_a = MU(a), dga = DG(a);
   for (int64_t j = 0; j < V; j++) {
-    double p = P(j), e_d = TOL_CANCEL * (DG(j) + fabs(G) + fabs(ell));
+    double p = P(j), e_d = TOL_CANCEL * (DG(j) + fabs(ell));
     if (isfinite(D(j)) && fabs(D(j)) <= e_d) amb += p;
     if (j == a || p == 0) continue;
     double h = D(j) - D(a), e_h = TOL_CANCEL * (DG(j) + dga);
@@ -83,11 +88,13 @@ static void floors(const lmloss_tensor *s, const lmloss_tensor *t, const lmloss_
   }
   *row_floor = 0;
   for (int64_t j = 0; j < V; j++) {
-    double p = P(j), q = Q(j), e_d = TOL_CANCEL * (DG(j) + fabs(G) + fabs(ell));
+    double p = P(j), q = Q(j), e_d = TOL_CANCEL * (DG(j) + fabs(ell));
     double e_h = j == a ? 0 : TOL_CANCEL * (DG(j) + dga), f;
-    *row_floor += e_d * (p + q);
+    /* where p or q is 0 the summand and p - q are exact whatever delta is */
+    const double both = p > 0 && q > 0 ? p + q : 0;
+    *row_floor += e_d * both;
     if (fwd)
-      f = e_d * (p + q);
+      f = e_d * both;
     else if (p == 0)
       f = 0; /* the entry is 0 by construction */
     else if (rev)
@@ -131,9 +138,11 @@ static void fill_rows(const lmloss_tensor *s, const lmloss_tensor *t, int rows, 
       if (i == 1) tset(t, i, a, INFINITY);
       for (int64_t j = 0; j < V; j++) {
         if (i == 2) tset(t, i, j, -INFINITY);
-        if (i >= 3 && j != a && rng_uniform() < 0.2) tset(i == 3 ? s : t, i, j, -INFINITY);
+        if ((i == 3 || i == 4) && j != a && rng_uniform() < 0.2)
+          tset(i == 3 ? s : t, i, j, -INFINITY);
         if (i == 5 && j % 3 == 0) tset(s, i, j, tget(s, i, a)); /* ties at the max */
       }
+      if (i == 6) tset(t, i, (a + 2) % V, 1e30); /* g - G from 1e30s: nothing left */
       /* whole blocks of the CPU's sweeps (2048 columns) of -inf in one row */
       for (int64_t j = 0; V > 3 * 2048 && j < 2048 + 17; j++) {
         if (i == 3 && j != a) tset(s, i, j, -INFINITY);
@@ -344,7 +353,7 @@ int main(void) {
         rng_seed(9000 + 100 * rows + 10 * k + v);
         const lmloss_dtype sdt = rows == ROWS_SAME ? dts[v % 3] : dts[(k + v) % 2];
         run_case(&g,
-                 rows == ROWS_SPECIAL ? 6
+                 rows == ROWS_SPECIAL ? 7
                  : Vs[v] > 40000      ? 2
                                       : 5,
                  Vs[v], sdt, rows == ROWS_SAME ? sdt : dts[(k + 2 * v) % 3], dts[(k + v) % 3], rows,
