@@ -52,7 +52,8 @@ static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_div_in
   TRY(lmloss_check_device(ts, 3, in->student.device));
   TRY(lmloss_pick_backend(ctx, in->student.device, ops));
   TRY(lmloss_check_supports(*ops, LMLOSS_CAN_DIVERGENCE, "divergences"));
-  TRY(lmloss_check_indices(&in->label, NULL, V, 1, opt->ignore_index, "label"));
+  if (lmloss_present(&in->label))
+    TRY(lmloss_check_indices(&in->label, NULL, V, 1, opt->ignore_index, "label"));
   *eff = *opt;
   if (opt->kind == LMLOSS_DIV_JSD && opt->beta == 0.0f) eff->kind = LMLOSS_DIV_KL;
   if (opt->kind == LMLOSS_DIV_JSD && opt->beta == 1.0f) eff->kind = LMLOSS_DIV_REVERSE_KL;
