@@ -35,7 +35,6 @@ def best(f, reps):
 def trl_loss():
     try:
         warnings.simplefilter("ignore")
-        import torch  # noqa: F401
         from trl.experimental.gkd.gkd_trainer import GKDTrainer
         return GKDTrainer.generalized_jsd_loss
     except ImportError:

@@ -8,7 +8,8 @@
 #include "math/dtype.h"
 
 /* Convert n elements starting at j0 to fp32. */
-static inline void lmloss_cpu_load_block(const void *row, lmloss_dtype dt, int64_t j0, int n, float *buf) {
+static inline void lmloss_cpu_load_block(const void *row, lmloss_dtype dt, int64_t j0, int n,
+                                         float *buf) {
   if (dt == LMLOSS_F32) {
     memcpy(buf, (const float *)row + j0, (size_t)n * sizeof(float));
   } else if (dt == LMLOSS_BF16) {
@@ -24,7 +25,8 @@ static inline void lmloss_cpu_load_block(const void *row, lmloss_dtype dt, int64
   }
 }
 
-static inline void lmloss_cpu_store_block(void *out, lmloss_dtype odt, int64_t j0, int n, const float *g) {
+static inline void lmloss_cpu_store_block(void *out, lmloss_dtype odt, int64_t j0, int n,
+                                          const float *g) {
   if (odt == LMLOSS_F32) {
     memcpy((float *)out + j0, g, (size_t)n * sizeof(float));
   } else if (odt == LMLOSS_BF16) {

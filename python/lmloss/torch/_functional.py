@@ -603,7 +603,8 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *,
     # the backward then computes the logits once (lmloss_linear_log_probs' stats)
     logp, ent, _ = L.linear_log_probs(h, w, b, idx, _mask(mask), float(logit_scale),
                                       _lib.softcap_value(softcap), float(temperature),
-                                      bool(entropy), _save_stats(w.shape[0], h, w, b), _budget(memory_budget),
-                                      backend_code(backend), int(num_threads))
+                                      bool(entropy), _save_stats(w.shape[0], h, w, b),
+                                      _budget(memory_budget), backend_code(backend),
+                                      int(num_threads))
     logp = logp.reshape(shape)
     return (logp, ent.reshape(lead)) if entropy else logp

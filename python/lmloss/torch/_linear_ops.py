@@ -21,7 +21,6 @@ C library's one synchronization of the fused head).
 import ctypes
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 from .. import _lib
