@@ -445,6 +445,35 @@ LMLOSS_API lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx,
                                                    const lmloss_head_grads *grads,
                                                    const lmloss_tensor *scale);
 
+/* Divergences through two fused heads (lmloss_divergence's every kind
+ * and option): the student's logits student->hidden [N, Hs] x weight
+ * [V, Hs]^T (+ bias) and the teacher's from its own [N, Ht] and [V, Ht],
+ * neither N x V held whole: row chunks within hopt->memory_budget, the
+ * rows whose label is ignore_index compacted away before the GEMMs.
+ * label: optional [N] I64/I32. out->dstudent must be absent; grads are
+ * the student's (dhidden, dweight, dbias; the teacher is never
+ * differentiated), computed in the same pass for upstream
+ * opt->grad_output. F32 heads; UNSUPPORTED on a backend without
+ * divergences (CUDA, for now). */
+LMLOSS_API lmloss_status lmloss_linear_divergence_workspace_size(const lmloss_head *student,
+                                                                 const lmloss_head *teacher,
+                                                                 const lmloss_head_options *hopt,
+                                                                 size_t *bytes);
+
+LMLOSS_API lmloss_status lmloss_linear_divergence(
+    const lmloss_context *ctx, const lmloss_head *student, const lmloss_head *teacher,
+    const lmloss_tensor *label, const lmloss_div_options *opt, const lmloss_head_options *hopt,
+    const lmloss_div_outputs *out, const lmloss_head_grads *grads, void *workspace,
+    size_t workspace_bytes);
+
+/* The backward: the student's grads from dloss (F32 [1], or [N] for
+ * NONE), recomputing both heads' logits chunk by chunk. */
+LMLOSS_API lmloss_status lmloss_linear_divergence_backward(
+    const lmloss_context *ctx, const lmloss_head *student, const lmloss_head *teacher,
+    const lmloss_tensor *label, const lmloss_div_options *opt, const lmloss_head_options *hopt,
+    const lmloss_tensor *dloss, const lmloss_head_grads *grads, void *workspace,
+    size_t workspace_bytes);
+
 /* ------------------------------------------------------------------ */
 /* The row contract over a sharded vocabulary                          */
 /* ------------------------------------------------------------------ */

@@ -17,7 +17,7 @@ lmloss_div_options lmloss_div_options_default(void) {
   return o;
 }
 
-static lmloss_status check_options(const lmloss_div_options *o) {
+lmloss_status lmloss_check_div_options(const lmloss_div_options *o) {
   if ((unsigned)o->kind > LMLOSS_DIV_TVD)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown divergence kind %d", (int)o->kind);
   if (!(o->beta >= 0.0f && o->beta <= 1.0f))
@@ -30,8 +30,14 @@ static lmloss_status check_options(const lmloss_div_options *o) {
   return lmloss_check_reduction(o->reduction, o->num_items, o->grad_output);
 }
 
-/* Everything both calls share; *eff is opt with JSD's ends resolved to
- * the KLs (TRL's beta 0 and 1: the mixture alone would read 0 there). */
+lmloss_div_options lmloss_div_resolve(const lmloss_div_options *opt) {
+  lmloss_div_options eff = *opt;
+  if (opt->kind == LMLOSS_DIV_JSD && opt->beta == 0.0f) eff.kind = LMLOSS_DIV_KL;
+  if (opt->kind == LMLOSS_DIV_JSD && opt->beta == 1.0f) eff.kind = LMLOSS_DIV_REVERSE_KL;
+  return eff;
+}
+
+/* Everything both calls share; *eff is opt resolved. */
 static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_div_inputs *in,
                                   const lmloss_div_options *opt, void *ws, size_t ws_bytes,
                                   lmloss_div_options *eff, const lmloss_backend_ops **ops) {
@@ -41,7 +47,7 @@ static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_div_in
   if (V < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "student: V must be >= 1");
   TRY(lmloss_check_tensor(&in->teacher, "teacher", LMLOSS_FLOATS, N, V));
   TRY(lmloss_check_optional(&in->label, "label", LMLOSS_INDICES, N, 1));
-  TRY(check_options(opt));
+  TRY(lmloss_check_div_options(opt));
   if (opt->hard_weight > 0.0f && !lmloss_present(&in->label))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "hard_weight > 0 needs a label");
   if (!ws && N > 0) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
@@ -54,9 +60,7 @@ static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_div_in
   TRY(lmloss_check_supports(*ops, LMLOSS_CAN_DIVERGENCE, "divergences"));
   if (lmloss_present(&in->label))
     TRY(lmloss_check_indices(&in->label, NULL, V, 1, opt->ignore_index, "label"));
-  *eff = *opt;
-  if (opt->kind == LMLOSS_DIV_JSD && opt->beta == 0.0f) eff->kind = LMLOSS_DIV_KL;
-  if (opt->kind == LMLOSS_DIV_JSD && opt->beta == 1.0f) eff->kind = LMLOSS_DIV_REVERSE_KL;
+  *eff = lmloss_div_resolve(opt);
   return LMLOSS_OK;
 }
 

@@ -35,11 +35,10 @@
 
 #include "validate.h"
 
-#define DEFAULT_BUDGET ((size_t)256 << 20)
 #define ALIGN 256
 
 lmloss_head_options lmloss_head_options_default(void) {
-  lmloss_head_options o = {DEFAULT_BUDGET, 1};
+  lmloss_head_options o = {LMLOSS_HEAD_DEFAULT_BUDGET, 1};
   return o;
 }
 
@@ -101,7 +100,7 @@ static size_t tile_bytes(const linear_plan *p, int64_t rows, int64_t cols, int64
 static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_options *hopt,
                                const lmloss_head_grads *grads, int64_t K, linear_plan *p) {
   const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
-  const size_t budget = hopt->memory_budget ? hopt->memory_budget : DEFAULT_BUDGET;
+  const size_t budget = hopt->memory_budget ? hopt->memory_budget : LMLOSS_HEAD_DEFAULT_BUDGET;
   memset(p, 0, sizeof *p);
   p->K = K;
   p->S = K + 1; /* the target or the K indices, and the argmax */
@@ -211,7 +210,7 @@ static lmloss_tensor view(void *data, lmloss_dtype dt, lmloss_device dev, int64_
   return t;
 }
 
-static lmloss_status check_head(const lmloss_head *head, const lmloss_head_options *hopt) {
+lmloss_status lmloss_check_head(const lmloss_head *head, const lmloss_head_options *hopt) {
   if (!head || !hopt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "head or options is NULL");
   TRY(lmloss_check_tensor(&head->hidden, "hidden", LMLOSS_FLOATS, -1, -1));
   TRY(lmloss_check_tensor(&head->weight, "weight", LMLOSS_MASK(head->hidden.dtype), -1,
@@ -225,7 +224,7 @@ static lmloss_status check_head(const lmloss_head *head, const lmloss_head_optio
   return LMLOSS_OK;
 }
 
-static lmloss_status check_grads(const lmloss_head *head, const lmloss_head_grads *g) {
+lmloss_status lmloss_check_head_grads(const lmloss_head *head, const lmloss_head_grads *g) {
   if (!g) return LMLOSS_OK;
   const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
   const unsigned wdt = LMLOSS_MASK(LMLOSS_F32) | LMLOSS_MASK(head->weight.dtype);
@@ -244,8 +243,8 @@ lmloss_status lmloss_linear_workspace_size(const lmloss_head *head, const lmloss
   linear_plan p;
   if (!bytes) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "bytes is NULL");
   if (k < 0) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "k must be >= 0");
-  TRY(check_head(head, hopt));
-  TRY(check_grads(head, grads));
+  TRY(lmloss_check_head(head, hopt));
+  TRY(lmloss_check_head_grads(head, grads));
   TRY(make_plan(head, hopt, grads, k, &p));
   *bytes = p.total;
   return LMLOSS_OK;
@@ -677,8 +676,8 @@ lmloss_linear_cross_entropy(const lmloss_context *ctx, const lmloss_head *head,
                             const lmloss_tensor *class_weight, const lmloss_ce_options *opt,
                             const lmloss_head_options *hopt, const lmloss_ce_outputs *out,
                             const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
-  TRY(check_head(head, hopt));
-  TRY(check_grads(head, grads));
+  TRY(lmloss_check_head(head, hopt));
+  TRY(lmloss_check_head_grads(head, grads));
   if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
   TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt));
   const int64_t N = head->hidden.rows;
@@ -704,8 +703,8 @@ lmloss_status lmloss_linear_cross_entropy_backward(
     const lmloss_tensor *token_weight, const lmloss_tensor *class_weight,
     const lmloss_ce_options *opt, const lmloss_head_options *hopt, const lmloss_tensor *dloss,
     const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
-  TRY(check_head(head, hopt));
-  TRY(check_grads(head, grads));
+  TRY(lmloss_check_head(head, hopt));
+  TRY(lmloss_check_head_grads(head, grads));
   TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt));
   if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
   TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
@@ -737,7 +736,7 @@ lmloss_status lmloss_linear_log_probs(const lmloss_context *ctx, const lmloss_he
                                       const lmloss_transform *tr, const lmloss_head_options *hopt,
                                       const lmloss_tensor *logp, const lmloss_tensor *entropy,
                                       const lmloss_tensor *stats, void *ws, size_t ws_bytes) {
-  TRY(check_head(head, hopt));
+  TRY(lmloss_check_head(head, hopt));
   if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
   if (index->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: K must be >= 1");
   TRY(check_lp(head, index, mask, tr));
@@ -762,8 +761,8 @@ lmloss_status lmloss_linear_log_probs_backward(
     const lmloss_tensor *mask, const lmloss_transform *tr, const lmloss_head_options *hopt,
     const lmloss_tensor *dlogp, const lmloss_tensor *dentropy, const lmloss_tensor *stats,
     const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
-  TRY(check_head(head, hopt));
-  TRY(check_grads(head, grads));
+  TRY(lmloss_check_head(head, hopt));
+  TRY(lmloss_check_head_grads(head, grads));
   TRY(check_lp(head, index, mask, tr));
   const int64_t N = head->hidden.rows;
   if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
@@ -787,9 +786,9 @@ lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx, const lmloss_
                                         const lmloss_head_grads *grads,
                                         const lmloss_tensor *scale) {
   const lmloss_head_options hopt = lmloss_head_options_default();
-  TRY(check_head(head, &hopt));
+  TRY(lmloss_check_head(head, &hopt));
   if (!grads) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "grads is NULL");
-  TRY(check_grads(head, grads));
+  TRY(lmloss_check_head_grads(head, grads));
   TRY(lmloss_check_tensor(scale, "scale", LMLOSS_MASK(LMLOSS_F32), 1, 1));
   const lmloss_tensor *gs[] = {&grads->dhidden, &grads->dweight, &grads->dbias};
   const lmloss_tensor *ts[] = {gs[0], gs[1], gs[2], scale};

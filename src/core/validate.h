@@ -81,6 +81,20 @@ lmloss_status lmloss_check_shard(const lmloss_shard *sh, int64_t N, int64_t cols
                                  const lmloss_tensor *state, lmloss_device device,
                                  lmloss_shard *out);
 
+/* A divergence's options in range (their transforms too), and the kind
+ * that runs: JSD's ends are the KLs (TRL's beta 0 and 1, where the
+ * mixture alone would read 0). */
+lmloss_status lmloss_check_div_options(const lmloss_div_options *o);
+lmloss_div_options lmloss_div_resolve(const lmloss_div_options *opt);
+
+/* A fused head's tensors and options, and the gradients of one (each
+ * optional; F32 or the weight's dtype for dweight and dbias). */
+lmloss_status lmloss_check_head(const lmloss_head *head, const lmloss_head_options *hopt);
+lmloss_status lmloss_check_head_grads(const lmloss_head *head, const lmloss_head_grads *g);
+
+/* memory_budget 0 means this. */
+#define LMLOSS_HEAD_DEFAULT_BUDGET ((size_t)256 << 20)
+
 /* UNSUPPORTED, saying so, when the backend cannot run `what`. */
 lmloss_status lmloss_check_supports(const lmloss_backend_ops *ops, lmloss_capability c,
                                     const char *what);

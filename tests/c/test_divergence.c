@@ -309,6 +309,125 @@ static void threads(tgroup *g) {
   free(ws);
 }
 
+/* A [rows, cols] F32 tensor of N(0, sigma). */
+static lmloss_tensor normal(int64_t rows, int64_t cols, double sigma) {
+  lmloss_tensor t = host_new(LMLOSS_F32, rows, cols, cols);
+  for (int64_t i = 0; i < rows; i++)
+    for (int64_t j = 0; j < cols; j++)
+      tset(&t, i, j, sigma * rng_normal());
+  return t;
+}
+
+/* z = h w^T + b of a head, in double, rounded once to F32. */
+static lmloss_tensor head_logits(const lmloss_head *h) {
+  const int64_t N = h->hidden.rows, V = h->weight.rows, H = h->hidden.cols;
+  lmloss_tensor z = host_new(LMLOSS_F32, N, V, V);
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t v = 0; v < V; v++) {
+      double acc = h->bias.data ? tget(&h->bias, v, 0) : 0.0;
+      for (int64_t k = 0; k < H; k++)
+        acc += tget(&h->hidden, i, k) * tget(&h->weight, v, k);
+      tset(&z, i, v, acc);
+    }
+  return z;
+}
+
+/* |a - b|_F <= tol |b|_F + floor: the fused head's contract (design.md). */
+static void close_frobenius(tgroup *g, const lmloss_tensor *a, const double *b, const char *what) {
+  double d = 0, n = 0;
+  for (int64_t i = 0; i < a->rows; i++)
+    for (int64_t j = 0; j < a->cols; j++) {
+      const double r = b[i * a->cols + j], e = tget(a, i, j) - r;
+      d += e * e, n += r * r;
+    }
+  tg_true(g, sqrt(d) <= 1e-4 * sqrt(n) + 1e-30, "%s: |diff| %g of |ref| %g", what, sqrt(d),
+          sqrt(n));
+}
+
+/* The two fused heads against lmloss_divergence on the logits they make:
+ * outputs to 1e-4 (the GEMMs' summation order), gradients in Frobenius
+ * norm to 1e-4 of the dense gradient pushed through the head; the
+ * backward from dloss gives the forward's gradient bits. */
+static void fused_case(tgroup *g, const lmloss_div_options *o, int labels, size_t budget) {
+  const int64_t N = 9, V = 1003, Hs = 24, Ht = 40;
+  lmloss_head s = {normal(N, Hs, 1.0), normal(V, Hs, 0.4), normal(V, 1, 0.5)};
+  lmloss_head t = {normal(N, Ht, 1.0), normal(V, Ht, 0.3), normal(V, 1, 0.5)};
+  lmloss_tensor y = host_new(LMLOSS_I64, N, 1, 1);
+  for (int64_t i = 0; i < N; i++)
+    tset(&y, i, 0, i % 3 == 1 ? (double)o->ignore_index : (double)rng_int(V));
+  const lmloss_tensor *lab = labels ? &y : NULL;
+  const int reduced = o->reduction != LMLOSS_REDUCE_NONE;
+  /* dense reference */
+  lmloss_tensor zs = head_logits(&s), zt = head_logits(&t), dz = host_new(LMLOSS_F32, N, V, V);
+  lmloss_tensor lr = host_new(LMLOSS_F32, reduced ? 1 : N, 1, 1),
+                dr = host_new(LMLOSS_F32, N, 1, 1);
+  size_t wsb = lmloss_cross_entropy_workspace_size(N);
+  void *ws = malloc(wsb);
+  lmloss_context cpu = {LMLOSS_BACKEND_CPU, NULL, 0};
+  lmloss_div_inputs din = {zs, zt, labels ? y : (lmloss_tensor){0}};
+  lmloss_div_outputs dout = {lr, dr, {0}, dz};
+  lmloss_status sd = lmloss_divergence(&cpu, &din, o, &dout, ws, wsb);
+  /* fused */
+  lmloss_head_options hopt = lmloss_head_options_default();
+  hopt.memory_budget = budget;
+  size_t fb = 0;
+  lmloss_status sw = lmloss_linear_divergence_workspace_size(&s, &t, &hopt, &fb);
+  void *fws = malloc(fb ? fb : 1);
+  lmloss_tensor lf = host_clone(&lr), df = host_clone(&dr);
+  lmloss_head_grads gr = {host_new(LMLOSS_F32, N, Hs, Hs), host_new(LMLOSS_F32, V, Hs, Hs),
+                          host_new(LMLOSS_F32, V, 1, 1)};
+  host_poison(&gr.dhidden), host_poison(&gr.dweight), host_poison(&gr.dbias);
+  lmloss_div_outputs fout = {lf, df, {0}, {0}};
+  lmloss_context tc = tb_ctx();
+  lmloss_status sf = lmloss_linear_divergence(&tc, &s, &t, lab, o, &hopt, &fout, &gr, fws, fb);
+  if (tg_true(g, sd == LMLOSS_OK && sw == LMLOSS_OK && sf == LMLOSS_OK, "status %s %s %s (%s)",
+              lmloss_status_string(sd), lmloss_status_string(sw), lmloss_status_string(sf),
+              lmloss_last_error())) {
+    for (int64_t i = 0; i < lr.rows; i++)
+      tg_close(g, tget(&lf, i, 0), tget(&lr, i, 0), LMLOSS_F32, 1e-4 * fabs(tget(&lr, i, 0)),
+               "loss", i, 0);
+    for (int64_t i = 0; i < N; i++)
+      tg_close(g, tget(&df, i, 0), tget(&dr, i, 0), LMLOSS_F32, 1e-4 * fabs(tget(&dr, i, 0)),
+               "divergence", i, 0);
+    double *dh = calloc((size_t)(N * Hs), sizeof(double)),
+           *dw = calloc((size_t)(V * Hs), sizeof(double));
+    double *db = calloc((size_t)V, sizeof(double));
+    for (int64_t i = 0; i < N; i++)
+      for (int64_t v = 0; v < V; v++) {
+        const double d = tget(&dz, i, v);
+        db[v] += d;
+        for (int64_t k = 0; k < Hs; k++) {
+          dh[i * Hs + k] += d * tget(&s.weight, v, k);
+          dw[v * Hs + k] += d * tget(&s.hidden, i, k);
+        }
+      }
+    close_frobenius(g, &gr.dhidden, dh, "dhidden");
+    close_frobenius(g, &gr.dweight, dw, "dweight");
+    close_frobenius(g, &gr.dbias, db, "dbias");
+    free(dh), free(dw), free(db);
+    /* the backward from dloss = grad_output */
+    lmloss_tensor up = host_new(LMLOSS_F32, reduced ? 1 : N, 1, 1);
+    for (int64_t i = 0; i < up.rows; i++)
+      tset(&up, i, 0, o->grad_output);
+    lmloss_head_grads gb = {host_clone(&gr.dhidden), host_clone(&gr.dweight),
+                            host_clone(&gr.dbias)};
+    host_poison(&gb.dhidden), host_poison(&gb.dweight), host_poison(&gb.dbias);
+    lmloss_status sb =
+        lmloss_linear_divergence_backward(&tc, &s, &t, lab, o, &hopt, &up, &gb, fws, fb);
+    tg_true(g, sb == LMLOSS_OK, "backward %s (%s)", lmloss_status_string(sb), lmloss_last_error());
+    tg_true(g,
+            same_bytes(&gb.dhidden, &gr.dhidden) && same_bytes(&gb.dweight, &gr.dweight) &&
+                same_bytes(&gb.dbias, &gr.dbias),
+            "the backward's gradients differ from the forward's");
+    host_free(&up), host_free(&gb.dhidden), host_free(&gb.dweight), host_free(&gb.dbias);
+  }
+  free(ws), free(fws);
+  host_free(&s.hidden), host_free(&s.weight), host_free(&s.bias), host_free(&t.hidden);
+  host_free(&t.weight), host_free(&t.bias), host_free(&y), host_free(&zs), host_free(&zt);
+  host_free(&dz), host_free(&lr), host_free(&dr), host_free(&lf), host_free(&df);
+  host_free(&gr.dhidden), host_free(&gr.dweight), host_free(&gr.dbias);
+}
+
 int main(void) {
   tb_init();
   tgroup g;
@@ -374,6 +493,18 @@ int main(void) {
         run_case(&g, 6, Vs[v], dts[(k + m) % 2], dts[m % 2], LMLOSS_F32, ROWS_PEAKED, margins[m],
                  &o, m % 2);
       }
+  tg_end(&g);
+  tg_begin(&g, "two fused heads against the logits they make, one and several chunks");
+  for (int k = 0; k < NKINDS; k++)
+    for (int r = 0; r < 4; r++) {
+      lmloss_div_options o = lmloss_div_options_default();
+      o.kind = kinds[k].kind, o.beta = kinds[k].beta;
+      o.reduction = (lmloss_reduction)r, o.num_items = 5.0, o.grad_output = 0.5f;
+      o.hard_weight = r == 1 ? 0.25f : 0.0f;
+      o.teacher.temperature = r == 2 ? 2.0f : 1.0f;
+      rng_seed(9900 + 10 * k + r);
+      fused_case(&g, &o, r != 3 || o.hard_weight > 0, (k + r) % 2 ? 0 : 40000);
+    }
   tg_end(&g);
   tg_begin(&g, "bad arguments leave every output untouched");
   bad_input(&g);
