@@ -15,7 +15,8 @@ The fused linear head (linear_cross_entropy, linear_log_probs and its
 backward) takes hidden states [..., H] and the head weight [V, H] (+ bias)
 instead of logits and never materializes the [N, V] logits. divergence
 takes a student's and a teacher's logits [..., V] (KL either way, TRL's
-generalized JSD, TVD) and differentiates the student.
+generalized JSD, TVD) and differentiates the student; linear_divergence
+the same through two fused heads.
 """
 
 __version__ = "0.1.0"
@@ -25,8 +26,8 @@ from ._ce import CrossEntropyResult, cross_entropy
 from ._divergence import DivergenceResult, divergence
 from ._lib import Error
 from ._lib import path as library_path
-from ._linear import (LinearCrossEntropyResult, linear_cross_entropy, linear_log_probs,
-                      linear_log_probs_backward)
+from ._linear import (LinearCrossEntropyResult, LinearDivergenceResult, linear_cross_entropy,
+                      linear_divergence, linear_log_probs, linear_log_probs_backward)
 from ._logprob import entropy, log_probs, log_probs_backward, selective_log_softmax
 from ._softmax import log_softmax, softmax, softmax_backward
 
@@ -45,8 +46,9 @@ def cpu_isa() -> str:
     return _lib.cpu_isa().decode()
 
 
-__all__ = ["CrossEntropyResult", "DivergenceResult", "Error", "LinearCrossEntropyResult", "cpu_isa",
-           "cross_entropy", "divergence", "entropy", "has_cuda", "library_path",
-           "linear_cross_entropy", "linear_log_probs", "linear_log_probs_backward", "log_probs",
+__all__ = ["CrossEntropyResult", "DivergenceResult", "Error", "LinearCrossEntropyResult",
+           "LinearDivergenceResult", "cpu_isa", "cross_entropy", "divergence", "entropy",
+           "has_cuda", "library_path", "linear_cross_entropy", "linear_divergence",
+           "linear_log_probs", "linear_log_probs_backward", "log_probs",
            "log_probs_backward", "log_softmax", "selective_log_softmax", "softmax",
            "softmax_backward", "__version__"]

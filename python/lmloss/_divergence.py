@@ -45,6 +45,19 @@ def div_options(kind, beta, ignore_index, student, teacher, soft_weight, hard_we
     return opt
 
 
+def div_outputs(n, reduction, return_parts, labels):
+    """(loss array, lmloss_div_outputs over it, divergence array, ce array)
+    for n rows; the last two None unless return_parts (ce: with labels)."""
+    loss, loss_t = out_vector(n if reduction == "none" else 1)
+    outputs = _lib.DivOutputs(loss=loss_t)
+    div = ce = None
+    if return_parts:
+        div, outputs.divergence = out_vector(n)
+        if labels is not None:
+            ce, outputs.ce = out_vector(n)
+    return loss, outputs, div, ce
+
+
 def divergence(student: ArrayLike, teacher: ArrayLike, *, kind: str = "kl", beta: float = 0.5,
                labels: Optional[ArrayLike] = None, ignore_index: int = -100,
                temperature: float = 1.0, teacher_temperature: Optional[float] = None,
@@ -96,15 +109,10 @@ def divergence(student: ArrayLike, teacher: ArrayLike, *, kind: str = "kl", beta
     inputs = _lib.DivInputs(s.t, t.t,
                             optional_vector(labels, s.n, s.lead, "labels", "index", keep))
 
-    loss, loss_t = out_vector(s.n if reduction == "none" else 1)
-    outputs = _lib.DivOutputs(loss=loss_t)
-    dstudent = div = ce = None
+    loss, outputs, div, ce = div_outputs(s.n, reduction, return_parts, labels)
+    dstudent = None
     if grad:
         dstudent, outputs.dstudent = s.empty(s.out_dtype())
-    if return_parts:
-        div, outputs.divergence = out_vector(s.n)
-        if labels is not None:
-            ce, outputs.ce = out_vector(s.n)
 
     ws, addr, nbytes = workspace(s.n)
     _lib.check(_lib.divergence(ctx, inputs, opt, outputs, addr, nbytes))

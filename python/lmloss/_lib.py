@@ -176,6 +176,16 @@ linear_log_probs_backward = _proto("lmloss_linear_log_probs_backward", _status, 
                                    _P(Head), _P(Tensor), _P(Tensor), _P(Transform),
                                    _P(HeadOptions), _P(Tensor), _P(Tensor), _P(Tensor),
                                    _P(HeadGrads), ctypes.c_void_p, ctypes.c_size_t)
+linear_divergence_workspace_size = _proto("lmloss_linear_divergence_workspace_size", _status,
+                                          _P(Head), _P(Head), _P(HeadOptions),
+                                          _P(ctypes.c_size_t))
+linear_divergence = _proto("lmloss_linear_divergence", _status, _P(Context), _P(Head), _P(Head),
+                           _P(Tensor), _P(DivOptions), _P(HeadOptions), _P(DivOutputs),
+                           _P(HeadGrads), ctypes.c_void_p, ctypes.c_size_t)
+linear_divergence_backward = _proto("lmloss_linear_divergence_backward", _status, _P(Context),
+                                    _P(Head), _P(Head), _P(Tensor), _P(DivOptions),
+                                    _P(HeadOptions), _P(Tensor), _P(HeadGrads), ctypes.c_void_p,
+                                    ctypes.c_size_t)
 linear_scale_grads = _proto("lmloss_linear_scale_grads", _status, _P(Context), _P(Head),
                             _P(HeadGrads), _P(Tensor))
 status_string = _proto("lmloss_status_string", ctypes.c_char_p, ctypes.c_int)

@@ -1,5 +1,6 @@
-"""The fused linear head: cross-entropy and log-probs straight from hidden
-states and the LM head (lmloss_linear_*), without the [N, V] logits.
+"""The fused linear head: cross-entropy, log-probs and divergences straight
+from hidden states and the LM head (lmloss_linear_*), without the [N, V]
+logits.
 
 logits = hidden [..., H] x weight[V, H]^T (+ bias [V]) are formed in row
 chunks whose transient buffers fit `memory_budget` bytes (None = the C
@@ -19,6 +20,7 @@ from numpy.typing import ArrayLike
 
 from . import _lib
 from ._ce import ce_options, ce_outputs
+from ._divergence import div_options, div_outputs, sides
 from ._logprob import backward_args, stats_in, stats_out
 from ._tensor import (Rows, absent, as_array, index_shape, matrix, native, optional_vector,
                       out_matrix, out_vector, shape_error, vector)
@@ -30,24 +32,31 @@ flag is set: loss as in the plain form; dhidden, dweight, dbias (None without gr
 dbias None without bias); lse, entropy (float32) and argmax (int64, -1 on ignored rows),
 each shaped like target and None unless requested."""
 
+LinearDivergenceResult = collections.namedtuple(
+    "LinearDivergenceResult", "loss dhidden dweight dbias divergence ce")
+LinearDivergenceResult.__doc__ = """Returned by linear_divergence(return_parts=True): loss
+as in the plain form; the student's dhidden, dweight, dbias (None without grad=True; dbias
+None without student_bias); divergence D_i and ce as in lmloss.DivergenceResult."""
+
 
 class _Head:
     """hidden [..., H], weight [V, H] and bias [V] as an lmloss_head; keeps
-    the arrays the C call reads alive."""
+    the arrays the C call reads alive. who: the head's name in errors
+    ("teacher_"), before "hidden" and "weight"."""
 
-    def __init__(self, hidden, weight, bias):
-        self.x = Rows(hidden, "hidden")
+    def __init__(self, hidden, weight, bias, who=""):
+        self.x = Rows(hidden, who + "hidden")
         w = np.asarray(weight)
         if w.ndim != 2:
-            raise shape_error("weight must be [V, H], got shape %s" % (w.shape,))
-        self.w = Rows(w, "weight")
+            raise shape_error("%sweight must be [V, H], got shape %s" % (who, w.shape))
+        self.w = Rows(w, who + "weight")
         self.n, self.h, self.v = self.x.n, self.x.v, w.shape[0]
         bias_t, self.b = absent(), None
         if bias is not None:
             b = native(as_array(bias))
             if b.dtype == np.float64:
                 b = b.astype(np.float32)
-            self.b, bias_t = vector(b, self.v, (self.v,), "bias", "same")
+            self.b, bias_t = vector(b, self.v, (self.v,), who + "bias", "same")
         self.t = _lib.Head(self.x.t, self.w.t, bias_t)
 
     def grads(self, dhidden=True, dweight=True, dbias=True):
@@ -72,10 +81,11 @@ def _options(memory_budget):
     return hopt
 
 
-def _workspace(head, hopt, grads, k):
-    """A workspace of the size lmloss_linear_workspace_size gives, 256-byte aligned."""
+def _workspace(size_fn, *args):
+    """A workspace of the size size_fn(*args, &bytes) gives (an
+    lmloss_linear_*workspace_size), 256-byte aligned."""
     size = ctypes.c_size_t(0)
-    _lib.check(_lib.linear_workspace_size(head.t, hopt, grads, int(k), ctypes.byref(size)))
+    _lib.check(size_fn(*args, ctypes.byref(size)))
     buf = np.empty(size.value + 256, dtype=np.uint8)
     off = -buf.ctypes.data % 256
     return buf, buf.ctypes.data + off, size.value
@@ -115,7 +125,7 @@ def linear_cross_entropy(hidden: ArrayLike, weight: ArrayLike, target: ArrayLike
     cw_t = optional_vector(class_weight, head.v, (head.v,), "class_weight", "f32", keep)
     loss, outputs, extra = ce_outputs(n, reduction, return_lse, return_entropy, return_argmax)
     (dh, dw, db), grads = head.grads() if grad else ((None, None, None), None)
-    ws, ws_ptr, ws_bytes = _workspace(head, hopt, grads, 1)
+    ws, ws_ptr, ws_bytes = _workspace(_lib.linear_workspace_size, head.t, hopt, grads, 1)
     _lib.check(_lib.linear_cross_entropy(ctx, head.t, target_t, tw_t, cw_t, opt, hopt, outputs,
                                          grads, ws_ptr, ws_bytes))
     loss = loss.reshape(lead) if reduction == "none" else float(loss[0])
@@ -154,7 +164,7 @@ def linear_log_probs(hidden: ArrayLike, weight: ArrayLike, index: ArrayLike, *,
     ent, ent_t = out_vector(head.n) if entropy else (None, None)
     st, st_t = stats_out(head.n) if stats else (None, None)
     tr = _lib.make_transform(logit_scale, softcap, temperature)
-    ws, ws_ptr, ws_bytes = _workspace(head, hopt, None, k)
+    ws, ws_ptr, ws_bytes = _workspace(_lib.linear_workspace_size, head.t, hopt, None, int(k))
     _lib.check(_lib.linear_log_probs(ctx, head.t, idx_t, mask_t, tr, hopt, logp_t, ent_t, st_t,
                                      ws_ptr, ws_bytes))
     out = (logp.reshape(shape),) + ((ent.reshape(head.x.lead),) if entropy else ())
@@ -185,7 +195,61 @@ def linear_log_probs_backward(hidden: ArrayLike, weight: ArrayLike, index: Optio
     st_t = stats_in(stats, head.x, keep)
     tr = _lib.make_transform(logit_scale, softcap, temperature)
     (dh, dw, db), grads = head.grads()
-    ws, ws_ptr, ws_bytes = _workspace(head, hopt, grads, k)
+    ws, ws_ptr, ws_bytes = _workspace(_lib.linear_workspace_size, head.t, hopt, grads, int(k))
     _lib.check(_lib.linear_log_probs_backward(ctx, head.t, idx_t, mask_t, tr, hopt, dlogp_t,
                                               dent_t, st_t, grads, ws_ptr, ws_bytes))
     return dh, dw, db
+
+
+def linear_divergence(student_hidden: ArrayLike, student_weight: ArrayLike,
+                      teacher_hidden: ArrayLike, teacher_weight: ArrayLike, *,
+                      student_bias: Optional[ArrayLike] = None,
+                      teacher_bias: Optional[ArrayLike] = None, kind: str = "kl",
+                      beta: float = 0.5, labels: Optional[ArrayLike] = None,
+                      ignore_index: int = -100, temperature: float = 1.0,
+                      teacher_temperature: Optional[float] = None, logit_scale: float = 1.0,
+                      teacher_logit_scale: Optional[float] = None,
+                      softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
+                      soft_weight: float = 1.0, hard_weight: float = 0.0,
+                      reduction: str = "mean", num_items: Optional[float] = None,
+                      grad: bool = False, return_parts: bool = False,
+                      memory_budget: Optional[int] = None, backend: str = "auto",
+                      num_threads: int = 0
+                      ) -> Union[float, np.ndarray, tuple, "LinearDivergenceResult"]:
+    """lmloss.divergence of the student's logits student_hidden [..., Hs]
+    student_weight[V, Hs]^T (+ student_bias [V]) from the teacher's
+    teacher_hidden [..., Ht] teacher_weight[V, Ht]^T (+ teacher_bias [V]),
+    never holding either [N, V] whole: the two heads share the rows and V,
+    each has its own H.
+
+    Every keyword is lmloss.divergence's (labels [...]: rows equal to
+    ignore_index never reach a GEMM). grad=True returns (loss, dhidden,
+    dweight, dbias): the student's gradients of the returned loss (for
+    "none", of its sum), computed in the same pass, float32; dbias None
+    without student_bias. The teacher is not differentiated. return_parts
+    returns LinearDivergenceResult. memory_budget as in
+    linear_cross_entropy. float32 heads (float64 computed in float32);
+    bf16/fp16 heads raise LMLOSS_ERR_UNSUPPORTED. Raises lmloss.Error.
+    """
+    opt = div_options(kind, beta, ignore_index,
+                      *sides(logit_scale, softcap, temperature, teacher_logit_scale,
+                             teacher_softcap, teacher_temperature),
+                      soft_weight, hard_weight, reduction, num_items)
+    ctx = _lib.make_context(backend, num_threads)
+    s = _Head(student_hidden, student_weight, student_bias, "student_")
+    t = _Head(teacher_hidden, teacher_weight, teacher_bias, "teacher_")
+    if t.x.lead != s.x.lead:
+        raise shape_error("teacher_hidden has rows %s, student_hidden %s"
+                          % (t.x.lead, s.x.lead))
+    hopt, n, lead, keep = _options(memory_budget), s.n, s.x.lead, []
+    label_t = optional_vector(labels, n, lead, "labels", "index", keep)
+    loss, outputs, div, ce = div_outputs(n, reduction, return_parts, labels)
+    (dh, dw, db), grads = s.grads() if grad else ((None, None, None), None)
+    ws, ws_ptr, ws_bytes = _workspace(_lib.linear_divergence_workspace_size, s.t, t.t, hopt)
+    _lib.check(_lib.linear_divergence(ctx, s.t, t.t, label_t, opt, hopt, outputs, grads, ws_ptr,
+                                      ws_bytes))
+    loss = loss.reshape(lead) if reduction == "none" else float(loss[0])
+    if return_parts:
+        return LinearDivergenceResult(loss, dh, dw, db, div.reshape(lead),
+                                      None if ce is None else ce.reshape(lead))
+    return (loss, dh, dw, db) if grad else loss

@@ -20,6 +20,7 @@ import pytest
 import lmloss
 import reference as R
 from lmloss import _lib
+from util import one_row_budget
 
 TOL = 1e-4
 CHUNK_TOL = 1e-6
@@ -142,20 +143,6 @@ def test_ce_options(opts):
         cw = np.where(rng.random(v) < 0.1, 0.0, 0.5 + rng.random(v)).astype(np.float32)
     hid, w, b = make_head(rng, n, v, 5, y)
     check_ce(hid, w, b, y, tw, cw, **kw)
-
-
-def one_row_budget(fn):
-    """The smallest memory_budget fn accepts: chunks of exactly one row."""
-    lo, hi = 1, 1 << 30
-    while lo < hi:
-        mid = (lo + hi) // 2
-        try:
-            fn(mid)
-            hi = mid
-        except lmloss.Error as e:
-            assert e.status == "LMLOSS_ERR_WORKSPACE_TOO_SMALL"
-            lo = mid + 1
-    return lo
 
 
 def test_ce_chunks():

@@ -1,4 +1,5 @@
-"""Test helpers: inputs with a given margin, dtype forms, and the tolerance.
+"""Test helpers: inputs with a given margin, dtype forms, the tolerance, and
+the fused head's smallest memory budget (one_row_budget).
 
 Tolerance (written once): |got - ref| <= rtol * |ref| + floor + 1e-5 * B,
 rtol = 1e-5 for fp32 outputs, plus the output dtype's unit roundoff for
@@ -10,6 +11,7 @@ the constant part a gradient formula subtracts (reference.py), 0 elsewhere.
 import ml_dtypes
 import numpy as np
 
+import lmloss
 import reference
 
 MARGINS = [0, 5, 17, 20, 30, 50, 100, 1000]
@@ -62,3 +64,18 @@ def check(got, ref, form="f32", bfloor=None, what=""):
         i = np.unravel_index(np.argmax(np.where(bad, err / tol, 0)), bad.shape) if bad.ndim else ()
         raise AssertionError("%s: %d bad of %d; worst at %s: got %r ref %r tol %r"
                              % (what, bad.sum(), bad.size, i, got[i], ref[i], tol[i]))
+
+
+def one_row_budget(fn):
+    """The smallest memory_budget fn accepts (fn(budget) calls a fused-head
+    function): chunks of exactly one row."""
+    lo, hi = 1, 1 << 30
+    while lo < hi:
+        mid = (lo + hi) // 2
+        try:
+            fn(mid)
+            hi = mid
+        except lmloss.Error as e:
+            assert e.status == "LMLOSS_ERR_WORKSPACE_TOO_SMALL"
+            lo = mid + 1
+    return lo

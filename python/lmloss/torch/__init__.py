@@ -20,7 +20,9 @@ The divergences of a student's logits from a teacher's (generalized_jsd,
 kl_div, tvd: _divergence.py) take TRL's generalized_jsd_loss arguments
 and F.kl_div's reductions ("batchmean" by default) rather than lmloss's
 reduction names, and are CPU-only for now (the C library's CUDA backend
-has no divergence yet: LMLOSS_ERR_UNSUPPORTED).
+has no divergence yet: LMLOSS_ERR_UNSUPPORTED). linear_generalized_jsd,
+linear_kl_div and linear_tvd (_linear_divergence.py) take them through two
+fused heads, a student's and a teacher's, as linear_cross_entropy does.
 
 The ops are registered with torch.library (namespace ``lmloss``: see
 _ops.py, _linear_ops.py and _div_ops.py) with fake impls from symbolic
@@ -35,9 +37,11 @@ from ._divergence import generalized_jsd, kl_div, tvd
 from ._functional import (cross_entropy, entropy, entropy_from_logits, linear_cross_entropy,
                           linear_log_probs, log_probs, log_softmax, selective_log_softmax,
                           softmax)
-from ._modules import CrossEntropyLoss, LinearCrossEntropyLoss, LinearLogProbs
+from ._linear_divergence import linear_generalized_jsd, linear_kl_div, linear_tvd
+from ._modules import (CrossEntropyLoss, LinearCrossEntropyLoss, LinearGeneralizedJSD,
+                       LinearLogProbs)
 
-__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "LinearLogProbs", "cross_entropy",
-           "entropy", "entropy_from_logits", "generalized_jsd", "kl_div", "linear_cross_entropy",
-           "linear_log_probs", "log_probs", "log_softmax", "selective_log_softmax", "softmax",
-           "tvd"]
+__all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "LinearGeneralizedJSD", "LinearLogProbs",
+           "cross_entropy", "entropy", "entropy_from_logits", "generalized_jsd", "kl_div",
+           "linear_cross_entropy", "linear_generalized_jsd", "linear_kl_div", "linear_log_probs",
+           "linear_tvd", "log_probs", "log_softmax", "selective_log_softmax", "softmax", "tvd"]

@@ -1,6 +1,7 @@
 """The divergences of lmloss.torch: generalized_jsd (TRL's
 GKDTrainer.generalized_jsd_loss), kl_div and tvd of a student's logits
-from a teacher's, both [..., V], differentiable w.r.t. the student only.
+from a teacher's, both [..., V], differentiable w.r.t. the student only
+(_linear_divergence.py: the same through two fused heads).
 
 Reductions are F.kl_div's and TRL's, over the loss tensor TRL forms (the
 elementwise terms of the rows that labels keep):
@@ -45,36 +46,54 @@ def _divisor(reduction, num_items, label, ignore_index, rows, v, size0, device):
     return None
 
 
-def _distill(student_logits, teacher_logits, labels, kind, beta, temperature, reduction,
-             num_items, teacher_temperature, logit_scale, teacher_logit_scale, softcap,
-             teacher_softcap, soft_weight, hard_weight, ignore_index, backend, num_threads):
-    """The one body of the public functions: their arguments, and the kind."""
+class _Logits:
+    """What _distill differentiates: the student's and teacher's logits [..., V]."""
+
+    name = "student_logits"
+
+    def __init__(self, student_logits, teacher_logits):
+        if teacher_logits.shape != student_logits.shape:
+            raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "teacher_logits has shape %s, "
+                             "student_logits %s" % (tuple(teacher_logits.shape),
+                                                    tuple(student_logits.shape)))
+        _same_device(teacher_logits, student_logits, "teacher_logits", "student_logits")
+        self.x = _rows(student_logits, "student_logits")
+        self.t = _rows(teacher_logits, "teacher_logits")
+        self.like, self.lead, self.v = student_logits, student_logits.shape[:-1], self.x.shape[1]
+
+    def loss(self, label, fopts, iopts, per_row):
+        """The C call's per-row values or sum, in the student's graph."""
+        x = self.x
+        if x.shape[0] == 0:  # no rows: an empty or zero sum, in the graph (the C call needs data)
+            loss = x.float().sum(-1)
+            return loss if per_row else loss.sum()
+        fused = not per_row and torch.is_grad_enabled() and x.requires_grad
+        return D.divergence(x, self.t.detach(), label, fopts, iopts, fused)[0]
+
+
+def _distill(pair, labels, kind, beta, temperature, reduction, num_items, teacher_temperature,
+             logit_scale, teacher_logit_scale, softcap, teacher_softcap, soft_weight,
+             hard_weight, ignore_index, backend, num_threads):
+    """The one body of the public functions (these and the fused heads'):
+    `pair` has the student's rows' shape (lead), V, the tensor labels go
+    with (like, named name) and loss(); then their arguments and the kind."""
     if reduction not in REDUCTIONS:
         raise _bad("reduction must be one of %s, got %r" % (", ".join(REDUCTIONS), reduction))
-    if teacher_logits.shape != student_logits.shape:
-        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "teacher_logits has shape %s, student_logits %s"
-                         % (tuple(teacher_logits.shape), tuple(student_logits.shape)))
-    _same_device(teacher_logits, student_logits, "teacher_logits", "student_logits")
-    x, t = _rows(student_logits, "student_logits"), _rows(teacher_logits, "teacher_logits")
-    lead = student_logits.shape[:-1]
-    label = None if labels is None else _target(labels, lead, student_logits,
-                                                "student_logits", "labels")
+    lead = pair.lead
+    label = None if labels is None else _target(labels, lead, pair.like, pair.name, "labels")
     per_row = reduction == "none" and num_items is None
     fopts, iopts = D.div_args(kind, beta, *sides(logit_scale, softcap, temperature,
                                                  teacher_logit_scale, teacher_softcap,
                                                  teacher_temperature),
                               soft_weight, hard_weight, ignore_index,
                               "none" if per_row else "sum", backend_code(backend), num_threads)
-    if x.shape[0] == 0:  # no rows: an empty or zero sum, in the graph (the C call needs data)
-        loss = x.float().sum(-1)
-        loss = loss if per_row else loss.sum()
-    else:
-        fused = not per_row and torch.is_grad_enabled() and x.requires_grad
-        loss = D.divergence(x, t.detach(), label, fopts, iopts, fused)[0]
+    loss = pair.loss(label, fopts, iopts, per_row)
     if per_row:
         return loss.reshape(lead)
-    divisor = _divisor(reduction, num_items, label, ignore_index, x.shape[0], x.shape[-1],
-                       student_logits.shape[0], loss.device)
+    # size(0) of the logits [..., V] (the student's [V] alone: V), as TRL reads it
+    size0 = (tuple(lead) + (pair.v,))[0]
+    divisor = _divisor(reduction, num_items, label, ignore_index, lead.numel(), pair.v, size0,
+                       loss.device)
     return loss if divisor is None else loss / divisor
 
 
@@ -110,10 +129,10 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor,
     by the upstream gradient (for a 16-bit student a second rounding,
     unless that is 1).
     """
-    return _distill(student_logits, teacher_logits, labels, "jsd", beta, temperature, reduction,
-                    num_items_in_batch, teacher_temperature, logit_scale, teacher_logit_scale,
-                    softcap, teacher_softcap, soft_weight, hard_weight, ignore_index, backend,
-                    num_threads)
+    return _distill(_Logits(student_logits, teacher_logits), labels, "jsd", beta, temperature,
+                    reduction, num_items_in_batch, teacher_temperature, logit_scale,
+                    teacher_logit_scale, softcap, teacher_softcap, soft_weight, hard_weight,
+                    ignore_index, backend, num_threads)
 
 
 def kl_div(student_logits: Tensor, teacher_logits: Tensor, labels: Optional[Tensor] = None, *,
@@ -128,10 +147,11 @@ def kl_div(student_logits: Tensor, teacher_logits: Tensor, labels: Optional[Tens
     over the classes (the forward KL of distillation, TRL's beta 0);
     reverse=True: KL(p || q) (TRL's beta 1). Arguments, reductions and
     results as generalized_jsd's."""
-    return _distill(student_logits, teacher_logits, labels, "reverse_kl" if reverse else "kl",
-                    0.0, temperature, reduction, num_items_in_batch, teacher_temperature,
-                    logit_scale, teacher_logit_scale, softcap, teacher_softcap, soft_weight,
-                    hard_weight, ignore_index, backend, num_threads)
+    return _distill(_Logits(student_logits, teacher_logits), labels,
+                    "reverse_kl" if reverse else "kl", 0.0, temperature, reduction,
+                    num_items_in_batch, teacher_temperature, logit_scale, teacher_logit_scale,
+                    softcap, teacher_softcap, soft_weight, hard_weight, ignore_index, backend,
+                    num_threads)
 
 
 def tvd(student_logits: Tensor, teacher_logits: Tensor, labels: Optional[Tensor] = None, *,
@@ -143,7 +163,7 @@ def tvd(student_logits: Tensor, teacher_logits: Tensor, labels: Optional[Tensor]
         num_threads: int = 0) -> Tensor:
     """Total variation distance 0.5 sum_j |p_j - q_j| per row; arguments,
     reductions and results as generalized_jsd's."""
-    return _distill(student_logits, teacher_logits, labels, "tvd", 0.0, temperature, reduction,
-                    num_items_in_batch, teacher_temperature, logit_scale, teacher_logit_scale,
-                    softcap, teacher_softcap, soft_weight, hard_weight, ignore_index, backend,
-                    num_threads)
+    return _distill(_Logits(student_logits, teacher_logits), labels, "tvd", 0.0, temperature,
+                    reduction, num_items_in_batch, teacher_temperature, logit_scale,
+                    teacher_logit_scale, softcap, teacher_softcap, soft_weight, hard_weight,
+                    ignore_index, backend, num_threads)

@@ -13,7 +13,9 @@ gradient of 1), and the backward scales them (in place when eager: no
 second copy of dW) by the upstream scalar (lmloss_linear_scale_grads: on
 the stream, no host synchronization), so the logits GEMMs and row passes
 run once per step, not twice; a second backward through the same graph
-(retain_graph=True) recomputes.
+(retain_graph=True) recomputes. The divergences through two fused heads
+(lmloss_linear_divergence: a student's head and a teacher's) do the same
+for the student's gradients; the teacher is never differentiated.
 On CUDA each call reads the supervised-row count to the host once (the
 C library's one synchronization of the fused head).
 """
@@ -26,6 +28,7 @@ from torch import Tensor
 from .. import _lib
 from . import _bridge as B
 from ._dispatch import Differentiable, call, custom_op
+from ._div_ops import _div_opt
 from ._ops import F32, _ce_opt, _extras, _loss, _reduction_name, _stats_shape, run_args
 
 NEED_DH, NEED_DW, NEED_DB = 1, 2, 4
@@ -57,9 +60,10 @@ def _grads_struct(grads, keep):
     return _lib.HeadGrads(*(v(t) for t in grads))
 
 
-def _workspace(head, hopt, grads, k, device):
+def _workspace(device, size_fn, *args):
+    """B.workspace of the size size_fn(*args, &bytes) gives (an lmloss_linear_*workspace_size)."""
     size = ctypes.c_size_t(0)
-    _lib.check(_lib.linear_workspace_size(head, hopt, B.ptr(grads), int(k), ctypes.byref(size)))
+    _lib.check(size_fn(*args, ctypes.byref(size)))
     return B.workspace(size.value, device)
 
 
@@ -98,7 +102,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
             if t.numel():
                 setattr(out, name, B.view(t, keep))
         gs = _grads_struct(grads, keep) if need else None
-        ws, addr, nbytes = _workspace(head, hopt, gs, 1, hidden.device)
+        ws, addr, nbytes = _workspace(hidden.device, _lib.linear_workspace_size, head, hopt,
+                                      B.ptr(gs), 1)
         _lib.check(_lib.linear_cross_entropy(ctx, head, B.view(target, keep),
                                              B.ptr(B.view(token_weight, keep)),
                                              B.ptr(B.view(class_weight, keep)), opt, hopt, out,
@@ -124,7 +129,7 @@ def linear_cross_entropy_backward(
     keep, hopt = [], _hopt(memory_budget)
     with B.context(hidden, *run_args(iopts)) as ctx:
         head, gs = _head(hidden, weight, bias, keep), _grads_struct(grads, keep)
-        ws, addr, nbytes = _workspace(head, hopt, gs, 1, hidden.device)
+        ws, addr, nbytes = _workspace(hidden.device, _lib.linear_workspace_size, head, hopt, gs, 1)
         _lib.check(_lib.linear_cross_entropy_backward(
             ctx, head, B.view(target, keep), B.ptr(B.view(token_weight, keep)),
             B.ptr(B.view(class_weight, keep)), opt, hopt,
@@ -135,21 +140,6 @@ def linear_cross_entropy_backward(
 @linear_cross_entropy_backward.register_fake
 def _(dloss, hidden, weight, bias, *rest):
     return _grads(hidden, weight, bias, rest[-1])
-
-
-def _lce_setup(ctx, inputs, output):
-    ctx.computed = inputs[-1]  # the gradients the forward computed (need)
-    ctx.opts = inputs[6:-2]  # every option but `extras` and `need`
-    if getattr(ctx, "eager", False):
-        # Held beside save_for_backward, as aliases (no reference cycle
-        # through the outputs), so the backward can scale them in place:
-        # a scaled copy would be a second dW. Nor does autograd get to
-        # fill zero gradients for the gradient outputs (another dW).
-        ctx.save_for_backward(*inputs[:6])
-        ctx.fwd_grads = tuple(g.detach() for g in output[4:])
-        ctx.set_materialize_grads(False)
-    else:  # a traced graph: functional
-        ctx.save_for_backward(*inputs[:6], *output[4:])
 
 
 def _scale_grads(ctx, grads, need, dloss):
@@ -164,25 +154,113 @@ def _scale_grads(ctx, grads, need, dloss):
                                            B.view(dloss.reshape(1).to(F32), keep)))
 
 
-def _lce_backward(ctx, dloss, *_):
-    saved = ctx.saved_tensors
-    need = _need(ctx, saved[2])
-    if dloss is None:  # eager, no materialized zeros: the loss itself was not used
-        return _back((None, None, None), 0, 8)
-    if (need & ctx.computed) == need:  # computed at an upstream 1: scale (dloss is a scalar)
+def _fused_formula(tensors, first_grad, backward_op):
+    """(setup_context, backward) of a loss op whose inputs are `tensors`
+    tensors (hidden, weight, bias first), fopts, iopts, memory_budget, and
+    `need` last, and whose outputs from first_grad on are the gradients in
+    `need` at an upstream 1 (a scalar loss). backward_op(dloss, the
+    tensors, fopts, iopts, memory_budget, need) recomputes them."""
+
+    def setup(ctx, inputs, output):
+        ctx.computed = inputs[-1]  # the gradients the forward computed (need)
+        ctx.opts = inputs[tensors:tensors + 3]
+        ctx.n_opts = len(inputs) - 3  # the inputs after hidden, weight and bias
         if getattr(ctx, "eager", False):
-            ctx.computed = 0  # used up: another backward through this graph recomputes
-            grads, ctx.fwd_grads = ctx.fwd_grads, None  # unshared, autograd keeps them as .grad
-            _scale_grads(ctx, grads, need, dloss)
+            # Held beside save_for_backward, as aliases (no reference cycle
+            # through the outputs), so the backward can scale them in place:
+            # a scaled copy would be a second dW. Nor does autograd get to
+            # fill zero gradients for the gradient outputs (another dW).
+            ctx.save_for_backward(*inputs[:tensors])
+            ctx.fwd_grads = tuple(g.detach() for g in output[first_grad:])
+            ctx.set_materialize_grads(False)
+        else:  # a traced graph: functional
+            ctx.save_for_backward(*inputs[:tensors], *output[first_grad:])
+
+    def backward(ctx, dloss, *_):
+        saved = ctx.saved_tensors
+        need = _need(ctx, saved[2])
+        if dloss is None:  # eager, no materialized zeros: the loss itself was not used
+            return _back((None, None, None), 0, ctx.n_opts)
+        if (need & ctx.computed) == need:  # computed at an upstream 1: scale (dloss is a scalar)
+            if getattr(ctx, "eager", False):
+                ctx.computed = 0  # used up: another backward through this graph recomputes
+                grads, ctx.fwd_grads = ctx.fwd_grads, None  # unshared: autograd keeps them
+                _scale_grads(ctx, grads, need, dloss)
+            else:
+                grads = tuple(g * dloss if need & f else g
+                              for g, f in zip(saved[tensors:], (NEED_DH, NEED_DW, NEED_DB)))
         else:
-            grads = tuple(g * dloss if need & f else g
-                          for g, f in zip(saved[6:], (NEED_DH, NEED_DW, NEED_DB)))
-    else:
-        grads = call(ctx, linear_cross_entropy_backward, dloss, *saved[:6], *ctx.opts, need)
-    return _back(grads, need, 8)
+            grads = call(ctx, backward_op, dloss, *saved[:tensors], *ctx.opts, need)
+        return _back(grads, need, ctx.n_opts)
+
+    return setup, backward
 
 
-linear_cross_entropy = Differentiable(linear_cross_entropy, _lce_setup, _lce_backward)
+linear_cross_entropy = Differentiable(linear_cross_entropy,
+                                      *_fused_formula(6, 4, linear_cross_entropy_backward))
+
+
+# ---------------------------------------------------------------- divergences
+
+@custom_op("lmloss::linear_divergence")
+def linear_divergence(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+                      teacher_hidden: Tensor, teacher_weight: Tensor,
+                      teacher_bias: Optional[Tensor], label: Optional[Tensor],
+                      fopts: list[float], iopts: list[int], memory_budget: int,
+                      need: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """loss, then the student's (hidden, weight, bias) gradients in `need`
+    (a scalar reduction only) at an upstream gradient of 1. Options as
+    _div_ops' (fopts, iopts)."""
+    opt = _div_opt(fopts, iopts)
+    loss = _loss(hidden, hidden.shape[0], _reduction_name(iopts))
+    grads = _grads(hidden, weight, bias, need)
+    keep, hopt = [], _hopt(memory_budget)
+    with B.context(hidden, *run_args(iopts)) as ctx:
+        s = _head(hidden, weight, bias, keep)
+        t = _head(teacher_hidden, teacher_weight, teacher_bias, keep)
+        gs = _grads_struct(grads, keep) if need else None
+        ws, addr, nbytes = _workspace(hidden.device, _lib.linear_divergence_workspace_size, s, t,
+                                      hopt)
+        _lib.check(_lib.linear_divergence(ctx, s, t, B.view(label, keep), opt, hopt,
+                                          _lib.DivOutputs(loss=B.view(loss.reshape(-1), keep)),
+                                          B.ptr(gs), addr, nbytes))
+    return (loss,) + grads
+
+
+@linear_divergence.register_fake
+def _(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, label, fopts, iopts,
+      memory_budget, need):
+    loss = _loss(hidden, hidden.shape[0], _reduction_name(iopts))
+    return (loss,) + _grads(hidden, weight, bias, need)
+
+
+@custom_op("lmloss::linear_divergence_backward")
+def linear_divergence_backward(
+        dloss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
+        teacher_hidden: Tensor, teacher_weight: Tensor, teacher_bias: Optional[Tensor],
+        label: Optional[Tensor], fopts: list[float], iopts: list[int], memory_budget: int,
+        need: int) -> tuple[Tensor, Tensor, Tensor]:
+    opt = _div_opt(fopts, iopts)
+    grads = _grads(hidden, weight, bias, need)
+    keep, hopt = [], _hopt(memory_budget)
+    with B.context(hidden, *run_args(iopts)) as ctx:
+        s = _head(hidden, weight, bias, keep)
+        t = _head(teacher_hidden, teacher_weight, teacher_bias, keep)
+        ws, addr, nbytes = _workspace(hidden.device, _lib.linear_divergence_workspace_size, s, t,
+                                      hopt)
+        _lib.check(_lib.linear_divergence_backward(
+            ctx, s, t, B.view(label, keep), opt, hopt, B.view(dloss.reshape(-1).to(F32), keep),
+            _grads_struct(grads, keep), addr, nbytes))
+    return grads
+
+
+@linear_divergence_backward.register_fake
+def _(dloss, hidden, weight, bias, *rest):
+    return _grads(hidden, weight, bias, rest[-1])
+
+
+linear_divergence = Differentiable(linear_divergence,
+                                   *_fused_formula(7, 1, linear_divergence_backward))
 
 
 # ---------------------------------------------------------------- log-probs, entropy
@@ -199,7 +277,8 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ind
     keep, hopt = [], _hopt(memory_budget)
     with B.context(hidden, backend, num_threads) as ctx:
         head = _head(hidden, weight, bias, keep)
-        ws, addr, nbytes = _workspace(head, hopt, None, k, hidden.device)
+        ws, addr, nbytes = _workspace(hidden.device, _lib.linear_workspace_size, head, hopt, None,
+                                      k)
         _lib.check(_lib.linear_log_probs(
             ctx, head, B.view(index, keep), B.ptr(B.view(mask, keep)),
             B.transform(logit_scale, softcap, temperature), hopt, B.view(logp, keep),
@@ -228,7 +307,8 @@ def linear_log_probs_backward(hidden: Tensor, weight: Tensor, bias: Optional[Ten
     keep, hopt = [], _hopt(memory_budget)
     with B.context(hidden, backend, num_threads) as ctx:
         head, gs = _head(hidden, weight, bias, keep), _grads_struct(grads, keep)
-        ws, addr, nbytes = _workspace(head, hopt, gs, index.shape[1], hidden.device)
+        ws, addr, nbytes = _workspace(hidden.device, _lib.linear_workspace_size, head, hopt, gs,
+                                      index.shape[1])
         dent = None if dentropy is None else B.view(dentropy.to(F32), keep)
         _lib.check(_lib.linear_log_probs_backward(
             ctx, head, B.view(index, keep), B.ptr(B.view(mask, keep)),

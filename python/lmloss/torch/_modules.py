@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from . import _functional as F
+from ._linear_divergence import linear_generalized_jsd
 
 Items = Optional[Union[int, float, Tensor]]
 
@@ -87,3 +88,33 @@ class LinearLogProbs(torch.nn.Module):
                 bias: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> Any:
         return F.linear_log_probs(hidden, head_weight, index, bias=bias, mask=mask,
                                   **self.options)
+
+
+class LinearGeneralizedJSD(torch.nn.Module):
+    """TRL's generalized JSD through two fused heads, called as
+    Liger-Kernel's LigerFusedLinearJSD: forward(student_input [..., Hs],
+    student_weight [V, Hs], teacher_input [..., Ht], teacher_weight [V, Ht],
+    shift_labels=None [...]) -> the float32 0-d loss, beta weighting the
+    teacher as Liger's jsd_beta does (0: KL(q || p), 1: KL(p || q)).
+
+    As Liger's, the sum is divided by the rows shift_labels keep, or by all
+    rows without labels (the inputs are flattened to rows first, so a
+    [B, T, H] input divides by B * T, where linear_generalized_jsd divides
+    by B as TRL does). Unlike Liger's: every row ignored gives 0 (Liger
+    divides by 0), the GEMMs run in float32 on the CPU (no CUDA yet), and
+    further keywords of lmloss.torch.linear_generalized_jsd (student_bias,
+    teacher_bias, softcap, memory_budget, ...) are fixed at construction."""
+
+    def __init__(self, jsd_beta: float = 0.5, ignore_index: int = -100,
+                 temperature: float = 1.0, **options: Any) -> None:
+        super().__init__()
+        self.jsd_beta, self.ignore_index, self.temperature = jsd_beta, ignore_index, temperature
+        self.options = options
+
+    def forward(self, student_input: Tensor, student_weight: Tensor, teacher_input: Tensor,
+                teacher_weight: Tensor, shift_labels: Optional[Tensor] = None) -> Tensor:
+        labels = None if shift_labels is None else shift_labels.reshape(-1)
+        return linear_generalized_jsd(
+            student_input.reshape(-1, student_input.shape[-1]), student_weight,
+            teacher_input.reshape(-1, teacher_input.shape[-1]), teacher_weight, labels,
+            self.jsd_beta, self.temperature, ignore_index=self.ignore_index, **self.options)

@@ -1,0 +1,125 @@
+"""The divergences of _divergence.py through two fused heads
+(lmloss_linear_divergence): the student's logits student_hidden [..., Hs]
+x student_weight[V, Hs]^T (+ student_bias) and the teacher's from its own
+[..., Ht] and [V, Ht], neither [N, V] held whole. The arguments,
+reductions and results are those of generalized_jsd, kl_div and tvd on
+those logits (one body, _divergence._distill), plus the heads' biases and
+memory_budget (as linear_cross_entropy's). Differentiable w.r.t. the
+student's hidden, weight and bias; the teacher is detached. On the CPU
+both heads run in float32 (16-bit inputs upcast, their gradients cast
+back by autograd); CUDA tensors raise lmloss.Error
+(LMLOSS_ERR_UNSUPPORTED) until the C library has a CUDA divergence.
+"""
+
+from typing import Optional
+
+from torch import Tensor
+
+from .. import _lib
+from . import _linear_ops as L
+from ._divergence import Items, _distill
+from ._functional import _budget, _empty_logits, _grads_in_forward, _head, _same_device
+
+
+class _Heads:
+    """What _distill differentiates: the student's head and the teacher's."""
+
+    name = "student_hidden"
+
+    def __init__(self, student_hidden, student_weight, student_bias, teacher_hidden,
+                 teacher_weight, teacher_bias, labels, memory_budget):
+        self.student = _head(student_hidden, student_weight, student_bias, labels)
+        teacher = _head(teacher_hidden, teacher_weight, teacher_bias, labels)
+        if (teacher_hidden.shape[:-1] != student_hidden.shape[:-1]
+                or teacher_weight.shape[0] != student_weight.shape[0]):
+            raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "the teacher's hidden %s and weight %s "
+                             "must have the student's rows and V: hidden %s, weight %s"
+                             % (tuple(teacher_hidden.shape), tuple(teacher_weight.shape),
+                                tuple(student_hidden.shape), tuple(student_weight.shape)))
+        _same_device(teacher_hidden, student_hidden, "teacher_hidden", "student_hidden")
+        self.teacher = tuple(None if t is None else t.detach() for t in teacher)
+        self.like, self.lead = student_hidden, student_hidden.shape[:-1]
+        self.v, self.budget = student_weight.shape[0], _budget(memory_budget)
+
+    def loss(self, label, fopts, iopts, per_row):
+        """The C call's per-row values or sum, in the graph of the student's head."""
+        h, w, b = self.student
+        if h.shape[0] == 0:  # no rows: an empty or zero sum, in the graph
+            loss = _empty_logits(h, w, b).sum(-1)
+            return loss if per_row else loss.sum()
+        need = _grads_in_forward("none" if per_row else "sum", h, w, b)
+        return L.linear_divergence(h, w, b, *self.teacher, label, fopts, iopts, self.budget,
+                                   need)[0]
+
+
+def linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
+                           teacher_hidden: Tensor, teacher_weight: Tensor,
+                           labels: Optional[Tensor] = None, beta: float = 0.5,
+                           temperature: float = 1.0, reduction: str = "batchmean",
+                           num_items_in_batch: Items = None, *,
+                           student_bias: Optional[Tensor] = None,
+                           teacher_bias: Optional[Tensor] = None,
+                           teacher_temperature: Optional[float] = None, logit_scale: float = 1.0,
+                           teacher_logit_scale: Optional[float] = None,
+                           softcap: Optional[float] = None,
+                           teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
+                           hard_weight: float = 0.0, ignore_index: int = -100,
+                           memory_budget: Optional[int] = None, backend: str = "auto",
+                           num_threads: int = 0) -> Tensor:
+    """generalized_jsd (TRL's generalized_jsd_loss, every keyword) of the
+    logits student_hidden [..., Hs] student_weight[V, Hs]^T (+ student_bias
+    [V]) and teacher_hidden [..., Ht] teacher_weight[V, Ht]^T (+
+    teacher_bias [V]); labels [...]. "batchmean" without labels divides by
+    student_hidden.size(0), the logits' size(0). memory_budget: bytes for
+    the per-chunk buffers of both heads (None = 256 MiB).
+
+    Cost: a scalar loss whose student needs a gradient computes it in this
+    call (the backward scales it by the upstream gradient), so evaluate
+    under torch.no_grad().
+    """
+    return _distill(_Heads(student_hidden, student_weight, student_bias, teacher_hidden,
+                           teacher_weight, teacher_bias, labels, memory_budget),
+                    labels, "jsd", beta, temperature, reduction, num_items_in_batch,
+                    teacher_temperature, logit_scale, teacher_logit_scale, softcap,
+                    teacher_softcap, soft_weight, hard_weight, ignore_index, backend, num_threads)
+
+
+def linear_kl_div(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
+                  teacher_weight: Tensor, labels: Optional[Tensor] = None, *,
+                  reverse: bool = False, temperature: float = 1.0, reduction: str = "batchmean",
+                  num_items_in_batch: Items = None, student_bias: Optional[Tensor] = None,
+                  teacher_bias: Optional[Tensor] = None,
+                  teacher_temperature: Optional[float] = None, logit_scale: float = 1.0,
+                  teacher_logit_scale: Optional[float] = None, softcap: Optional[float] = None,
+                  teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
+                  hard_weight: float = 0.0, ignore_index: int = -100,
+                  memory_budget: Optional[int] = None, backend: str = "auto",
+                  num_threads: int = 0) -> Tensor:
+    """kl_div (KL(q || p), reverse=True: KL(p || q)) through the two heads;
+    arguments and results as linear_generalized_jsd's."""
+    return _distill(_Heads(student_hidden, student_weight, student_bias, teacher_hidden,
+                           teacher_weight, teacher_bias, labels, memory_budget),
+                    labels, "reverse_kl" if reverse else "kl", 0.0, temperature, reduction,
+                    num_items_in_batch, teacher_temperature, logit_scale, teacher_logit_scale,
+                    softcap, teacher_softcap, soft_weight, hard_weight, ignore_index, backend,
+                    num_threads)
+
+
+def linear_tvd(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
+               teacher_weight: Tensor, labels: Optional[Tensor] = None, *,
+               temperature: float = 1.0, reduction: str = "batchmean",
+               num_items_in_batch: Items = None, student_bias: Optional[Tensor] = None,
+               teacher_bias: Optional[Tensor] = None,
+               teacher_temperature: Optional[float] = None, logit_scale: float = 1.0,
+               teacher_logit_scale: Optional[float] = None, softcap: Optional[float] = None,
+               teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
+               hard_weight: float = 0.0, ignore_index: int = -100,
+               memory_budget: Optional[int] = None, backend: str = "auto",
+               num_threads: int = 0) -> Tensor:
+    """tvd (0.5 sum_j |p_j - q_j| per row) through the two heads; arguments
+    and results as linear_generalized_jsd's."""
+    return _distill(_Heads(student_hidden, student_weight, student_bias, teacher_hidden,
+                           teacher_weight, teacher_bias, labels, memory_budget),
+                    labels, "tvd", 0.0, temperature, reduction, num_items_in_batch,
+                    teacher_temperature, logit_scale, teacher_logit_scale, softcap,
+                    teacher_softcap, soft_weight, hard_weight, ignore_index, backend, num_threads)
