@@ -163,7 +163,10 @@ static pair_stats merge(const div_job *jb, const pair_stats *x, const pair_stats
 /* The row's constants once its statistics are known. */
 typedef struct {
   float ms, mt, ks, kt, G, is, it, ell, l1s, l1t, rs;
-  float dg_a, mu_a; /* g - G and the JSD's log(M / p) at the student's argmax */
+  float dg_a; /* g - G at the student's argmax a */
+  /* the JSD at a: log u_a and log w_a, u_a = (1 - beta) p_a / M_a and
+   * w_a = beta q_a / M_a, the rows' shares of the mixture there */
+  float lu_a, lw_a;
   int64_t as;
   double div, rev, mix, pos, neg, eq; /* the loss sweep's sums */
   float es_y;                         /* the label's exponent (cross-entropy) */
@@ -190,6 +193,18 @@ DIV_INLINE void jsd_logs(const div_job *jb, float delta, float lp, float lq, flo
   *nu = small ? -lmloss_vlog1p_mid((1.0f - beta) * lmloss_vexpm1_small(-d)) : lq - lm;
 }
 
+/* The JSD's log(M_j / p_j) - log(M_a / p_a) = log(u_a + w_a e^h_j), h_j =
+ * delta_j - delta_a (= dg_j - dg_a): by log1p(w_a expm1(h)) inside
+ * |h| < 1, else as a log-add-exp. Never the difference of the two logs:
+ * where the student's mass sits on columns the teacher all but ignores,
+ * both are log(1 - beta) to 1e-20 and their rounding would be all of it. */
+DIV_INLINE float jsd_dmu(const pair_row *r, float h) {
+  const float small = fabsf(h) < 1.0f, d = small ? h : 0.0f;
+  const float u = r->lu_a, v = r->lw_a + h, hi = u > v ? u : v, lo = u > v ? v : u;
+  const float far = hi + lmloss_vlog1p_mid(lmloss_vexp_neg(lo - hi, -0.0f));
+  return small ? lmloss_vlog1p_mid(lmloss_vexp_neg(r->lw_a, -0.0f) * lmloss_vexpm1_small(d)) : far;
+}
+
 /* Column i of a block: p, q, delta = log q - log p, log p, log q, g - G. */
 DIV_INLINE void column(const div_job *jb, const pair_row *r, const pair_block *b, int i, int capped,
                        float *p, float *q, float *delta, float *lp, float *lq, float *dg) {
@@ -203,10 +218,10 @@ DIV_INLINE void column(const div_job *jb, const pair_row *r, const pair_block *b
 
 /* The gradient's constants from the loss sweep's sums. The reverse KL's
  * -p_j (delta_j + KL(p||q)) and the JSD's -(1 - beta) p_j (mu_j + KL(p||M))
- * are formed as -p_j ((dg_j - dg_a) - rev) and -(1 - beta) p_j ((mu_j -
- * mu_a) - mix), the sums over j != a: where the teacher peaks away from
- * the student's argmax a, delta_a and the KL are both about the margin,
- * and their sum (a's whole entry) would cancel. */
+ * are formed as -p_j ((dg_j - dg_a) - rev) and -(1 - beta) p_j
+ * (jsd_dmu_j - mix), the sums over j != a: where the teacher peaks away
+ * from the student's argmax a, delta_a and the KL are both about the
+ * margin, and their sum (a's whole entry) would cancel. */
 typedef struct {
   float rev, mix, cpos, cneg, ceq, hard, soft, one_minus_py, scale;
   int64_t y;
@@ -222,11 +237,8 @@ DIV_INLINE float grad_entry(const div_job *jb, const pair_row *r, const grad_con
     const float pq = p_minus_q(p, q, delta);
     g = 0.5f * p * (pq > 0.0f ? c->cpos : pq < 0.0f ? c->cneg : c->ceq);
   }
-  if (kind == LMLOSS_DIV_JSD) {
-    float mu, nu;
-    jsd_logs(jb, delta, lp, lq, &mu, &nu);
-    g = p == 0.0f ? 0.0f : -(1.0f - jb->beta) * p * ((mu - r->mu_a) - c->mix);
-  }
+  if (kind == LMLOSS_DIV_JSD)
+    g = p == 0.0f ? 0.0f : -(1.0f - jb->beta) * p * (jsd_dmu(r, dg - r->dg_a) - c->mix);
   /* the hard term p - [j == y], with 1 - p_y = R / (1 + R) at the argmax */
   const float ce = j == c->y ? (c->one_minus_py < 0.0f ? p - 1.0f : -c->one_minus_py) : p;
   const lmloss_xform f = jb->fs;
@@ -266,7 +278,7 @@ DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, 
       jsd_logs(jb, delta, lp, lq, &mu, &nu);
       const float M = (1.0f - beta) * p + beta * q;
       div += beta * kl_term(q, M, nu) + (1.0f - beta) * kl_term(p, M, -mu);
-      mix += rest ? p * (mu - r->mu_a) : 0.0f;
+      mix += rest ? p * jsd_dmu(r, dg - r->dg_a) : 0.0f;
     }
     if (grad)
       out[i] = grad_entry(jb, r, c, j0 + i, p, q, delta, lp, lq, dg, b->xs[i], capped, kind);
@@ -324,16 +336,17 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   }
 }
 
-/* Column j's g - G at the student's argmax and the JSD's mu there. */
+/* Column j's g - G at the student's argmax and the JSD's shares there. */
 static void argmax_terms(const div_job *jb, pair_row *r, const pair_io *io) {
   const int64_t a = r->as;
   const float xs = lmloss_load(io->s, io->sdt, a), xt = lmloss_load(io->t, io->tdt, a);
   const float ws = lmloss_xform_w(&jb->fs, xs), wt = lmloss_xform_w(&jb->ft, xt);
   r->dg_a = lmloss_pair_dg(gap(jb, jb->capped, wt, xt, ws, xs), r->G, 0.0f, (wt - r->mt) * r->kt);
-  float mu, nu;
-  const float lq = (wt - r->mt) * r->kt - r->l1t;
-  jsd_logs(jb, r->dg_a - r->ell, -r->l1s, lq, &mu, &nu);
-  r->mu_a = mu;
+  /* w_a / u_a = beta q_a / ((1 - beta) p_a): each share from its log
+   * ratio by softplus, exact where one of them is all but 1 (forming
+   * log(1 - beta) - log(M_a / p_a) instead rounded it to 2e-7) */
+  const float lr = (jb->log_b - jb->log_1mb) + (r->dg_a - r->ell);
+  r->lu_a = -lmloss_softplus(lr), r->lw_a = -lmloss_softplus(-lr);
 }
 
 DIV_INLINE void div_pair(const div_job *jb, const pair_io *io, pair_block *b, float *gbuf,

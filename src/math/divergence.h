@@ -69,6 +69,11 @@ LMLOSS_DIV_HD float lmloss_pair_d_term(float ds, float dg, float dt) {
  * log q_j - log p_j that the rows' sums add to the columns' gaps. */
 LMLOSS_DIV_HD float lmloss_pair_ell(float d, float rs) { return log1pf(d / (1.0f + rs)); }
 
+/* log(1 + e^x) without overflow, and to its own precision where small. */
+LMLOSS_DIV_HD float lmloss_softplus(float x) {
+  return x > 0.0f ? x + log1pf(expf(-x)) : log1pf(expf(x));
+}
+
 /* phi(x) = x - 1 + e^-x >= 0, the KL summand per unit of mass, for
  * |x| < 1 by its series x^2 (1/2 - x/6 + ... + x^10/12!) (error 2e-10 of
  * phi at |x| = 1), where x + expm1(-x) would cancel. Pure arithmetic, so

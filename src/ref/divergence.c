@@ -11,7 +11,8 @@
  * the row sums relative to a's value, which even double would lose where
  * the teacher peaks elsewhere and both terms are about the margin):
  *   KL: p - q;  REVERSE_KL: -p ((delta - delta_a) - sum_k p_k (delta_k - delta_a));
- *   JSD: -(1 - beta) p ((mu - mu_a) - sum_k p_k (mu_k - mu_a)), mu = log(M / p);
+ *   JSD: -(1 - beta) p (dmu_j - sum_k p_k dmu_k), dmu = log(M / p) - the
+ *        same at a, as log(u_a + w_a e^(delta - delta_a)) (jsd_dmu);
  *   TVD: p (s_j - sum_k p_k s_k) / 2, s = sign(p - q);  CE: p - [j == y].
  */
 #include "refrow.h"
@@ -35,6 +36,15 @@ static double log_m_over_p(double delta, double beta) {
 static double log_q_over_m(double delta, double beta) {
   if (delta < -700.0) return delta - log1p(-beta) - log1p(beta * exp(delta) / (1.0 - beta));
   return -log1p((1.0 - beta) * expm1(-delta));
+}
+
+/* log(M_j / p_j) - log(M_a / p_a) = log(u_a + w_a e^h), h = delta_j -
+ * delta_a, u_a and w_a the rows' shares of M at a: the difference of the
+ * two logs would lose it in double too where both are log(1 - beta). */
+static double jsd_dmu(double lu_a, double lw_a, double h) {
+  if (fabs(h) < 1.0) return log1p(exp(lw_a) * expm1(h));
+  const double u = lu_a, v = lw_a + h, hi = u > v ? u : v, lo = u > v ? v : u;
+  return hi + log1p(exp(lo - hi));
 }
 
 static int64_t label_at(const lmloss_div_inputs *in, const lmloss_div_options *o, int64_t i) {
@@ -66,7 +76,11 @@ static void pair_row(const lmloss_div_options *o, const ref_pair *b, int64_t V, 
   for (int64_t j = 0; j < V; j++)
     b->lp[j] = ref_logp(&fs, &s, b->ws[j]), b->lq[j] = ref_logp(&ft, &t, b->wt[j]);
   const int64_t a = s.a;
-  const double d_a = b->lq[a] - b->lp[a], mu_a = log_m_over_p(d_a, beta);
+  const double d_a = b->lq[a] - b->lp[a];
+  /* the shares u_a, w_a of M at a from their log ratio (softplus) */
+  const double lr = log(beta) - log1p(-beta) + d_a;
+  const double lu_a = -(lr > 0 ? lr + log1p(exp(-lr)) : log1p(exp(lr)));
+  const double lw_a = -(lr < 0 ? -lr + log1p(exp(lr)) : log1p(exp(-lr)));
   for (int64_t j = 0; j < V; j++) {
     const double lp = b->lp[j], lq = b->lq[j], p = exp(lp), q = exp(lq);
     const double delta = lq - lp, pq = p > 0.0 ? -p * expm1(delta) : -q;
@@ -80,7 +94,7 @@ static void pair_row(const lmloss_div_options *o, const ref_pair *b, int64_t V, 
     if (o->kind == LMLOSS_DIV_JSD) {
       const double mu = log_m_over_p(delta, beta), M = (1.0 - beta) * p + beta * q;
       sum += beta * kl_term(q, M, log_q_over_m(delta, beta)) + (1.0 - beta) * kl_term(p, M, -mu);
-      if (j != a && p > 0.0) mix += p * (mu - mu_a);
+      if (j != a && p > 0.0) mix += p * jsd_dmu(lu_a, lw_a, delta - d_a);
     }
   }
   *div = sum;
@@ -93,7 +107,7 @@ static void pair_row(const lmloss_div_options *o, const ref_pair *b, int64_t V, 
     if (o->kind == LMLOSS_DIV_TVD)
       g = 0.5 * p * (pq > 0.0 ? 2.0 * neg + eq : pq < 0.0 ? -(2.0 * pos + eq) : neg - pos);
     if (o->kind == LMLOSS_DIV_JSD) {
-      g = p > 0.0 ? -(1.0 - beta) * p * ((log_m_over_p(delta, beta) - mu_a) - mix) : 0.0;
+      g = p > 0.0 ? -(1.0 - beta) * p * (jsd_dmu(lu_a, lw_a, delta - d_a) - mix) : 0.0;
     }
     g *= o->soft_weight;
     if (y >= 0) g += o->hard_weight * (j == y ? expm1(lp) : p);

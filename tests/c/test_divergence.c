@@ -73,18 +73,26 @@ static void floors(const lmloss_tensor *s, const lmloss_tensor *t, const lmloss_
   (isfinite(zt[j] - zs[j])                                                                         \
        ? fmin(fabs(zt[j] - zs[j]) + fabs(G), fabs(zt[j] - mt) + fabs(zs[j] - ms))                  \
        : 0.0)
-#define MU(j) log1p(b *expm1(fmin(D(j), 700)))
+/* log(M_j / p_j) - the same at a, as log(u_a + w_a e^h), h = D(j) - D(a):
+ * lmloss's form, which double needs too (both logs are log(1 - beta) to
+ * 1e-20 where the teacher ignores the student's mass) */
+#define DMU(j)                                                                                     \
+  (fabs(D(j) - D(a)) < 1                                                                           \
+       ? log1p(exp(lw_a) * expm1(D(j) - D(a)))                                                     \
+       : fmax(lu_a, lw_a + D(j) - D(a)) + log1p(exp(-fabs(lu_a - lw_a - (D(j) - D(a))))))
   /* the errors of the row sums the entries subtract */
   double e_rev = 0, e_mix = 0, amb = 0, sum_h = 0, sum_mu = 0;
-  const double mu_a = MU(a), dga = DG(a);
+  const double lr = log(b) - log1p(-b) + D(a), dga = DG(a);
+  const double lu_a = -(lr > 0 ? lr + log1p(exp(-lr)) : log1p(exp(lr)));
+  const double lw_a = -(lr < 0 ? -lr + log1p(exp(lr)) : log1p(exp(-lr)));
   for (int64_t j = 0; j < V; j++) {
     double p = P(j), e_d = TOL_CANCEL * (DG(j) + fabs(ell));
     if (isfinite(D(j)) && fabs(D(j)) <= e_d) amb += p;
     if (j == a || p == 0) continue;
     double h = D(j) - D(a), e_h = TOL_CANCEL * (DG(j) + dga);
     e_rev += p * (e_h + TOL_CANCEL * fabs(h)), sum_h += p * h;
-    double dmu = MU(j) - mu_a;
-    e_mix += p * (TOL_CANCEL * (fabs(MU(j)) + fabs(mu_a)) + e_h), sum_mu += p * dmu;
+    double dmu = DMU(j); /* its error: TOL |dmu| and h's times d dmu / dh */
+    e_mix += p * (TOL_CANCEL * fabs(dmu) + e_h * exp(lw_a + h - dmu)), sum_mu += p * dmu;
   }
   *row_floor = 0;
   for (int64_t j = 0; j < V; j++) {
@@ -100,8 +108,8 @@ static void floors(const lmloss_tensor *s, const lmloss_tensor *t, const lmloss_
     else if (rev)
       f = p * (e_h + e_rev + TOL_CANCEL * fabs((D(j) - D(a)) - sum_h));
     else if (o->kind == LMLOSS_DIV_JSD) {
-      double dmu = j == a ? 0 : MU(j) - mu_a;
-      double e_mu = j == a ? 0 : TOL_CANCEL * (fabs(MU(j)) + fabs(mu_a)) + e_h;
+      double dmu = j == a ? 0 : DMU(j);
+      double e_mu = j == a ? 0 : TOL_CANCEL * fabs(dmu) + e_h * exp(lw_a + D(j) - D(a) - dmu);
       f = (1 - b) * p * (e_mu + e_mix + TOL_CANCEL * fabs(dmu - sum_mu));
     } else /* TVD: a sign within delta's error may flip, moving p_j's mass */
       f = p * ((isfinite(D(j)) && fabs(D(j)) <= e_d) ? 1.0 : 0.0) + p * amb + TOL_CANCEL * p;
@@ -111,7 +119,7 @@ static void floors(const lmloss_tensor *s, const lmloss_tensor *t, const lmloss_
 #undef Q
 #undef D
 #undef DG
-#undef MU
+#undef DMU
   free(zs), free(zt);
 }
 
@@ -132,6 +140,8 @@ static void fill_rows(const lmloss_tensor *s, const lmloss_tensor *t, int rows, 
     if (rows == ROWS_PEAKED) { /* both rows confident at a, the teacher by another margin */
       tset(s, i, a, 4.0 + margin);
       tset(t, i, (i % 3 == 2) ? (a + 1) % V : a, 4.0 + margin + (i % 2 ? 1.0 : -0.5));
+      /* the student's mass on two columns the teacher all but ignores */
+      if (i % 3 == 2 && V > 3) tset(s, i, (a + 2) % V, 3.9 + margin);
     }
     if (rows == ROWS_SPECIAL) {
       if (i == 0) tset(s, i, a, NAN);
