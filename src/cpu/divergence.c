@@ -172,11 +172,6 @@ typedef struct {
   float es_y;                         /* the label's exponent (cross-entropy) */
 } pair_row;
 
-DIV_INLINE float kl_term(float a, float b, float x) {
-  const float t = fabsf(x) < 1.0f ? a * lmloss_phi_series(x) : a * x - a + b;
-  return a == 0.0f ? b : t; /* a log(a / b) - a + b, lmloss_kl_term's value */
-}
-
 DIV_INLINE float p_minus_q(float p, float q, float delta) {
   return fabsf(delta) < 1.0f ? -p * lmloss_vexpm1_small(delta) : p - q;
 }
@@ -261,9 +256,9 @@ DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, 
     float p, q, delta, lp, lq, dg;
     column(jb, r, b, i, capped, &p, &q, &delta, &lp, &lq, &dg);
     const int rest = j0 + i != r->as && p != 0.0f;
-    if (kind == LMLOSS_DIV_KL) div += kl_term(q, p, delta);
+    if (kind == LMLOSS_DIV_KL) div += lmloss_kl_term(q, p, delta);
     if (kind == LMLOSS_DIV_REVERSE_KL) {
-      div += kl_term(p, q, -delta);
+      div += lmloss_kl_term(p, q, -delta);
       rev += rest ? p * (dg - r->dg_a) : 0.0f;
     }
     if (kind == LMLOSS_DIV_TVD) {
@@ -277,7 +272,7 @@ DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, 
       float mu, nu;
       jsd_logs(jb, delta, lp, lq, &mu, &nu);
       const float M = (1.0f - beta) * p + beta * q;
-      div += beta * kl_term(q, M, nu) + (1.0f - beta) * kl_term(p, M, -mu);
+      div += beta * lmloss_kl_term(q, M, nu) + (1.0f - beta) * lmloss_kl_term(p, M, -mu);
       mix += rest ? p * jsd_dmu(r, dg - r->dg_a) : 0.0f;
     }
     if (grad)
