@@ -58,8 +58,7 @@ static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_div_in
   TRY(lmloss_check_device(ts, 3, in->student.device));
   TRY(lmloss_pick_backend(ctx, in->student.device, ops));
   TRY(lmloss_check_supports(*ops, LMLOSS_CAN_DIVERGENCE, "divergences"));
-  if (lmloss_present(&in->label))
-    TRY(lmloss_check_indices(&in->label, NULL, V, 1, opt->ignore_index, "label"));
+  TRY(lmloss_check_indices(&in->label, NULL, V, 1, opt->ignore_index, "label"));
   *eff = lmloss_div_resolve(opt);
   return LMLOSS_OK;
 }

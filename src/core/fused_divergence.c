@@ -13,10 +13,7 @@
 #include <string.h>
 
 #include "validate.h"
-
-#define ALIGN 256
-
-static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
+#include "workspace.h"
 
 /* Where everything lives in the workspace: per call the row list and
  * the chunk sums, then a chunk of `rows` rows: both slabs, both heads'
@@ -33,39 +30,31 @@ static lmloss_status plan(const lmloss_head *s, const lmloss_head *t,
   const size_t budget = hopt->memory_budget ? hopt->memory_budget : LMLOSS_HEAD_DEFAULT_BUDGET;
   memset(p, 0, sizeof *p);
   size_t off = 0;
-  p->list = off, off += up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
-  p->sums = off, off += up((size_t)(N + 2) * 4);
+  p->list = off, off += lmloss_ws_up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
+  p->sums = off, off += lmloss_ws_up((size_t)(N + 2) * 4);
   const size_t per_row = (size_t)V * 8 + (size_t)(2 * Hs + Ht) * 4 + 8 + 4 * 4 + 3 * sizeof(double);
-  const size_t slack = 12 * ALIGN + LMLOSS_CE_WS_HEADER;
-  int64_t rows = budget > off + slack ? (int64_t)((budget - off - slack) / per_row) : 0;
+  const size_t slack = 12 * LMLOSS_WS_ALIGN + LMLOSS_CE_WS_HEADER;
+  const int64_t rows = lmloss_chunk_rows(budget, off + slack, per_row, N);
   if (rows < 1)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
                        "memory_budget of %zu bytes cannot hold one row pair (%zu bytes: two rows "
                        "of V = %lld logits and their buffers) beside %zu bytes of per-call buffers",
                        budget, per_row + slack, (long long)V, off);
-  if (rows > N) rows = N > 0 ? N : 1;
-  if (rows > 128) rows -= rows % 128; /* whole GEMM tiles */
   const size_t R = (size_t)rows;
   p->rows = rows;
-  p->slab_s = off, off += up(R * V * 4);
-  p->slab_t = off, off += up(R * V * 4);
-  p->hs = off, off += up(R * Hs * 4);
-  p->ht = off, off += up(R * Ht * 4);
-  p->dh = off, off += up(R * Hs * 4);
-  p->label = off, off += up(R * 8);
-  p->dloss = off, off += up(R * 4);
-  p->loss = off, off += up(R * 4);
-  p->div = off, off += up(R * 4);
-  p->ce = off, off += up(R * 4);
-  p->row_ws = off, off += up(lmloss_cross_entropy_workspace_size(rows));
+  p->slab_s = off, off += lmloss_ws_up(R * V * 4);
+  p->slab_t = off, off += lmloss_ws_up(R * V * 4);
+  p->hs = off, off += lmloss_ws_up(R * Hs * 4);
+  p->ht = off, off += lmloss_ws_up(R * Ht * 4);
+  p->dh = off, off += lmloss_ws_up(R * Hs * 4);
+  p->label = off, off += lmloss_ws_up(R * 8);
+  p->dloss = off, off += lmloss_ws_up(R * 4);
+  p->loss = off, off += lmloss_ws_up(R * 4);
+  p->div = off, off += lmloss_ws_up(R * 4);
+  p->ce = off, off += lmloss_ws_up(R * 4);
+  p->row_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(rows));
   p->total = off;
   return LMLOSS_OK;
-}
-
-static lmloss_tensor view(void *data, lmloss_dtype dt, lmloss_device dev, int64_t rows,
-                          int64_t cols) {
-  lmloss_tensor v = {data, dt, dev, rows, cols, cols};
-  return v;
 }
 
 static lmloss_status check_heads(const lmloss_head *s, const lmloss_head *t,
@@ -106,8 +95,6 @@ typedef struct {
   const lmloss_head_grads *g;
 } div_call;
 
-static int has(const lmloss_tensor *t) { return lmloss_present(t); }
-
 static lmloss_status check_call(const div_call *c, const lmloss_head_options *hopt) {
   if (!c->s || !c->t || !c->opt || !hopt)
     return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "a head or the options is NULL");
@@ -117,7 +104,7 @@ static lmloss_status check_call(const div_call *c, const lmloss_head_options *ho
   const int64_t N = c->s->hidden.rows;
   const lmloss_tensor none = {0}, *label = c->label ? c->label : &none;
   TRY(lmloss_check_optional(label, "label", LMLOSS_INDICES, N, 1));
-  if (c->opt->hard_weight > 0.0f && !has(label))
+  if (c->opt->hard_weight > 0.0f && !lmloss_present(label))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "hard_weight > 0 needs a label");
   const int reduced = c->opt->reduction != LMLOSS_REDUCE_NONE;
   if (c->out) {
@@ -125,9 +112,9 @@ static lmloss_status check_call(const div_call *c, const lmloss_head_options *ho
     TRY(lmloss_check_tensor(&c->out->loss, "loss", f32, reduced ? 1 : N, 1));
     TRY(lmloss_check_optional(&c->out->divergence, "divergence", f32, N, 1));
     TRY(lmloss_check_optional(&c->out->ce, "ce", f32, N, 1));
-    if (has(&c->out->ce) && !has(label))
+    if (lmloss_present(&c->out->ce) && !lmloss_present(label))
       return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "a ce output needs a label");
-    if (has(&c->out->dstudent))
+    if (lmloss_present(&c->out->dstudent))
       return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "out->dstudent: the fused heads' gradients "
                                                 "are grads (dhidden, dweight, dbias)");
   } else {
@@ -147,9 +134,7 @@ static lmloss_status check_call(const div_call *c, const lmloss_head_options *ho
   }
   if (s->hidden.dtype != LMLOSS_F32 || t->hidden.dtype != LMLOSS_F32)
     return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "the fused divergence takes F32 heads");
-  return has(label)
-             ? lmloss_check_indices(label, NULL, s->weight.rows, 1, c->opt->ignore_index, "label")
-             : LMLOSS_OK;
+  return lmloss_check_indices(label, NULL, s->weight.rows, 1, c->opt->ignore_index, "label");
 }
 
 static lmloss_status run(const div_call *c, const lmloss_head_options *hopt, void *ws,
@@ -171,10 +156,10 @@ static lmloss_status run(const div_call *c, const lmloss_head_options *hopt, voi
                        ws_bytes, p.total);
   char *w = ws;
   const int64_t N = s->hidden.rows, V = s->weight.rows, Hs = s->hidden.cols, Ht = t->hidden.cols;
-  const lmloss_tensor *label = c->label && has(c->label) ? c->label : NULL;
+  const lmloss_tensor *label = c->label && lmloss_present(c->label) ? c->label : NULL;
   int64_t *list = (int64_t *)(w + p.list), M = 0;
   double kept = 0.0;
-  lmloss_tensor all = view(NULL, LMLOSS_BOOL, dev, N, 1);
+  lmloss_tensor all = lmloss_ws_view(NULL, LMLOSS_BOOL, dev, N, 1);
   TRY(L->select_rows(ctx, label ? label : &all, label ? c->opt->ignore_index : 0, NULL, list, &M,
                      &kept));
   const lmloss_div_options *o = c->opt;
@@ -187,68 +172,70 @@ static lmloss_status run(const div_call *c, const lmloss_head_options *hopt, voi
   if (factor == 0.0) M = 0;
 
   const lmloss_head_grads *g = c->g;
-  const int want_grad = g && (has(&g->dhidden) || has(&g->dweight) || has(&g->dbias));
+  const int want_grad = g && (lmloss_present(&g->dhidden) || lmloss_present(&g->dweight) ||
+                              lmloss_present(&g->dbias));
   if (c->out) {
     if (!reduced) TRY(L->fill(ctx, &c->out->loss, 0.0));
-    if (has(&c->out->divergence)) TRY(L->fill(ctx, &c->out->divergence, 0.0));
-    if (has(&c->out->ce)) TRY(L->fill(ctx, &c->out->ce, 0.0));
+    if (lmloss_present(&c->out->divergence)) TRY(L->fill(ctx, &c->out->divergence, 0.0));
+    if (lmloss_present(&c->out->ce)) TRY(L->fill(ctx, &c->out->ce, 0.0));
   }
-  if (want_grad && has(&g->dhidden)) TRY(L->fill(ctx, &g->dhidden, 0.0));
+  if (want_grad && lmloss_present(&g->dhidden)) TRY(L->fill(ctx, &g->dhidden, 0.0));
   const int64_t nchunks = (M + p.rows - 1) / p.rows;
   for (int64_t k = 0; k < nchunks; k++) {
     const int64_t first = k * p.rows, n = M - first < p.rows ? M - first : p.rows;
     const int64_t *lc = list + first;
-    lmloss_tensor hs = view(w + p.hs, LMLOSS_F32, dev, n, Hs),
-                  ht = view(w + p.ht, LMLOSS_F32, dev, n, Ht);
-    lmloss_tensor zs = view(w + p.slab_s, LMLOSS_F32, dev, n, V);
-    lmloss_tensor zt = view(w + p.slab_t, LMLOSS_F32, dev, n, V);
+    lmloss_tensor hs = lmloss_ws_view(w + p.hs, LMLOSS_F32, dev, n, Hs),
+                  ht = lmloss_ws_view(w + p.ht, LMLOSS_F32, dev, n, Ht);
+    lmloss_tensor zs = lmloss_ws_view(w + p.slab_s, LMLOSS_F32, dev, n, V);
+    lmloss_tensor zt = lmloss_ws_view(w + p.slab_t, LMLOSS_F32, dev, n, V);
     TRY(L->gather_rows(ctx, &s->hidden, lc, &hs));
     TRY(L->gather_rows(ctx, &t->hidden, lc, &ht));
     TRY(L->logits(ctx, &hs, &s->weight, &s->bias, &zs));
     TRY(L->logits(ctx, &ht, &t->weight, &t->bias, &zt));
     lmloss_div_inputs in = {zs, zt, {0}};
     if (label) {
-      in.label = view(w + p.label, label->dtype, dev, n, 1);
+      in.label = lmloss_ws_view(w + p.label, label->dtype, dev, n, 1);
       TRY(L->gather_rows(ctx, label, lc, &in.label));
     }
     const size_t rws = lmloss_cross_entropy_workspace_size(n);
     if (c->out) {
-      lmloss_div_outputs oc = {reduced ? view(w + p.sums + (size_t)k * 4, LMLOSS_F32, dev, 1, 1)
-                                       : view(w + p.loss, LMLOSS_F32, dev, n, 1),
-                               view(w + p.div, LMLOSS_F32, dev, n, 1),
-                               view(w + p.ce, LMLOSS_F32, dev, n, 1),
-                               {0}};
+      lmloss_div_outputs oc = {
+          reduced ? lmloss_ws_view(w + p.sums + (size_t)k * 4, LMLOSS_F32, dev, 1, 1)
+                  : lmloss_ws_view(w + p.loss, LMLOSS_F32, dev, n, 1),
+          lmloss_ws_view(w + p.div, LMLOSS_F32, dev, n, 1),
+          lmloss_ws_view(w + p.ce, LMLOSS_F32, dev, n, 1),
+          {0}};
       if (!label) oc.ce = (lmloss_tensor){0};
       TRY(ops->divergence(ctx, &in, &co, &oc, NULL, want_grad ? &zs : NULL, w + p.row_ws, rws));
       if (!reduced) TRY(L->scatter_rows(ctx, &oc.loss, lc, &c->out->loss));
-      if (has(&c->out->divergence))
+      if (lmloss_present(&c->out->divergence))
         TRY(L->scatter_rows(ctx, &oc.divergence, lc, &c->out->divergence));
-      if (has(&c->out->ce)) TRY(L->scatter_rows(ctx, &oc.ce, lc, &c->out->ce));
+      if (lmloss_present(&c->out->ce)) TRY(L->scatter_rows(ctx, &oc.ce, lc, &c->out->ce));
     } else {
       lmloss_tensor up = *c->dloss;
       if (!reduced) {
-        up = view(w + p.dloss, LMLOSS_F32, dev, n, 1);
+        up = lmloss_ws_view(w + p.dloss, LMLOSS_F32, dev, n, 1);
         TRY(L->gather_rows(ctx, c->dloss, lc, &up));
       }
       TRY(ops->divergence(ctx, &in, &co, NULL, &up, &zs, w + p.row_ws, rws));
     }
     if (!want_grad) continue;
     const float beta = k == 0 ? 0.0f : 1.0f; /* the slab zs now holds the gradient */
-    if (has(&g->dbias)) TRY(L->colsum(ctx, &zs, NULL, beta, &g->dbias));
-    if (has(&g->dweight)) TRY(L->gemm(ctx, 1, 0, 1.0f, &zs, &hs, beta, &g->dweight));
-    if (has(&g->dhidden)) {
-      lmloss_tensor dh = view(w + p.dh, LMLOSS_F32, dev, n, Hs);
+    if (lmloss_present(&g->dbias)) TRY(L->colsum(ctx, &zs, NULL, beta, &g->dbias));
+    if (lmloss_present(&g->dweight)) TRY(L->gemm(ctx, 1, 0, 1.0f, &zs, &hs, beta, &g->dweight));
+    if (lmloss_present(&g->dhidden)) {
+      lmloss_tensor dh = lmloss_ws_view(w + p.dh, LMLOSS_F32, dev, n, Hs);
       TRY(L->gemm(ctx, 0, 0, 1.0f, &zs, &s->weight, 0.0f, &dh));
       TRY(L->scatter_rows(ctx, &dh, lc, &g->dhidden));
     }
   }
   if (want_grad && nchunks == 0) {
-    if (has(&g->dweight)) TRY(L->fill(ctx, &g->dweight, 0.0));
-    if (has(&g->dbias)) TRY(L->fill(ctx, &g->dbias, 0.0));
+    if (lmloss_present(&g->dweight)) TRY(L->fill(ctx, &g->dweight, 0.0));
+    if (lmloss_present(&g->dbias)) TRY(L->fill(ctx, &g->dbias, 0.0));
   }
   if (c->out && reduced) {
     if (nchunks == 0) return L->fill(ctx, &c->out->loss, 0.0);
-    lmloss_tensor sums = view(w + p.sums, LMLOSS_F32, dev, nchunks, 1);
+    lmloss_tensor sums = lmloss_ws_view(w + p.sums, LMLOSS_F32, dev, nchunks, 1);
     TRY(L->sum(ctx, &sums, &c->out->loss));
   }
   return LMLOSS_OK;

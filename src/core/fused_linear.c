@@ -34,8 +34,7 @@
 #include <string.h>
 
 #include "validate.h"
-
-#define ALIGN 256
+#include "workspace.h"
 
 lmloss_head_options lmloss_head_options_default(void) {
   lmloss_head_options o = {LMLOSS_HEAD_DEFAULT_BUDGET, 1};
@@ -75,8 +74,6 @@ typedef struct {
   int tiled;     /* set per call: it does (more than one row chunk) */
 } linear_plan;
 
-static size_t up(size_t x) { return (x + ALIGN - 1) / ALIGN * ALIGN; }
-
 static int wants(const lmloss_tensor *t) { return lmloss_present(t); }
 
 static int has_grads(const lmloss_head_grads *g) {
@@ -93,8 +90,10 @@ static size_t aux_per_row(int64_t K) { return 64 + (size_t)K * 16; }
  * sum of the dW tile over the row blocks. */
 static size_t tile_bytes(const linear_plan *p, int64_t rows, int64_t cols, int64_t H, int acc,
                          int gathered, int inplace) {
-  return (gathered ? up((size_t)rows * H * p->hs) : 0) + up((size_t)rows * cols * 4) +
-         (inplace ? 0 : up((size_t)rows * cols * p->dls)) + (acc ? up((size_t)cols * H * 4) : 0);
+  return (gathered ? lmloss_ws_up((size_t)rows * H * p->hs) : 0) +
+         lmloss_ws_up((size_t)rows * cols * 4) +
+         (inplace ? 0 : lmloss_ws_up((size_t)rows * cols * p->dls)) +
+         (acc ? lmloss_ws_up((size_t)cols * H * 4) : 0);
 }
 
 static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_options *hopt,
@@ -111,44 +110,42 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   p->tiles = p->dl_separate && wants(&grads->dweight);
   p->acc_w_f32 = p->tiles && grads->dweight.dtype != LMLOSS_F32 && hopt->fp32_accumulate;
   size_t off = 0;
-  p->list = off, off += up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
+  p->list = off, off += lmloss_ws_up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
   /* what the row op keeps for a 16-bit head (lmloss_grad_keep) */
   if (p->dl_separate) {
-    p->coef = off, off += up((size_t)N * sizeof(lmloss_grad_coef));
-    p->cols = off, off += up((size_t)N * p->S * 8);
-    p->vals = off, off += up((size_t)N * p->S * 4);
+    p->coef = off, off += lmloss_ws_up((size_t)N * sizeof(lmloss_grad_coef));
+    p->cols = off, off += lmloss_ws_up((size_t)N * p->S * 8);
+    p->vals = off, off += lmloss_ws_up((size_t)N * p->S * 4);
   }
-  p->sums = off, off += up((size_t)(N + 2) * 4);
+  p->sums = off, off += lmloss_ws_up((size_t)(N + 2) * 4);
   if (grads && wants(&grads->dbias) && grads->dbias.dtype != LMLOSS_F32 && hopt->fp32_accumulate) {
     p->acc_b_f32 = 1;
-    p->acc_b = off, off += up((size_t)V * 4);
+    p->acc_b = off, off += lmloss_ws_up((size_t)V * 4);
   }
   if (wants(&head->bias) && head->bias.dtype != LMLOSS_F32) /* logits' bias: F32 */
-    p->bias32 = off, off += up((size_t)V * 4);
+    p->bias32 = off, off += lmloss_ws_up((size_t)V * 4);
   p->region = off;
   /* A row of the chunk: fp32 logits, 16-bit dlogits, hidden and dhidden,
    * dhidden's fp32 sum when rounded, the small buffers and the CE
    * workspace's three doubles. */
   const size_t per_row = (size_t)V * (4 + p->dls) + 2 * (size_t)H * p->hs +
                          (p->round_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
-  const size_t slack = 8 * ALIGN + LMLOSS_CE_WS_HEADER; /* the buffers' rounding */
-  int64_t rows = budget > off + slack ? (int64_t)((budget - off - slack) / per_row) : 0;
+  const size_t slack = 8 * LMLOSS_WS_ALIGN + LMLOSS_CE_WS_HEADER; /* the buffers' rounding */
+  const int64_t rows = lmloss_chunk_rows(budget, off + slack, per_row, N);
   const size_t tiles_min = p->tiles ? tile_bytes(p, 1, 1, H, p->acc_w_f32, 1, 0) : 0;
   if (rows < 1 || budget < off + tiles_min)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
                        "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
                        "and their buffers) beside %zu bytes of per-call buffers",
                        budget, per_row + slack, (long long)V, off);
-  if (rows > N) rows = N > 0 ? N : 1;
-  if (rows > 128) rows -= rows % 128; /* whole GEMM tiles */
   p->rows = rows;
-  p->slab = off, off += up((size_t)rows * V * 4);
-  p->dl = off, off += up((size_t)rows * V * p->dls);
-  p->hid = off, off += up((size_t)rows * H * p->hs);
-  p->dh = off, off += up((size_t)rows * H * p->hs);
-  p->dh_acc = off, off += p->round_dl ? up((size_t)rows * H * 4) : 0;
-  p->aux = off, off += up((size_t)rows * aux_per_row(K));
-  p->ce_ws = off, off += up(lmloss_cross_entropy_workspace_size(rows));
+  p->slab = off, off += lmloss_ws_up((size_t)rows * V * 4);
+  p->dl = off, off += lmloss_ws_up((size_t)rows * V * p->dls);
+  p->hid = off, off += lmloss_ws_up((size_t)rows * H * p->hs);
+  p->dh = off, off += lmloss_ws_up((size_t)rows * H * p->hs);
+  p->dh_acc = off, off += p->round_dl ? lmloss_ws_up((size_t)rows * H * 4) : 0;
+  p->aux = off, off += lmloss_ws_up((size_t)rows * aux_per_row(K));
+  p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(rows));
   p->total = off > p->region + tiles_min ? off : p->region + tiles_min;
   return LMLOSS_OK;
 }
@@ -182,7 +179,7 @@ static tile_plan plan_tiles(const linear_plan *p, size_t base, int gathered, int
   t.rows = B;
   t.acc_f32 = p->acc_w_f32 && B < M;
   t.gathered = gathered;
-  const size_t fixed = tile_bytes(p, B, 0, H, 0, gathered, 0) + 3 * ALIGN;
+  const size_t fixed = tile_bytes(p, B, 0, H, 0, gathered, 0) + 3 * LMLOSS_WS_ALIGN;
   const size_t per_col = (size_t)B * (4 + p->dls) + (t.acc_f32 ? (size_t)H * 4 : 0);
   int64_t c = R > fixed ? (int64_t)((R - fixed) / per_col) : 1;
   c = c < V ? c : V;
@@ -198,15 +195,9 @@ static tile_plan plan_tiles(const linear_plan *p, size_t base, int gathered, int
     c--;
   t.cols = c > 1 ? c : 1;
   t.hid = base;
-  t.slab = t.hid + (gathered ? up((size_t)B * H * p->hs) : 0);
-  t.dl = t.inplace ? t.slab : t.slab + up((size_t)B * t.cols * 4);
-  t.acc = t.dl + up((size_t)B * t.cols * p->dls);
-  return t;
-}
-
-static lmloss_tensor view(void *data, lmloss_dtype dt, lmloss_device dev, int64_t rows,
-                          int64_t cols) {
-  lmloss_tensor t = {data, dt, dev, rows, cols, cols};
+  t.slab = t.hid + (gathered ? lmloss_ws_up((size_t)B * H * p->hs) : 0);
+  t.dl = t.inplace ? t.slab : t.slab + lmloss_ws_up((size_t)B * t.cols * 4);
+  t.acc = t.dl + lmloss_ws_up((size_t)B * t.cols * p->dls);
   return t;
 }
 
@@ -268,15 +259,15 @@ static chunk_slots slots(const linear_plan *p, char *aux, lmloss_device dev, int
   const int64_t K = p->K > 0 ? p->K : 1;
   const size_t R = (size_t)p->rows, scalars = R * (size_t)K * 8;
   chunk_slots s;
-  s.labels = view(aux, LMLOSS_I64, dev, n, K);
-  s.row = view(aux + scalars, LMLOSS_F32, dev, n, 1);
-  s.lse = view(aux + scalars + R * 8, LMLOSS_F32, dev, n, 1);
-  s.weight = view(aux + scalars + 2 * R * 8, LMLOSS_F32, dev, n, 1);
-  s.entropy = view(aux + scalars + 3 * R * 8, LMLOSS_F32, dev, n, 1);
-  s.argmax = view(aux + scalars + 4 * R * 8, LMLOSS_I64, dev, n, 1);
-  s.per_k = view(aux + scalars + 5 * R * 8, LMLOSS_F32, dev, n, K);
-  s.stats =
-      view(aux + scalars + 5 * R * 8 + R * (size_t)K * 4, LMLOSS_F32, dev, n, LMLOSS_ROW_STATS);
+  s.labels = lmloss_ws_view(aux, LMLOSS_I64, dev, n, K);
+  s.row = lmloss_ws_view(aux + scalars, LMLOSS_F32, dev, n, 1);
+  s.lse = lmloss_ws_view(aux + scalars + R * 8, LMLOSS_F32, dev, n, 1);
+  s.weight = lmloss_ws_view(aux + scalars + 2 * R * 8, LMLOSS_F32, dev, n, 1);
+  s.entropy = lmloss_ws_view(aux + scalars + 3 * R * 8, LMLOSS_F32, dev, n, 1);
+  s.argmax = lmloss_ws_view(aux + scalars + 4 * R * 8, LMLOSS_I64, dev, n, 1);
+  s.per_k = lmloss_ws_view(aux + scalars + 5 * R * 8, LMLOSS_F32, dev, n, K);
+  s.stats = lmloss_ws_view(aux + scalars + 5 * R * 8 + R * (size_t)K * 4, LMLOSS_F32, dev, n,
+                           LMLOSS_ROW_STATS);
   return s;
 }
 
@@ -356,7 +347,7 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
     memset(&co, 0, sizeof co);
     co.loss = j->opt->reduction == LMLOSS_REDUCE_NONE
                   ? sl.row
-                  : view(ws + p->sums + (size_t)c * 4, LMLOSS_F32, dev, 1, 1);
+                  : lmloss_ws_view(ws + p->sums + (size_t)c * 4, LMLOSS_F32, dev, 1, 1);
     if (wants(&out->lse)) co.lse = sl.lse;
     if (wants(&out->entropy)) co.entropy = sl.entropy;
     if (wants(&out->argmax)) co.argmax = sl.argmax;
@@ -397,9 +388,9 @@ static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prim
   const lmloss_head *h = j->head;
   const lmloss_device dev = h->hidden.device;
   const int64_t n = dl->rows, H = h->hidden.cols;
-  lmloss_tensor dh = view(w + p->dh, h->hidden.dtype, dev, n, H);
+  lmloss_tensor dh = lmloss_ws_view(w + p->dh, h->hidden.dtype, dev, n, H);
   if (p->round_dl) {
-    lmloss_tensor acc = view(w + p->dh_acc, LMLOSS_F32, dev, n, H);
+    lmloss_tensor acc = lmloss_ws_view(w + p->dh_acc, LMLOSS_F32, dev, n, H);
     TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &acc));
     TRY(L->restore_entries(j->ctx, keep, &h->weight, &acc));
     TRY(L->cast(j->ctx, &acc, &dh));
@@ -449,14 +440,17 @@ static saved_rows saved_layout(const linear_job *j, const linear_plan *p, char *
   memset(&s, 0, sizeof s);
   size_t off = p->region;
   if (wants(&j->grads->dhidden))
-    s.acc = view(w + off, LMLOSS_F32, dev, M, H), off += up((size_t)M * H * 4);
-  s.stats = view(w + off, LMLOSS_F32, dev, M, LMLOSS_ROW_STATS);
-  off += up((size_t)M * LMLOSS_ROW_STATS * 4);
+    s.acc = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, H), off += lmloss_ws_up((size_t)M * H * 4);
+  s.stats = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, LMLOSS_ROW_STATS);
+  off += lmloss_ws_up((size_t)M * LMLOSS_ROW_STATS * 4);
   if (j->labels) {
-    s.index = view(w + off, j->labels->dtype, dev, M, K), off += up((size_t)M * K * 8);
-    s.dlogp = view(w + off, LMLOSS_F32, dev, M, K), off += up((size_t)M * K * 4);
+    s.index = lmloss_ws_view(w + off, j->labels->dtype, dev, M, K),
+    off += lmloss_ws_up((size_t)M * K * 8);
+    s.dlogp = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, K),
+    off += lmloss_ws_up((size_t)M * K * 4);
   }
-  if (j->dentropy) s.dent = view(w + off, LMLOSS_F32, dev, M, 1), off += up((size_t)M * 4);
+  if (j->dentropy)
+    s.dent = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, 1), off += lmloss_ws_up((size_t)M * 4);
   s.end = off;
   return s;
 }
@@ -473,7 +467,8 @@ static int saved_fits(const linear_job *j, const lmloss_linear_prims *L, const l
   if (!p->tiled || !L->lp_tile_grad || wants(&j->grads->dbias) || p->K > LMLOSS_SAVED_MAX_K)
     return 0;
   const int64_t c = V < 128 ? V : 128;
-  return s->end <= p->total && p->total - s->end >= tile_bytes(p, M, c, H, 0, M < N, 1) + 3 * ALIGN;
+  return s->end <= p->total &&
+         p->total - s->end >= tile_bytes(p, M, c, H, 0, M < N, 1) + 3 * LMLOSS_WS_ALIGN;
 }
 
 /* Whether the call runs from saved statistics (*on), and then their
@@ -520,18 +515,19 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
   for (int64_t j0 = 0; j0 < V; j0 += t.cols) {
     const int64_t tc = V - j0 < t.cols ? V - j0 : t.cols;
     const lmloss_tensor wt = rows_of(&h->weight, j0, tc), dwt = rows_of(&j->grads->dweight, j0, tc);
-    const lmloss_tensor acc = t.acc_f32 ? view(w + t.acc, LMLOSS_F32, dev, tc, H) : dwt;
+    const lmloss_tensor acc = t.acc_f32 ? lmloss_ws_view(w + t.acc, LMLOSS_F32, dev, tc, H) : dwt;
     for (int64_t b = 0; b < nb; b++) {
       const int64_t first = b * t.rows, n = M - first < t.rows ? M - first : t.rows;
-      lmloss_tensor hb =
-          t.gathered ? view(w + t.hid, h->hidden.dtype, dev, n, H) : rows_of(&h->hidden, first, n);
-      lmloss_tensor slab = view(w + t.slab, LMLOSS_F32, dev, n, tc);
+      lmloss_tensor hb = t.gathered ? lmloss_ws_view(w + t.hid, h->hidden.dtype, dev, n, H)
+                                    : rows_of(&h->hidden, first, n);
+      lmloss_tensor slab = lmloss_ws_view(w + t.slab, LMLOSS_F32, dev, n, tc);
       slab.row_stride = t.cols; /* the last, narrower tile keeps the rows' alignment */
       if (t.gathered && (nb > 1 || j0 == 0))
         TRY(L->gather_rows(j->ctx, &h->hidden, list + first, &hb));
       const lmloss_tensor bt = wants(bias) ? rows_of(bias, j0, tc) : (lmloss_tensor){0};
       TRY(L->logits(j->ctx, &hb, &wt, &bt, &slab));
-      lmloss_tensor dl = view(w + t.dl, h->weight.dtype, dev, n, tc);    /* a 16-bit head's */
+      lmloss_tensor dl =
+          lmloss_ws_view(w + t.dl, h->weight.dtype, dev, n, tc);         /* a 16-bit head's */
       dl.row_stride = t.inplace ? t.cols * 4 / (int64_t)p->dls : t.cols; /* the slab's rows */
       lmloss_grad_keep kept, *keep = keep_at(j, p, w, first, &kept);
       if (saved) {
@@ -559,7 +555,7 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
   lmloss_grad_keep kept;
   TRY(L->restore_entries(j->ctx, keep_at(j, p, w, 0, &kept), &h->weight, &saved->acc));
   if (!t.gathered) return L->cast(j->ctx, &saved->acc, &j->grads->dhidden);
-  lmloss_tensor dh = view(w + t.hid, h->hidden.dtype, dev, M, H);
+  lmloss_tensor dh = lmloss_ws_view(w + t.hid, h->hidden.dtype, dev, M, H);
   TRY(L->cast(j->ctx, &saved->acc, &dh));
   return L->scatter_rows(j->ctx, &dh, list, &j->grads->dhidden);
 }
@@ -595,7 +591,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   } else if (wants(j->mask)) {
     TRY(L->select_rows(j->ctx, j->mask, 0, NULL, list, &M, &wsum));
   } else {
-    lmloss_tensor all = view(NULL, LMLOSS_BOOL, dev, h->hidden.rows, 1);
+    lmloss_tensor all = lmloss_ws_view(NULL, LMLOSS_BOOL, dev, h->hidden.rows, 1);
     TRY(L->select_rows(j->ctx, &all, 0, NULL, list, &M, &wsum));
   }
   double scale = 1.0;
@@ -606,7 +602,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   /* the logits GEMMs take an F32 bias (a cuBLASLt epilogue's) */
   lmloss_tensor bias = h->bias;
   if (wants(&h->bias) && h->bias.dtype != LMLOSS_F32 && M > 0) {
-    bias = view(w + p.bias32, LMLOSS_F32, dev, V, 1);
+    bias = lmloss_ws_view(w + p.bias32, LMLOSS_F32, dev, V, 1);
     TRY(L->cast(j->ctx, &h->bias, &bias));
   }
 
@@ -614,7 +610,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
       has_grads(g) && j->kind != LP_FORWARD && !(j->kind == CE_FORWARD && !has_grads(g));
   lmloss_tensor accb = {0};
   if (g && wants(&g->dbias))
-    accb = p.acc_b_f32 ? view(w + p.acc_b, LMLOSS_F32, dev, V, 1) : g->dbias;
+    accb = p.acc_b_f32 ? lmloss_ws_view(w + p.acc_b, LMLOSS_F32, dev, V, 1) : g->dbias;
   const int64_t nchunks = (M + p.rows - 1) / p.rows;
   const int want_dw = want_grad && wants(&g->dweight);
   p.tiled = want_dw && p.tiles && nchunks > 1;
@@ -625,11 +621,11 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   for (int64_t c = 0; !saved && c < nchunks; c++) {
     const int64_t first = c * p.rows, n = M - first < p.rows ? M - first : p.rows;
     const int64_t *lc = list + first;
-    lmloss_tensor hc = view(w + p.hid, h->hidden.dtype, dev, n, H);
-    lmloss_tensor slab = view(w + p.slab, LMLOSS_F32, dev, n, V);
+    lmloss_tensor hc = lmloss_ws_view(w + p.hid, h->hidden.dtype, dev, n, H);
+    lmloss_tensor slab = lmloss_ws_view(w + p.slab, LMLOSS_F32, dev, n, V);
     TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
     TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
-    lmloss_tensor dl = p.dl_separate ? view(w + p.dl, h->weight.dtype, dev, n, V) : slab;
+    lmloss_tensor dl = p.dl_separate ? lmloss_ws_view(w + p.dl, h->weight.dtype, dev, n, V) : slab;
     lmloss_grad_keep kept, *keep = want_grad ? keep_at(j, &p, w, first, &kept) : NULL;
     TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &dl : NULL, keep, scale));
     if (!want_grad) continue;
@@ -648,7 +644,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   }
   if (j->kind == CE_FORWARD && j->opt->reduction != LMLOSS_REDUCE_NONE) {
     if (nchunks == 0) return L->fill(j->ctx, &j->out->loss, 0.0);
-    lmloss_tensor sums = view(w + p.sums, LMLOSS_F32, dev, nchunks, 1);
+    lmloss_tensor sums = lmloss_ws_view(w + p.sums, LMLOSS_F32, dev, nchunks, 1);
     TRY(L->sum(j->ctx, &sums, &j->out->loss));
   }
   return LMLOSS_OK;
@@ -728,7 +724,7 @@ static lmloss_status check_lp(const lmloss_head *head, const lmloss_tensor *inde
   TRY(lmloss_check_lp_labels(index, mask, tr, head->hidden.rows, V));
   const lmloss_tensor *ts[] = {&head->hidden, &head->weight, &head->bias, index, mask};
   TRY(lmloss_check_device(ts, 5, head->hidden.device));
-  return wants(index) ? lmloss_check_indices(index, mask, V, 0, 0, "index") : LMLOSS_OK;
+  return lmloss_check_indices(index, mask, V, 0, 0, "index");
 }
 
 lmloss_status lmloss_linear_log_probs(const lmloss_context *ctx, const lmloss_head *head,

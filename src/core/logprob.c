@@ -19,7 +19,7 @@ static lmloss_status check_labels(const lmloss_context *ctx, const lmloss_tensor
   const lmloss_tensor *ts[] = {logits, index, mask};
   TRY(lmloss_check_device(ts, 3, logits->device));
   TRY(lmloss_pick_backend(ctx, logits->device, ops));
-  if (lmloss_present(index)) TRY(lmloss_check_indices(index, mask, V, 0, 0, "index"));
+  TRY(lmloss_check_indices(index, mask, V, 0, 0, "index"));
   return LMLOSS_OK;
 }
 

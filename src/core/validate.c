@@ -56,7 +56,7 @@ lmloss_status lmloss_check_device(const lmloss_tensor *const *ts, int n, lmloss_
 
 lmloss_status lmloss_check_indices(const lmloss_tensor *idx, const lmloss_tensor *mask, int64_t V,
                                    int allow_ignore, int64_t ignore, const char *name) {
-  if (idx->device != LMLOSS_CPU) return LMLOSS_OK;
+  if (!lmloss_present(idx) || idx->device != LMLOSS_CPU) return LMLOSS_OK;
   for (int64_t r = 0; r < idx->rows; r++) {
     if (lmloss_present(mask) && !((const unsigned char *)mask->data)[r * mask->row_stride])
       continue;

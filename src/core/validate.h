@@ -64,7 +64,8 @@ lmloss_status lmloss_check_ce_options(const lmloss_ce_options *o);
 /* Every tensor in `ts` (absent ones skipped) on `device`. */
 lmloss_status lmloss_check_device(const lmloss_tensor *const *ts, int n, lmloss_device device);
 
-/* Host-side range check of an index tensor (skipped on CUDA memory):
+/* Host-side range check of an index tensor (skipped on CUDA memory and
+ * for an absent one, whose rows may say anything):
  * every entry in [0, V), except `ignore` when allow_ignore. Rows whose
  * mask entry is 0 are not read. */
 lmloss_status lmloss_check_indices(const lmloss_tensor *idx, const lmloss_tensor *mask, int64_t V,

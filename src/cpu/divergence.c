@@ -41,9 +41,11 @@ typedef struct {
   float bws[LMLOSS_DIV_BLOCK], bwt[LMLOSS_DIV_BLOCK], bxs[LMLOSS_DIV_BLOCK], bxt[LMLOSS_DIV_BLOCK];
 } pair_block;
 
-/* One side of a block; returns w, *x the raw logits. */
+/* One side of a block; returns w, *x the raw logits. With check (the
+ * statistics' sweep, the one that decides a row is non-finite), *bad and
+ * *any gather the non-finite policy of its raw logits. */
 static const float *side(const void *row, lmloss_dtype dt, const lmloss_xform *f, int64_t j0, int n,
-                         float *bx, float *bw, const float **x, int *bad, int *any) {
+                         int check, float *bx, float *bw, const float **x, int *bad, int *any) {
   const float *raw = (const float *)row + j0;
   if (dt != LMLOSS_F32 || f->cap > 0.0f) {
     lmloss_cpu_load_block(row, dt, j0, n, bx);
@@ -51,7 +53,7 @@ static const float *side(const void *row, lmloss_dtype dt, const lmloss_xform *f
   }
   int nan_inf = 0, finite = 0;
 #pragma omp simd reduction(+ : nan_inf, finite)
-  for (int i = 0; i < n; i++) {
+  for (int i = 0; i < (check ? n : 0); i++) {
     nan_inf += (raw[i] != raw[i]) | (raw[i] == INFINITY);
     finite += raw[i] > -INFINITY;
   }
@@ -64,11 +66,11 @@ static const float *side(const void *row, lmloss_dtype dt, const lmloss_xform *f
 }
 
 static void load(const div_job *jb, const void *rs, lmloss_dtype ds, const void *rt,
-                 lmloss_dtype dt, int64_t j0, pair_block *b) {
+                 lmloss_dtype dt, int64_t j0, int check, pair_block *b) {
   b->n = (int)(jb->V - j0 < LMLOSS_DIV_BLOCK ? jb->V - j0 : LMLOSS_DIV_BLOCK);
   b->bad = b->any_s = b->any_t = 0;
-  b->ws = side(rs, ds, &jb->fs, j0, b->n, b->bxs, b->bws, &b->xs, &b->bad, &b->any_s);
-  b->wt = side(rt, dt, &jb->ft, j0, b->n, b->bxt, b->bwt, &b->xt, &b->bad, &b->any_t);
+  b->ws = side(rs, ds, &jb->fs, j0, b->n, check, b->bxs, b->bws, &b->xs, &b->bad, &b->any_s);
+  b->wt = side(rt, dt, &jb->ft, j0, b->n, check, b->bxt, b->bwt, &b->xt, &b->bad, &b->any_t);
 }
 
 /* How a loop's columns are transformed, a constant of each compiled
@@ -311,7 +313,7 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   c.one_minus_py = io->y == r->as ? r->rs / (1.0f + r->rs) : -1.0f;
   const int fused = io->grad && kind == LMLOSS_DIV_KL;
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_DIV_BLOCK) {
-    load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
+    load(jb, io->s, io->sdt, io->t, io->tdt, j0, 0, b);
     if (fused)
       loss_block(jb, r, b, j0, &c, gbuf, 1, capped, kind);
     else
@@ -325,7 +327,7 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   c.cpos = (float)(2.0 * r->neg + r->eq), c.cneg = (float)-(2.0 * r->pos + r->eq);
   c.ceq = (float)(r->neg - r->pos);
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_DIV_BLOCK) {
-    load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
+    load(jb, io->s, io->sdt, io->t, io->tdt, j0, 0, b);
     grad_block(jb, r, b, j0, &c, gbuf, capped, kind);
     lmloss_cpu_store_block(io->grad, io->gdt, j0, b->n, gbuf);
   }
@@ -349,7 +351,7 @@ DIV_INLINE void div_pair(const div_job *jb, const pair_io *io, pair_block *b, fl
   pair_stats st = {0};
   int bad = 0, any_s = 0, any_t = 0;
   for (int64_t j0 = 0; j0 < jb->V; j0 += LMLOSS_DIV_BLOCK) {
-    load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
+    load(jb, io->s, io->sdt, io->t, io->tdt, j0, 1, b);
     bad |= b->bad, any_s |= b->any_s, any_t |= b->any_t;
     const pair_stats bs = block_stats(jb, b, j0, capped);
     st = j0 == 0 ? bs : merge(jb, &st, &bs);

@@ -1,11 +1,11 @@
 /* rowpass.c - vectorized per-row passes; see rowpass.h. */
 #include <string.h>
 
+#include "block.h"
 #include "dispatch.h"
 #include "math/dtype.h"
 #include "rowpass.h"
 #include "vmath.h"
-#include "block.h"
 
 const char *lmloss_cpu_isa_name(void) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
