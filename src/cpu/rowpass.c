@@ -5,7 +5,7 @@
 #include "dispatch.h"
 #include "math/dtype.h"
 #include "rowpass.h"
-#include "vmath.h"
+#include "math/vmath.h"
 
 const char *lmloss_cpu_isa_name(void) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)

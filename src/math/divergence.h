@@ -17,6 +17,7 @@
 #define LMLOSS_MATH_DIVERGENCE_H
 
 #include "rowstats.h"
+#include "vmath.h"
 
 /* The CPU's vectorized loops call these: inlined always there (an
  * outlined copy is the baseline ISA's, with libm's fmaf). */
@@ -100,6 +101,202 @@ LMLOSS_DIV_HD float lmloss_phi_series(float x) {
 LMLOSS_DIV_HD float lmloss_kl_term(float a, float b, float x) {
   const float t = fabsf(x) < 1.0f ? a * lmloss_phi_series(x) : a * x - a + b;
   return a == 0.0f ? b : t;
+}
+
+/* The pair's constants of a call: both rows' transforms, whether they
+ * share one with a softcap (g by lmloss_capped_gap), and the JSD's beta,
+ * log(1 - beta) and log(beta). */
+typedef struct {
+  lmloss_xform fs, ft;
+  int capped;
+  float beta, log_1mb, log_b;
+} lmloss_div_pair;
+
+LMLOSS_DIV_HD lmloss_div_pair lmloss_div_pair_make(const lmloss_div_options *o) {
+  const lmloss_transform *ts = &o->student, *tt = &o->teacher;
+  lmloss_div_pair pr;
+  pr.fs = lmloss_xform_make(*ts), pr.ft = lmloss_xform_make(*tt);
+  pr.capped = ts->softcap > 0.0f && ts->softcap == tt->softcap &&
+              ts->logit_scale == tt->logit_scale && ts->temperature == tt->temperature;
+  pr.beta = o->beta, pr.log_1mb = log1pf(-o->beta), pr.log_b = logf(o->beta);
+  return pr;
+}
+
+/* How a pass's columns are transformed, a constant of each compiled
+ * version of the loops (the plain one vectorizes): SHARED_CAP, both rows
+ * under one transform with a softcap (g through lmloss_capped_gap);
+ * STUDENT_CAP, the student's softcap (its chain rule in the gradient). */
+enum { LMLOSS_DIV_SHARED_CAP = 1, LMLOSS_DIV_STUDENT_CAP = 2 };
+
+/* g = zt - zs of columns of the teacher (w wt, raw xt) and the student. */
+LMLOSS_DIV_HD float lmloss_div_gap(const lmloss_div_pair *pr, int capped, float wt, float xt,
+                                   float ws, float xs) {
+  return capped & LMLOSS_DIV_SHARED_CAP ? lmloss_capped_gap(&pr->fs, xt, xs)
+                                        : lmloss_pair_gap(wt, pr->ft.k, ws, pr->fs.k);
+}
+
+/* A row pair's constants once its statistics are known, and the loss
+ * sweep's sums. */
+typedef struct {
+  float ms, mt, ks, kt, G, is, it, ell, l1s, l1t, rs;
+  float dg_a; /* g - G at the student's argmax a */
+  /* the JSD at a: log u_a and log w_a, u_a = (1 - beta) p_a / M_a and
+   * w_a = beta q_a / M_a, the rows' shares of the mixture there */
+  float lu_a, lw_a;
+  int64_t as;
+} lmloss_div_row;
+
+/* From the statistics: each row's max (w) and R, D = Rt - Rs, the
+ * student's first argmax as with raw xs_a, and the teacher's argmax's raw
+ * xt_at; the raw x of both rows at as (xs_a, xt_as) give the argmax terms:
+ * g - G there and the JSD's shares, each from its log ratio by softplus,
+ * exact where one of them is all but 1 (forming log(1 - beta) -
+ * log(M_a / p_a) instead rounded it to 2e-7). */
+LMLOSS_DIV_HD lmloss_div_row lmloss_div_row_make(const lmloss_div_pair *pr, float ms, float mt,
+                                                 float rs, float rt, float d, int64_t as,
+                                                 float xs_a, float xt_at, float xt_as) {
+  lmloss_div_row r;
+  r.ms = ms, r.mt = mt, r.ks = pr->fs.k, r.kt = pr->ft.k, r.rs = rs, r.as = as;
+  r.G = lmloss_div_gap(pr, pr->capped, mt, xt_at, ms, xs_a);
+  r.is = 1.0f / (1.0f + rs), r.it = 1.0f / (1.0f + rt);
+  r.l1s = log1pf(rs), r.l1t = log1pf(rt);
+  r.ell = lmloss_pair_ell(d, rs);
+  const float ws = lmloss_xform_w(&pr->fs, xs_a), wt = lmloss_xform_w(&pr->ft, xt_as);
+  r.dg_a = lmloss_pair_dg(lmloss_div_gap(pr, pr->capped, wt, xt_as, ws, xs_a), r.G, 0.0f,
+                          (wt - mt) * r.kt);
+  const float lr = (pr->log_b - pr->log_1mb) + (r.dg_a - r.ell);
+  r.lu_a = -lmloss_softplus(lr), r.lw_a = -lmloss_softplus(-lr);
+  return r;
+}
+
+LMLOSS_DIV_HD float lmloss_div_p_minus_q(float p, float q, float delta) {
+  return fabsf(delta) < 1.0f ? -p * lmloss_vexpm1_small(delta) : p - q;
+}
+
+/* The JSD's log(M / p) (mu) and log(q / M) (nu): by log1p of the small
+ * forms inside |delta| < 1, else from log M as a log-add-exp of the rows'
+ * log-probabilities; both computed, then a select (no branch). */
+LMLOSS_DIV_HD void lmloss_div_jsd_logs(const lmloss_div_pair *pr, float delta, float lp, float lq,
+                                       float *mu, float *nu) {
+  const float beta = pr->beta, small = fabsf(delta) < 1.0f, d = small ? delta : 0.0f;
+  const float u = lp + pr->log_1mb, v = lq + pr->log_b;
+  const float hi = u > v ? u : v, lo = u > v ? v : u;
+  const float lm = hi + lmloss_vlog1p_mid(lmloss_vexp_neg(lo - hi, -0.0f));
+  *mu = small ? lmloss_vlog1p_mid(beta * lmloss_vexpm1_small(d)) : lm - lp;
+  *nu = small ? -lmloss_vlog1p_mid((1.0f - beta) * lmloss_vexpm1_small(-d)) : lq - lm;
+}
+
+/* The JSD's log(M_j / p_j) - log(M_a / p_a) = log(u_a + w_a e^h_j), h_j =
+ * delta_j - delta_a (= dg_j - dg_a): by log1p(w_a expm1(h)) inside
+ * |h| < 1, else as a log-add-exp. Never the difference of the two logs:
+ * where the student's mass sits on columns the teacher all but ignores,
+ * both are log(1 - beta) to 1e-20 and their rounding would be all of it. */
+LMLOSS_DIV_HD float lmloss_div_jsd_dmu(const lmloss_div_row *r, float h) {
+  const float small = fabsf(h) < 1.0f, d = small ? h : 0.0f;
+  const float u = r->lu_a, v = r->lw_a + h, hi = u > v ? u : v, lo = u > v ? v : u;
+  const float far = hi + lmloss_vlog1p_mid(lmloss_vexp_neg(lo - hi, -0.0f));
+  return small ? lmloss_vlog1p_mid(lmloss_vexp_neg(r->lw_a, -0.0f) * lmloss_vexpm1_small(d)) : far;
+}
+
+/* One column of a row pair, from both rows' w and raw x. */
+typedef struct {
+  float p, q, delta, lp, lq, dg; /* delta = log q - log p, dg = g - G */
+} lmloss_div_col;
+
+LMLOSS_DIV_HD lmloss_div_col lmloss_div_column(const lmloss_div_pair *pr, const lmloss_div_row *r,
+                                               int capped, float ws, float wt, float xs, float xt) {
+  lmloss_div_col c;
+  const float es = (ws - r->ms) * r->ks, et = (wt - r->mt) * r->kt;
+  c.p = lmloss_vexp_neg(es, -0.0f) * r->is;
+  c.q = lmloss_vexp_neg(et, -0.0f) * r->it;
+  c.dg = lmloss_pair_dg(lmloss_div_gap(pr, capped, wt, xt, ws, xs), r->G, es, et);
+  c.delta = c.dg - r->ell;
+  c.lp = es - r->l1s, c.lq = et - r->l1t;
+  return c;
+}
+
+/* A column's share of the loss sweep's sums: the divergence, and the row
+ * constants the gradients of the reverse KL (rev), the JSD (mix) and TVD
+ * (the student's mass where p > q, p < q, p = q) need. rest: the column
+ * is not the student's argmax and has mass. */
+typedef struct {
+  float div, rev, mix, pos, neg, eq;
+} lmloss_div_terms;
+
+LMLOSS_DIV_HD lmloss_div_terms lmloss_div_loss_terms(const lmloss_div_pair *pr,
+                                                     const lmloss_div_row *r,
+                                                     const lmloss_div_col *c, int rest, int kind) {
+  lmloss_div_terms t = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (kind == LMLOSS_DIV_KL) t.div = lmloss_kl_term(c->q, c->p, c->delta);
+  if (kind == LMLOSS_DIV_REVERSE_KL) {
+    t.div = lmloss_kl_term(c->p, c->q, -c->delta);
+    t.rev = rest ? c->p * (c->dg - r->dg_a) : 0.0f;
+  }
+  if (kind == LMLOSS_DIV_TVD) {
+    const float pq = lmloss_div_p_minus_q(c->p, c->q, c->delta);
+    t.div = 0.5f * fabsf(pq);
+    t.pos = pq > 0.0f ? c->p : 0.0f;
+    t.neg = pq < 0.0f ? c->p : 0.0f;
+    t.eq = pq == 0.0f ? c->p : 0.0f;
+  }
+  if (kind == LMLOSS_DIV_JSD) {
+    const float beta = pr->beta;
+    float mu, nu;
+    lmloss_div_jsd_logs(pr, c->delta, c->lp, c->lq, &mu, &nu);
+    const float M = (1.0f - beta) * c->p + beta * c->q;
+    t.div = beta * lmloss_kl_term(c->q, M, nu) + (1.0f - beta) * lmloss_kl_term(c->p, M, -mu);
+    t.mix = rest ? c->p * lmloss_div_jsd_dmu(r, c->dg - r->dg_a) : 0.0f;
+  }
+  return t;
+}
+
+/* The gradient's constants from the loss sweep's sums. The reverse KL's
+ * -p_j (delta_j + KL(p||q)) and the JSD's -(1 - beta) p_j (mu_j + KL(p||M))
+ * are formed as -p_j ((dg_j - dg_a) - rev) and -(1 - beta) p_j
+ * (jsd_dmu_j - mix), the sums over j != a: where the teacher peaks away
+ * from the student's argmax a, delta_a and the KL are both about the
+ * margin, and their sum (a's whole entry) would cancel. */
+typedef struct {
+  float rev, mix, cpos, cneg, ceq; /* from the loss sweep's sums */
+  float hard, soft, scale;         /* the terms' weights; the upstream gradient */
+  float one_minus_py;              /* 1 - p_y when the label is the argmax, else -1 */
+  int64_t y;                       /* the label (< 0: none) */
+} lmloss_div_grad;
+
+/* The constants from the row's sums over its columns (the loss sweep's,
+ * in double); rev and the others as lmloss_div_terms names them. */
+LMLOSS_DIV_HD void lmloss_div_grad_sums(lmloss_div_grad *g, double rev, double mix, double pos,
+                                        double neg, double eq) {
+  g->rev = (float)rev, g->mix = (float)mix;
+  g->cpos = (float)(2.0 * neg + eq), g->cneg = (float)-(2.0 * pos + eq);
+  g->ceq = (float)(neg - pos);
+}
+
+/* Column j's entry of the student's gradient, from its column c and its
+ * raw student logit xs. */
+LMLOSS_DIV_HD float lmloss_div_grad_entry(const lmloss_div_pair *pr, const lmloss_div_row *r,
+                                          const lmloss_div_grad *gc, int64_t j,
+                                          const lmloss_div_col *c, float xs, int capped, int kind) {
+  const float p = c->p;
+  float g = 0.0f;
+  if (kind == LMLOSS_DIV_KL) g = lmloss_div_p_minus_q(p, c->q, c->delta);
+  if (kind == LMLOSS_DIV_REVERSE_KL) g = p == 0.0f ? 0.0f : -p * ((c->dg - r->dg_a) - gc->rev);
+  if (kind == LMLOSS_DIV_TVD) {
+    const float pq = lmloss_div_p_minus_q(p, c->q, c->delta);
+    g = 0.5f * p * (pq > 0.0f ? gc->cpos : pq < 0.0f ? gc->cneg : gc->ceq);
+  }
+  if (kind == LMLOSS_DIV_JSD)
+    g = p == 0.0f ? 0.0f
+                  : -(1.0f - pr->beta) * p * (lmloss_div_jsd_dmu(r, c->dg - r->dg_a) - gc->mix);
+  /* the hard term p - [j == y], with 1 - p_y = R / (1 + R) at the argmax */
+  const float ce = j == gc->y ? (gc->one_minus_py < 0.0f ? p - 1.0f : -gc->one_minus_py) : p;
+  const lmloss_xform f = pr->fs;
+  float dzdx = f.k;
+  if (capped & LMLOSS_DIV_STUDENT_CAP) {
+    const float e = lmloss_vexp_neg(-2.0f * fabsf(f.s * xs * f.inv_cap), -0.0f);
+    dzdx = f.k * f.s * (4.0f * e / ((1.0f + e) * (1.0f + e)));
+  }
+  return gc->scale * (gc->soft * g + gc->hard * ce) * dzdx;
 }
 
 #endif

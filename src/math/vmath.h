@@ -1,19 +1,24 @@
 /*
- * vmath.h - fp32 exp, expm1 and log1p as pure arithmetic, so the CPU
- * passes that call them vectorize in their AVX-512 and x86-64-v3 clones
- * (dispatch.h; libm's calls would keep each loop scalar).
+ * vmath.h - fp32 exp, expm1 and log1p as pure arithmetic, for C and CUDA:
+ * the CPU passes that call them vectorize in their AVX-512 and x86-64-v3
+ * clones (cpu/dispatch.h; libm's calls would keep each loop scalar), and
+ * a GPU runs them as FMAs, with the CPU's results to the last bit.
  */
-#ifndef LMLOSS_CPU_VMATH_H
-#define LMLOSS_CPU_VMATH_H
+#ifndef LMLOSS_MATH_VMATH_H
+#define LMLOSS_MATH_VMATH_H
 
 #include <math.h>
 #include <stdint.h>
 
-#include "math/dtype.h"
+#include "dtype.h"
 
 /* Always inlined: an outlined copy is compiled for the baseline ISA and
  * calls libm's fmaf, which undoes the clones' vectorization. */
+#if defined(__CUDACC__)
+#define LMLOSS_VMATH __host__ __device__ __forceinline__
+#else
 #define LMLOSS_VMATH static inline __attribute__((always_inline))
+#endif
 
 /* exp(hi + lo) for hi <= 0, down through the fp32 subnormals (a row sum
  * of many subnormal terms can be a normal number). Cody-Waite reduction,
