@@ -132,8 +132,6 @@ static lmloss_status check_call(const div_call *c, const lmloss_head_options *ho
     const lmloss_tensor *gs[] = {&c->g->dhidden, &c->g->dweight, &c->g->dbias};
     TRY(lmloss_check_device(gs, 3, s->hidden.device));
   }
-  if (s->hidden.dtype != LMLOSS_F32 || t->hidden.dtype != LMLOSS_F32)
-    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "the fused divergence takes F32 heads");
   return lmloss_check_indices(label, NULL, s->weight.rows, 1, c->opt->ignore_index, "label");
 }
 
@@ -147,6 +145,9 @@ static lmloss_status run(const div_call *c, const lmloss_head_options *hopt, voi
   TRY(lmloss_pick_backend(ctx, dev, &ops));
   TRY(lmloss_check_supports(ops, LMLOSS_CAN_FUSED_HEAD, "fused linear head"));
   TRY(lmloss_check_supports(ops, LMLOSS_CAN_DIVERGENCE, "divergences"));
+  const lmloss_dtype sdt = s->hidden.dtype;
+  if (sdt != LMLOSS_F32 || t->hidden.dtype != LMLOSS_F32)
+    TRY(lmloss_check_supports(ops, LMLOSS_CAN_16BIT_HEAD, "BF16/F16 heads"));
   const lmloss_linear_prims *L = ops->linear;
   div_plan p;
   TRY(plan(s, t, hopt, &p));
@@ -184,8 +185,8 @@ static lmloss_status run(const div_call *c, const lmloss_head_options *hopt, voi
   for (int64_t k = 0; k < nchunks; k++) {
     const int64_t first = k * p.rows, n = M - first < p.rows ? M - first : p.rows;
     const int64_t *lc = list + first;
-    lmloss_tensor hs = lmloss_ws_view(w + p.hs, LMLOSS_F32, dev, n, Hs),
-                  ht = lmloss_ws_view(w + p.ht, LMLOSS_F32, dev, n, Ht);
+    lmloss_tensor hs = lmloss_ws_view(w + p.hs, sdt, dev, n, Hs),
+                  ht = lmloss_ws_view(w + p.ht, t->hidden.dtype, dev, n, Ht);
     lmloss_tensor zs = lmloss_ws_view(w + p.slab_s, LMLOSS_F32, dev, n, V);
     lmloss_tensor zt = lmloss_ws_view(w + p.slab_t, LMLOSS_F32, dev, n, V);
     TRY(L->gather_rows(ctx, &s->hidden, lc, &hs));
@@ -222,10 +223,18 @@ static lmloss_status run(const div_call *c, const lmloss_head_options *hopt, voi
     if (!want_grad) continue;
     const float beta = k == 0 ? 0.0f : 1.0f; /* the slab zs now holds the gradient */
     if (lmloss_present(&g->dbias)) TRY(L->colsum(ctx, &zs, NULL, beta, &g->dbias));
-    if (lmloss_present(&g->dweight)) TRY(L->gemm(ctx, 1, 0, 1.0f, &zs, &hs, beta, &g->dweight));
+    /* a 16-bit head's GEMMs take the gradient in its dtype, over the
+     * teacher's slab (read by the row op, free now); an F32 dweight sums
+     * the chunks in fp32, a 16-bit one rounds each chunk's sum */
+    lmloss_tensor dl = zs;
+    if (sdt != LMLOSS_F32) {
+      dl = lmloss_ws_view(w + p.slab_t, sdt, dev, n, V);
+      TRY(L->cast(ctx, &zs, &dl));
+    }
+    if (lmloss_present(&g->dweight)) TRY(L->gemm(ctx, 1, 0, 1.0f, &dl, &hs, beta, &g->dweight));
     if (lmloss_present(&g->dhidden)) {
-      lmloss_tensor dh = lmloss_ws_view(w + p.dh, LMLOSS_F32, dev, n, Hs);
-      TRY(L->gemm(ctx, 0, 0, 1.0f, &zs, &s->weight, 0.0f, &dh));
+      lmloss_tensor dh = lmloss_ws_view(w + p.dh, sdt, dev, n, Hs);
+      TRY(L->gemm(ctx, 0, 0, 1.0f, &dl, &s->weight, 0.0f, &dh));
       TRY(L->scatter_rows(ctx, &dh, lc, &g->dhidden));
     }
   }

@@ -26,12 +26,15 @@ lmloss_status lmloss_cuda_softmax(const lmloss_context *, const lmloss_tensor *,
                                   const lmloss_tensor *);
 lmloss_status lmloss_cuda_softmax_backward(const lmloss_context *, const lmloss_tensor *,
                                            const lmloss_tensor *, int, const lmloss_tensor *);
+lmloss_status lmloss_cuda_divergence(const lmloss_context *, const lmloss_div_inputs *,
+                                     const lmloss_div_options *, const lmloss_div_outputs *,
+                                     const lmloss_tensor *, const lmloss_tensor *, void *, size_t);
 extern const lmloss_linear_prims lmloss_cuda_linear; /* fused_linear.cu */
 extern const lmloss_state_ops lmloss_cuda_states;    /* shard.cu */
 
-/* The fused head, also of 16-bit heads, and row states; no divergences
- * yet. */
-static int cuda_supports(lmloss_capability c) { return c != LMLOSS_CAN_DIVERGENCE; }
+/* Everything: the fused head, also of 16-bit heads, row states and the
+ * divergences. */
+static int cuda_supports(lmloss_capability c) { return c <= LMLOSS_CAN_DIVERGENCE; }
 
 extern const lmloss_backend_ops lmloss_cuda_ops = {
     lmloss_cuda_cross_entropy,
@@ -40,7 +43,7 @@ extern const lmloss_backend_ops lmloss_cuda_ops = {
     lmloss_cuda_log_probs_backward,
     lmloss_cuda_softmax,
     lmloss_cuda_softmax_backward,
-    NULL,
+    lmloss_cuda_divergence,
     &lmloss_cuda_linear,
     &lmloss_cuda_states,
     cuda_supports,

@@ -6,12 +6,16 @@ torch.cuda.set_sync_debug_mode("error") (torch raises on any synchronizing
 torch op inside the forward and backward; the fused head's one count read
 is the C library's own)."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import lmloss  # noqa: E402
 import lmloss.torch as lt  # noqa: E402
+import util  # noqa: E402
+from test_divergence import (IDS, KINDS, TORCH_FNS, oracle, pair, peaked_pair,  # noqa: E402
+                             row_floor)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available() or not lmloss.has_cuda(),
@@ -207,3 +211,132 @@ def test_tiny_llama_fused_head_peak_memory_cuda():
     print("\nCUDA peak MiB (B=8, T=512, V=32000):", peaks)
     assert abs(losses["lmloss"] - losses["transformers"]) < 1e-3 * losses["transformers"]
     assert peaks["lmloss"] < peaks["transformers"]
+
+
+# ------------------------------------------------------------------ divergences
+
+
+def div_rows(v):
+    """Student and teacher float32 [16, v]: random pairs, a small gap, and
+    peaked rows at margins 0 to 1000 with the teacher's peak on the
+    student's column and beside it."""
+    rng = np.random.default_rng(20)
+    parts = [pair(rng, 4, v), pair(rng, 2, v, gap=1e-2)]
+    parts += [peaked_pair(rng, 1, v, m, same) for m in (0.0, 17.0, 50.0, 1000.0)
+              for same in (True, False)]
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+@pytest.mark.parametrize("v", [1003, 40001])  # one CTA a row; a cluster of three
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,beta", KINDS, ids=IDS)
+def test_divergences_on_cuda_against_the_oracle(kind, beta, dtype, v):
+    """Per-row losses and both gradient paths (the fused one of a scalar
+    loss; lmloss_divergence_backward from per-row upstreams) against the
+    float64 oracle, with labels, ignored rows and the hard term."""
+    s, t = div_rows(v)
+    sg = torch.from_numpy(s).to(dtype).cuda().requires_grad_()
+    tg = torch.from_numpy(t).to(dtype).cuda()
+    y = torch.from_numpy(np.random.default_rng(21).integers(0, v, 16))
+    y[[1, 9]] = -100
+    form = "bf16" if dtype == torch.bfloat16 else "f32"
+    ref, grad = oracle(sg.detach().cpu(), tg.cpu(), kind, beta, labels=y, hard=0.25)
+    fn = {"kl": lambda **k: lt.kl_div(sg, tg, **k),
+          "reverse_kl": lambda **k: lt.kl_div(sg, tg, reverse=True, **k),
+          "tvd": lambda **k: lt.tvd(sg, tg, **k),
+          "jsd": lambda **k: lt.generalized_jsd(sg, tg, beta=beta, **k)}[kind]
+    w = torch.rand(16, generator=torch.Generator().manual_seed(0))
+    for red, upstream in (("sum", torch.tensor(3.0)), ("none", w)):
+        sg.grad = None
+        loss = fn(labels=y.cuda(), hard_weight=0.25, reduction=red)
+        want_loss = ref.sum() if red == "sum" else ref
+        util.check(loss.detach().cpu().numpy(), want_loss.detach().numpy(), what=red)
+        (upstream.cuda() * loss).sum().backward()
+        want = grad((upstream.double() * want_loss).sum())
+        floor = row_floor(want)
+        if red == "sum" and form == "bf16":  # the fused path's second rounding (_div_ops)
+            floor = floor + np.abs(want) * 2.0 ** -8 / 1e-5
+        util.check(sg.grad.float().cpu().numpy(), want, form, floor, "%s grad" % red)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,beta", KINDS, ids=IDS)
+def test_identical_rows_give_exactly_zero_on_cuda(kind, beta, dtype):
+    s = torch.from_numpy(div_rows(40001)[0]).to(dtype).cuda().requires_grad_()
+    fn, _ = TORCH_FNS[kind]
+    loss = lt.generalized_jsd(s, s.detach().clone(), beta=beta) if kind == "jsd" else \
+        fn(s, s.detach().clone())
+    loss.backward()
+    assert loss.item() == 0 and (s.grad == 0).all()
+
+
+def test_divergence_rows_that_cannot_be_computed_on_cuda():
+    """A NaN or +inf logit, a side with no finite logit, and (on the device,
+    where the library cannot read labels before the kernel) a label outside
+    [0, V) give NaN for their row alone; an ignored row gives 0."""
+    v = 40001
+    s, t = (torch.from_numpy(a).cuda() for a in div_rows(v))
+    s[0, 5], t[2, 7], s[3], t[4] = float("nan"), float("inf"), -float("inf"), -float("inf")
+    y = torch.full((16,), 3, device="cuda")
+    y[5], y[6] = v + 2, -100
+    s.requires_grad_()
+    rows = lt.kl_div(s, t, labels=y, hard_weight=0.5, reduction="none")
+    rows.sum().backward()
+    bad = torch.zeros(16, dtype=torch.bool)
+    bad[[0, 2, 3, 4, 5]] = True
+    assert rows.isnan().cpu().eq(bad).all()
+    assert s.grad.isnan().all(-1).cpu().eq(bad).all()
+    assert rows[6].item() == 0 and (s.grad[6] == 0).all()
+    assert torch.isfinite(s.grad[~bad.cuda()]).all()
+
+
+def test_divergences_on_cuda_are_bitwise_reproducible_without_host_sync():
+    rng = np.random.default_rng(22)
+    s, t = (torch.from_numpy(a).cuda() for a in pair(rng, 6, 152064))
+    y = torch.from_numpy(rng.integers(0, 152064, 6)).cuda()
+    y[2] = -100
+    items = torch.tensor(4.0, device="cuda")
+    out = []
+    torch.cuda.synchronize()
+    st = torch.cuda.Stream()
+    for _ in range(2):
+        x = s.clone().requires_grad_()
+        with torch.cuda.stream(st):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss = lt.generalized_jsd(x, t, y, beta=0.3, temperature=2.0,
+                                          num_items_in_batch=items, softcap=30.0,
+                                          teacher_softcap=30.0, hard_weight=0.1)
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        st.synchronize()
+        out.append((loss.detach(), x.grad))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
+    xc = s.cpu().requires_grad_()
+    lc = lt.generalized_jsd(xc, t.cpu(), y.cpu(), beta=0.3, temperature=2.0,
+                            num_items_in_batch=4.0, softcap=30.0, teacher_softcap=30.0,
+                            hard_weight=0.1)
+    lc.backward()
+    close(out[0][0], lc)
+    close(out[0][1], xc.grad, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_fused_heads_on_cuda(dtype):
+    g = torch.Generator().manual_seed(3)
+    hs, ht = torch.randn(96, 48, generator=g), torch.randn(96, 40, generator=g)
+    ws, wt = torch.randn(3001, 48, generator=g) * 0.3, torch.randn(3001, 40, generator=g) * 0.3
+    y = torch.randint(0, 3001, (96,), generator=g)
+    y[:7] = -100
+    res = []
+    for dev, dt in (("cpu", torch.float32), ("cuda", dtype)):
+        h, w = hs.to(dev, dt).requires_grad_(), ws.to(dev, dt).requires_grad_()
+        loss = lt.linear_generalized_jsd(h, w, ht.to(dev, dt), wt.to(dev, dt), y.to(dev),
+                                         beta=0.4, hard_weight=0.2, memory_budget=1 << 20)
+        loss.backward()
+        res.append((loss, h.grad, w.grad))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for a, b in zip(res[1], res[0]):
+        close(a.float(), b, rtol=tol, atol=tol)
+    assert res[1][2].dtype == dtype

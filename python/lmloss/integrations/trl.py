@@ -91,7 +91,7 @@ def _trl_jsd():
     cls = _gkd_trainer()
     if cls is None:
         raise ImportError("lmloss: this call needs TRL's generalized_jsd_loss (reduction "
-                          "'none', or CUDA tensors) and trl.experimental.gkd is not importable")
+                          "'none') and trl.experimental.gkd is not importable")
     return cls.generalized_jsd_loss
 
 
@@ -103,11 +103,9 @@ def generalized_jsd_loss(student_logits: Any, teacher_logits: Any, labels: Any =
     tensor (TRL's is in the logits' dtype), exact on identical and
     confident rows where TRL's difference of log-softmaxes cancels.
     student_logits, teacher_logits [B, T, V] (any [..., V]); labels
-    [B, T], -100 dropped. Two cases go to TRL's original: reduction
-    "none" (TRL returns the elementwise [..., V] terms, lmloss forms rows)
-    and CUDA tensors (lmloss's CUDA backend has no divergence yet)."""
-    if student_logits.is_cuda or (num_items_in_batch is None
-                                  and reduction not in _JSD_REDUCTIONS):
+    [B, T], -100 dropped. Reduction "none" goes to TRL's original (TRL
+    returns the elementwise [..., V] terms, lmloss forms rows)."""
+    if num_items_in_batch is None and reduction not in _JSD_REDUCTIONS:
         return _trl_jsd()(student_logits, teacher_logits, labels, beta, temperature, reduction,
                           num_items_in_batch)
     return lt.generalized_jsd(student_logits, teacher_logits, labels, beta, temperature,

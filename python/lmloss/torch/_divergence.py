@@ -120,9 +120,7 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor,
     softcap and their teacher_* forms (None: the student's; softcap None
     or 0 is off), applied as in cross_entropy; soft_weight and hard_weight
     make each row's loss soft_weight * D + hard_weight * CE(student,
-    labels) (Liger-Kernel's distillation mix; labels needed). CUDA tensors
-    raise lmloss.Error (LMLOSS_ERR_UNSUPPORTED) until the C library has a
-    CUDA divergence.
+    labels) (Liger-Kernel's distillation mix; labels needed).
 
     Cost: a scalar loss whose student needs a gradient computes it in this
     call and holds it (student-sized) until the backward, which scales it

@@ -7,8 +7,9 @@ those logits (one body, _divergence._distill), plus the heads' biases and
 memory_budget (as linear_cross_entropy's). Differentiable w.r.t. the
 student's hidden, weight and bias; the teacher is detached. On the CPU
 both heads run in float32 (16-bit inputs upcast, their gradients cast
-back by autograd); CUDA tensors raise lmloss.Error
-(LMLOSS_ERR_UNSUPPORTED) until the C library has a CUDA divergence.
+back by autograd); on CUDA in the heads' dtype (or autocast's), the
+logits in float32, a 16-bit weight's gradient rounded once per chunk of
+rows.
 """
 
 from typing import Optional

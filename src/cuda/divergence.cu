@@ -1,0 +1,521 @@
+/*
+ * divergence.cu - KL, reverse KL, generalized JSD and TVD between a
+ * student's and a teacher's rows on CUDA, with the student's
+ * cross-entropy as a hard term: the CPU's sweeps (cpu/divergence.c), each
+ * column by the same formulas (math/divergence.h, math/vmath.h).
+ *
+ * One row pair a cluster of cs CTAs (cs = 1 for short rows or below
+ * sm_90), each CTA a chunk of the columns. The chunk is read once per
+ * sweep: the maxes and argmaxes, the sums R and D below them, the loss
+ * sweep (with the forward KL's gradient), and the other kinds' gradient.
+ * The rows a cluster works on at once fit in L2, so only the first sweep
+ * reads HBM. Each sweep's CTA results are exchanged through distributed
+ * shared memory and merged in rank order, the same in every CTA, so the
+ * results are bitwise reproducible.
+ *
+ * Launch sequence on the caller's stream, nothing allocated:
+ *   [div_count]    MEAN: the rows not ignored, into the workspace header;
+ *   div_rows       per row pair: outputs, row losses, gradient;
+ *   [div_finalize] reduced losses: a fixed-order sum of the row losses.
+ * Workspace (lmloss_cross_entropy_workspace_size): header [0] the count
+ * (double), then the row losses [N] (double). A label outside [0, V) that
+ * is not ignore_index gives NaN for its row.
+ */
+#include <cooperative_groups.h>
+
+#include "common.cuh"
+#include "math/divergence.h"
+
+namespace lmc {
+
+namespace cg = cooperative_groups;
+
+constexpr int DIV_BS = 512; /* threads of a CTA */
+constexpr int DIV_NV = 8;   /* columns a thread takes at a time */
+constexpr int DIV_WARPS = DIV_BS / 32;
+/* Columns a CTA's chunk holds at least before a row is split over a
+ * cluster, and the largest cluster. */
+constexpr int64_t DIV_MIN_CHUNK = 16384;
+constexpr int DIV_MAX_CS = 8;
+
+struct DivArgs {
+  const void *s, *t;
+  lmloss_dtype sdt, tdt;
+  int64_t ss, ts; /* row strides, elements */
+  int64_t N, V;
+  const void *label;
+  int label64;
+  int64_t ls;
+  long long ignore;
+  lmloss_div_pair pr;
+  int mode; /* LMLOSS_DIV_SHARED_CAP | LMLOSS_DIV_STUDENT_CAP */
+  float soft, hard;
+  int reduction;
+  double num_items;
+  float grad_output;
+  const float *dloss; /* backward */
+  int64_t dls;
+  void *dx; /* the gradient: NULL for none */
+  lmloss_dtype dxt;
+  int64_t dxs;
+  float *loss, *div, *ce; /* outputs (NONE: loss [N]) */
+  int64_t los, dvs, ces;
+  double *count, *row_loss; /* workspace */
+  int cs;
+  int64_t chunk;
+};
+
+/* Eight columns of a row from j (16-byte loads where the row allows),
+ * as floats; columns at or past V read 0 (the sweeps mask them). */
+__device__ __forceinline__ void load8(const void *row, lmloss_dtype dt, int64_t j, int64_t V,
+                                      float *x) {
+  const bool whole = j + DIV_NV <= V;
+  if (dt == LMLOSS_F32) {
+    const float *p = (const float *)row + j;
+    if (whole && is_aligned16(p)) {
+      const float4 a = __ldcg((const float4 *)p), b = __ldcg((const float4 *)p + 1);
+      x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z,
+      x[7] = b.w;
+      return;
+    }
+#pragma unroll
+    for (int e = 0; e < DIV_NV; e++)
+      x[e] = j + e < V ? p[e] : 0.0f;
+    return;
+  }
+  const uint16_t *p = (const uint16_t *)row + j;
+  uint16_t h[DIV_NV];
+  if (whole && is_aligned16(p)) {
+    const uint4 u = __ldcg((const uint4 *)p);
+    memcpy(h, &u, sizeof h);
+  } else {
+#pragma unroll
+    for (int e = 0; e < DIV_NV; e++)
+      h[e] = j + e < V ? p[e] : 0;
+  }
+#pragma unroll
+  for (int e = 0; e < DIV_NV; e++)
+    x[e] = dt == LMLOSS_BF16 ? lmloss_bf16_to_f32(h[e]) : lmloss_f16_to_f32(h[e]);
+}
+
+__device__ __forceinline__ void store8(void *row, lmloss_dtype dt, int64_t j, int64_t V,
+                                       const float *g) {
+  const bool whole = j + DIV_NV <= V;
+  if (dt == LMLOSS_F32) {
+    float *p = (float *)row + j;
+    if (whole && is_aligned16(p)) {
+      ((float4 *)p)[0] = make_float4(g[0], g[1], g[2], g[3]);
+      ((float4 *)p)[1] = make_float4(g[4], g[5], g[6], g[7]);
+      return;
+    }
+#pragma unroll
+    for (int e = 0; e < DIV_NV; e++)
+      if (j + e < V) p[e] = g[e];
+    return;
+  }
+  uint16_t h[DIV_NV];
+#pragma unroll
+  for (int e = 0; e < DIV_NV; e++)
+    h[e] = dt == LMLOSS_BF16 ? lmloss_f32_to_bf16(g[e]) : lmloss_f32_to_f16(g[e]);
+  uint16_t *p = (uint16_t *)row + j;
+  if (whole && is_aligned16(p)) {
+    uint4 u;
+    memcpy(&u, h, sizeof h);
+    *(uint4 *)p = u;
+    return;
+  }
+#pragma unroll
+  for (int e = 0; e < DIV_NV; e++)
+    if (j + e < V) p[e] = h[e];
+}
+
+/* A row's max of w and its first column (a = LLONG_MAX: none yet). */
+struct MaxAt {
+  float m;
+  long long a;
+};
+__device__ __forceinline__ MaxAt max_at(MaxAt x, MaxAt y) {
+  return y.m > x.m || (y.m == x.m && y.a < x.a) ? y : x;
+}
+__device__ __forceinline__ MaxAt shfl_max_at(MaxAt x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    MaxAt y;
+    y.m = __shfl_down_sync(0xffffffffu, x.m, off);
+    y.a = __shfl_down_sync(0xffffffffu, x.a, off);
+    x = max_at(x, y);
+  }
+  return x;
+}
+
+/* What the first sweep finds: both rows' maxes, and the row's flags
+ * (a NaN or +inf logit; any finite logit on each side). */
+struct Extent {
+  MaxAt s, t;
+  int bad, any_s, any_t;
+};
+
+/* What a CTA shares with its cluster, one slot per exchange. */
+struct DivShared {
+  Extent ext, ext_cta[DIV_WARPS];
+  double sums[DIV_WARPS][6], tot_b[3], tot_c[6];
+};
+
+/* This CTA's Extent from its threads' (every thread gets it). */
+__device__ Extent cta_extent(Extent e, DivShared &sh) {
+  e.s = shfl_max_at(e.s), e.t = shfl_max_at(e.t);
+  e.bad = __any_sync(0xffffffffu, e.bad), e.any_s = __any_sync(0xffffffffu, e.any_s);
+  e.any_t = __any_sync(0xffffffffu, e.any_t);
+  const int w = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) sh.ext_cta[w] = e;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Extent r = sh.ext_cta[0];
+    for (int i = 1; i < DIV_WARPS; i++) {
+      const Extent &x = sh.ext_cta[i];
+      r.s = max_at(r.s, x.s), r.t = max_at(r.t, x.t);
+      r.bad |= x.bad, r.any_s |= x.any_s, r.any_t |= x.any_t;
+    }
+    sh.ext = r;
+  }
+  __syncthreads();
+  return sh.ext;
+}
+
+/* This CTA's sums of K per-thread floats, in double, into tot (every
+ * thread reads them after the call). */
+template <int K> __device__ void cta_sums(float (&v)[K], DivShared &sh, double *tot) {
+  const int w = threadIdx.x >> 5;
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    float x = v[k];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+      x += __shfl_down_sync(0xffffffffu, x, off);
+    if ((threadIdx.x & 31) == 0) sh.sums[w][k] = x;
+  }
+  __syncthreads();
+  if (threadIdx.x < K) {
+    double s = 0.0;
+    for (int i = 0; i < DIV_WARPS; i++)
+      s += sh.sums[i][threadIdx.x];
+    tot[threadIdx.x] = s;
+  }
+  __syncthreads();
+}
+
+/* The cluster's merge of each CTA's slot, in rank order (cs = 1: this
+ * CTA's own). The caller's cluster barrier makes every slot visible. */
+template <typename T, typename F>
+__device__ __forceinline__ T cluster_merge(const DivArgs &a, T *slot, F merge) {
+  T r = *slot;
+#if defined(LMLOSS_SM90)
+  if (a.cs > 1) {
+    cg::cluster_group cl = cg::this_cluster();
+    r = *cl.map_shared_rank(slot, 0);
+    for (int k = 1; k < a.cs; k++)
+      r = merge(r, *cl.map_shared_rank(slot, k));
+  }
+#endif
+  return r;
+}
+
+__device__ __forceinline__ void cluster_sync(const DivArgs &a) {
+#if defined(LMLOSS_SM90)
+  if (a.cs > 1) cg::this_cluster().sync();
+#endif
+}
+
+/* The columns of a sweep: fn(j, e, ws, wt, xs, xt) for each column j < V
+ * of this CTA's chunk, e its place in the thread's eight. */
+template <typename F>
+__device__ __forceinline__ void for_columns(const DivArgs &a, const void *rs, const void *rt,
+                                            int64_t jb, int64_t je, F fn) {
+  for (int64_t j = jb + (int64_t)threadIdx.x * DIV_NV; j < je; j += (int64_t)DIV_BS * DIV_NV) {
+    float xs[DIV_NV], xt[DIV_NV];
+    load8(rs, a.sdt, j, je, xs);
+    load8(rt, a.tdt, j, je, xt);
+#pragma unroll
+    for (int e = 0; e < DIV_NV; e++) {
+      if (j + e >= je) break;
+      fn(j + e, e, lmloss_xform_w(&a.pr.fs, xs[e]), lmloss_xform_w(&a.pr.ft, xt[e]), xs[e], xt[e]);
+    }
+  }
+}
+
+/* One row pair per cluster, of the kind K. */
+template <int K> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
+  __shared__ DivShared sh;
+  const int64_t i = blockIdx.x / a.cs;
+  const int rank = (int)(blockIdx.x % a.cs);
+  const int64_t jb = rank * a.chunk, je = jb + a.chunk < a.V ? jb + a.chunk : a.V;
+  const void *rs = (const char *)a.s + i * a.ss * (int64_t)lmloss_dtype_size(a.sdt);
+  const void *rt = (const char *)a.t + i * a.ts * (int64_t)lmloss_dtype_size(a.tdt);
+  void *rd = a.dx ? (char *)a.dx + i * a.dxs * (int64_t)lmloss_dtype_size(a.dxt) : nullptr;
+  const bool lead = rank == 0 && threadIdx.x == 0;
+  /* the label: y = -1 without; an ignored row; one outside [0, V) */
+  long long y = -1;
+  bool ignored = false, bad_label = false;
+  if (a.label) {
+    const long long l = ld_index(a.label, a.label64, i * a.ls);
+    ignored = l == a.ignore;
+    bad_label = !ignored && (l < 0 || l >= a.V);
+    y = ignored || bad_label ? -1 : l;
+  }
+  /* the row's scale: the upstream gradient through the reduction */
+  double factor = 1.0;
+  if (a.reduction == LMLOSS_REDUCE_MEAN) factor = *a.count > 0.0 ? 1.0 / *a.count : 0.0;
+  if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) factor = 1.0 / a.num_items;
+  const float up =
+      a.dloss ? a.dloss[a.reduction == LMLOSS_REDUCE_NONE ? i * a.dls : 0] : a.grad_output;
+  auto finish = [&](double div, double ce) {
+    if (!lead) return;
+    const double li = ignored ? 0.0 : a.soft * div + a.hard * ce;
+    if (a.div) a.div[i * a.dvs] = (float)div;
+    if (a.ce) a.ce[i * a.ces] = (float)ce;
+    if (a.loss && a.reduction == LMLOSS_REDUCE_NONE) a.loss[i * a.los] = (float)li;
+    a.row_loss[i] = li;
+  };
+  auto fill = [&](float v) {
+    if (!rd) return;
+    float g[DIV_NV];
+#pragma unroll
+    for (int e = 0; e < DIV_NV; e++)
+      g[e] = v;
+    for (int64_t j = jb + (int64_t)threadIdx.x * DIV_NV; j < je; j += (int64_t)DIV_BS * DIV_NV)
+      store8(rd, a.dxt, j, je, g);
+  };
+  if (ignored) { /* the same decision in every CTA of the cluster */
+    fill(0.0f);
+    finish(0.0, 0.0);
+    return;
+  }
+  const int mode = a.mode;
+  /* 1. the maxes and argmaxes of w, and the flags */
+  Extent e = {{-INFINITY, LLONG_MAX}, {-INFINITY, LLONG_MAX}, 0, 0, 0};
+  for_columns(a, rs, rt, jb, je, [&](int64_t j, int, float ws, float wt, float xs, float xt) {
+    e.bad |= (xs != xs) | (xs == INFINITY) | (xt != xt) | (xt == INFINITY);
+    e.any_s |= xs > -INFINITY, e.any_t |= xt > -INFINITY;
+    e.s = max_at(e.s, MaxAt{ws, j}), e.t = max_at(e.t, MaxAt{wt, j});
+  });
+  cta_extent(e, sh);
+  cluster_sync(a);
+  e = cluster_merge(a, &sh.ext, [](Extent x, const Extent &z) {
+    x.s = max_at(x.s, z.s), x.t = max_at(x.t, z.t);
+    x.bad |= z.bad, x.any_s |= z.any_s, x.any_t |= z.any_t;
+    return x;
+  });
+  const bool ok = !e.bad && e.any_s && e.any_t && !bad_label;
+  if (!ok) {
+    fill(NAN);
+    finish(NAN, NAN);
+    cluster_sync(a); /* no CTA leaves while another reads its slot */
+    return;
+  }
+  const float ms = e.s.m, mt = e.t.m, ks = a.pr.fs.k, kt = a.pr.ft.k;
+  const long long as = e.s.a, at = e.t.a;
+  auto raw = [](const void *row, lmloss_dtype dt, long long j) {
+    return dt == LMLOSS_F32    ? ((const float *)row)[j]
+           : dt == LMLOSS_BF16 ? lmloss_bf16_to_f32(((const uint16_t *)row)[j])
+                               : lmloss_f16_to_f32(((const uint16_t *)row)[j]);
+  };
+  const float xs_a = raw(rs, a.sdt, as), xt_at = raw(rt, a.tdt, at), xt_as = raw(rt, a.tdt, as);
+  const float G = lmloss_div_gap(&a.pr, a.pr.capped, mt, xt_at, ms, xs_a);
+  /* 2. R of each row and D = Rt - Rs below the maxes */
+  float b3[3] = {0.0f, 0.0f, 0.0f};
+  for_columns(a, rs, rt, jb, je, [&](int64_t j, int, float ws, float wt, float xs, float xt) {
+    const float ds = (ws - ms) * ks, dt = (wt - mt) * kt;
+    const float es = lmloss_vexp_neg(ds, -0.0f), et = lmloss_vexp_neg(dt, -0.0f);
+    const float dg = lmloss_pair_dg(lmloss_div_gap(&a.pr, mode, wt, xt, ws, xs), G, ds, dt);
+    b3[0] += j == as ? 0.0f : es;
+    b3[1] += j == at ? 0.0f : et;
+    b3[2] += fabsf(dg) <= 0.5f ? es * lmloss_vexpm1_small(dg) : et - es;
+  });
+  cta_sums<3>(b3, sh, sh.tot_b);
+  struct Sum3 {
+    double v[3];
+  };
+  cluster_sync(a);
+  const Sum3 st = cluster_merge(a, (Sum3 *)sh.tot_b, [](Sum3 x, const Sum3 &z) {
+    for (int k = 0; k < 3; k++)
+      x.v[k] += z.v[k];
+    return x;
+  });
+  const lmloss_div_row r = lmloss_div_row_make(&a.pr, ms, mt, (float)st.v[0], (float)st.v[1],
+                                               (float)st.v[2], as, xs_a, xt_at, xt_as);
+  lmloss_div_grad gc = {};
+  gc.y = y, gc.soft = a.soft, gc.scale = (float)(up * factor);
+  gc.hard = y >= 0 ? a.hard : 0.0f;
+  gc.one_minus_py = y == as ? r.rs / (1.0f + r.rs) : -1.0f;
+  /* 3. the loss sweep, with the forward KL's gradient */
+  const bool fused = rd && K == LMLOSS_DIV_KL;
+  float c6[6] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t j = jb + (int64_t)threadIdx.x * DIV_NV; j < je; j += (int64_t)DIV_BS * DIV_NV) {
+    float xs[DIV_NV], xt[DIV_NV], g[DIV_NV];
+    load8(rs, a.sdt, j, je, xs);
+    load8(rt, a.tdt, j, je, xt);
+#pragma unroll
+    for (int k = 0; k < DIV_NV; k++) {
+      if (j + k >= je) break;
+      const lmloss_div_col c = lmloss_div_column(&a.pr, &r, mode, lmloss_xform_w(&a.pr.fs, xs[k]),
+                                                 lmloss_xform_w(&a.pr.ft, xt[k]), xs[k], xt[k]);
+      const lmloss_div_terms t =
+          lmloss_div_loss_terms(&a.pr, &r, &c, j + k != as && c.p != 0.0f, K);
+      c6[0] += t.div, c6[1] += t.rev, c6[2] += t.mix, c6[3] += t.pos, c6[4] += t.neg, c6[5] += t.eq;
+      if (fused) g[k] = lmloss_div_grad_entry(&a.pr, &r, &gc, j + k, &c, xs[k], mode, K);
+    }
+    if (fused) store8(rd, a.dxt, j, je, g);
+  }
+  cta_sums<6>(c6, sh, sh.tot_c);
+  struct Sum6 {
+    double v[6];
+  };
+  cluster_sync(a);
+  const Sum6 lo = cluster_merge(a, (Sum6 *)sh.tot_c, [](Sum6 x, const Sum6 &z) {
+    for (int k = 0; k < 6; k++)
+      x.v[k] += z.v[k];
+    return x;
+  });
+  float es_y = 0.0f;
+  if (y >= 0) es_y = y == as ? 0.0f : (lmloss_xform_w(&a.pr.fs, raw(rs, a.sdt, y)) - ms) * ks;
+  finish(lo.v[0], y >= 0 ? (double)r.l1s - es_y : 0.0);
+  /* 4. the other kinds' gradient */
+  if (rd && !fused) {
+    lmloss_div_grad_sums(&gc, lo.v[1], lo.v[2], lo.v[3], lo.v[4], lo.v[5]);
+    for (int64_t j = jb + (int64_t)threadIdx.x * DIV_NV; j < je; j += (int64_t)DIV_BS * DIV_NV) {
+      float xs[DIV_NV], xt[DIV_NV], g[DIV_NV];
+      load8(rs, a.sdt, j, je, xs);
+      load8(rt, a.tdt, j, je, xt);
+#pragma unroll
+      for (int k = 0; k < DIV_NV; k++) {
+        const lmloss_div_col c = lmloss_div_column(&a.pr, &r, mode, lmloss_xform_w(&a.pr.fs, xs[k]),
+                                                   lmloss_xform_w(&a.pr.ft, xt[k]), xs[k], xt[k]);
+        g[k] = lmloss_div_grad_entry(&a.pr, &r, &gc, j + k, &c, xs[k], mode, K);
+      }
+      store8(rd, a.dxt, j, je, g);
+    }
+  }
+  cluster_sync(a); /* no CTA leaves while another reads its slots */
+}
+
+/* One 1024-thread block: a fixed-order double sum. */
+__device__ __forceinline__ double div_block_sum(double v, double *sh) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    v += __shfl_down_sync(0xffffffffu, v, off);
+  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
+  __syncthreads();
+  double s = 0.0;
+  if (threadIdx.x == 0)
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++)
+      s += sh[w];
+  return s;
+}
+
+__global__ void div_count(DivArgs a) {
+  __shared__ double sh[32];
+  double n = 0.0;
+  for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x)
+    n += !a.label || ld_index(a.label, a.label64, i * a.ls) != a.ignore;
+  n = div_block_sum(n, sh);
+  if (threadIdx.x == 0) *a.count = n;
+}
+
+__global__ void div_finalize(DivArgs a) {
+  __shared__ double sh[32];
+  double l = 0.0;
+  for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x)
+    l += a.row_loss[i];
+  l = div_block_sum(l, sh);
+  if (threadIdx.x == 0) {
+    double f = 1.0;
+    if (a.reduction == LMLOSS_REDUCE_MEAN) f = *a.count > 0.0 ? 1.0 / *a.count : 0.0;
+    if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) f = 1.0 / a.num_items;
+    *a.loss = (float)(l * f);
+  }
+}
+
+static lmloss_status launch_rows(const DivArgs &a, int kind, const DevInfo &d, cudaStream_t st) {
+  void (*k)(DivArgs) = kind == LMLOSS_DIV_KL           ? div_rows<LMLOSS_DIV_KL>
+                       : kind == LMLOSS_DIV_REVERSE_KL ? div_rows<LMLOSS_DIV_REVERSE_KL>
+                       : kind == LMLOSS_DIV_TVD        ? div_rows<LMLOSS_DIV_TVD>
+                                                       : div_rows<LMLOSS_DIV_JSD>;
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = cluster_launch((unsigned)(a.N * a.cs), DIV_BS, 0, a.cs, st, attr);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, k, a);
+  if (e != cudaSuccess)
+    return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA divergence: %s", cudaGetErrorString(e));
+  (void)d;
+  return check_launch("divergence");
+}
+
+static lmloss_status run_div(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                             const lmloss_div_options *opt, const lmloss_div_outputs *out,
+                             const lmloss_tensor *dloss, const lmloss_tensor *dx, void *ws) {
+  DevInfo d;
+  lmloss_status s = dev_info(&d);
+  if (s != LMLOSS_OK) return s;
+  const cudaStream_t st = stream_of(ctx);
+  DivArgs a = {};
+  a.s = in->student.data, a.t = in->teacher.data;
+  a.sdt = in->student.dtype, a.tdt = in->teacher.dtype;
+  a.ss = in->student.row_stride, a.ts = in->teacher.row_stride;
+  a.N = in->student.rows, a.V = in->student.cols;
+  if (lmloss_present(&in->label)) {
+    a.label = in->label.data;
+    a.label64 = in->label.dtype == LMLOSS_I64;
+    a.ls = in->label.row_stride;
+  }
+  a.ignore = opt->ignore_index;
+  a.pr = lmloss_div_pair_make(opt);
+  a.mode =
+      (a.pr.capped ? LMLOSS_DIV_SHARED_CAP : 0) | (a.pr.fs.cap > 0.0f ? LMLOSS_DIV_STUDENT_CAP : 0);
+  a.soft = opt->soft_weight, a.hard = opt->hard_weight;
+  a.reduction = opt->reduction;
+  a.num_items = opt->num_items;
+  a.grad_output = opt->grad_output;
+  if (dloss) a.dloss = (const float *)dloss->data, a.dls = dloss->row_stride;
+  if (dx) a.dx = dx->data, a.dxt = dx->dtype, a.dxs = dx->row_stride;
+  if (out) {
+    a.loss = (float *)out->loss.data, a.los = out->loss.row_stride;
+    a.div = (float *)out->divergence.data, a.dvs = out->divergence.row_stride;
+    a.ce = (float *)out->ce.data, a.ces = out->ce.row_stride;
+  }
+  a.count = (double *)ws;
+  a.row_loss = (double *)((char *)ws + LMLOSS_CE_WS_HEADER);
+  const bool reduced_out = out && opt->reduction != LMLOSS_REDUCE_NONE;
+  if (a.N == 0) {
+    if (!reduced_out) return LMLOSS_OK;
+    const cudaError_t e = cudaMemsetAsync(out->loss.data, 0, sizeof(float), st);
+    if (e != cudaSuccess)
+      return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA memset: %s", cudaGetErrorString(e));
+    return LMLOSS_OK;
+  }
+  /* a cluster per row where the row is long; the chunk whole vectors */
+  int cs = 1;
+  if (d.cc_major >= 9) {
+    const int64_t want = (a.V + DIV_MIN_CHUNK - 1) / DIV_MIN_CHUNK;
+    cs = want < DIV_MAX_CS ? (int)want : DIV_MAX_CS;
+  }
+  a.cs = cs;
+  a.chunk = ((a.V + cs - 1) / cs + DIV_NV - 1) / DIV_NV * DIV_NV;
+  if (opt->reduction == LMLOSS_REDUCE_MEAN) {
+    div_count<<<1, 1024, 0, st>>>(a);
+    if ((s = check_launch("divergence count")) != LMLOSS_OK) return s;
+  }
+  if ((s = launch_rows(a, opt->kind, d, st)) != LMLOSS_OK) return s;
+  if (!reduced_out) return LMLOSS_OK;
+  div_finalize<<<1, 1024, 0, st>>>(a);
+  return check_launch("divergence finalize");
+}
+
+} // namespace lmc
+
+extern "C" lmloss_status
+lmloss_cuda_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                       const lmloss_div_options *opt, const lmloss_div_outputs *out,
+                       const lmloss_tensor *dloss, const lmloss_tensor *dstudent, void *ws,
+                       size_t ws_bytes) {
+  (void)ws_bytes;
+  return lmc::run_div(ctx, in, opt, out, dloss, dstudent, ws);
+}
