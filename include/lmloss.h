@@ -616,6 +616,149 @@ LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const
                                                 const lmloss_transform *transform,
                                                 const lmloss_tensor *out);
 
+/* ------------------------------------------------------------------ */
+/* RL objectives on per-token log-probs: the GRPO family               */
+/* ------------------------------------------------------------------ */
+
+/* TRL's GRPOTrainer loss (its _compute_loss) over B sequences of T tokens,
+ * from the policy's per-token log-probs logp [B, T] (lmloss_log_probs or
+ * the fused head's). With r = logp - old_logp (old absent: r = 0, the
+ * gradient still flowing through logp) the log importance weight is
+ * lw = r (TOKEN) or, per sequence, sum_t r m / max(sum_t m, 1) (SEQUENCE),
+ * and c = exp(lw). Per token, A the advantage:
+ *   GRPO, BNPO, DR_GRPO, DAPO, LUSPO: -min(c' A, clip(c, 1 - eps_low,
+ *        1 + eps_high) A), c' = min(c, delta) when delta > 0
+ *   CISPO: -sg(min(c, eps_high)) A logp          (sg: no gradient)
+ *   SAPO:  -4 / tau sigmoid(tau (c - 1)) A, tau the positive or negative
+ *          advantage's temperature
+ *   VESPO: -sg(phi) A logp, phi the sequence's gamma weight of
+ *          w = exp(clip(sum_t clip(r, -20, 20) m + sum log IS, log 1e-8,
+ *          20)): exp(lambda + k log w - lambda w), (k, lambda) by A's sign
+ * times the off-policy mask (keep a sequence when A >= 0 or the mean of
+ * sampling_logp - logp over its tokens <= threshold), the entropy mask
+ * (entropy m >= entropy_threshold, where given) and the vLLM
+ * importance-sampling ratio (where given; VESPO reads it in phi instead),
+ * plus beta k3, k3 = e^d - 1 - d, d = ref_logp - logp (times c with
+ * bias_correction_kl). Reduced over the mask m: GRPO and SAPO the mean
+ * over sequences of each one's mean over its tokens, BNPO the mean over
+ * all tokens, DR_GRPO the sum / (B max_completion_length), LUSPO the sum
+ * / B, each divided by accumulation_steps; DAPO, CISPO and VESPO the sum
+ * / num_items. Then minus entropy_coef times the mean entropy over the
+ * tokens m and the entropy mask keep, / accumulation_steps.
+ *
+ * Numerics: c - 1 is expm1(lw) and c is exp of the difference, never two
+ * exponentials subtracted (log-probs of -1000 whose exponentials
+ * underflow keep their ratio); k3 and its gradient -expm1(d) do not
+ * cancel at small d. Per-token values are formed in double; sums over
+ * tokens and sequences are in a fixed order, so results do not depend on
+ * the thread count. Tokens with m = 0 are not read (they add nothing and
+ * get a zero gradient). */
+typedef enum {
+  LMLOSS_GRPO_GRPO = 0,
+  LMLOSS_GRPO_BNPO = 1,
+  LMLOSS_GRPO_DR_GRPO = 2,
+  LMLOSS_GRPO_DAPO = 3,
+  LMLOSS_GRPO_CISPO = 4,
+  LMLOSS_GRPO_SAPO = 5,
+  LMLOSS_GRPO_LUSPO = 6,
+  LMLOSS_GRPO_VESPO = 7
+} lmloss_grpo_loss_type;
+
+typedef enum { LMLOSS_GRPO_TOKEN = 0, LMLOSS_GRPO_SEQUENCE = 1 } lmloss_grpo_level;
+
+typedef struct {
+  lmloss_grpo_loss_type loss_type;     /* default DAPO, TRL's */
+  lmloss_grpo_level level;             /* importance_sampling_level, default TOKEN */
+  float epsilon_low;                   /* >= 0, default 0.2 */
+  float epsilon_high;                  /* >= 0, default 0.2 (CISPO: the ratio's cap) */
+  float delta;                         /* > 0: the two-sided clip's cap; 0 = off */
+  float beta;                          /* >= 0, the KL's weight (needs ref_logp) */
+  int bias_correction_kl;              /* 0 or 1: k3 times c */
+  float sapo_temperature_pos;          /* > 0, default 1 */
+  float sapo_temperature_neg;          /* > 0, default 1.05 */
+  float vespo_k_pos, vespo_lambda_pos; /* default 2, 3 */
+  float vespo_k_neg, vespo_lambda_neg; /* default 3, 2 */
+  int off_policy_mask;                 /* 0 or 1 */
+  float off_policy_threshold;          /* finite */
+  float entropy_coef;                  /* finite; != 0 needs entropy */
+  double accumulation_steps;           /* > 0, default 1 */
+  int64_t max_completion_length;       /* DR_GRPO's; 0 = T */
+  double num_items;                    /* > 0, DAPO / CISPO / VESPO's divisor, default 1 (TRL:
+                                          num_items_in_batch.clamp(1) / num_processes *
+                                          accumulation / steps_per_generation) */
+} lmloss_grpo_options;
+
+LMLOSS_API lmloss_grpo_options lmloss_grpo_options_default(void);
+
+/* F32 tensors on one device. */
+typedef struct {
+  lmloss_tensor logp;              /* [B, T]: the policy's (differentiated) */
+  lmloss_tensor mask;              /* [B, T]: the completion mask, 0 or 1 */
+  lmloss_tensor advantages;        /* [B, 1] or [B, T] */
+  lmloss_tensor old_logp;          /* optional [B, T]: absent = logp */
+  lmloss_tensor ref_logp;          /* optional [B, T]: needed when beta > 0 */
+  lmloss_tensor sampling_logp;     /* optional [B, T]: the off-policy mask's
+                                      (NaN reads as no evidence); absent = old */
+  lmloss_tensor is_ratio;          /* optional [B, T] or [B, 1]: vLLM's ratio */
+  lmloss_tensor entropy;           /* optional [B, T]: needed by the entropy
+                                      mask, the bonus and its metric */
+  lmloss_tensor entropy_threshold; /* optional [1]: the entropy mask's */
+  lmloss_tensor num_items;         /* optional [1]: replaces opt->num_items
+                                      (on the device: no host read) */
+} lmloss_grpo_inputs;
+
+/* What the metrics output holds (F32 [LMLOSS_GRPO_METRICS]): sums and
+ * counts over this call's tokens, so that processes can add theirs before
+ * dividing (TRL's global means). "Clip" values are per token, or per
+ * sequence (counted once) for SEQUENCE with advantages [B, 1]; NaN where
+ * the inputs do not define them. */
+typedef enum {
+  LMLOSS_GRPO_M_TOKENS = 0,         /* sum of m */
+  LMLOSS_GRPO_M_KL = 1,             /* sum of k3 m (k3 c with bias_correction_kl) */
+  LMLOSS_GRPO_M_ENTROPY = 2,        /* sum of entropy m */
+  LMLOSS_GRPO_M_CLIP_LOW = 3,       /* c' < 1 - eps_low and A < 0 */
+  LMLOSS_GRPO_M_CLIP_HIGH = 4,      /* c' > 1 + eps_high and A > 0 */
+  LMLOSS_GRPO_M_CLIP_REGION = 5,    /* either */
+  LMLOSS_GRPO_M_CLIP_COUNT = 6,     /* their count: sum of m, or B */
+  LMLOSS_GRPO_M_CLIP_LOW_MIN = 7,   /* least sequence mean of CLIP_LOW */
+  LMLOSS_GRPO_M_CLIP_HIGH_MAX = 8,  /* greatest sequence mean of CLIP_HIGH */
+  LMLOSS_GRPO_M_CISPO_CLIP = 9,     /* c > eps_high and A > 0 (CISPO) */
+  LMLOSS_GRPO_M_PHI = 10,           /* sum of VESPO's phi */
+  LMLOSS_GRPO_M_PHI_COUNT = 11,     /* B for advantages [B, 1], else sum of m */
+  LMLOSS_GRPO_M_POLICY_LOSS = 12,   /* the loss before accumulation_steps and
+                                       the entropy bonus */
+  LMLOSS_GRPO_M_BONUS_ENTROPY = 13, /* sum of entropy over the bonus' tokens */
+  LMLOSS_GRPO_M_BONUS_TOKENS = 14,  /* the bonus' tokens (m and entropy mask) */
+  LMLOSS_GRPO_METRICS = 16
+} lmloss_grpo_metric;
+
+typedef struct {
+  lmloss_tensor loss;     /* required F32 [1] */
+  lmloss_tensor metrics;  /* optional F32 [LMLOSS_GRPO_METRICS] (rows) */
+  lmloss_tensor dlogp;    /* optional F32 [B, T]: the gradient (upstream 1) */
+  lmloss_tensor dentropy; /* optional F32 [B, T]: the bonus' gradient (the
+                             entropy mask has none) */
+} lmloss_grpo_outputs;
+
+/* Bytes of workspace for B sequences (every backend). */
+LMLOSS_API size_t lmloss_grpo_workspace_size(int64_t sequences);
+
+/* Forward, with the gradients present in out in the same pass. Errors:
+ * NULL_POINTER, BAD_DTYPE, BAD_SHAPE (B or T < 1, a tensor's shape),
+ * BAD_STRIDE, BAD_OPTION (unknown loss type or level, NaN or out-of-range
+ * values, beta > 0 without ref_logp, entropy_coef != 0 or a threshold
+ * without entropy), WORKSPACE_TOO_SMALL, BAD_DEVICE. */
+LMLOSS_API lmloss_status lmloss_grpo(const lmloss_context *ctx, const lmloss_grpo_inputs *in,
+                                     const lmloss_grpo_options *opt, const lmloss_grpo_outputs *out,
+                                     void *workspace, size_t workspace_bytes);
+
+/* Backward: dlogp and/or dentropy (F32 [B, T], at least one) from dloss
+ * (F32 [1] on the device, never read by the host). */
+LMLOSS_API lmloss_status lmloss_grpo_backward(
+    const lmloss_context *ctx, const lmloss_grpo_inputs *in, const lmloss_grpo_options *opt,
+    const lmloss_tensor *dloss, const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
+    void *workspace, size_t workspace_bytes);
+
 /* ================================================================== */
 /* STABLE again: the library                                          */
 /* ================================================================== */

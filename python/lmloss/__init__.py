@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 from . import _lib
 from ._ce import CrossEntropyResult, cross_entropy
 from ._divergence import DivergenceResult, divergence
+from ._grpo import GRPOResult, grpo_loss
 from ._lib import Error
 from ._lib import path as library_path
 from ._linear import (LinearCrossEntropyResult, LinearDivergenceResult, linear_cross_entropy,
@@ -46,9 +47,10 @@ def cpu_isa() -> str:
     return _lib.cpu_isa().decode()
 
 
-__all__ = ["CrossEntropyResult", "DivergenceResult", "Error", "LinearCrossEntropyResult",
+__all__ = ["CrossEntropyResult", "DivergenceResult", "Error", "GRPOResult",
+           "LinearCrossEntropyResult",
            "LinearDivergenceResult", "cpu_isa", "cross_entropy", "divergence", "entropy",
-           "has_cuda", "library_path", "linear_cross_entropy", "linear_divergence",
+           "grpo_loss", "has_cuda", "library_path", "linear_cross_entropy", "linear_divergence",
            "linear_log_probs", "linear_log_probs_backward", "log_probs",
            "log_probs_backward", "log_softmax", "selective_log_softmax", "softmax",
            "softmax_backward", "__version__"]

@@ -50,6 +50,11 @@ BACKENDS = {"auto": 0, "ref": 1, "cpu": 2}
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 REDUCE_SUM_OVER_ITEMS = 3
 DIV_KINDS = {"kl": 0, "reverse_kl": 1, "jsd": 2, "tvd": 3}  # lmloss_divergence_kind
+# lmloss_grpo_loss_type and lmloss_grpo_level; LMLOSS_GRPO_METRICS floats of metrics
+GRPO_LOSS_TYPES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3, "cispo": 4, "sapo": 5,
+                   "luspo": 6, "vespo": 7}
+GRPO_LEVELS = {"token": 0, "sequence": 1}
+GRPO_METRICS = 16
 
 _c_int64 = ctypes.c_int64
 
@@ -104,6 +109,29 @@ class DivOutputs(ctypes.Structure):
     _fields_ = [("loss", Tensor), ("divergence", Tensor), ("ce", Tensor), ("dstudent", Tensor)]
 
 
+class GRPOOptions(ctypes.Structure):
+    _fields_ = [("loss_type", ctypes.c_int), ("level", ctypes.c_int),
+                ("epsilon_low", ctypes.c_float), ("epsilon_high", ctypes.c_float),
+                ("delta", ctypes.c_float), ("beta", ctypes.c_float),
+                ("bias_correction_kl", ctypes.c_int), ("sapo_temperature_pos", ctypes.c_float),
+                ("sapo_temperature_neg", ctypes.c_float), ("vespo_k_pos", ctypes.c_float),
+                ("vespo_lambda_pos", ctypes.c_float), ("vespo_k_neg", ctypes.c_float),
+                ("vespo_lambda_neg", ctypes.c_float), ("off_policy_mask", ctypes.c_int),
+                ("off_policy_threshold", ctypes.c_float), ("entropy_coef", ctypes.c_float),
+                ("accumulation_steps", ctypes.c_double), ("max_completion_length", _c_int64),
+                ("num_items", ctypes.c_double)]
+
+
+class GRPOInputs(ctypes.Structure):
+    _fields_ = [("logp", Tensor), ("mask", Tensor), ("advantages", Tensor), ("old_logp", Tensor),
+                ("ref_logp", Tensor), ("sampling_logp", Tensor), ("is_ratio", Tensor),
+                ("entropy", Tensor), ("entropy_threshold", Tensor), ("num_items", Tensor)]
+
+
+class GRPOOutputs(ctypes.Structure):
+    _fields_ = [("loss", Tensor), ("metrics", Tensor), ("dlogp", Tensor), ("dentropy", Tensor)]
+
+
 class Head(ctypes.Structure):
     """lmloss_head: hidden [N, H], weight [V, H], optional bias [V]."""
     _fields_ = [("hidden", Tensor), ("weight", Tensor), ("bias", Tensor)]
@@ -123,7 +151,9 @@ STRUCTS = {"lmloss_tensor": Tensor, "lmloss_context": Context, "lmloss_transform
            "lmloss_ce_options": CEOptions, "lmloss_ce_inputs": CEInputs,
            "lmloss_ce_outputs": CEOutputs, "lmloss_div_options": DivOptions,
            "lmloss_div_inputs": DivInputs, "lmloss_div_outputs": DivOutputs, "lmloss_head": Head,
-           "lmloss_head_options": HeadOptions, "lmloss_head_grads": HeadGrads}
+           "lmloss_head_options": HeadOptions, "lmloss_head_grads": HeadGrads,
+           "lmloss_grpo_options": GRPOOptions, "lmloss_grpo_inputs": GRPOInputs,
+           "lmloss_grpo_outputs": GRPOOutputs}
 
 _P = ctypes.POINTER
 _status = ctypes.c_int
@@ -159,6 +189,13 @@ divergence = _proto("lmloss_divergence", _status, _P(Context), _P(DivInputs), _P
 divergence_backward = _proto("lmloss_divergence_backward", _status, _P(Context), _P(DivInputs),
                              _P(DivOptions), _P(Tensor), _P(Tensor), ctypes.c_void_p,
                              ctypes.c_size_t)
+grpo_options_default = _proto("lmloss_grpo_options_default", GRPOOptions)
+grpo_workspace_size = _proto("lmloss_grpo_workspace_size", ctypes.c_size_t, _c_int64)
+grpo = _proto("lmloss_grpo", _status, _P(Context), _P(GRPOInputs), _P(GRPOOptions),
+              _P(GRPOOutputs), ctypes.c_void_p, ctypes.c_size_t)
+grpo_backward = _proto("lmloss_grpo_backward", _status, _P(Context), _P(GRPOInputs),
+                       _P(GRPOOptions), _P(Tensor), _P(Tensor), _P(Tensor), ctypes.c_void_p,
+                       ctypes.c_size_t)
 head_options_default = _proto("lmloss_head_options_default", HeadOptions)
 linear_workspace_size = _proto("lmloss_linear_workspace_size", _status, _P(Head),
                                _P(HeadOptions), _P(HeadGrads), _c_int64, _P(ctypes.c_size_t))

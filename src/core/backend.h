@@ -172,6 +172,12 @@ typedef struct {
   const lmloss_linear_prims *linear; /* when it supports LMLOSS_CAN_FUSED_HEAD */
   const lmloss_state_ops *states;    /* when it supports LMLOSS_CAN_ROW_STATES */
   int (*supports)(lmloss_capability);
+  /* The GRPO family (every backend): the forward's outputs (out), or the
+   * backward from dloss (out NULL); dlogp and dentropy each optional. */
+  lmloss_status (*grpo)(const lmloss_context *, const lmloss_grpo_inputs *,
+                        const lmloss_grpo_options *, const lmloss_grpo_outputs *out,
+                        const lmloss_tensor *dloss, const lmloss_tensor *dlogp,
+                        const lmloss_tensor *dentropy, void *, size_t);
 } lmloss_backend_ops;
 
 extern const lmloss_backend_ops lmloss_ref_ops;

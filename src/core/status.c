@@ -94,7 +94,8 @@ size_t lmloss_struct_size(const char *name) {
       LMLOSS_STRUCT(lmloss_head),        LMLOSS_STRUCT(lmloss_head_options),
       LMLOSS_STRUCT(lmloss_head_grads),  LMLOSS_STRUCT(lmloss_shard),
       LMLOSS_STRUCT(lmloss_div_options), LMLOSS_STRUCT(lmloss_div_inputs),
-      LMLOSS_STRUCT(lmloss_div_outputs),
+      LMLOSS_STRUCT(lmloss_div_outputs), LMLOSS_STRUCT(lmloss_grpo_options),
+      LMLOSS_STRUCT(lmloss_grpo_inputs), LMLOSS_STRUCT(lmloss_grpo_outputs),
   };
 #undef LMLOSS_STRUCT
   for (size_t i = 0; name && i < sizeof structs / sizeof *structs; i++)

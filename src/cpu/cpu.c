@@ -25,6 +25,10 @@ lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *, const lmloss_t
 lmloss_status lmloss_cpu_divergence(const lmloss_context *, const lmloss_div_inputs *,
                                     const lmloss_div_options *, const lmloss_div_outputs *,
                                     const lmloss_tensor *, const lmloss_tensor *, void *, size_t);
+lmloss_status lmloss_cpu_grpo(const lmloss_context *, const lmloss_grpo_inputs *,
+                              const lmloss_grpo_options *, const lmloss_grpo_outputs *,
+                              const lmloss_tensor *, const lmloss_tensor *, const lmloss_tensor *,
+                              void *, size_t);
 
 lmloss_status lmloss_cpu_ce_state(const lmloss_context *, const lmloss_ce_inputs *,
                                   const lmloss_ce_options *, const lmloss_shard *,
@@ -71,6 +75,7 @@ const lmloss_backend_ops lmloss_cpu_ops = {
     &lmloss_cpu_linear,
     &cpu_states,
     cpu_supports,
+    lmloss_cpu_grpo,
 };
 
 const char *lmloss_cpu_isa(void) { return lmloss_cpu_isa_name(); }

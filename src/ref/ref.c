@@ -28,6 +28,10 @@ lmloss_status lmloss_ref_softmax_backward(const lmloss_context *, const lmloss_t
 lmloss_status lmloss_ref_divergence(const lmloss_context *, const lmloss_div_inputs *,
                                     const lmloss_div_options *, const lmloss_div_outputs *,
                                     const lmloss_tensor *, const lmloss_tensor *, void *, size_t);
+lmloss_status lmloss_ref_grpo(const lmloss_context *, const lmloss_grpo_inputs *,
+                              const lmloss_grpo_options *, const lmloss_grpo_outputs *,
+                              const lmloss_tensor *, const lmloss_tensor *, const lmloss_tensor *,
+                              void *, size_t);
 
 /* Neither the fused head (its oracle is the full product in the tests)
  * nor row states (theirs is the one-shot call). */
@@ -44,4 +48,5 @@ const lmloss_backend_ops lmloss_ref_ops = {
     NULL,
     NULL,
     ref_supports,
+    lmloss_ref_grpo,
 };
