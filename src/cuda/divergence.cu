@@ -319,7 +319,9 @@ template <int K> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
            : dt == LMLOSS_BF16 ? lmloss_bf16_to_f32(((const uint16_t *)row)[j])
                                : lmloss_f16_to_f32(((const uint16_t *)row)[j]);
   };
+  /* read before any CTA of the cluster writes a gradient over the student */
   const float xs_a = raw(rs, a.sdt, as), xt_at = raw(rt, a.tdt, at), xt_as = raw(rt, a.tdt, as);
+  const float xs_y = y >= 0 ? raw(rs, a.sdt, y) : 0.0f;
   const float G = lmloss_div_gap(&a.pr, a.pr.capped, mt, xt_at, ms, xs_a);
   /* 2. R of each row and D = Rt - Rs below the maxes */
   float b3[3] = {0.0f, 0.0f, 0.0f};
@@ -377,7 +379,7 @@ template <int K> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
     return x;
   });
   float es_y = 0.0f;
-  if (y >= 0) es_y = y == as ? 0.0f : (lmloss_xform_w(&a.pr.fs, raw(rs, a.sdt, y)) - ms) * ks;
+  if (y >= 0) es_y = y == as ? 0.0f : (lmloss_xform_w(&a.pr.fs, xs_y) - ms) * ks;
   finish(lo.v[0], y >= 0 ? (double)r.l1s - es_y : 0.0);
   /* 4. the other kinds' gradient */
   if (rd && !fused) {
