@@ -666,26 +666,29 @@ typedef enum {
 
 typedef enum { LMLOSS_GRPO_TOKEN = 0, LMLOSS_GRPO_SEQUENCE = 1 } lmloss_grpo_level;
 
+/* Real options are doubles: TRL's are Python floats, and a ratio clipped
+ * at 1 - 0.2f or a KL weighted by 0.1f would differ from its loss. */
 typedef struct {
-  lmloss_grpo_loss_type loss_type;     /* default DAPO, TRL's */
-  lmloss_grpo_level level;             /* importance_sampling_level, default TOKEN */
-  float epsilon_low;                   /* >= 0, default 0.2 */
-  float epsilon_high;                  /* >= 0, default 0.2 (CISPO: the ratio's cap) */
-  float delta;                         /* > 0: the two-sided clip's cap; 0 = off */
-  float beta;                          /* >= 0, the KL's weight (needs ref_logp) */
-  int bias_correction_kl;              /* 0 or 1: k3 times c */
-  float sapo_temperature_pos;          /* > 0, default 1 */
-  float sapo_temperature_neg;          /* > 0, default 1.05 */
-  float vespo_k_pos, vespo_lambda_pos; /* default 2, 3 */
-  float vespo_k_neg, vespo_lambda_neg; /* default 3, 2 */
-  int off_policy_mask;                 /* 0 or 1 */
-  float off_policy_threshold;          /* finite */
-  float entropy_coef;                  /* finite; != 0 needs entropy */
-  double accumulation_steps;           /* > 0, default 1 */
-  int64_t max_completion_length;       /* DR_GRPO's; 0 = T */
-  double num_items;                    /* > 0, DAPO / CISPO / VESPO's divisor, default 1 (TRL:
-                                          num_items_in_batch.clamp(1) / num_processes *
-                                          accumulation / steps_per_generation) */
+  lmloss_grpo_loss_type loss_type;      /* default DAPO, TRL's */
+  lmloss_grpo_level level;              /* importance_sampling_level, default TOKEN */
+  double epsilon_low;                   /* >= 0, default 0.2 */
+  double epsilon_high;                  /* >= 0, default 0.2 (CISPO: the ratio's cap) */
+  double delta;                         /* > 0: the two-sided clip's cap; 0 = off */
+  double beta;                          /* >= 0, the KL's weight (needs ref_logp) */
+  int bias_correction_kl;               /* 0 or 1: k3 times c */
+  double sapo_temperature_pos;          /* > 0, default 1 */
+  double sapo_temperature_neg;          /* > 0, default 1.05 */
+  double vespo_k_pos, vespo_lambda_pos; /* default 2, 3 */
+  double vespo_k_neg, vespo_lambda_neg; /* default 3, 2 */
+  int off_policy_mask;                  /* 0 or 1 */
+  double off_policy_threshold;          /* finite */
+  double entropy_coef;                  /* finite; != 0 needs entropy */
+  double accumulation_steps;            /* > 0, default 1 */
+  int64_t max_completion_length;        /* DR_GRPO's; 0 = T */
+  /* > 0, DAPO's, CISPO's and VESPO's divisor, default 1 (TRL's
+   * num_items_in_batch.clamp(1) / num_processes * accumulation /
+   * steps_per_generation) */
+  double num_items;
 } lmloss_grpo_options;
 
 LMLOSS_API lmloss_grpo_options lmloss_grpo_options_default(void);

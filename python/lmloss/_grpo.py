@@ -45,12 +45,13 @@ def grpo_options(loss_type, importance_sampling_level, epsilon, epsilon_high, de
     opt.delta = 0.0 if delta is None else f("delta", delta)
     opt.beta = f("beta", beta)
     opt.bias_correction_kl = int(bool(use_bias_correction_kl))
-    opt.sapo_temperature_pos = f("sapo_temperature_pos", sapo_temperature_pos)
-    opt.sapo_temperature_neg = f("sapo_temperature_neg", sapo_temperature_neg)
-    opt.vespo_k_pos, opt.vespo_lambda_pos = f("vespo_k_pos", vespo_k_pos), f("vespo_lambda_pos",
-                                                                            vespo_lambda_pos)
-    opt.vespo_k_neg, opt.vespo_lambda_neg = f("vespo_k_neg", vespo_k_neg), f("vespo_lambda_neg",
-                                                                            vespo_lambda_neg)
+    # TRL picks these per sequence with torch.where of two Python floats,
+    # which makes an fp32 tensor: its loss uses them rounded to fp32.
+    for k, v in (("sapo_temperature_pos", sapo_temperature_pos),
+                 ("sapo_temperature_neg", sapo_temperature_neg), ("vespo_k_pos", vespo_k_pos),
+                 ("vespo_lambda_pos", vespo_lambda_pos), ("vespo_k_neg", vespo_k_neg),
+                 ("vespo_lambda_neg", vespo_lambda_neg)):
+        setattr(opt, k, float(np.float32(f(k, v))))
     opt.off_policy_mask = int(off_policy_mask_threshold is not None)
     if off_policy_mask_threshold is not None:
         opt.off_policy_threshold = f("off_policy_mask_threshold", off_policy_mask_threshold)

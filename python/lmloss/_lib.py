@@ -111,13 +111,13 @@ class DivOutputs(ctypes.Structure):
 
 class GRPOOptions(ctypes.Structure):
     _fields_ = [("loss_type", ctypes.c_int), ("level", ctypes.c_int),
-                ("epsilon_low", ctypes.c_float), ("epsilon_high", ctypes.c_float),
-                ("delta", ctypes.c_float), ("beta", ctypes.c_float),
-                ("bias_correction_kl", ctypes.c_int), ("sapo_temperature_pos", ctypes.c_float),
-                ("sapo_temperature_neg", ctypes.c_float), ("vespo_k_pos", ctypes.c_float),
-                ("vespo_lambda_pos", ctypes.c_float), ("vespo_k_neg", ctypes.c_float),
-                ("vespo_lambda_neg", ctypes.c_float), ("off_policy_mask", ctypes.c_int),
-                ("off_policy_threshold", ctypes.c_float), ("entropy_coef", ctypes.c_float),
+                ("epsilon_low", ctypes.c_double), ("epsilon_high", ctypes.c_double),
+                ("delta", ctypes.c_double), ("beta", ctypes.c_double),
+                ("bias_correction_kl", ctypes.c_int), ("sapo_temperature_pos", ctypes.c_double),
+                ("sapo_temperature_neg", ctypes.c_double), ("vespo_k_pos", ctypes.c_double),
+                ("vespo_lambda_pos", ctypes.c_double), ("vespo_k_neg", ctypes.c_double),
+                ("vespo_lambda_neg", ctypes.c_double), ("off_policy_mask", ctypes.c_int),
+                ("off_policy_threshold", ctypes.c_double), ("entropy_coef", ctypes.c_double),
                 ("accumulation_steps", ctypes.c_double), ("max_completion_length", _c_int64),
                 ("num_items", ctypes.c_double)]
 

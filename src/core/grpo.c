@@ -8,19 +8,19 @@ lmloss_grpo_options lmloss_grpo_options_default(void) {
   lmloss_grpo_options o;
   o.loss_type = LMLOSS_GRPO_DAPO;
   o.level = LMLOSS_GRPO_TOKEN;
-  o.epsilon_low = o.epsilon_high = 0.2f;
-  o.delta = 0.0f;
-  o.beta = 0.0f;
+  o.epsilon_low = o.epsilon_high = 0.2;
+  o.delta = 0.0;
+  o.beta = 0.0;
   o.bias_correction_kl = 0;
-  o.sapo_temperature_pos = 1.0f;
-  o.sapo_temperature_neg = 1.05f;
-  o.vespo_k_pos = 2.0f;
-  o.vespo_lambda_pos = 3.0f;
-  o.vespo_k_neg = 3.0f;
-  o.vespo_lambda_neg = 2.0f;
+  o.sapo_temperature_pos = 1.0;
+  o.sapo_temperature_neg = 1.05;
+  o.vespo_k_pos = 2.0;
+  o.vespo_lambda_pos = 3.0;
+  o.vespo_k_neg = 3.0;
+  o.vespo_lambda_neg = 2.0;
   o.off_policy_mask = 0;
-  o.off_policy_threshold = 0.0f;
-  o.entropy_coef = 0.0f;
+  o.off_policy_threshold = 0.0;
+  o.entropy_coef = 0.0;
   o.accumulation_steps = 1.0;
   o.max_completion_length = 0;
   o.num_items = 1.0;
@@ -42,17 +42,17 @@ static lmloss_status check_options(const lmloss_grpo_options *o) {
   if ((unsigned)o->level > LMLOSS_GRPO_SEQUENCE)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown importance sampling level %d",
                        (int)o->level);
-  if (!(isfinite(o->epsilon_low) && o->epsilon_low >= 0.0f))
+  if (!(isfinite(o->epsilon_low) && o->epsilon_low >= 0.0))
     return bad("epsilon_low", o->epsilon_low);
-  if (!(isfinite(o->epsilon_high) && o->epsilon_high >= 0.0f))
+  if (!(isfinite(o->epsilon_high) && o->epsilon_high >= 0.0))
     return bad("epsilon_high", o->epsilon_high);
-  if (!(isfinite(o->delta) && o->delta >= 0.0f)) return bad("delta", o->delta);
-  if (!(isfinite(o->beta) && o->beta >= 0.0f)) return bad("beta", o->beta);
-  if (!(isfinite(o->sapo_temperature_pos) && o->sapo_temperature_pos > 0.0f))
+  if (!(isfinite(o->delta) && o->delta >= 0.0)) return bad("delta", o->delta);
+  if (!(isfinite(o->beta) && o->beta >= 0.0)) return bad("beta", o->beta);
+  if (!(isfinite(o->sapo_temperature_pos) && o->sapo_temperature_pos > 0.0))
     return bad("sapo_temperature_pos", o->sapo_temperature_pos);
-  if (!(isfinite(o->sapo_temperature_neg) && o->sapo_temperature_neg > 0.0f))
+  if (!(isfinite(o->sapo_temperature_neg) && o->sapo_temperature_neg > 0.0))
     return bad("sapo_temperature_neg", o->sapo_temperature_neg);
-  const float vespo[] = {o->vespo_k_pos, o->vespo_lambda_pos, o->vespo_k_neg, o->vespo_lambda_neg};
+  const double vespo[] = {o->vespo_k_pos, o->vespo_lambda_pos, o->vespo_k_neg, o->vespo_lambda_neg};
   for (int i = 0; i < 4; i++)
     if (!isfinite(vespo[i])) return bad("a vespo_k / vespo_lambda", vespo[i]);
   if ((unsigned)o->bias_correction_kl > 1 || (unsigned)o->off_policy_mask > 1)
@@ -96,9 +96,9 @@ static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_grpo_i
   TRY(lmloss_check_optional(&in->entropy_threshold, "entropy_threshold", f32, 1, 1));
   TRY(lmloss_check_optional(&in->num_items, "num_items", f32, 1, 1));
   TRY(check_options(opt));
-  if (opt->beta > 0.0f && !lmloss_present(&in->ref_logp))
+  if (opt->beta > 0.0 && !lmloss_present(&in->ref_logp))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "beta > 0 needs ref_logp");
-  if ((opt->entropy_coef != 0.0f || lmloss_present(&in->entropy_threshold)) &&
+  if ((opt->entropy_coef != 0.0 || lmloss_present(&in->entropy_threshold)) &&
       !lmloss_present(&in->entropy))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
                        "entropy_coef != 0 and an entropy_threshold need the entropy");

@@ -19,6 +19,8 @@ import lmloss
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
+import lmloss.torch as lt  # noqa: E402
+import lmloss.torch._grpo as lt_grpo  # noqa: E402
 import trl_grpo_oracle as O  # noqa: E402
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -39,6 +41,8 @@ OPTIONS = {
     "accumulate": (dict(gradient_accumulation_steps=4, steps_per_generation=2,
                         max_completion_length=9, entropy_coef=0.02), ()),
     "eval": (dict(training=False, beta=0.05, entropy_coef=0.03), ("ref",)),
+    "on_policy": (dict(beta=0.04, entropy_coef=0.01), ("ref", "no_old")),
+    "on_policy_epsilon_0": (dict(epsilon=0.0), ("no_old",)),
     "everything": (dict(beta=0.05, use_bias_correction_kl=True, delta=1.5,
                         off_policy_mask_threshold=0.0, top_entropy_quantile=0.7,
                         entropy_coef=0.01, use_vllm=True, gradient_accumulation_steps=2),
@@ -73,7 +77,7 @@ def trl(c, cfg, given, dtype):
         return torch.tensor(x, dtype=dtype)
     logp, ent = tt(c["logp"]).requires_grad_(), tt(c["entropy"]).requires_grad_()
     is_key = "is_token" if "is_token" in given else "is_seq" if "is_seq" in given else None
-    inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=tt(c["old"]),
+    inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=None if "no_old" in given else tt(c["old"]),
                    ref=tt(c["ref"]) if "ref" in given else None,
                    sampling=tt(c["sampling"]) if "sampling" in given else None,
                    is_ratio=tt(c[is_key]) if is_key else None, num_items=tt(c["items"]))
@@ -103,7 +107,7 @@ def lmloss_args(c, cfg, given):
     kw["num_items"] = trl_divisor(c, cfg)
     kw.setdefault("max_completion_length", 512)
     is_key = "is_token" if "is_token" in given else "is_seq" if "is_seq" in given else None
-    return dict(old_logp=c["old"], ref_logp=c["ref"] if "ref" in given else None,
+    return dict(old_logp=None if "no_old" in given else c["old"], ref_logp=c["ref"] if "ref" in given else None,
                 entropy=c["entropy"], sampling_logp=c["sampling"] if "sampling" in given else None,
                 importance_sampling_ratio=c[is_key] if is_key else None, **kw)
 
@@ -141,3 +145,128 @@ def test_numpy_matches_trl(loss_type, level, option):
         if k in ours:
             assert_close(ours[k], v, "metric " + k)
     assert set(ours) <= set(metrics) | {"kl"}
+
+
+def torch_args(c, cfg, given, device="cpu"):
+    """lmloss.torch.grpo_loss's arguments for a case: tensors on device, the
+    divisor as a tensor (as TRL's num_items_in_batch)."""
+    kw = lmloss_args(c, cfg, given)
+
+    def tt(x):
+        return None if x is None else torch.tensor(x, device=device)
+    for k in ("old_logp", "ref_logp", "entropy", "sampling_logp", "importance_sampling_ratio"):
+        kw[k] = tt(kw[k])
+    kw["num_items"] = torch.tensor(kw["num_items"], device=device)
+    return dict(old_per_token_logps=kw.pop("old_logp"), ref_per_token_logps=kw.pop("ref_logp"),
+                entropies=kw.pop("entropy"), sampling_per_token_logps=kw.pop("sampling_logp"),
+                **kw)
+
+
+def torch_run(c, cfg, given, device="cpu"):
+    """(loss, dlogp, dentropy, metrics dict) of lmloss.torch.grpo_loss."""
+    kw = torch_args(c, cfg, given, device)
+    logp = torch.tensor(c["logp"], device=device, requires_grad=True)
+    ent = kw["entropies"].requires_grad_()
+    loss, metrics = lt.grpo_loss(logp, torch.tensor(c["adv"], device=device),
+                                 torch.tensor(c["mask"], device=device), return_metrics=True,
+                                 **kw)
+    (2.5 * loss).backward()  # an upstream gradient other than 1
+    return (loss.item(), logp.grad.cpu().numpy() / 2.5, ent.grad.cpu().numpy() / 2.5,
+            lt_grpo.metrics_dict(metrics))
+
+
+@pytest.mark.parametrize("loss_type,level,option", PARAMS)
+def test_torch_matches_trl(loss_type, level, option):
+    cfg, given = OPTIONS[option]
+    cfg = dict(cfg, loss_type=loss_type, importance_sampling_level=level)
+    c = case(b=4, t=9, seed=1000 + PARAMS.index((loss_type, level, option)),
+             adv_tokens="adv_tokens" in given)
+    loss, dl, de, metrics = torch_run(c, cfg, given)
+    loss64, dl64, de64, trl_metrics = trl(c, cfg, given, torch.float64)
+    assert_close(loss, loss64, "loss")
+    assert_close(dl, dl64, "dlogp")
+    assert_close(de, de64, "dentropy")
+    ours = lmloss._grpo.trl_metrics(metrics, loss_type, cfg.get("beta", 0.0))
+    for k, v in trl_metrics.items():
+        if k in ours:
+            assert_close(ours[k], v, "metric " + k)
+
+
+def dropin_run(fn, c, cfg, given, dtype=torch.float32):
+    """fn (TRL's _compute_loss or the drop-in) on a fresh stand-in: loss,
+    gradients w.r.t. logp and entropy, and everything it logged."""
+    def tt(x):
+        return torch.tensor(x, dtype=dtype)
+    logp, ent = tt(c["logp"]).requires_grad_(), tt(c["entropy"]).requires_grad_()
+    is_key = "is_token" if "is_token" in given else "is_seq" if "is_seq" in given else None
+    inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=None if "no_old" in given else tt(c["old"]),
+                   ref=tt(c["ref"]) if "ref" in given else None,
+                   sampling=tt(c["sampling"]) if "sampling" in given else None,
+                   is_ratio=tt(c[is_key]) if is_key else None, num_items=tt(c["items"]))
+    s = O.stand_in(logp, ent, **cfg)
+    loss = fn(s, None, inp)
+    dl, de = torch.autograd.grad(loss, (logp, ent), allow_unused=True)
+    zero = torch.zeros_like(logp)
+    logged = {m: dict(d) for m, d in s._metrics.items()}
+    return loss.item(), (zero if dl is None else dl).numpy(), (zero if de is None else de).numpy(), \
+        logged, s
+
+
+@pytest.mark.parametrize("loss_type,level,option", PARAMS)
+def test_trl_dropin_matches_trl(loss_type, level, option):
+    """GRPOTrainer._compute_loss replaced by the drop-in: TRL's loss, gradients
+    and logged metrics (fp32 both sides)."""
+    from lmloss.integrations import trl as lmloss_trl
+
+    cfg, given = OPTIONS[option]
+    cfg = dict(cfg, loss_type=loss_type, importance_sampling_level=level)
+    c = case(b=3, t=6, seed=2000 + PARAMS.index((loss_type, level, option)),
+             adv_tokens="adv_tokens" in given)
+    got = dropin_run(lmloss_trl.grpo_compute_loss, c, cfg, given)
+    want = dropin_run(O.GRPOTrainer._compute_loss, c, cfg, given)
+    assert_close(got[0], want[0], "loss", rtol=1e-5, atol=1e-6)
+    assert_close(got[1], want[1], "dlogp", rtol=1e-5, atol=1e-7)
+    assert_close(got[2], want[2], "dentropy", rtol=1e-5, atol=1e-7)
+    assert got[3].keys() == want[3].keys()
+    for mode in want[3]:
+        assert got[3][mode].keys() == want[3][mode].keys()
+        for k, v in want[3][mode].items():
+            assert_close(got[3][mode][k], v, "metric %s/%s" % (mode, k), rtol=1e-5, atol=1e-7)
+
+
+def test_trl_dropin_adaptive_entropy_controller():
+    """use_adaptive_entropy: the bonus gated by the last window's entropy and
+    the coefficient's update, step after step, as TRL's."""
+    from lmloss.integrations import trl as lmloss_trl
+
+    cfg = dict(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.05,
+               entropy_target=1.4, top_entropy_quantile=0.6)
+    c = case(seed=7)
+    states = []
+    for fn in (lmloss_trl.grpo_compute_loss, O.GRPOTrainer._compute_loss):
+        s = O.stand_in(torch.tensor(c["logp"], requires_grad=True),
+                       torch.tensor(c["entropy"], requires_grad=True), **cfg)
+        inp = O.inputs(torch.tensor(c["mask"]), torch.tensor(c["adv"]),
+                       old=torch.tensor(c["old"]))
+        losses = []
+        for step in range(4):
+            s._last_world_entropy = (1.0, 2.0, float("inf"), 0.5)[step]
+            losses.append(fn(s, None, inp).item())
+        states.append((losses, s.entropy_coef, s._last_world_entropy,
+                       dict(s._metrics["train"])))
+    assert_close(states[0][0], states[1][0], "losses", rtol=1e-5, atol=1e-7)
+    assert_close(states[0][1:3], states[1][1:3], "controller", rtol=1e-6)
+    for k, v in states[1][3].items():
+        assert_close(states[0][3][k], v, "metric " + k, rtol=1e-5, atol=1e-7)
+
+
+def test_trl_enable_patches_and_restores_compute_loss():
+    from lmloss.integrations import trl as lmloss_trl
+
+    orig = O.GRPOTrainer._compute_loss
+    lmloss_trl.enable()
+    try:
+        assert O.GRPOTrainer._compute_loss is lmloss_trl.grpo_compute_loss
+    finally:
+        lmloss_trl.disable()
+    assert O.GRPOTrainer._compute_loss is orig

@@ -24,6 +24,9 @@ has no divergence yet: LMLOSS_ERR_UNSUPPORTED). linear_generalized_jsd,
 linear_kl_div and linear_tvd (_linear_divergence.py) take them through two
 fused heads, a student's and a teacher's, as linear_cross_entropy does.
 
+grpo_loss (_grpo.py) is TRL's GRPOTrainer loss on per-token log-probs,
+differentiable w.r.t. them and the entropies, with every GRPOConfig option.
+
 The ops are registered with torch.library (namespace ``lmloss``: see
 _ops.py, _linear_ops.py and _div_ops.py) with fake impls from symbolic
 shapes, so torch.compile(fullgraph=True) traces them without graph
@@ -34,6 +37,7 @@ run from a torch.autograd.Function.
 """
 
 from ._divergence import generalized_jsd, kl_div, tvd
+from ._grpo import grpo_loss
 from ._functional import (cross_entropy, entropy, entropy_from_logits, linear_cross_entropy,
                           linear_log_probs, log_probs, log_softmax, selective_log_softmax,
                           softmax)
@@ -42,6 +46,7 @@ from ._modules import (CrossEntropyLoss, LinearCrossEntropyLoss, LinearGeneraliz
                        LinearLogProbs)
 
 __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "LinearGeneralizedJSD", "LinearLogProbs",
-           "cross_entropy", "entropy", "entropy_from_logits", "generalized_jsd", "kl_div",
+           "cross_entropy", "entropy", "entropy_from_logits", "generalized_jsd", "grpo_loss",
+           "kl_div",
            "linear_cross_entropy", "linear_generalized_jsd", "linear_kl_div", "linear_log_probs",
            "linear_tvd", "log_probs", "log_softmax", "selective_log_softmax", "softmax", "tvd"]
