@@ -270,3 +270,105 @@ def test_trl_enable_patches_and_restores_compute_loss():
     finally:
         lmloss_trl.disable()
     assert O.GRPOTrainer._compute_loss is orig
+
+
+def test_ratio_from_the_difference_at_log_probs_near_minus_1000():
+    """exp(logp) and exp(old) both underflow (to 0 in fp64 too), their ratio
+    exp(logp - old) does not: each loss type reads it as TRL's fp64 does."""
+    c = case(b=3, t=5, seed=11)
+    for k in ("logp", "old", "ref", "sampling"):
+        c[k] = (c[k] - 1000.0).astype(np.float32)
+    assert np.exp(np.float64(c["logp"])).max() == 0
+    for loss_type in LOSS_TYPES:
+        cfg = dict(loss_type=loss_type, beta=0.05)
+        r = lmloss.grpo_loss(c["logp"], c["adv"], c["mask"], grad=True,
+                             **lmloss_args(c, cfg, ("ref",)))
+        loss64, dl64, _, _ = trl(c, cfg, ("ref",), torch.float64)
+        assert_close(r.loss, loss64, loss_type + " loss")
+        assert_close(r.dlogp, dl64, loss_type + " dlogp")
+
+
+def test_k3_of_small_differences_does_not_cancel():
+    """beta's k3 = e^d - 1 - d at d = ref - logp of 1e-3 .. 1e-6 and log-probs
+    near 0: lmloss's to 1e-6 of the exact value (fp64 expm1 series), where
+    TRL's fp32 e^d - d - 1 cancels (1e-2 off and worse)."""
+    logp = np.array([[-1e-6, -3e-5, -2e-3, -0.5]], np.float32)
+    ref = (logp + np.array([[1e-6, -4e-6, 1e-4, -1e-3]], np.float32)).astype(np.float32)
+    mask = np.ones_like(logp)
+    adv = np.zeros(1, np.float32)
+    r = lmloss.grpo_loss(logp, adv, mask, ref_logp=ref, beta=1.0, loss_type="bnpo", grad=True)
+    d = np.float64(ref) - np.float64(logp)
+    k3 = d * d * (0.5 + d / 6 + d * d / 24 + d ** 3 / 120)
+    assert_close(r.loss, k3.mean(), "k3 mean")
+    assert_close(r.dlogp, -np.expm1(d) / 4, "k3 gradient")
+    m = r.metrics
+    assert_close(m["kl"] / m["tokens"], k3.mean(), "kl metric")
+    c = dict(logp=logp, mask=mask, adv=adv, old=logp, ref=ref, sampling=logp, entropy=mask,
+             is_token=mask, is_seq=mask[:, :1], items=np.float32(4))
+    loss32 = trl(c, dict(loss_type="bnpo", beta=1.0), ("ref",), torch.float32)[0]
+    assert abs(loss32 - k3.mean()) > 1e-2 * k3.mean()  # what exactness buys
+
+
+def test_masked_tokens_are_not_read():
+    """Padding may hold anything (NaN, inf): m = 0 tokens add nothing and get a
+    zero gradient; the result equals that of finite padding."""
+    c = case(seed=5)
+    pad = c["mask"] == 0
+    base = lmloss.grpo_loss(c["logp"], c["adv"], c["mask"], grad=True,
+                            **lmloss_args(c, dict(loss_type="grpo", beta=0.1), ("ref",)))
+    for k, v in (("logp", np.nan), ("old", np.inf), ("ref", -np.inf), ("entropy", np.nan)):
+        c[k] = np.where(pad, v, c[k]).astype(np.float32)
+    r = lmloss.grpo_loss(c["logp"], c["adv"], c["mask"], grad=True,
+                         **lmloss_args(c, dict(loss_type="grpo", beta=0.1), ("ref",)))
+    assert r.loss == base.loss
+    assert np.array_equal(r.dlogp, base.dlogp) and not r.dlogp[pad].any()
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_one_sequence_and_empty_sequences(loss_type):
+    """B = 1, and a batch whose every sequence is empty (loss 0, TRL's too)."""
+    for b, empty in ((1, False), (3, True)):
+        c = case(b=b, t=4, seed=3)
+        if empty:
+            c["mask"][:] = 0
+        cfg = dict(loss_type=loss_type, beta=0.02, entropy_coef=0.01)
+        r = lmloss.grpo_loss(c["logp"], c["adv"], c["mask"], grad=True,
+                             **lmloss_args(c, cfg, ("ref",)))
+        loss64, dl64, de64, _ = trl(c, cfg, ("ref",), torch.float64)
+        assert_close(r.loss, loss64, "loss")
+        assert_close(r.dlogp, dl64, "dlogp")
+        assert_close(r.dentropy, de64, "dentropy")
+
+
+def test_results_do_not_depend_on_threads():
+    c = case(b=67, t=301, seed=9)
+    cfg = dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04,
+               entropy_coef=0.01, top_entropy_quantile=0.3)
+    runs = [lmloss.grpo_loss(c["logp"], c["adv"], c["mask"], grad=True, num_threads=n,
+                             backend=be, **lmloss_args(c, cfg, ("ref",)))
+            for n, be in ((1, "cpu"), (2, "cpu"), (3, "cpu"), (1, "ref"))]
+    for r in runs[1:]:
+        assert r.loss == runs[0].loss
+        assert np.array_equal(r.dlogp, runs[0].dlogp)
+        assert np.array_equal(r.dentropy, runs[0].dentropy)
+
+
+def test_bad_input_says_what():
+    c = case(seed=1)
+    lp, adv, m = c["logp"], c["adv"], c["mask"]
+    for kw, status in ((dict(loss_type="ppo"), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(importance_sampling_level="batch"), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(epsilon=float("nan")), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(beta=0.1), "LMLOSS_ERR_BAD_OPTION"),  # no ref_logp
+                       (dict(entropy_coef=0.1), "LMLOSS_ERR_BAD_OPTION"),  # no entropy
+                       (dict(gradient_accumulation_steps=0), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(num_items=-1.0), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(delta=-1.0), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(old_logp=lp[:, :3]), "LMLOSS_ERR_BAD_SHAPE"),
+                       (dict(importance_sampling_ratio=lp[:, :2]), "LMLOSS_ERR_BAD_SHAPE")):
+        with pytest.raises(lmloss.Error) as e:
+            lmloss.grpo_loss(lp, adv, m, **kw)
+        assert e.value.status == status, kw
+    with pytest.raises(lmloss.Error) as e:
+        lmloss.grpo_loss(lp[:0], adv[:0], m[:0])
+    assert e.value.status == "LMLOSS_ERR_BAD_SHAPE"

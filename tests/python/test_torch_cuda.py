@@ -340,3 +340,87 @@ def test_two_fused_heads_on_cuda(dtype):
     for a, b in zip(res[1], res[0]):
         close(a.float(), b, rtol=tol, atol=tol)
     assert res[1][2].dtype == dtype
+
+
+def _grpo_cases():
+    """test_grpo's (loss type, level, option) cases, or none without TRL
+    (its module needs TRL: imported here, so this module runs without it)."""
+    try:
+        import test_grpo
+    except pytest.skip.Exception:
+        return []
+    return test_grpo.PARAMS
+
+
+@pytest.mark.parametrize("loss_type,level,option", _grpo_cases())
+def test_grpo_on_cuda_matches_trl_without_host_sync(loss_type, level, option):
+    """lmloss.torch.grpo_loss on CUDA tensors: TRL's loss, gradients and
+    metrics (TRL in fp64 on the CPU, as test_grpo's CPU runs), a forward and
+    backward that never synchronize the host (entropy quantile and divisor
+    on the device), and the same bits when run again."""
+    import test_grpo as G
+
+    cfg, given = G.OPTIONS[option]
+    cfg = dict(cfg, loss_type=loss_type, importance_sampling_level=level)
+    c = G.case(b=6, t=37, seed=3000 + G.PARAMS.index((loss_type, level, option)),
+               adv_tokens="adv_tokens" in given)
+    kw = G.torch_args(c, cfg, given, device="cuda")
+    runs = []
+    for _ in range(2):
+        logp = torch.tensor(c["logp"], device="cuda", requires_grad=True)
+        ent = kw["entropies"].detach().clone().requires_grad_()
+        adv, mask = torch.tensor(c["adv"], device="cuda"), torch.tensor(c["mask"], device="cuda")
+        args = dict(kw, entropies=ent)
+        torch.cuda.synchronize()
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                loss, metrics = lt.grpo_loss(logp, adv, mask, return_metrics=True, **args)
+                (2.5 * loss).backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        s.synchronize()
+        runs.append((loss.item(), logp.grad.cpu().numpy(), ent.grad.cpu().numpy(),
+                     metrics.cpu().numpy()))
+    loss64, dl64, de64, trl_metrics = G.trl(c, cfg, given, torch.float64)
+    loss, dl, de, m = runs[0]
+    G.assert_close(loss, loss64, "loss")
+    G.assert_close(dl / 2.5, dl64, "dlogp")
+    G.assert_close(de / 2.5, de64, "dentropy")
+    ours = lmloss._grpo.trl_metrics(dict(zip(lmloss._grpo.METRIC_NAMES, m.tolist())), loss_type,
+                                    cfg.get("beta", 0.0))
+    for k, v in trl_metrics.items():
+        if k in ours:
+            G.assert_close(ours[k], v, "metric " + k)
+    assert runs[1][0] == loss
+    for a, b in zip(runs[1][1:], runs[0][1:]):
+        assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_grpo_on_cuda_long_sequences_against_the_cpu():
+    """Sequences longer than a CTA's threads (several tokens a thread) and a
+    batch wider than the finishing CTA: CUDA against the CPU backend."""
+    pytest.importorskip("trl")
+    import test_grpo as G
+
+    c = G.case(b=300, t=1500, seed=4)
+    for loss_type in G.LOSS_TYPES:
+        for level in ("token", "sequence"):
+            cfg = dict(loss_type=loss_type, importance_sampling_level=level, beta=0.04,
+                       entropy_coef=0.01, top_entropy_quantile=0.8,
+                       off_policy_mask_threshold=0.01)
+            given = ("ref", "sampling", "is_token")
+            out = []
+            for dev in ("cpu", "cuda"):
+                kw = G.torch_args(c, cfg, given, device=dev)
+                logp = torch.tensor(c["logp"], device=dev, requires_grad=True)
+                ent = kw["entropies"].requires_grad_()
+                loss, metrics = lt.grpo_loss(logp, torch.tensor(c["adv"], device=dev),
+                                             torch.tensor(c["mask"], device=dev),
+                                             return_metrics=True, **kw)
+                loss.backward()
+                out.append((loss, logp.grad, ent.grad, metrics))
+            for a, b in zip(out[1], out[0]):  # metrics undefined for a type are NaN on both
+                torch.testing.assert_close(a.detach().cpu().double(), b.detach().cpu().double(),
+                                           rtol=1e-6, atol=1e-9, equal_nan=True)

@@ -1,0 +1,219 @@
+/*
+ * grpo.cu - the GRPO family on CUDA (math/grpo.h's stages): one CTA per
+ * sequence for its token stages, one CTA for the totals between them and
+ * for the final reduction over sequences, both in sequence order. Four
+ * launches on the caller's stream, no host read, no allocation: the
+ * records live in the caller's workspace. A CTA's sums are each thread's
+ * tokens in order, then a fixed shuffle tree, so results do not depend on
+ * scheduling.
+ */
+#include "common.cuh"
+#include "math/grpo.h"
+
+namespace lmc {
+namespace grpo {
+
+constexpr int BS = 256; /* threads of a CTA */
+
+/* The sum of v over the CTA, in a fixed order, returned to every thread;
+ * sh holds BS / 32 doubles. */
+__device__ double block_sum(double v, double *sh) {
+  for (int o = 16; o > 0; o >>= 1)
+    v += __shfl_down_sync(0xffffffffu, v, o);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < BS / 32 ? sh[lane] : 0.0;
+    for (int o = 16; o > 0; o >>= 1)
+      v += __shfl_down_sync(0xffffffffu, v, o);
+    if (lane == 0) sh[BS / 32] = v;
+  }
+  __syncthreads();
+  const double total = sh[BS / 32];
+  __syncthreads(); /* sh is reused by the next call */
+  return total;
+}
+
+/* Least (most) of v ignoring NaN, likewise. */
+__device__ double block_nanext(double v, double *sh, bool most) {
+  for (int o = 16; o > 0; o >>= 1) {
+    double w = __shfl_down_sync(0xffffffffu, v, o);
+    v = most ? lmloss_grpo_nanmax(v, w) : lmloss_grpo_nanmin(v, w);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < BS / 32 ? sh[lane] : (double)NAN;
+    for (int o = 16; o > 0; o >>= 1) {
+      double w = __shfl_down_sync(0xffffffffu, v, o);
+      v = most ? lmloss_grpo_nanmax(v, w) : lmloss_grpo_nanmin(v, w);
+    }
+    if (lane == 0) sh[BS / 32] = v;
+  }
+  __syncthreads();
+  const double r = sh[BS / 32];
+  __syncthreads();
+  return r;
+}
+
+struct Args {
+  lmloss_grpo_par p;
+  lmloss_grpo_inputs in;
+  double *tot;  /* the workspace's header: stage B's two totals */
+  double *recs; /* B records */
+  const float *dloss;
+  float *dlogp, *dentropy, *loss, *metrics;
+  int64_t dls, dhs, ms; /* row strides of dlogp, dentropy, metrics */
+  double items;         /* opt->num_items, unless in.num_items */
+};
+
+__device__ double threshold(const Args &a) {
+  return a.p.thr ? (double)*(const float *)a.in.entropy_threshold.data : 0.0;
+}
+
+/* Stage A: a sequence's record. */
+__global__ void __launch_bounds__(BS) stage_a(Args a) {
+  __shared__ double sh[BS / 32 + 1];
+  const int64_t b = blockIdx.x, T = a.in.logp.cols;
+  const double thr = threshold(a);
+  double rec[LMLOSS_GRPO_S_N] = {0};
+  for (int64_t t = threadIdx.x; t < T; t += BS) {
+    lmloss_grpo_in x = lmloss_grpo_load(&a.p, &a.in, b, t);
+    lmloss_grpo_stage_a(&a.p, &x, t, thr, rec);
+  }
+  double *out = a.recs + b * LMLOSS_GRPO_S_N;
+  for (int k = 0; k <= LMLOSS_GRPO_S_EFF; k++) {
+    const double s = block_sum(rec[k], sh);
+    if (threadIdx.x == 0) out[k] = s;
+  }
+  if (threadIdx.x == 0)
+    for (int k = LMLOSS_GRPO_S_EFF + 1; k < LMLOSS_GRPO_S_N; k++)
+      out[k] = 0.0;
+}
+
+/* Stage B (one CTA): the masks' totals over the sequences. */
+__global__ void __launch_bounds__(BS) stage_b(Args a) {
+  __shared__ double sh[BS / 32 + 1];
+  double m = 0.0, e = 0.0;
+  for (int64_t b = threadIdx.x; b < a.in.logp.rows; b += BS) {
+    m += a.recs[b * LMLOSS_GRPO_S_N + LMLOSS_GRPO_S_MSUM];
+    e += a.recs[b * LMLOSS_GRPO_S_N + LMLOSS_GRPO_S_EFF];
+  }
+  m = block_sum(m, sh);
+  e = block_sum(e, sh);
+  if (threadIdx.x == 0) a.tot[0] = m, a.tot[1] = e;
+}
+
+/* Stage C: a sequence's losses, metrics and gradients (upstream u). */
+__global__ void __launch_bounds__(BS) stage_c(Args a) {
+  __shared__ double sh[BS / 32 + 1];
+  const int64_t b = blockIdx.x, T = a.in.logp.cols;
+  const lmloss_grpo_par &p = a.p;
+  double *rec = a.recs + b * LMLOSS_GRPO_S_N;
+  double seq[LMLOSS_GRPO_S_N]; /* stage A's record; stage C's sums start at 0 */
+  for (int k = 0; k < LMLOSS_GRPO_S_N; k++)
+    seq[k] = rec[k];
+  const double tot[2] = {a.tot[0], a.tot[1]};
+  const double thr = threshold(a), u = a.dloss ? (double)*a.dloss : 1.0;
+  const double items = a.in.num_items.data ? (double)*(const float *)a.in.num_items.data : a.items;
+  const double w = lmloss_grpo_seq_weight(&p, seq[LMLOSS_GRPO_S_MSUM], tot[0], items);
+  const double sc = lmloss_grpo_token_scale(&p, seq, tot, items) * u;
+  const double de = lmloss_grpo_dentropy(&p, tot) * u;
+  double acc[LMLOSS_GRPO_S_N] = {0};
+  double g = 0.0;
+  for (int64_t t = threadIdx.x; t < T; t += BS) {
+    lmloss_grpo_in x = lmloss_grpo_load(&p, &a.in, b, t);
+    double dlp = 0.0, dent = 0.0;
+    if (x.m != 0.0) {
+      int keep_e;
+      lmloss_grpo_tok o = lmloss_grpo_stage_c(&p, seq, &x, thr, &keep_e);
+      if (a.loss) {
+        acc[LMLOSS_GRPO_S_POLICY] += o.loss * x.m * w;
+        lmloss_grpo_token_metrics(&p, seq, &x, &o, keep_e, acc);
+      }
+      dlp = x.m * sc * (o.dlp + (p.seq ? 0.0 : o.dlw));
+      g += x.m * sc * o.dlw;
+      dent = keep_e ? de * x.m : 0.0;
+    }
+    if (a.dlogp && !p.seq) a.dlogp[b * a.dls + t] = (float)dlp;
+    if (a.dentropy) a.dentropy[b * a.dhs + t] = (float)dent;
+  }
+  if (a.loss) {
+    for (int k = LMLOSS_GRPO_S_POLICY; k < LMLOSS_GRPO_S_N; k++) {
+      const double s = block_sum(acc[k], sh);
+      if (threadIdx.x == 0) seq[k] = s;
+    }
+    if (threadIdx.x == 0) {
+      lmloss_grpo_seq_metrics(&p, &a.in, b, seq);
+      for (int k = LMLOSS_GRPO_S_POLICY; k < LMLOSS_GRPO_S_N; k++)
+        rec[k] = seq[k];
+    }
+  }
+  if (!a.dlogp || !p.seq) return;
+  /* SEQUENCE: each token's share of the sequence's log weight */
+  g = block_sum(g, sh);
+  for (int64_t t = threadIdx.x; t < T; t += BS) {
+    lmloss_grpo_in x = lmloss_grpo_load(&p, &a.in, b, t);
+    double dlp = 0.0;
+    if (x.m != 0.0) {
+      int keep_e;
+      lmloss_grpo_tok o = lmloss_grpo_stage_c(&p, seq, &x, thr, &keep_e);
+      dlp = x.m * sc * o.dlp + g * x.m / fmax(seq[LMLOSS_GRPO_S_MSUM], 1.0);
+    }
+    a.dlogp[b * a.dls + t] = (float)dlp;
+  }
+}
+
+/* The loss and metrics (one CTA) from the records in sequence order. */
+__global__ void __launch_bounds__(BS) finish(Args a) {
+  __shared__ double sh[BS / 32 + 1];
+  const lmloss_grpo_par &p = a.p;
+  double acc[LMLOSS_GRPO_S_N] = {0}, lo = NAN, hi = NAN;
+  for (int64_t b = threadIdx.x; b < a.in.logp.rows; b += BS) {
+    const double *rec = a.recs + b * LMLOSS_GRPO_S_N;
+    for (int k = 0; k < LMLOSS_GRPO_S_N; k++)
+      acc[k] += rec[k];
+    lo = lmloss_grpo_nanmin(lo, lmloss_grpo_seq_mean(&p, rec, LMLOSS_GRPO_S_LOW));
+    hi = lmloss_grpo_nanmax(hi, lmloss_grpo_seq_mean(&p, rec, LMLOSS_GRPO_S_HIGH));
+  }
+  for (int k = 0; k < LMLOSS_GRPO_S_N; k++)
+    acc[k] = block_sum(acc[k], sh);
+  lo = block_nanext(lo, sh, false);
+  hi = block_nanext(hi, sh, true);
+  if (threadIdx.x == 0) lmloss_grpo_finish(&p, acc, lo, hi, a.loss, a.metrics, a.ms);
+}
+
+} // namespace grpo
+} // namespace lmc
+
+extern "C" lmloss_status lmloss_cuda_grpo(const lmloss_context *ctx, const lmloss_grpo_inputs *in,
+                                          const lmloss_grpo_options *opt,
+                                          const lmloss_grpo_outputs *out,
+                                          const lmloss_tensor *dloss, const lmloss_tensor *dlogp,
+                                          const lmloss_tensor *dentropy, void *ws, size_t) {
+  using namespace lmc::grpo;
+  Args a = {};
+  a.p = lmloss_grpo_par_make(opt, in);
+  a.in = *in;
+  a.tot = (double *)ws;
+  a.recs = (double *)((char *)ws + LMLOSS_GRPO_WS_HEADER);
+  a.dloss = dloss ? (const float *)dloss->data : nullptr;
+  a.dlogp = dlogp ? (float *)dlogp->data : nullptr;
+  a.dls = dlogp ? dlogp->row_stride : 0;
+  a.dentropy = dentropy ? (float *)dentropy->data : nullptr;
+  a.dhs = dentropy ? dentropy->row_stride : 0;
+  a.loss = out ? (float *)out->loss.data : nullptr;
+  a.metrics = out && out->metrics.data ? (float *)out->metrics.data : nullptr;
+  a.ms = out ? out->metrics.row_stride : 0;
+  a.items = opt->num_items;
+  const int64_t B = in->logp.rows;
+  if (B > INT_MAX) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "more than 2^31 - 1 sequences");
+  cudaStream_t st = lmc::stream_of(ctx);
+  stage_a<<<(unsigned)B, BS, 0, st>>>(a);
+  stage_b<<<1, BS, 0, st>>>(a);
+  stage_c<<<(unsigned)B, BS, 0, st>>>(a);
+  if (out) finish<<<1, BS, 0, st>>>(a);
+  return lmc::check_launch("grpo");
+}

@@ -1,0 +1,293 @@
+/*
+ * test_grpo.c - the GRPO family (lmloss_grpo) of the backend under test
+ * against REF: every loss type at both levels with the KL and its bias
+ * correction, delta, the off-policy and entropy masks, the entropy bonus,
+ * IS ratios per token and per sequence, advantages per token; the loss,
+ * the metrics and both gradients, the backward from dloss, thread counts
+ * (bitwise), closed forms where fp32 would lose them (a ratio of log-probs
+ * near -1000, k3 of a difference of 1e-6), and bad arguments. TRL itself
+ * is the oracle of tests/python/test_grpo.py; here REF, the same formulas
+ * in their sequential order, is the CPU threads' and CUDA's.
+ */
+#include "support/testing.h"
+
+enum { IN_LOGP, IN_MASK, IN_ADV, IN_OLD, IN_REF, IN_SAMP, IN_IS, IN_ENT, IN_THR, IN_ITEMS, NIN };
+
+typedef struct {
+  lmloss_tensor t[NIN];
+} host_in;
+
+static lmloss_grpo_inputs as_inputs(const lmloss_tensor *t) {
+  lmloss_grpo_inputs in = {t[IN_LOGP], t[IN_MASK], t[IN_ADV], t[IN_OLD], t[IN_REF],
+                           t[IN_SAMP], t[IN_IS],   t[IN_ENT], t[IN_THR], t[IN_ITEMS]};
+  return in;
+}
+
+/* Random inputs: log-probs in (-3, 0) (shift: added), old ones around
+ * them, padded tails and an empty sequence; flags pick the optional ones
+ * (1 old, 2 ref, 4 sampling, 8 IS per token, 16 IS per sequence, 32
+ * entropy and threshold, 64 advantages per token, 128 num_items). */
+static host_in make_in(int64_t B, int64_t T, unsigned flags, double shift) {
+  host_in h;
+  memset(&h, 0, sizeof h);
+  const lmloss_dtype f = LMLOSS_F32;
+  for (int k = 0; k < NIN; k++)
+    h.t[k].dtype = f;
+  h.t[IN_LOGP] = host_new(f, B, T, T);
+  h.t[IN_MASK] = host_new(f, B, T, T);
+  h.t[IN_ADV] = host_new(f, B, flags & 64 ? T : 1, flags & 64 ? T : 1);
+  if (flags & 1) h.t[IN_OLD] = host_new(f, B, T, T);
+  if (flags & 2) h.t[IN_REF] = host_new(f, B, T, T);
+  if (flags & 4) h.t[IN_SAMP] = host_new(f, B, T, T);
+  if (flags & 8) h.t[IN_IS] = host_new(f, B, T, T);
+  if (flags & 16) h.t[IN_IS] = host_new(f, B, 1, 1);
+  if (flags & 32) h.t[IN_ENT] = host_new(f, B, T, T), h.t[IN_THR] = host_new(f, 1, 1, 1);
+  if (flags & 128) h.t[IN_ITEMS] = host_new(f, 1, 1, 1);
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t len = b == 2 ? 0 : T - rng_int(T / 2 + 1);
+    for (int64_t t = 0; t < T; t++) {
+      const double lp = -0.05 - 2.95 * rng_uniform() + shift;
+      tset(&h.t[IN_LOGP], b, t, lp);
+      tset(&h.t[IN_MASK], b, t, t < len);
+      if (flags & 64 || t == 0) tset(&h.t[IN_ADV], b, t, rng_normal());
+      if (flags & 1) tset(&h.t[IN_OLD], b, t, lp + 0.25 * rng_normal());
+      if (flags & 2) tset(&h.t[IN_REF], b, t, lp + 0.5 * rng_normal());
+      if (flags & 4) tset(&h.t[IN_SAMP], b, t, lp + 0.2 * rng_normal());
+      if (flags & 8 || (flags & 16 && t == 0)) tset(&h.t[IN_IS], b, t, 0.5 + rng_uniform());
+      if (flags & 32) tset(&h.t[IN_ENT], b, t, 3.0 * rng_uniform());
+    }
+  }
+  if (flags & 32) tset(&h.t[IN_THR], 0, 0, 1.2);
+  if (flags & 128) tset(&h.t[IN_ITEMS], 0, 0, 17.5);
+  return h;
+}
+
+static void free_in(host_in *h) {
+  for (int k = 0; k < NIN; k++)
+    if (h->t[k].data) host_free(&h->t[k]);
+}
+
+typedef struct {
+  lmloss_tensor loss, metrics, dlogp, dentropy;
+} host_out;
+
+/* One call on the backend under test (dev) or REF; dloss > 0: the
+ * backward at that upstream instead (loss and metrics untouched). */
+static lmloss_status run(int dev, const host_in *h, const lmloss_grpo_options *o, host_out *r,
+                         double dloss, int threads) {
+  const int64_t B = h->t[IN_LOGP].rows, T = h->t[IN_LOGP].cols;
+  const int ent = h->t[IN_ENT].data != NULL;
+  r->loss = host_new(LMLOSS_F32, 1, 1, 1);
+  r->metrics = host_new(LMLOSS_F32, LMLOSS_GRPO_METRICS, 1, 1);
+  r->dlogp = host_new(LMLOSS_F32, B, T, T);
+  r->dentropy = ent ? host_new(LMLOSS_F32, B, T, T) : (lmloss_tensor){0};
+  lmloss_tensor t[NIN], lo = r->loss, me = r->metrics, dl = r->dlogp, de = r->dentropy,
+                        dls = host_new(LMLOSS_F32, 1, 1, 1);
+  tset(&dls, 0, 0, dloss);
+  for (int k = 0; k < NIN; k++)
+    t[k] = dev ? dev_clone(&h->t[k]) : h->t[k];
+  lmloss_tensor dd = dls;
+  if (dev) lo = dev_clone(&lo), me = dev_clone(&me), dl = dev_clone(&dl), dd = dev_clone(&dls);
+  if (dev && ent) de = dev_clone(&de);
+  const size_t wsb = lmloss_grpo_workspace_size(B);
+  void *ws = dev ? dev_alloc_bytes(wsb) : malloc(wsb);
+  lmloss_context c = dev ? tb_ctx() : ref_ctx();
+  c.num_threads = threads;
+  lmloss_grpo_inputs in = as_inputs(t);
+  lmloss_status s;
+  if (dloss > 0) {
+    s = lmloss_grpo_backward(&c, &in, o, &dd, &dl, &de, ws, wsb);
+  } else {
+    lmloss_grpo_outputs out = {lo, me, dl, de};
+    s = lmloss_grpo(&c, &in, o, &out, ws, wsb);
+  }
+  if (dev) {
+    dev_fetch(&r->loss, &lo), dev_fetch(&r->metrics, &me), dev_fetch(&r->dlogp, &dl);
+    if (ent) dev_fetch(&r->dentropy, &de), dev_free(&de);
+    dev_free(&lo), dev_free(&me), dev_free(&dl), dev_free(&dd), dev_free_bytes(ws);
+    for (int k = 0; k < NIN; k++)
+      dev_free(&t[k]);
+  } else {
+    free(ws);
+  }
+  host_free(&dls);
+  return s;
+}
+
+static void free_out(host_out *r) {
+  host_free(&r->loss), host_free(&r->metrics), host_free(&r->dlogp);
+  if (r->dentropy.data) host_free(&r->dentropy);
+}
+
+/* Every output of got against ref (scale: got's upstream over ref's). */
+static void compare(tgroup *g, const host_out *got, const host_out *ref, int fwd, double scale) {
+  const int64_t B = ref->dlogp.rows, T = ref->dlogp.cols;
+  if (fwd) {
+    tg_close(g, tget(&got->loss, 0, 0), tget(&ref->loss, 0, 0), LMLOSS_F32, 0, "loss", 0, 0);
+    for (int k = 0; k < LMLOSS_GRPO_METRICS; k++)
+      tg_close(g, tget(&got->metrics, k, 0), tget(&ref->metrics, k, 0), LMLOSS_F32, 0, "metrics", k,
+               0);
+  }
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t t = 0; t < T; t++) {
+      tg_close(g, tget(&got->dlogp, b, t), scale * tget(&ref->dlogp, b, t), LMLOSS_F32, 0, "dlogp",
+               b, t);
+      if (ref->dentropy.data)
+        tg_close(g, tget(&got->dentropy, b, t), scale * tget(&ref->dentropy, b, t), LMLOSS_F32, 0,
+                 "dentropy", b, t);
+    }
+}
+
+static void every_option(void) {
+  tgroup g;
+  tg_begin(&g, "every loss type, level and option against REF, forward and backward");
+  static const unsigned flags[] = {0,      1,      1 | 2,      1 | 4,   1 | 8,
+                                   1 | 16, 1 | 32, 1 | 2 | 64, 1 | 128, 1 | 2 | 4 | 8 | 32 | 128};
+  for (int type = LMLOSS_GRPO_GRPO; type <= LMLOSS_GRPO_VESPO; type++)
+    for (int level = 0; level < 2; level++)
+      for (int f = 0; f < (int)(sizeof flags / sizeof *flags); f++) {
+        rng_seed(100 * type + 10 * level + f);
+        const int64_t B = 3 + f % 3, T = f == 9 ? 700 : 5 + 3 * f;
+        host_in h = make_in(B, T, flags[f], 0.0);
+        lmloss_grpo_options o = lmloss_grpo_options_default();
+        o.loss_type = (lmloss_grpo_loss_type)type;
+        o.level = (lmloss_grpo_level)level;
+        if (flags[f] & 2) o.beta = 0.04, o.bias_correction_kl = f % 2;
+        if (flags[f] & 4) o.off_policy_mask = 1, o.off_policy_threshold = 0.01;
+        if (flags[f] & 32) o.entropy_coef = 0.02;
+        if (f == 9) o.delta = 1.2, o.epsilon_high = 0.28;
+        o.accumulation_steps = 1 + f % 3;
+        o.max_completion_length = f % 2 ? 0 : 40;
+        o.num_items = 11.0;
+        host_out got, ref, bwd;
+        tg_true(&g, run(1, &h, &o, &got, 0, 0) == LMLOSS_OK, "call: %s", lmloss_last_error());
+        tg_true(&g, run(0, &h, &o, &ref, 0, 0) == LMLOSS_OK, "REF: %s", lmloss_last_error());
+        compare(&g, &got, &ref, 1, 1.0);
+        tg_true(&g, run(1, &h, &o, &bwd, 0.75, 0) == LMLOSS_OK, "backward: %s",
+                lmloss_last_error());
+        compare(&g, &bwd, &ref, 0, 0.75);
+        free_out(&got), free_out(&ref), free_out(&bwd), free_in(&h);
+      }
+  tg_end(&g);
+}
+
+static void threads_bitwise(void) {
+  tgroup g;
+  tg_begin(&g, "CPU: the same bits for 1, 2 and 3 threads");
+  rng_seed(7);
+  host_in h = make_in(41, 333, 1 | 2 | 4 | 32, 0.0);
+  lmloss_grpo_options o = lmloss_grpo_options_default();
+  o.loss_type = LMLOSS_GRPO_BNPO, o.level = LMLOSS_GRPO_SEQUENCE, o.beta = 0.1;
+  o.off_policy_mask = 1, o.entropy_coef = 0.05;
+  host_out r[3];
+  for (int n = 0; n < 3; n++)
+    tg_true(&g, run(1, &h, &o, &r[n], 0, n + 1) == LMLOSS_OK, "call");
+  for (int n = 1; n < 3; n++)
+    tg_true(&g,
+            same_bytes(&r[n].loss, &r[0].loss) && same_bytes(&r[n].metrics, &r[0].metrics) &&
+                same_bytes(&r[n].dlogp, &r[0].dlogp) && same_bytes(&r[n].dentropy, &r[0].dentropy),
+            "threads %d differ from 1", n + 1);
+  for (int n = 0; n < 3; n++)
+    free_out(&r[n]);
+  free_in(&h);
+  tg_end(&g);
+}
+
+/* One token, B = 1: GRPO's -min(c A, clip(c) A) with c = exp(logp - old)
+ * at log-probs near -1000, and k3 of d = 1e-6 (expm1(d) - d would keep
+ * 1e-10 of it in double, none in fp32). */
+static void closed_forms(void) {
+  tgroup g;
+  tg_begin(&g, "closed forms: ratio at log-probs near -1000, k3 of 1e-6");
+  host_in h = make_in(1, 1, 1 | 2, 0.0);
+  tset(&h.t[IN_LOGP], 0, 0, -1000.0);
+  tset(&h.t[IN_OLD], 0, 0, -999.9375); /* exact in fp32: logp - old = -1/16 */
+  tset(&h.t[IN_REF], 0, 0, -1000.0);
+  tset(&h.t[IN_MASK], 0, 0, 1.0);
+  tset(&h.t[IN_ADV], 0, 0, 1.0);
+  lmloss_grpo_options o = lmloss_grpo_options_default();
+  o.loss_type = LMLOSS_GRPO_GRPO;
+  host_out r;
+  tg_true(&g, run(1, &h, &o, &r, 0, 0) == LMLOSS_OK, "call");
+  const double c = exp(-0.0625);
+  tg_close(&g, tget(&r.loss, 0, 0), -c, LMLOSS_F32, 0, "loss", 0, 0);
+  tg_close(&g, tget(&r.dlogp, 0, 0), -c, LMLOSS_F32, 0, "dlogp", 0, 0);
+  free_out(&r);
+  /* k3 alone: logp = old = -2^-10, ref = logp + d with d = 2^-19 (exact) */
+  const double lp = -0.0009765625, d = 1.9073486328125e-06;
+  tset(&h.t[IN_LOGP], 0, 0, lp), tset(&h.t[IN_OLD], 0, 0, lp), tset(&h.t[IN_REF], 0, 0, lp + d);
+  tg_true(&g, tget(&h.t[IN_REF], 0, 0) - lp == d, "d is not exact in fp32");
+  tset(&h.t[IN_ADV], 0, 0, 0.0);
+  o.beta = 1.0;
+  tg_true(&g, run(1, &h, &o, &r, 0, 0) == LMLOSS_OK, "call");
+  const double k3 = d * d * (0.5 + d / 6.0 + d * d / 24.0);
+  tg_close(&g, tget(&r.loss, 0, 0), k3, LMLOSS_F32, 0, "k3", 0, 0);
+  tg_close(&g, tget(&r.dlogp, 0, 0), -expm1(d), LMLOSS_F32, 0, "dk3", 0, 0);
+  tg_close(&g, tget(&r.metrics, LMLOSS_GRPO_M_KL, 0), k3, LMLOSS_F32, 0, "kl metric", 0, 0);
+  free_out(&r), free_in(&h);
+  tg_end(&g);
+}
+
+static void bad_arguments(void) {
+  tgroup g;
+  tg_begin(&g, "bad arguments: a status and a message");
+  host_in h = make_in(3, 4, 1 | 32, 0.0);
+  lmloss_grpo_inputs in = as_inputs(h.t);
+  lmloss_tensor loss = host_new(LMLOSS_F32, 1, 1, 1), dl = host_new(LMLOSS_F32, 3, 4, 4);
+  lmloss_grpo_outputs out = {loss, {0}, {0}, {0}};
+  size_t wsb = lmloss_grpo_workspace_size(3);
+  void *ws = malloc(wsb);
+  lmloss_context c = ref_ctx();
+  lmloss_grpo_options o = lmloss_grpo_options_default();
+#define EXPECT(call, st)                                                                           \
+  do {                                                                                             \
+    lmloss_status s_ = (call);                                                                     \
+    tg_true(&g, s_ == (st) && lmloss_last_error()[0], "%s: got %s (%s)", #call,                    \
+            lmloss_status_string(s_), lmloss_last_error());                                        \
+  } while (0)
+  EXPECT(lmloss_grpo(&c, NULL, &o, &out, ws, wsb), LMLOSS_ERR_NULL_POINTER);
+  EXPECT(lmloss_grpo(&c, &in, &o, NULL, ws, wsb), LMLOSS_ERR_NULL_POINTER);
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, NULL, wsb), LMLOSS_ERR_NULL_POINTER);
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb - 1), LMLOSS_ERR_WORKSPACE_TOO_SMALL);
+  o.loss_type = (lmloss_grpo_loss_type)8;
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default(), o.level = (lmloss_grpo_level)2;
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default(), o.epsilon_low = NAN;
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default(), o.beta = 0.1; /* no ref_logp */
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default(), o.num_items = 0;
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default(), o.sapo_temperature_neg = 0;
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default();
+  lmloss_grpo_inputs bad = in;
+  bad.advantages.cols = 2, bad.advantages.row_stride = 2;
+  EXPECT(lmloss_grpo(&c, &bad, &o, &out, ws, wsb), LMLOSS_ERR_BAD_SHAPE);
+  bad = in, bad.mask.dtype = LMLOSS_BF16;
+  EXPECT(lmloss_grpo(&c, &bad, &o, &out, ws, wsb), LMLOSS_ERR_BAD_DTYPE);
+  bad = in, bad.logp.rows = 0;
+  EXPECT(lmloss_grpo(&c, &bad, &o, &out, ws, wsb), LMLOSS_ERR_BAD_SHAPE);
+  bad = in, bad.entropy = (lmloss_tensor){0};
+  o.entropy_coef = 0.1;
+  EXPECT(lmloss_grpo(&c, &bad, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default();
+  bad = in, bad.old_logp.device = LMLOSS_CUDA;
+  EXPECT(lmloss_grpo(&c, &bad, &o, &out, ws, wsb), LMLOSS_ERR_BAD_DEVICE);
+  EXPECT(lmloss_grpo_backward(&c, &in, &o, &loss, NULL, NULL, ws, wsb), LMLOSS_ERR_NULL_POINTER);
+  lmloss_tensor wrong = dl;
+  wrong.rows = 2;
+  EXPECT(lmloss_grpo_backward(&c, &in, &o, &loss, &wrong, NULL, ws, wsb), LMLOSS_ERR_BAD_SHAPE);
+#undef EXPECT
+  free(ws), host_free(&loss), host_free(&dl), free_in(&h);
+  tg_end(&g);
+}
+
+int main(void) {
+  tb_init();
+  every_option();
+  closed_forms();
+  if (!tb_is_cuda()) threads_bitwise(), bad_arguments();
+  return test_finish();
+}
