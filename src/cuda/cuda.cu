@@ -31,6 +31,10 @@ lmloss_status lmloss_cuda_divergence(const lmloss_context *, const lmloss_div_in
                                      const lmloss_tensor *, const lmloss_tensor *, void *, size_t);
 extern const lmloss_linear_prims lmloss_cuda_linear; /* fused_linear.cu */
 extern const lmloss_state_ops lmloss_cuda_states;    /* shard.cu */
+lmloss_status lmloss_cuda_grpo(const lmloss_context *, const lmloss_grpo_inputs *,
+                               const lmloss_grpo_options *, const lmloss_grpo_outputs *,
+                               const lmloss_tensor *, const lmloss_tensor *, const lmloss_tensor *,
+                               void *, size_t); /* grpo.cu */
 
 /* Everything: the fused head, also of 16-bit heads, row states and the
  * divergences. */
@@ -47,5 +51,6 @@ extern const lmloss_backend_ops lmloss_cuda_ops = {
     &lmloss_cuda_linear,
     &lmloss_cuda_states,
     cuda_supports,
+    lmloss_cuda_grpo,
 };
 }
