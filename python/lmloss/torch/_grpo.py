@@ -19,7 +19,7 @@ off_policy_threshold, entropy_coef, accumulation_steps]; iopts
 max_completion_length, backend, num_threads, want dlogp, want dentropy].
 """
 
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -146,7 +146,8 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
               entropy_coef: float = 0.0, gradient_accumulation_steps: Number = 1,
               max_completion_length: Optional[int] = None,
               num_items: Optional[Union[Number, Tensor]] = None, return_metrics: bool = False,
-              backend: str = "auto", num_threads: int = 0):
+              backend: str = "auto", num_threads: int = 0
+              ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """TRL's GRPOTrainer loss (_compute_loss) from the policy's per-token
     log-probs [B, T], differentiable w.r.t. them and entropies [B, T] (the
     entropy bonus' gradient; the entropy mask has none).
