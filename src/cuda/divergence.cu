@@ -226,9 +226,15 @@ __device__ __forceinline__ void cluster_sync(const DivArgs &a) {
 #endif
 }
 
+/* w of a raw logit: a softcap's tanh only in the kernels compiled for
+ * one (CAPS), so the plain kernels carry no tanh, sinh or cosh. */
+template <bool CAPS> __device__ __forceinline__ float w_of(const lmloss_xform *f, float x) {
+  return CAPS ? lmloss_xform_w(f, x) : x;
+}
+
 /* The columns of a sweep: fn(j, e, ws, wt, xs, xt) for each column j < V
  * of this CTA's chunk, e its place in the thread's eight. */
-template <typename F>
+template <bool CAPS, typename F>
 __device__ __forceinline__ void for_columns(const DivArgs &a, const void *rs, const void *rt,
                                             int64_t jb, int64_t je, F fn) {
   for (int64_t j = jb + (int64_t)threadIdx.x * DIV_NV; j < je; j += (int64_t)DIV_BS * DIV_NV) {
@@ -238,13 +244,14 @@ __device__ __forceinline__ void for_columns(const DivArgs &a, const void *rs, co
 #pragma unroll
     for (int e = 0; e < DIV_NV; e++) {
       if (j + e >= je) break;
-      fn(j + e, e, lmloss_xform_w(&a.pr.fs, xs[e]), lmloss_xform_w(&a.pr.ft, xt[e]), xs[e], xt[e]);
+      fn(j + e, e, w_of<CAPS>(&a.pr.fs, xs[e]), w_of<CAPS>(&a.pr.ft, xt[e]), xs[e], xt[e]);
     }
   }
 }
 
-/* One row pair per cluster, of the kind K. */
-template <int K> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
+/* One row pair per cluster, of the kind K; CAPS: a softcap on either side
+ * (the transforms' modes then read at run time). */
+template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
   __shared__ DivShared sh;
   const int64_t i = blockIdx.x / a.cs;
   const int rank = (int)(blockIdx.x % a.cs);
@@ -290,10 +297,10 @@ template <int K> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
     finish(0.0, 0.0);
     return;
   }
-  const int mode = a.mode;
+  const int mode = CAPS ? a.mode : 0;
   /* 1. the maxes and argmaxes of w, and the flags */
   Extent e = {{-INFINITY, LLONG_MAX}, {-INFINITY, LLONG_MAX}, 0, 0, 0};
-  for_columns(a, rs, rt, jb, je, [&](int64_t j, int, float ws, float wt, float xs, float xt) {
+  for_columns<CAPS>(a, rs, rt, jb, je, [&](int64_t j, int, float ws, float wt, float xs, float xt) {
     e.bad |= (xs != xs) | (xs == INFINITY) | (xt != xt) | (xt == INFINITY);
     e.any_s |= xs > -INFINITY, e.any_t |= xt > -INFINITY;
     e.s = max_at(e.s, MaxAt{ws, j}), e.t = max_at(e.t, MaxAt{wt, j});
@@ -325,7 +332,7 @@ template <int K> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
   const float G = lmloss_div_gap(&a.pr, a.pr.capped, mt, xt_at, ms, xs_a);
   /* 2. R of each row and D = Rt - Rs below the maxes */
   float b3[3] = {0.0f, 0.0f, 0.0f};
-  for_columns(a, rs, rt, jb, je, [&](int64_t j, int, float ws, float wt, float xs, float xt) {
+  for_columns<CAPS>(a, rs, rt, jb, je, [&](int64_t j, int, float ws, float wt, float xs, float xt) {
     const float ds = (ws - ms) * ks, dt = (wt - mt) * kt;
     const float es = lmloss_vexp_neg(ds, -0.0f), et = lmloss_vexp_neg(dt, -0.0f);
     const float dg = lmloss_pair_dg(lmloss_div_gap(&a.pr, mode, wt, xt, ws, xs), G, ds, dt);
@@ -359,8 +366,8 @@ template <int K> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
 #pragma unroll
     for (int k = 0; k < DIV_NV; k++) {
       if (j + k >= je) break;
-      const lmloss_div_col c = lmloss_div_column(&a.pr, &r, mode, lmloss_xform_w(&a.pr.fs, xs[k]),
-                                                 lmloss_xform_w(&a.pr.ft, xt[k]), xs[k], xt[k]);
+      const lmloss_div_col c = lmloss_div_column(&a.pr, &r, mode, w_of<CAPS>(&a.pr.fs, xs[k]),
+                                                 w_of<CAPS>(&a.pr.ft, xt[k]), xs[k], xt[k]);
       const lmloss_div_terms t =
           lmloss_div_loss_terms(&a.pr, &r, &c, j + k != as && c.p != 0.0f, K);
       c6[0] += t.div, c6[1] += t.rev, c6[2] += t.mix, c6[3] += t.pos, c6[4] += t.neg, c6[5] += t.eq;
@@ -379,7 +386,7 @@ template <int K> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
     return x;
   });
   float es_y = 0.0f;
-  if (y >= 0) es_y = y == as ? 0.0f : (lmloss_xform_w(&a.pr.fs, xs_y) - ms) * ks;
+  if (y >= 0) es_y = y == as ? 0.0f : (w_of<CAPS>(&a.pr.fs, xs_y) - ms) * ks;
   finish(lo.v[0], y >= 0 ? (double)r.l1s - es_y : 0.0);
   /* 4. the other kinds' gradient */
   if (rd && !fused) {
@@ -390,8 +397,8 @@ template <int K> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
       load8(rt, a.tdt, j, je, xt);
 #pragma unroll
       for (int k = 0; k < DIV_NV; k++) {
-        const lmloss_div_col c = lmloss_div_column(&a.pr, &r, mode, lmloss_xform_w(&a.pr.fs, xs[k]),
-                                                   lmloss_xform_w(&a.pr.ft, xt[k]), xs[k], xt[k]);
+        const lmloss_div_col c = lmloss_div_column(&a.pr, &r, mode, w_of<CAPS>(&a.pr.fs, xs[k]),
+                                                   w_of<CAPS>(&a.pr.ft, xt[k]), xs[k], xt[k]);
         g[k] = lmloss_div_grad_entry(&a.pr, &r, &gc, j + k, &c, xs[k], mode, K);
       }
       store8(rd, a.dxt, j, je, g);
@@ -437,11 +444,16 @@ __global__ void div_finalize(DivArgs a) {
   }
 }
 
+template <int K> static void (*pick(const DivArgs &a))(DivArgs) {
+  const bool caps = a.pr.fs.cap > 0.0f || a.pr.ft.cap > 0.0f;
+  return caps ? div_rows<K, true> : div_rows<K, false>;
+}
+
 static lmloss_status launch_rows(const DivArgs &a, int kind, const DevInfo &d, cudaStream_t st) {
-  void (*k)(DivArgs) = kind == LMLOSS_DIV_KL           ? div_rows<LMLOSS_DIV_KL>
-                       : kind == LMLOSS_DIV_REVERSE_KL ? div_rows<LMLOSS_DIV_REVERSE_KL>
-                       : kind == LMLOSS_DIV_TVD        ? div_rows<LMLOSS_DIV_TVD>
-                                                       : div_rows<LMLOSS_DIV_JSD>;
+  void (*k)(DivArgs) = kind == LMLOSS_DIV_KL           ? pick<LMLOSS_DIV_KL>(a)
+                       : kind == LMLOSS_DIV_REVERSE_KL ? pick<LMLOSS_DIV_REVERSE_KL>(a)
+                       : kind == LMLOSS_DIV_TVD        ? pick<LMLOSS_DIV_TVD>(a)
+                                                       : pick<LMLOSS_DIV_JSD>(a);
   cudaLaunchAttribute attr[1];
   const cudaLaunchConfig_t cfg = cluster_launch((unsigned)(a.N * a.cs), DIV_BS, 0, a.cs, st, attr);
   const cudaError_t e = cudaLaunchKernelEx(&cfg, k, a);
