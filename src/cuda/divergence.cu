@@ -95,7 +95,8 @@ __device__ __forceinline__ void load8(const void *row, lmloss_dtype dt, int64_t 
   }
 #pragma unroll
   for (int e = 0; e < DIV_NV; e++)
-    x[e] = dt == LMLOSS_BF16 ? lmloss_bf16_to_f32(h[e]) : lmloss_f16_to_f32(h[e]);
+    x[e] = dt == LMLOSS_BF16 ? __bfloat162float(__ushort_as_bfloat16(h[e]))
+                             : __half2float(__ushort_as_half(h[e]));
 }
 
 __device__ __forceinline__ void store8(void *row, lmloss_dtype dt, int64_t j, int64_t V,
@@ -116,7 +117,8 @@ __device__ __forceinline__ void store8(void *row, lmloss_dtype dt, int64_t j, in
   uint16_t h[DIV_NV];
 #pragma unroll
   for (int e = 0; e < DIV_NV; e++)
-    h[e] = dt == LMLOSS_BF16 ? lmloss_f32_to_bf16(g[e]) : lmloss_f32_to_f16(g[e]);
+    h[e] = dt == LMLOSS_BF16 ? __bfloat16_as_ushort(__float2bfloat16_rn(g[e]))
+                             : __half_as_ushort(__float2half_rn(g[e]));
   uint16_t *p = (uint16_t *)row + j;
   if (whole && is_aligned16(p)) {
     uint4 u;

@@ -331,7 +331,8 @@ def test_two_fused_heads_on_cuda(dtype):
     y[:7] = -100
     res = []
     for dev, dt in (("cpu", torch.float32), ("cuda", dtype)):
-        h, w = hs.to(dev, dt).requires_grad_(), ws.to(dev, dt).requires_grad_()
+        h = hs.to(dev, dt).detach().requires_grad_()
+        w = ws.to(dev, dt).detach().requires_grad_()
         loss = lt.linear_generalized_jsd(h, w, ht.to(dev, dt), wt.to(dev, dt), y.to(dev),
                                          beta=0.4, hard_weight=0.2, memory_budget=1 << 20)
         loss.backward()
