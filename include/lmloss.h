@@ -762,6 +762,112 @@ LMLOSS_API lmloss_status lmloss_grpo_backward(
     const lmloss_tensor *dloss, const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
     void *workspace, size_t workspace_bytes);
 
+/* ------------------------------------------------------------------ */
+/* Preference objectives on sequence log-probs: the DPO family         */
+/* ------------------------------------------------------------------ */
+
+/* TRL's DPOTrainer losses over P pairs, from the policy's sequence
+ * log-prob sums of the chosen (c) and rejected (r) completions and the
+ * reference's (rc, rr; absent: 0). With lc = c - rc, lr = r - rr, the
+ * f-divergence's scores s(lc), s(lr) and z = beta (s(lc) - s(lr)), per
+ * pair as TRL's loss types define them (SIGMOID -log sigmoid(z), HINGE,
+ * IPO and SIGMOID_NORM on scores per token (the token counts), EXO_PAIR
+ * and ROBUST with label_smoothing, NCA_PAIR, BCO_PAIR, SPPO_HARD, APO_ZERO
+ * and APO_DOWN on beta lc and beta lr, DISCOPOP with discopop_tau), AOT
+ * and AOT_UNPAIRED on the batch's sorted log ratios, and SFT, minus the
+ * chosen log-prob sums over the chosen tokens. The loss is the sum over
+ * types of loss_weights[type] times the mean over pairs (times the pair's
+ * weight, WPO's, where given). Every log sigmoid is a softplus, every
+ * 1 - sigmoid a sigmoid and forward KL's score -expm1(-lc): none cancels.
+ * Sums run in pair order, so results do not depend on threads. */
+typedef enum {
+  LMLOSS_PREF_SIGMOID = 0,
+  LMLOSS_PREF_HINGE = 1,
+  LMLOSS_PREF_IPO = 2,
+  LMLOSS_PREF_EXO_PAIR = 3,
+  LMLOSS_PREF_NCA_PAIR = 4,
+  LMLOSS_PREF_ROBUST = 5,
+  LMLOSS_PREF_BCO_PAIR = 6,
+  LMLOSS_PREF_SPPO_HARD = 7,
+  LMLOSS_PREF_AOT = 8,
+  LMLOSS_PREF_AOT_UNPAIRED = 9,
+  LMLOSS_PREF_APO_ZERO = 10,
+  LMLOSS_PREF_APO_DOWN = 11,
+  LMLOSS_PREF_DISCOPOP = 12,
+  LMLOSS_PREF_SFT = 13,
+  LMLOSS_PREF_SIGMOID_NORM = 14,
+  LMLOSS_PREF_TYPES = 15
+} lmloss_pref_type;
+
+/* TRL's f_divergence_type: the score of a log ratio x. */
+typedef enum {
+  LMLOSS_PREF_FDIV_REVERSE_KL = 0, /* x (standard DPO) */
+  LMLOSS_PREF_FDIV_FORWARD_KL = 1, /* 1 - e^-x */
+  LMLOSS_PREF_FDIV_JS = 2,         /* log 2 + log sigmoid(x) */
+  LMLOSS_PREF_FDIV_ALPHA = 3       /* (e^((alpha - 1) x) - 1) / (alpha - 1),
+                                      the exponent clipped at 80 as TRL's */
+} lmloss_pref_fdiv;
+
+typedef struct {
+  double loss_weights[LMLOSS_PREF_TYPES]; /* finite; default SIGMOID 1, others 0 */
+  double beta;                            /* > 0, default 0.1 */
+  double label_smoothing;                 /* in [0, 1) (ROBUST: [0, 0.5); EXO: > 0) */
+  lmloss_pref_fdiv f_divergence;          /* default REVERSE_KL */
+  double f_alpha;                         /* ALPHA's coefficient, default 0.5 */
+  double discopop_tau;                    /* > 0, default 0.05 */
+} lmloss_pref_options;
+
+LMLOSS_API lmloss_pref_options lmloss_pref_options_default(void);
+
+/* F32 vectors [P] (rows P, cols 1) on one device. */
+typedef struct {
+  lmloss_tensor chosen;          /* the policy's sums (differentiated) */
+  lmloss_tensor rejected;        /* likewise */
+  lmloss_tensor ref_chosen;      /* optional: absent = 0 */
+  lmloss_tensor ref_rejected;    /* optional */
+  lmloss_tensor chosen_tokens;   /* optional: needed by IPO, SIGMOID_NORM, SFT */
+  lmloss_tensor rejected_tokens; /* optional: needed by IPO, SIGMOID_NORM */
+  lmloss_tensor weight;          /* optional: each pair's (WPO), not with AOT */
+} lmloss_pref_inputs;
+
+/* The metrics output (F32 [LMLOSS_PREF_METRICS]): sums over this call's
+ * pairs, TRL's rewards being beta lc and beta lr. */
+typedef enum {
+  LMLOSS_PREF_M_PAIRS = 0,
+  LMLOSS_PREF_M_REWARD_CHOSEN = 1,
+  LMLOSS_PREF_M_REWARD_REJECTED = 2,
+  LMLOSS_PREF_M_ACCURACY = 3, /* pairs with beta lc > beta lr */
+  LMLOSS_PREF_M_MARGIN = 4,
+  LMLOSS_PREF_M_LOGP_CHOSEN = 5,
+  LMLOSS_PREF_M_LOGP_REJECTED = 6,
+  LMLOSS_PREF_METRICS = 8
+} lmloss_pref_metric;
+
+typedef struct {
+  lmloss_tensor loss;      /* required F32 [1] */
+  lmloss_tensor metrics;   /* optional F32 [LMLOSS_PREF_METRICS] */
+  lmloss_tensor dchosen;   /* optional F32 [P]: the gradient (upstream 1) */
+  lmloss_tensor drejected; /* optional F32 [P] */
+} lmloss_pref_outputs;
+
+/* Bytes of workspace for P pairs (every backend). */
+LMLOSS_API size_t lmloss_preference_workspace_size(int64_t pairs);
+
+/* Forward, with the gradients present in out. Errors as lmloss_grpo's
+ * (BAD_OPTION also for a type's missing token counts, or weights with
+ * AOT). */
+LMLOSS_API lmloss_status lmloss_preference(const lmloss_context *ctx, const lmloss_pref_inputs *in,
+                                           const lmloss_pref_options *opt,
+                                           const lmloss_pref_outputs *out, void *workspace,
+                                           size_t workspace_bytes);
+
+/* Backward: dchosen and/or drejected (F32 [P]) from dloss (F32 [1], on the
+ * device). */
+LMLOSS_API lmloss_status lmloss_preference_backward(
+    const lmloss_context *ctx, const lmloss_pref_inputs *in, const lmloss_pref_options *opt,
+    const lmloss_tensor *dloss, const lmloss_tensor *dchosen, const lmloss_tensor *drejected,
+    void *workspace, size_t workspace_bytes);
+
 /* ================================================================== */
 /* STABLE again: the library                                          */
 /* ================================================================== */

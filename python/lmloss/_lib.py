@@ -55,6 +55,11 @@ GRPO_LOSS_TYPES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3, "cispo": 4, "s
                    "luspo": 6, "vespo": 7}
 GRPO_LEVELS = {"token": 0, "sequence": 1}
 GRPO_METRICS = 16
+# lmloss_pref_type (index = C code), lmloss_pref_fdiv; LMLOSS_PREF_METRICS floats of metrics
+PREF_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
+              "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+PREF_FDIVS = {"reverse_kl": 0, "forward_kl": 1, "js_divergence": 2, "alpha_divergence": 3}
+PREF_METRICS = 8
 
 _c_int64 = ctypes.c_int64
 
@@ -132,6 +137,23 @@ class GRPOOutputs(ctypes.Structure):
     _fields_ = [("loss", Tensor), ("metrics", Tensor), ("dlogp", Tensor), ("dentropy", Tensor)]
 
 
+class PrefOptions(ctypes.Structure):
+    _fields_ = [("loss_weights", ctypes.c_double * 15), ("beta", ctypes.c_double),
+                ("label_smoothing", ctypes.c_double), ("f_divergence", ctypes.c_int),
+                ("f_alpha", ctypes.c_double), ("discopop_tau", ctypes.c_double)]
+
+
+class PrefInputs(ctypes.Structure):
+    _fields_ = [("chosen", Tensor), ("rejected", Tensor), ("ref_chosen", Tensor),
+                ("ref_rejected", Tensor), ("chosen_tokens", Tensor), ("rejected_tokens", Tensor),
+                ("weight", Tensor)]
+
+
+class PrefOutputs(ctypes.Structure):
+    _fields_ = [("loss", Tensor), ("metrics", Tensor), ("dchosen", Tensor),
+                ("drejected", Tensor)]
+
+
 class Head(ctypes.Structure):
     """lmloss_head: hidden [N, H], weight [V, H], optional bias [V]."""
     _fields_ = [("hidden", Tensor), ("weight", Tensor), ("bias", Tensor)]
@@ -153,7 +175,8 @@ STRUCTS = {"lmloss_tensor": Tensor, "lmloss_context": Context, "lmloss_transform
            "lmloss_div_inputs": DivInputs, "lmloss_div_outputs": DivOutputs, "lmloss_head": Head,
            "lmloss_head_options": HeadOptions, "lmloss_head_grads": HeadGrads,
            "lmloss_grpo_options": GRPOOptions, "lmloss_grpo_inputs": GRPOInputs,
-           "lmloss_grpo_outputs": GRPOOutputs}
+           "lmloss_grpo_outputs": GRPOOutputs, "lmloss_pref_options": PrefOptions,
+           "lmloss_pref_inputs": PrefInputs, "lmloss_pref_outputs": PrefOutputs}
 
 _P = ctypes.POINTER
 _status = ctypes.c_int
@@ -196,6 +219,10 @@ grpo = _proto("lmloss_grpo", _status, _P(Context), _P(GRPOInputs), _P(GRPOOption
 grpo_backward = _proto("lmloss_grpo_backward", _status, _P(Context), _P(GRPOInputs),
                        _P(GRPOOptions), _P(Tensor), _P(Tensor), _P(Tensor), ctypes.c_void_p,
                        ctypes.c_size_t)
+pref_options_default = _proto("lmloss_pref_options_default", PrefOptions)
+pref_workspace_size = _proto("lmloss_preference_workspace_size", ctypes.c_size_t, _c_int64)
+preference = _proto("lmloss_preference", _status, _P(Context), _P(PrefInputs), _P(PrefOptions),
+                    _P(PrefOutputs), ctypes.c_void_p, ctypes.c_size_t)
 head_options_default = _proto("lmloss_head_options_default", HeadOptions)
 linear_workspace_size = _proto("lmloss_linear_workspace_size", _status, _P(Head),
                                _P(HeadOptions), _P(HeadGrads), _c_int64, _P(ctypes.c_size_t))

@@ -178,6 +178,11 @@ typedef struct {
                         const lmloss_grpo_options *, const lmloss_grpo_outputs *out,
                         const lmloss_tensor *dloss, const lmloss_tensor *dlogp,
                         const lmloss_tensor *dentropy, void *, size_t);
+  /* The DPO family (every backend), likewise. */
+  lmloss_status (*preference)(const lmloss_context *, const lmloss_pref_inputs *,
+                              const lmloss_pref_options *, const lmloss_pref_outputs *out,
+                              const lmloss_tensor *dloss, const lmloss_tensor *dchosen,
+                              const lmloss_tensor *drejected, void *, size_t);
 } lmloss_backend_ops;
 
 extern const lmloss_backend_ops lmloss_ref_ops;

@@ -88,14 +88,16 @@ size_t lmloss_struct_size(const char *name) {
     const char *name;
     size_t size;
   } structs[] = {
-      LMLOSS_STRUCT(lmloss_tensor),      LMLOSS_STRUCT(lmloss_context),
-      LMLOSS_STRUCT(lmloss_transform),   LMLOSS_STRUCT(lmloss_ce_options),
-      LMLOSS_STRUCT(lmloss_ce_inputs),   LMLOSS_STRUCT(lmloss_ce_outputs),
-      LMLOSS_STRUCT(lmloss_head),        LMLOSS_STRUCT(lmloss_head_options),
-      LMLOSS_STRUCT(lmloss_head_grads),  LMLOSS_STRUCT(lmloss_shard),
-      LMLOSS_STRUCT(lmloss_div_options), LMLOSS_STRUCT(lmloss_div_inputs),
-      LMLOSS_STRUCT(lmloss_div_outputs), LMLOSS_STRUCT(lmloss_grpo_options),
-      LMLOSS_STRUCT(lmloss_grpo_inputs), LMLOSS_STRUCT(lmloss_grpo_outputs),
+      LMLOSS_STRUCT(lmloss_tensor),       LMLOSS_STRUCT(lmloss_context),
+      LMLOSS_STRUCT(lmloss_transform),    LMLOSS_STRUCT(lmloss_ce_options),
+      LMLOSS_STRUCT(lmloss_ce_inputs),    LMLOSS_STRUCT(lmloss_ce_outputs),
+      LMLOSS_STRUCT(lmloss_head),         LMLOSS_STRUCT(lmloss_head_options),
+      LMLOSS_STRUCT(lmloss_head_grads),   LMLOSS_STRUCT(lmloss_shard),
+      LMLOSS_STRUCT(lmloss_div_options),  LMLOSS_STRUCT(lmloss_div_inputs),
+      LMLOSS_STRUCT(lmloss_div_outputs),  LMLOSS_STRUCT(lmloss_grpo_options),
+      LMLOSS_STRUCT(lmloss_grpo_inputs),  LMLOSS_STRUCT(lmloss_grpo_outputs),
+      LMLOSS_STRUCT(lmloss_pref_options), LMLOSS_STRUCT(lmloss_pref_inputs),
+      LMLOSS_STRUCT(lmloss_pref_outputs),
   };
 #undef LMLOSS_STRUCT
   for (size_t i = 0; name && i < sizeof structs / sizeof *structs; i++)

@@ -35,6 +35,10 @@ lmloss_status lmloss_cuda_grpo(const lmloss_context *, const lmloss_grpo_inputs 
                                const lmloss_grpo_options *, const lmloss_grpo_outputs *,
                                const lmloss_tensor *, const lmloss_tensor *, const lmloss_tensor *,
                                void *, size_t); /* grpo.cu */
+lmloss_status lmloss_cuda_preference(const lmloss_context *, const lmloss_pref_inputs *,
+                                     const lmloss_pref_options *, const lmloss_pref_outputs *,
+                                     const lmloss_tensor *, const lmloss_tensor *,
+                                     const lmloss_tensor *, void *, size_t); /* preference.cu */
 
 /* Everything: the fused head, also of 16-bit heads, row states and the
  * divergences. */
@@ -52,5 +56,6 @@ extern const lmloss_backend_ops lmloss_cuda_ops = {
     &lmloss_cuda_states,
     cuda_supports,
     lmloss_cuda_grpo,
+    lmloss_cuda_preference,
 };
 }

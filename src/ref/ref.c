@@ -32,6 +32,10 @@ lmloss_status lmloss_ref_grpo(const lmloss_context *, const lmloss_grpo_inputs *
                               const lmloss_grpo_options *, const lmloss_grpo_outputs *,
                               const lmloss_tensor *, const lmloss_tensor *, const lmloss_tensor *,
                               void *, size_t);
+lmloss_status lmloss_ref_preference(const lmloss_context *, const lmloss_pref_inputs *,
+                                    const lmloss_pref_options *, const lmloss_pref_outputs *,
+                                    const lmloss_tensor *, const lmloss_tensor *,
+                                    const lmloss_tensor *, void *, size_t);
 
 /* Neither the fused head (its oracle is the full product in the tests)
  * nor row states (theirs is the one-shot call). */
@@ -49,4 +53,5 @@ const lmloss_backend_ops lmloss_ref_ops = {
     NULL,
     ref_supports,
     lmloss_ref_grpo,
+    lmloss_ref_preference,
 };

@@ -1,0 +1,121 @@
+"""The DPO family of preference objectives on sequence log-probs
+(lmloss_preference)."""
+
+import collections
+from typing import Optional, Sequence, Union
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from . import _lib
+from ._tensor import as_array, native, shape_error, view
+
+DPOResult = collections.namedtuple("DPOResult", "loss dchosen drejected metrics")
+DPOResult.__doc__ = """Returned by dpo_loss: loss (float); dchosen and drejected (float32
+[P], or None without grad=True); metrics, a dict of METRIC_NAMES ->
+float (sums over the pairs: trl_metrics makes them TRL's logged means)."""
+
+METRIC_NAMES = ("pairs", "reward_chosen", "reward_rejected", "accuracy", "margin", "logp_chosen",
+                "logp_rejected")
+
+
+def pref_options(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
+                 f_alpha_divergence_coef, discopop_tau):
+    """lmloss_pref_options from DPOConfig's names: loss_type one name or a
+    list (TRL's), loss_weights one each (None: 1 each)."""
+    f = _lib.float_option
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
+    if len(weights) != len(types):
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "loss_weights has %d entries for %d loss types"
+                         % (len(weights), len(types)))
+    opt = _lib.pref_options_default()
+    opt.loss_weights[0] = 0.0
+    for t, w in zip(types, weights):
+        if t not in _lib.PREF_TYPES:
+            raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "loss_type must be among %s, got %r"
+                             % (", ".join(_lib.PREF_TYPES), t))
+        opt.loss_weights[_lib.PREF_TYPES.index(t)] += f("loss_weights", w)
+    if f_divergence_type not in _lib.PREF_FDIVS:
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "f_divergence_type must be one of %s, got %r"
+                         % (", ".join(_lib.PREF_FDIVS), f_divergence_type))
+    opt.beta = f("beta", beta)
+    opt.label_smoothing = f("label_smoothing", label_smoothing)
+    opt.f_divergence = _lib.PREF_FDIVS[f_divergence_type]
+    opt.f_alpha = f("f_alpha_divergence_coef", f_alpha_divergence_coef)
+    opt.discopop_tau = f("discopop_tau", discopop_tau)
+    return opt
+
+
+def trl_metrics(metrics: dict) -> dict:
+    """TRL's DPOTrainer rewards and log-prob means (one process) from
+    dpo_loss's sums."""
+    n = max(metrics["pairs"], 1.0)
+    return {"rewards/chosen": metrics["reward_chosen"] / n,
+            "rewards/rejected": metrics["reward_rejected"] / n,
+            "rewards/accuracies": metrics["accuracy"] / n,
+            "rewards/margins": metrics["margin"] / n,
+            "logps/chosen": metrics["logp_chosen"] / n,
+            "logps/rejected": metrics["logp_rejected"] / n}
+
+
+def dpo_loss(chosen_logps: ArrayLike, rejected_logps: ArrayLike,
+             ref_chosen_logps: Optional[ArrayLike] = None,
+             ref_rejected_logps: Optional[ArrayLike] = None, *,
+             loss_type: Union[str, Sequence[str]] = "sigmoid",
+             loss_weights: Optional[Sequence[float]] = None, beta: float = 0.1,
+             label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
+             f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05,
+             chosen_tokens: Optional[ArrayLike] = None,
+             rejected_tokens: Optional[ArrayLike] = None, weight: Optional[ArrayLike] = None,
+             grad: bool = False, backend: str = "auto", num_threads: int = 0) -> DPOResult:
+    """TRL's DPOTrainer loss from the policy's sequence log-prob sums of P
+    chosen and rejected completions [P] and the reference's (None: 0).
+
+    DPOConfig's options: loss_type (one of "sigmoid", "hinge", "ipo",
+    "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
+    "sigmoid_norm", or a list of them with loss_weights), beta,
+    label_smoothing, f_divergence_type, f_alpha_divergence_coef,
+    discopop_tau. chosen_tokens, rejected_tokens [P]: the completions'
+    token counts (ipo, sigmoid_norm, sft); weight [P]: each pair's (WPO's
+    use_weighting: the product of its two sequences' weights).
+    grad=True: the gradients w.r.t. the chosen and rejected sums. Raises
+    lmloss.Error.
+    """
+    opt = pref_options(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
+                       f_alpha_divergence_coef, discopop_tau)
+    ctx = _lib.make_context(backend, num_threads)
+    c = native(as_array(chosen_logps))
+    if c.ndim != 1:
+        raise shape_error("chosen_logps must be [P], got shape %s" % (c.shape,))
+    n = c.shape[0]
+    keep = []
+
+    def vec(x, name):
+        if x is None:
+            return _lib.Tensor()
+        a = np.ascontiguousarray(native(as_array(x)), dtype=np.float32)
+        if a.shape != (n,):
+            raise shape_error("%s has shape %s, expected (%d,)" % (name, a.shape, n))
+        a, t = view(a, vector=True, name=name)
+        keep.append(a)
+        return t
+
+    inputs = _lib.PrefInputs(vec(c, "chosen_logps"), vec(rejected_logps, "rejected_logps"),
+                             vec(ref_chosen_logps, "ref_chosen_logps"),
+                             vec(ref_rejected_logps, "ref_rejected_logps"),
+                             vec(chosen_tokens, "chosen_tokens"),
+                             vec(rejected_tokens, "rejected_tokens"), vec(weight, "weight"))
+    loss, metrics = np.zeros((1, 1), np.float32), np.zeros((_lib.PREF_METRICS, 1), np.float32)
+    outputs = _lib.PrefOutputs(loss=view(loss)[1], metrics=view(metrics)[1])
+    dc = dr = None
+    if grad:
+        dc, outputs.dchosen = view(np.empty(n, np.float32), vector=True)
+        dr, outputs.drejected = view(np.empty(n, np.float32), vector=True)
+    nbytes = int(_lib.pref_workspace_size(n))
+    ws = np.empty(nbytes + 64, np.uint8)
+    addr = ws.ctypes.data + (-ws.ctypes.data % 64)
+    _lib.check(_lib.preference(ctx, inputs, opt, outputs, addr, nbytes))
+    return DPOResult(float(loss[0, 0]), dc, dr,
+                     dict(zip(METRIC_NAMES, (float(v) for v in metrics[:, 0]))))

@@ -1,0 +1,133 @@
+"""The DPO family in lmloss.torch: dpo_loss, TRL's DPOTrainer loss from the
+policy's sequence log-prob sums (of lt.log_probs or the fused head's
+per-token log-probs), differentiable w.r.t. the chosen and rejected sums.
+
+One custom op, lmloss::preference, as lmloss::grpo: the loss, the metrics
+and the two gradients at an upstream gradient of 1 ([P] each, formed in
+the same call), scaled by the upstream scalar in the backward. Options
+travel as fopts [the 15 loss weights, beta, label_smoothing, f_alpha,
+discopop_tau] and iopts [f_divergence, backend, num_threads, want
+gradients]."""
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from .. import _lib
+from .._preference import METRIC_NAMES, pref_options
+from . import _bridge as B
+from ._dispatch import Differentiable, custom_op
+from ._grpo import F32, _f32
+
+
+def _options(fopts, iopts):
+    opt = _lib.pref_options_default()
+    for k in range(len(_lib.PREF_TYPES)):
+        opt.loss_weights[k] = fopts[k]
+    opt.beta, opt.label_smoothing, opt.f_alpha, opt.discopop_tau = fopts[-4:]
+    opt.f_divergence = iopts[0]
+    return opt
+
+
+def _grads(chosen, iopts):
+    shape = chosen.shape if iopts[3] else (0,)
+    return chosen.new_empty(shape, dtype=F32), chosen.new_empty(shape, dtype=F32)
+
+
+@custom_op("lmloss::preference")
+def preference(chosen: Tensor, rejected: Tensor, ref_chosen: Optional[Tensor],
+               ref_rejected: Optional[Tensor], chosen_tokens: Optional[Tensor],
+               rejected_tokens: Optional[Tensor], weight: Optional[Tensor], fopts: list[float],
+               iopts: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """loss (0-d), metrics [LMLOSS_PREF_METRICS], dchosen and drejected at an
+    upstream gradient of 1 ([0] when not wanted); F32 vectors [P]."""
+    loss = chosen.new_empty((), dtype=F32)
+    metrics = chosen.new_empty((_lib.PREF_METRICS,), dtype=F32)
+    dc, dr = _grads(chosen, iopts)
+    keep = []
+
+    def v(t):
+        return B.view(t, keep)
+
+    with B.context(chosen, iopts[1], iopts[2]) as ctx:
+        inputs = _lib.PrefInputs(v(chosen), v(rejected), v(ref_chosen), v(ref_rejected),
+                                 v(chosen_tokens), v(rejected_tokens), v(weight))
+        out = _lib.PrefOutputs(loss=v(loss.reshape(1)), metrics=v(metrics))
+        if dc.numel():
+            out.dchosen, out.drejected = v(dc), v(dr)
+        ws, addr, nbytes = B.workspace(_lib.pref_workspace_size(chosen.shape[0]), chosen.device)
+        _lib.check(_lib.preference(ctx, inputs, _options(fopts, iopts), out, addr, nbytes))
+    return loss, metrics, dc, dr
+
+
+@preference.register_fake
+def _(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, weight, fopts,
+      iopts):
+    return ((chosen.new_empty((), dtype=F32),
+             chosen.new_empty((_lib.PREF_METRICS,), dtype=F32)) + _grads(chosen, iopts))
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(output[2], output[3])
+
+
+def _backward(ctx, dloss, _dmetrics, _ddc, _ddr):
+    dc, dr = ctx.saved_tensors
+    grads = [None] * 9
+    if dloss is not None and dc.numel():
+        if ctx.needs_input_grad[0]:
+            grads[0] = dc * dloss
+        if ctx.needs_input_grad[1]:
+            grads[1] = dr * dloss
+    return tuple(grads)
+
+
+preference = Differentiable(preference, _setup, _backward)
+
+
+def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor,
+             ref_chosen_logps: Optional[Tensor] = None,
+             ref_rejected_logps: Optional[Tensor] = None, *,
+             loss_type: Union[str, Sequence[str]] = "sigmoid",
+             loss_weights: Optional[Sequence[float]] = None, beta: float = 0.1,
+             label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
+             f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05,
+             chosen_tokens: Optional[Tensor] = None, rejected_tokens: Optional[Tensor] = None,
+             weight: Optional[Tensor] = None, return_metrics: bool = False,
+             backend: str = "auto", num_threads: int = 0
+             ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """TRL's DPOTrainer loss (lmloss.dpo_loss lists the options) from the
+    policy's sequence log-prob sums chosen_logps, rejected_logps [P] and
+    the reference's, differentiable w.r.t. the policy's. Returns the
+    float32 0-d loss, or (loss, metrics) with return_metrics (float32 [8]:
+    lmloss._preference.METRIC_NAMES; metrics_dict reads them). CPU and
+    CUDA tensors; nothing is read to the host."""
+    opt = pref_options(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
+                       f_alpha_divergence_coef, discopop_tau)
+    c = chosen_logps
+    if c.dim() != 1:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "chosen_logps must be [P], got %s"
+                         % (tuple(c.shape),))
+    want = int(torch.is_grad_enabled() and (c.requires_grad or rejected_logps.requires_grad))
+    fopts = list(opt.loss_weights) + [opt.beta, opt.label_smoothing, opt.f_alpha,
+                                      opt.discopop_tau]
+    iopts = [opt.f_divergence, B.backend_code(backend), _lib.int_option("num_threads", num_threads),
+             want]
+
+    def vec(t, name):  # [P] F32, as the C call's [P, 1]
+        t = _f32(t, c, name)
+        return None if t is None else t.reshape(-1)
+
+    loss, metrics, _, _ = preference(vec(c, "chosen_logps"), vec(rejected_logps, "rejected_logps"),
+                                     vec(ref_chosen_logps, "ref_chosen_logps"),
+                                     vec(ref_rejected_logps, "ref_rejected_logps"),
+                                     vec(chosen_tokens, "chosen_tokens"),
+                                     vec(rejected_tokens, "rejected_tokens"),
+                                     vec(weight, "weight"), fopts, iopts)
+    return (loss, metrics) if return_metrics else loss
+
+
+def metrics_dict(metrics: Tensor) -> dict:
+    """dpo_loss's metrics tensor as {name: float} (reads it to the host)."""
+    return dict(zip(METRIC_NAMES, metrics.tolist()))

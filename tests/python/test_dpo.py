@@ -1,0 +1,203 @@
+"""lmloss.dpo_loss and lmloss.torch.dpo_loss against TRL's own
+DPOTrainer._compute_loss, called with a stand-in self and model whose
+fused-head outputs are given per-token log-probs: every loss type, each
+f-divergence where TRL allows it, label smoothing, combined loss types
+with weights, WPO's weighting; loss and gradient w.r.t. the per-token
+log-probs (through the sums) to 1e-6 relative, and the rewards TRL logs.
+Then the exact forms where TRL's fp32 rounds (large margins), and bad
+input."""
+
+import collections
+import types
+
+import numpy as np
+import pytest
+
+import lmloss
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("trl")
+
+import lmloss.torch as lt  # noqa: E402
+from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
+
+LOSS_TYPES = lmloss._lib.PREF_TYPES
+F_DIV_TYPES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
+
+
+class _Accelerator:
+    device = torch.device("cpu")
+
+    def gather(self, x):
+        return x
+
+    def gather_for_metrics(self, x):
+        return x
+
+
+def case(p=6, t=7, seed=0, scale=1.0):
+    """Per-token log-probs of 2P completions ([chosen; rejected]) after a
+    one-token prompt, their masks and reference sums."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((2 * p, t + 1), np.int64)
+    for i in range(2 * p):
+        mask[i, 1:1 + rng.integers(1, t + 1)] = 1
+    # multiples of 2^-12: their sums are exact in fp32, as TRL's fp64 forms them
+    logp = np.round(-rng.uniform(0.01, 2.0, (2 * p, t)) * scale * 4096) / 4096
+    logp = (logp * mask[:, 1:]).astype(np.float32)
+    sums = logp.astype(np.float64).sum(1)
+    ref = (sums + rng.normal(0, 1.0 * scale, 2 * p)).astype(np.float32)
+    lss = (logp - rng.uniform(0.5, 3.0, (2 * p, t))).astype(np.float32)
+    return dict(logp=logp, mask=mask, ref=ref, lss=lss, p=p)
+
+
+def trl(c, cfg, dtype=torch.float64):
+    """TRL's loss, its gradient w.r.t. the per-token log-probs, and logged
+    metrics; in fp32 for the alpha divergence (TRL's clip of its exponent
+    knows no fp64)."""
+    if cfg.get("f_divergence_type") == "alpha_divergence":
+        dtype = torch.float32
+    return _trl(c, cfg, dtype)
+
+
+def _trl(c, cfg, dtype):
+    p = c["p"]
+    logp = torch.tensor(c["logp"], dtype=dtype, requires_grad=True)
+    mask = torch.tensor(c["mask"])
+    outputs = types.SimpleNamespace(
+        log_probs=logp, entropy=torch.zeros_like(logp), mean_logits=torch.zeros_like(logp),
+        is_top1=torch.zeros_like(logp, dtype=torch.bool),
+        log_sum_sq_probs=torch.tensor(c["lss"], dtype=dtype))
+    args = types.SimpleNamespace(discopop_tau=cfg.get("discopop_tau", 0.05),
+                                 gradient_checkpointing_kwargs=None)
+    types_ = cfg.get("loss_type", ["sigmoid"])
+    s = types.SimpleNamespace(
+        model=types.SimpleNamespace(training=True), accelerator=_Accelerator(),
+        aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
+        f_divergence_type=cfg.get("f_divergence_type", "reverse_kl"),
+        f_alpha_divergence_coef=cfg.get("f_alpha_divergence_coef", 0.5), loss_types=types_,
+        loss_weights=cfg.get("loss_weights") or [1.0] * len(types_), beta=cfg.get("beta", 0.1),
+        label_smoothing=cfg.get("label_smoothing", 0.0), args=args,
+        use_weighting=cfg.get("use_weighting", False),
+        _metrics={"train": collections.defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    ref = torch.tensor(c["ref"], dtype=dtype)
+    inputs = {"input_ids": torch.zeros_like(mask), "attention_mask": torch.ones_like(mask),
+              "completion_mask": mask, "ref_chosen_logps": ref[:p], "ref_rejected_logps": ref[p:]}
+    loss = DPOTrainer._compute_loss(s, lambda **kw: outputs, inputs, False)
+    (g,) = torch.autograd.grad(loss, (logp,))
+    metrics = {k: v[-1] for k, v in s._metrics["train"].items()}
+    # on the completions' tokens (the fused head's log-probs elsewhere are
+    # constants: labels -100)
+    return loss.item(), g.double().numpy() * c["mask"][:, 1:], metrics
+
+
+def wpo_weight(c):
+    """WPO's pair weights as TRL forms them (the product of the two
+    sequences' exp of their mean aligned log-prob)."""
+    m = c["mask"][:, 1:]
+    mean = ((c["logp"].astype(np.float64) - c["lss"]) * m).sum(1) / np.maximum(m.sum(1), 1)
+    w = np.exp(mean)
+    return (w[:c["p"]] * w[c["p"]:]).astype(np.float32)
+
+
+def ours(c, cfg, api="numpy"):
+    """lmloss's loss and the gradient w.r.t. the per-token log-probs (the
+    sums' gradient on each token of its completion)."""
+    p, m = c["p"], c["mask"]
+    sums = c["logp"].astype(np.float64).sum(1).astype(np.float32)
+    tokens = m.sum(1).astype(np.float32)  # TRL's ipo / sigmoid_norm count the unshifted mask
+    kw = dict(loss_type=cfg.get("loss_type", ["sigmoid"]), loss_weights=cfg.get("loss_weights"),
+              beta=cfg.get("beta", 0.1), label_smoothing=cfg.get("label_smoothing", 0.0),
+              f_divergence_type=cfg.get("f_divergence_type", "reverse_kl"),
+              f_alpha_divergence_coef=cfg.get("f_alpha_divergence_coef", 0.5),
+              discopop_tau=cfg.get("discopop_tau", 0.05))
+    w = wpo_weight(c) if cfg.get("use_weighting") else None
+    if api == "numpy":
+        r = lmloss.dpo_loss(sums[:p], sums[p:], c["ref"][:p], c["ref"][p:], grad=True,
+                            chosen_tokens=tokens[:p], rejected_tokens=tokens[p:], weight=w, **kw)
+        loss, d, metrics = r.loss, np.concatenate([r.dchosen, r.drejected]), r.metrics
+    else:
+        s = torch.tensor(sums, requires_grad=True)
+        tt = torch.tensor
+        loss, mt = lt.dpo_loss(s[:p], s[p:], tt(c["ref"][:p]), tt(c["ref"][p:]),
+                               chosen_tokens=tt(tokens[:p]), rejected_tokens=tt(tokens[p:]),
+                               weight=None if w is None else tt(w), return_metrics=True, **kw)
+        (3.0 * loss).backward()
+        loss, d = loss.item(), s.grad.numpy() / 3.0
+        metrics = dict(zip(lmloss._preference.METRIC_NAMES, mt.tolist()))
+    return loss, d[:, None] * m[:, 1:], metrics
+
+
+def assert_close(got, want, what, rtol=1e-6):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(np.max(np.abs(want)), 1e-30)
+    err = np.max(np.abs(got - want) - rtol * np.abs(want) - rtol * 1e-3 * scale, initial=0)
+    assert err <= 0, "%s: got %s, want %s" % (what, got, want)
+
+
+def configs():
+    out = []
+    for t in LOSS_TYPES:
+        eps = 0.1 if t in ("exo_pair", "robust", "aot", "aot_unpaired") else 0.0
+        out.append(("%s" % t, dict(loss_type=[t], label_smoothing=eps, beta=0.3)))
+        if t in F_DIV_TYPES:
+            for f in ("forward_kl", "js_divergence", "alpha_divergence"):
+                out.append(("%s-%s" % (t, f), dict(loss_type=[t], label_smoothing=eps,
+                                                   f_divergence_type=f, beta=0.2)))
+        # TRL refuses AOT with weights; its hinge and sft break under them (in-place products)
+        if t not in ("aot", "aot_unpaired", "hinge", "sft"):
+            out.append(("%s-wpo" % t, dict(loss_type=[t], label_smoothing=eps,
+                                           use_weighting=True)))
+    out.append(("mixed", dict(loss_type=["sigmoid", "bco_pair", "sft"],
+                              loss_weights=[0.8, 0.2, 1.0])))
+    out.append(("alpha_1", dict(f_divergence_type="alpha_divergence",
+                                f_alpha_divergence_coef=1.0)))
+    out.append(("discopop_tau", dict(loss_type=["discopop"], discopop_tau=0.3, beta=0.5)))
+    return out
+
+
+CONFIGS = configs()
+
+
+@pytest.mark.parametrize("api", ["numpy", "torch"])
+@pytest.mark.parametrize("name,cfg", CONFIGS, ids=[n for n, _ in CONFIGS])
+def test_matches_trl(name, cfg, api):
+    c = case(seed=[n for n, _ in CONFIGS].index(name))
+    loss, d, metrics = ours(c, cfg, api)
+    loss64, d64, trl_metrics = trl(c, cfg)
+    rtol = 1e-5 if cfg.get("f_divergence_type") == "alpha_divergence" else 1e-6  # TRL's fp32
+    assert_close(loss, loss64, "loss", rtol)
+    assert_close(d, d64, "d logp", rtol)
+    got = lmloss._preference.trl_metrics(metrics)
+    for k, v in got.items():
+        assert_close(v, trl_metrics[k], "metric " + k)
+
+
+def test_large_margins_stay_exact():
+    """Margins of hundreds of nats: sigmoid's loss e^-z and its gradient,
+    apo's 1 - sigmoid, forward KL's 1 - e^-x to full precision (fp64 TRL
+    agrees; TRL's fp32 rounds 1 - sigmoid to 0)."""
+    c = case(seed=3, scale=40.0)
+    for t in ("sigmoid", "apo_zero", "apo_down", "bco_pair", "nca_pair"):
+        cfg = dict(loss_type=[t], beta=1.0)
+        loss, d, _ = ours(c, cfg)
+        loss64, d64, _ = trl(c, cfg)
+        assert_close(loss, loss64, t + " loss")
+        assert_close(d, d64, t + " d logp")
+
+
+def test_bad_input_says_what():
+    c = np.zeros(3, np.float32)
+    for kw, status in ((dict(loss_type="dpo"), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(beta=0.0), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(loss_type="ipo"), "LMLOSS_ERR_BAD_OPTION"),  # no token counts
+                       (dict(loss_type="exo_pair"), "LMLOSS_ERR_BAD_OPTION"),  # smoothing 0
+                       (dict(loss_type="robust", label_smoothing=0.5), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(loss_type="aot", weight=c), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(f_divergence_type="kl"), "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(loss_type=["sigmoid"], loss_weights=[1, 2]),
+                        "LMLOSS_ERR_BAD_OPTION"),
+                       (dict(ref_chosen_logps=c[:2]), "LMLOSS_ERR_BAD_SHAPE")):
+        with pytest.raises(lmloss.Error) as e:
+            lmloss.dpo_loss(c, c, **kw)
+        assert e.value.status == status, kw
