@@ -60,20 +60,24 @@ def trl(c, cfg, dtype=torch.float64):
     return _trl(c, cfg, dtype)
 
 
-def _trl(c, cfg, dtype):
+def stand_in(c, cfg, dtype):
+    """(self, model, inputs, per-token log-probs) for DPOTrainer._compute_loss:
+    the model returns the case's fused-head outputs."""
     p = c["p"]
     logp = torch.tensor(c["logp"], dtype=dtype, requires_grad=True)
     mask = torch.tensor(c["mask"])
+    rng = np.random.default_rng(1)
     outputs = types.SimpleNamespace(
-        log_probs=logp, entropy=torch.zeros_like(logp), mean_logits=torch.zeros_like(logp),
-        is_top1=torch.zeros_like(logp, dtype=torch.bool),
+        log_probs=logp, entropy=torch.tensor(rng.uniform(0, 2, logp.shape), dtype=dtype),
+        mean_logits=torch.tensor(rng.normal(0, 1, logp.shape), dtype=dtype),
+        is_top1=torch.tensor(rng.uniform(size=logp.shape) < 0.5),
         log_sum_sq_probs=torch.tensor(c["lss"], dtype=dtype))
     args = types.SimpleNamespace(discopop_tau=cfg.get("discopop_tau", 0.05),
                                  gradient_checkpointing_kwargs=None)
     types_ = cfg.get("loss_type", ["sigmoid"])
     s = types.SimpleNamespace(
         model=types.SimpleNamespace(training=True), accelerator=_Accelerator(),
-        aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
+        aux_loss_enabled=False, ld_alpha=cfg.get("ld_alpha"), precompute_ref_logps=True,
         f_divergence_type=cfg.get("f_divergence_type", "reverse_kl"),
         f_alpha_divergence_coef=cfg.get("f_alpha_divergence_coef", 0.5), loss_types=types_,
         loss_weights=cfg.get("loss_weights") or [1.0] * len(types_), beta=cfg.get("beta", 0.1),
@@ -83,7 +87,12 @@ def _trl(c, cfg, dtype):
     ref = torch.tensor(c["ref"], dtype=dtype)
     inputs = {"input_ids": torch.zeros_like(mask), "attention_mask": torch.ones_like(mask),
               "completion_mask": mask, "ref_chosen_logps": ref[:p], "ref_rejected_logps": ref[p:]}
-    loss = DPOTrainer._compute_loss(s, lambda **kw: outputs, inputs, False)
+    return s, (lambda **kw: outputs), inputs, logp
+
+
+def _trl(c, cfg, dtype, fn=None):
+    s, model, inputs, logp = stand_in(c, cfg, dtype)
+    loss = (fn or DPOTrainer._compute_loss)(s, model, inputs, False)
     (g,) = torch.autograd.grad(loss, (logp,))
     metrics = {k: v[-1] for k, v in s._metrics["train"].items()}
     # on the completions' tokens (the fused head's log-probs elsewhere are
@@ -201,3 +210,38 @@ def test_bad_input_says_what():
         with pytest.raises(lmloss.Error) as e:
             lmloss.dpo_loss(c, c, **kw)
         assert e.value.status == status, kw
+
+
+DROPIN = [(n, cfg) for n, cfg in CONFIGS if "alpha_divergence" not in n] + [
+    ("ld_alpha", dict(ld_alpha=0.5, loss_type=["sigmoid", "ipo"])),
+    ("ld_alpha_sft", dict(ld_alpha=0.5, loss_type=["sft"]))]
+
+
+@pytest.mark.parametrize("name,cfg", DROPIN, ids=[n for n, _ in DROPIN])
+def test_trl_dropin_matches_trl(name, cfg):
+    """DPOTrainer._compute_loss replaced by the drop-in: TRL's loss, gradient
+    and every logged metric (LD-DPO's ld_alpha too), the model's outputs in
+    fp64 on both sides (the drop-in hands lmloss their fp32 values, exact
+    here)."""
+    from lmloss.integrations import trl as lmloss_trl
+
+    c = case(seed=50 + [n for n, _ in DROPIN].index(name))
+    got = _trl(c, cfg, torch.float64, lmloss_trl.dpo_compute_loss)
+    want = _trl(c, cfg, torch.float64)
+    assert_close(got[0], want[0], "loss")
+    assert_close(got[1], want[1], "d logp")
+    assert got[2].keys() == want[2].keys()
+    for k, v in want[2].items():
+        assert_close(got[2][k], v, "metric " + k)
+
+
+def test_trl_enable_patches_and_restores_dpo():
+    from lmloss.integrations import trl as lmloss_trl
+
+    orig = DPOTrainer._compute_loss
+    lmloss_trl.enable()
+    try:
+        assert DPOTrainer._compute_loss is lmloss_trl.dpo_compute_loss
+    finally:
+        lmloss_trl.disable()
+    assert DPOTrainer._compute_loss is orig

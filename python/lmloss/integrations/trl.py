@@ -12,13 +12,14 @@ is_top1 from lmloss's fused head, never materializing the logits.
 generalized_jsd_loss is GKDTrainer.generalized_jsd_loss (TRL's GKD
 distillation loss) through lmloss.torch.generalized_jsd. grpo_compute_loss
 is GRPOTrainer._compute_loss (its loss, gradient and logged metrics, every
-GRPOConfig option) through lmloss.torch.grpo_loss.
+GRPOConfig option) through lmloss.torch.grpo_loss; dpo_compute_loss
+DPOTrainer._compute_loss through lmloss.torch.dpo_loss.
 
 enable(module=None) / disable(module=None): patch (and restore) those names
 in `module`, by default trl.trainer.utils together with every imported trl
 module that imported them by name (e.g. trl.trainer.grpo_trainer), and
 GKDTrainer.generalized_jsd_loss where TRL has that trainer
-(trl.experimental.gkd), and GRPOTrainer._compute_loss.
+(trl.experimental.gkd), and GRPOTrainer's and DPOTrainer's _compute_loss.
 """
 
 import sys
@@ -27,6 +28,8 @@ import warnings
 from typing import Any, List, Optional, Sequence
 
 from .. import torch as lt
+from .._preference import METRIC_NAMES as _DPO_METRICS
+from .._preference import trl_metrics as _dpo_trl_metrics
 
 _saved = {}  # (module name, attribute) -> original
 
@@ -290,13 +293,125 @@ def grpo_compute_loss(self: Any, model: Any, inputs: dict) -> Any:
     return loss
 
 
-def _patch_grpo():
-    """GRPOTrainer._compute_loss -> grpo_compute_loss where TRL has it."""
-    cls = _grpo_trainer()
-    if cls is None or vars(cls)["_compute_loss"] is grpo_compute_loss:
+def _dpo_trainer():
+    """TRL's DPOTrainer, or None where TRL or its _compute_loss is absent."""
+    try:
+        from trl.trainer.dpo_trainer import DPOTrainer
+    except ImportError:
+        return None
+    return DPOTrainer if "_compute_loss" in vars(DPOTrainer) else None
+
+
+_DPO_KEY = ("trl.trainer.dpo_trainer.DPOTrainer", "_compute_loss")
+
+
+def _dpo_original():
+    cls = _dpo_trainer()
+    return _saved[_DPO_KEY][1] if _DPO_KEY in _saved else vars(cls)["_compute_loss"]
+
+
+def _dpo_sums(self, per_token_logps, shift_mask):
+    """Each completion's log-prob sum, or with ld_alpha (LD-DPO) its shared
+    part plus ld_alpha times its tail beyond the pair's shorter length."""
+    import torch
+
+    if self.ld_alpha is None:
+        return per_token_logps.sum(dim=1)
+    pos = shift_mask.cumsum(dim=1)
+    lens = shift_mask.sum(dim=1).long()
+    shared = torch.minimum(*lens.chunk(2, dim=0)).repeat(2).unsqueeze(1)
+    in_shared = (pos > 0) & (pos <= shared)
+    return ((per_token_logps * in_shared).sum(dim=1)
+            + self.ld_alpha * (per_token_logps * (pos > shared)).sum(dim=1))
+
+
+def _dpo_log_metrics(self, mode, inputs, outputs, seq_len, shift_mask, metrics):
+    """What TRL's DPOTrainer logs: the token metrics from the fused head's
+    outputs, the rewards and log-prob means from lmloss's sums (gathered
+    over processes)."""
+    acc = self.accelerator
+    log = self._metrics[mode]
+    mask = shift_mask
+    ent_sum = acc.gather_for_metrics((outputs.entropy[:, -seq_len:].detach() * mask).sum()).sum()
+    tokens = acc.gather_for_metrics(mask.sum()).sum()
+    log["entropy"].append((ent_sum / tokens).item() if tokens > 0 else 0.0)
+    if mode == "train":
+        n = acc.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+        self._total_train_tokens += n // self._tp_size
+    log["num_tokens"] = [self._total_train_tokens]
+    cm, rm = mask.chunk(2, dim=0)
+    for name, logits, m in zip(("chosen", "rejected"),
+                               outputs.mean_logits[:, -seq_len:].chunk(2, dim=0), (cm, rm)):
+        total = acc.gather_for_metrics(logits[m.bool()].sum()).sum().item()
+        count = acc.gather_for_metrics(m.sum()).sum().item()
+        log["logits/" + name].append(total / count if count > 0 else 0.0)
+    top1 = outputs.is_top1[:, -seq_len:].chunk(2, dim=0)[0] & cm.bool()
+    correct = acc.gather_for_metrics(top1.sum()).sum()
+    count = acc.gather_for_metrics(cm.sum()).sum()
+    log["mean_token_accuracy"].append((correct / count).item() if count > 0 else 0.0)
+    m = acc.gather(metrics.detach()).reshape(-1, metrics.numel()).sum(0).tolist()
+    for k, v in _dpo_trl_metrics(dict(zip(_DPO_METRICS, m))).items():
+        log[k].append(v)
+
+
+def dpo_compute_loss(self: Any, model: Any, inputs: dict, return_outputs: bool) -> Any:
+    """DPOTrainer._compute_loss through lmloss.torch.dpo_loss: the same model
+    forward (the fused head's per-token log-probs), then every loss type,
+    weight, f-divergence, label smoothing and WPO weighting of TRL's, exact
+    at large margins, and TRL's logged metrics. return_outputs, and SFT
+    with ld_alpha (whose SFT term reads the plain sums), go to TRL's own."""
+    import torch
+
+    if return_outputs or ("sft" in self.loss_types and self.ld_alpha is not None):
+        return _dpo_original()(self, model, inputs, return_outputs)
+    mode = "train" if self.model.training else "eval"
+    skip = {"completion_mask", "ref_chosen_logps", "ref_rejected_logps"}
+    kwargs = {k: v for k, v in inputs.items() if k not in skip}
+    kwargs["use_cache"] = False
+    if self.aux_loss_enabled:
+        kwargs["output_router_logits"] = True
+    completion_mask = inputs["completion_mask"]
+    shift_mask = completion_mask[..., 1:]
+    labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+    outputs = model(**kwargs, labels=labels, fused_lm_head=True)
+    seq_len = shift_mask.size(1)
+    per_token_logps = outputs.log_probs[:, -seq_len:]
+    chosen, rejected = _dpo_sums(self, per_token_logps, shift_mask).chunk(2, dim=0)
+    if self.precompute_ref_logps:
+        ref_chosen, ref_rejected = inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+    else:
+        ref_model = self.model if self.ref_model is None else self.ref_model
+        ref_chosen, ref_rejected = self.compute_ref_log_probs(ref_model, inputs)
+    # TRL's sft counts the shifted mask, ipo and sigmoid_norm the unshifted one
+    tokens = (shift_mask if "sft" in self.loss_types else completion_mask).sum(dim=1)
+    weight = None
+    if self.use_weighting:
+        with torch.no_grad():
+            aligned = (per_token_logps - outputs.log_sum_sq_probs[:, -seq_len:]) * shift_mask
+            w = torch.exp(aligned.sum(dim=1) / shift_mask.sum(dim=1).clamp_min(1))
+            weight = w.chunk(2, dim=0)[0] * w.chunk(2, dim=0)[1]
+    loss, metrics = lt.dpo_loss(
+        chosen, rejected, ref_chosen, ref_rejected, loss_type=list(self.loss_types),
+        loss_weights=list(self.loss_weights), beta=self.beta,
+        label_smoothing=self.label_smoothing, f_divergence_type=self.f_divergence_type,
+        f_alpha_divergence_coef=self.f_alpha_divergence_coef,
+        discopop_tau=self.args.discopop_tau, chosen_tokens=tokens.chunk(2, dim=0)[0],
+        rejected_tokens=tokens.chunk(2, dim=0)[1], weight=weight, return_metrics=True)
+    if self.aux_loss_enabled:
+        loss = loss + self.router_aux_loss_coef * outputs.aux_loss
+        self._metrics[mode]["aux_loss"].append(
+            self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item())
+    _dpo_log_metrics(self, mode, inputs, outputs, seq_len, shift_mask, metrics)
+    return loss
+
+
+def _patch_trainer(key, find, new):
+    """cls._compute_loss -> new where TRL has the trainer (find() returns it)."""
+    cls = find()
+    if cls is None or vars(cls)["_compute_loss"] is new:
         return
-    _saved[_GRPO_KEY] = (cls, vars(cls)["_compute_loss"])
-    cls._compute_loss = grpo_compute_loss
+    _saved[key] = (cls, vars(cls)["_compute_loss"])
+    cls._compute_loss = new
 
 
 _REPLACEMENTS = {"selective_log_softmax": selective_log_softmax,
@@ -324,7 +439,8 @@ def enable(module: Optional[types.ModuleType] = None) -> List[types.ModuleType]:
     mods = _targets(module)
     if module is None:
         _patch_gkd()
-        _patch_grpo()
+        _patch_trainer(_GRPO_KEY, _grpo_trainer, grpo_compute_loss)
+        _patch_trainer(_DPO_KEY, _dpo_trainer, dpo_compute_loss)
     for mod in mods:
         for attr, new in _REPLACEMENTS.items():
             old = getattr(mod, attr, None)
