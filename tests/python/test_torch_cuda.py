@@ -425,3 +425,51 @@ def test_grpo_on_cuda_long_sequences_against_the_cpu():
             for a, b in zip(out[1], out[0]):  # metrics undefined for a type are NaN on both
                 torch.testing.assert_close(a.detach().cpu().double(), b.detach().cpu().double(),
                                            rtol=1e-6, atol=1e-9, equal_nan=True)
+
+
+def _dpo_cases():
+    """test_dpo's configurations, or none without TRL."""
+    try:
+        import test_dpo
+    except pytest.skip.Exception:
+        return []
+    return [(n, c) for n, c in test_dpo.CONFIGS if "alpha_divergence" not in n]
+
+
+@pytest.mark.parametrize("name,cfg", _dpo_cases(), ids=[n for n, _ in _dpo_cases()])
+def test_dpo_on_cuda_matches_trl_without_host_sync(name, cfg):
+    """lmloss.torch.dpo_loss on CUDA tensors (P = 40 pairs, every loss type):
+    TRL's loss and gradient (TRL in fp64 on the CPU), a forward and backward
+    that never synchronize the host, the CPU backend's metrics."""
+    import test_dpo as D
+
+    c = D.case(p=40, t=9, seed=7)
+    p, m = c["p"], c["mask"]
+    sums = torch.tensor(c["logp"].astype(np.float64).sum(1).astype(np.float32))
+    tokens = torch.tensor(m.sum(1).astype(np.float32))
+    ref = torch.tensor(c["ref"])
+    w = torch.tensor(D.wpo_weight(c)) if cfg.get("use_weighting") else None
+    kw = dict(loss_type=cfg.get("loss_type", ["sigmoid"]), loss_weights=cfg.get("loss_weights"),
+              beta=cfg.get("beta", 0.1), label_smoothing=cfg.get("label_smoothing", 0.0),
+              f_divergence_type=cfg.get("f_divergence_type", "reverse_kl"),
+              discopop_tau=cfg.get("discopop_tau", 0.05))
+    out = {}
+    for dev in ("cpu", "cuda"):
+        s = sums.to(dev).requires_grad_()
+        args = [t.to(dev) for t in (ref[:p], ref[p:], tokens[:p], tokens[p:])]
+        wd = None if w is None else w.to(dev)
+        torch.cuda.synchronize()
+        if dev == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss, metrics = lt.dpo_loss(s[:p], s[p:], args[0], args[1], chosen_tokens=args[2],
+                                        rejected_tokens=args[3], weight=wd, return_metrics=True,
+                                        **kw)
+            (2.0 * loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        out[dev] = (loss, s.grad / 2.0, metrics)
+    loss64, d64, _ = D.trl(c, cfg)
+    D.assert_close(out["cuda"][0].item(), loss64, "loss")
+    D.assert_close(out["cuda"][1].cpu().numpy()[:, None] * m[:, 1:], d64, "d logp")
+    close(out["cuda"][2], out["cpu"][2], rtol=1e-6, atol=1e-6)
