@@ -21,12 +21,24 @@ METRIC_NAMES = ("tokens", "kl", "entropy", "clip_low", "clip_high", "clip_region
                 "policy_loss", "bonus_entropy", "bonus_tokens")
 
 
-def grpo_options(loss_type, importance_sampling_level, epsilon, epsilon_high, delta, beta,
-                 use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
-                 vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold,
-                 entropy_coef, gradient_accumulation_steps, max_completion_length):
-    """lmloss_grpo_options from grpo_loss's keywords (GRPOConfig's names);
-    num_items travels as a tensor."""
+# lmloss_grpo_options' real fields and integer fields, in the order of
+# grpo_values' lists
+FKEYS = ("epsilon_low", "epsilon_high", "delta", "beta", "sapo_temperature_pos",
+         "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+         "vespo_lambda_neg", "off_policy_threshold", "entropy_coef", "accumulation_steps")
+IKEYS = ("loss_type", "level", "bias_correction_kl", "off_policy_mask", "max_completion_length")
+# TRL picks these per sequence with torch.where of two Python floats, which
+# makes an fp32 tensor: its loss uses them rounded to fp32.
+_FP32_KEYS = FKEYS[4:10]
+
+
+def grpo_values(loss_type, importance_sampling_level, epsilon, epsilon_high, delta, beta,
+                use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
+                vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold,
+                entropy_coef, gradient_accumulation_steps, max_completion_length):
+    """grpo_loss's keywords (GRPOConfig's names) as (fopts, iopts), numbers
+    in FKEYS' and IKEYS' order: plain Python, which torch.compile traces.
+    The C library checks their ranges."""
     f = _lib.float_option
     if loss_type not in _lib.GRPO_LOSS_TYPES:
         raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "loss_type must be one of %s, got %r"
@@ -34,32 +46,33 @@ def grpo_options(loss_type, importance_sampling_level, epsilon, epsilon_high, de
     if importance_sampling_level not in _lib.GRPO_LEVELS:
         raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "importance_sampling_level must be 'token' or "
                          "'sequence', got %r" % (importance_sampling_level,))
-    opt = _lib.grpo_options_default()
-    opt.loss_type = _lib.GRPO_LOSS_TYPES[loss_type]
-    opt.level = _lib.GRPO_LEVELS[importance_sampling_level]
-    opt.epsilon_low = f("epsilon", epsilon)
-    opt.epsilon_high = opt.epsilon_low if epsilon_high is None else f("epsilon_high",
-                                                                       epsilon_high)
     if delta is not None and not f("delta", delta) > 0:
         raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "delta must be > 0 or None, got %r" % delta)
-    opt.delta = 0.0 if delta is None else f("delta", delta)
-    opt.beta = f("beta", beta)
-    opt.bias_correction_kl = int(bool(use_bias_correction_kl))
-    # TRL picks these per sequence with torch.where of two Python floats,
-    # which makes an fp32 tensor: its loss uses them rounded to fp32.
-    for k, v in (("sapo_temperature_pos", sapo_temperature_pos),
-                 ("sapo_temperature_neg", sapo_temperature_neg), ("vespo_k_pos", vespo_k_pos),
-                 ("vespo_lambda_pos", vespo_lambda_pos), ("vespo_k_neg", vespo_k_neg),
-                 ("vespo_lambda_neg", vespo_lambda_neg)):
-        setattr(opt, k, float(np.float32(f(k, v))))
-    opt.off_policy_mask = int(off_policy_mask_threshold is not None)
-    if off_policy_mask_threshold is not None:
-        opt.off_policy_threshold = f("off_policy_mask_threshold", off_policy_mask_threshold)
-    opt.entropy_coef = f("entropy_coef", entropy_coef)
-    opt.accumulation_steps = f("gradient_accumulation_steps", gradient_accumulation_steps)
-    if max_completion_length is not None:
-        opt.max_completion_length = _lib.int64_option("max_completion_length",
-                                                      max_completion_length)
+    eps = f("epsilon", epsilon)
+    fopts = [eps, eps if epsilon_high is None else f("epsilon_high", epsilon_high),
+             0.0 if delta is None else f("delta", delta), f("beta", beta),
+             f("sapo_temperature_pos", sapo_temperature_pos),
+             f("sapo_temperature_neg", sapo_temperature_neg), f("vespo_k_pos", vespo_k_pos),
+             f("vespo_lambda_pos", vespo_lambda_pos), f("vespo_k_neg", vespo_k_neg),
+             f("vespo_lambda_neg", vespo_lambda_neg),
+             0.0 if off_policy_mask_threshold is None
+             else f("off_policy_mask_threshold", off_policy_mask_threshold),
+             f("entropy_coef", entropy_coef),
+             f("gradient_accumulation_steps", gradient_accumulation_steps)]
+    iopts = [_lib.GRPO_LOSS_TYPES[loss_type], _lib.GRPO_LEVELS[importance_sampling_level],
+             int(bool(use_bias_correction_kl)), int(off_policy_mask_threshold is not None),
+             0 if max_completion_length is None
+             else _lib.int64_option("max_completion_length", max_completion_length)]
+    return fopts, iopts
+
+
+def grpo_struct(fopts, iopts):
+    """lmloss_grpo_options of grpo_values' lists (num_items: its default)."""
+    opt = _lib.grpo_options_default()
+    for k, v in zip(FKEYS, fopts):
+        setattr(opt, k, float(np.float32(v)) if k in _FP32_KEYS else v)
+    for k, v in zip(IKEYS, iopts):
+        setattr(opt, k, v)
     return opt
 
 
@@ -167,11 +180,12 @@ def grpo_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
     exact where TRL's fp32 arithmetic rounds (ratios of log-probs near
     -1000, k3 of small differences). Raises lmloss.Error.
     """
-    opt = grpo_options(loss_type, importance_sampling_level, epsilon, epsilon_high, delta, beta,
-                       use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg,
-                       vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
-                       off_policy_mask_threshold, entropy_coef, gradient_accumulation_steps,
-                       max_completion_length)
+    opt = grpo_struct(*grpo_values(loss_type, importance_sampling_level, epsilon, epsilon_high,
+                                   delta, beta, use_bias_correction_kl, sapo_temperature_pos,
+                                   sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos,
+                                   vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold,
+                                   entropy_coef, gradient_accumulation_steps,
+                                   max_completion_length))
     ctx = _lib.make_context(backend, num_threads)
     lp = native(as_array(logp))
     if lp.ndim != 2:

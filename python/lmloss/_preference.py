@@ -19,31 +19,39 @@ METRIC_NAMES = ("pairs", "reward_chosen", "reward_rejected", "accuracy", "margin
                 "logp_rejected")
 
 
-def pref_options(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
-                 f_alpha_divergence_coef, discopop_tau):
-    """lmloss_pref_options from DPOConfig's names: loss_type one name or a
-    list (TRL's), loss_weights one each (None: 1 each)."""
+def pref_values(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
+                f_alpha_divergence_coef, discopop_tau):
+    """DPOConfig's options as (fopts, f-divergence code): fopts the 15 loss
+    weights (loss_type one name or TRL's list, loss_weights one each, None:
+    1 each), beta, label_smoothing, f_alpha, discopop_tau. Plain Python,
+    which torch.compile traces; the C library checks the ranges."""
     f = _lib.float_option
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
     if len(weights) != len(types):
         raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "loss_weights has %d entries for %d loss types"
                          % (len(weights), len(types)))
-    opt = _lib.pref_options_default()
-    opt.loss_weights[0] = 0.0
+    per_type = [0.0] * len(_lib.PREF_TYPES)
     for t, w in zip(types, weights):
         if t not in _lib.PREF_TYPES:
             raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "loss_type must be among %s, got %r"
                              % (", ".join(_lib.PREF_TYPES), t))
-        opt.loss_weights[_lib.PREF_TYPES.index(t)] += f("loss_weights", w)
+        per_type[_lib.PREF_TYPES.index(t)] += f("loss_weights", w)
     if f_divergence_type not in _lib.PREF_FDIVS:
         raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "f_divergence_type must be one of %s, got %r"
                          % (", ".join(_lib.PREF_FDIVS), f_divergence_type))
-    opt.beta = f("beta", beta)
-    opt.label_smoothing = f("label_smoothing", label_smoothing)
-    opt.f_divergence = _lib.PREF_FDIVS[f_divergence_type]
-    opt.f_alpha = f("f_alpha_divergence_coef", f_alpha_divergence_coef)
-    opt.discopop_tau = f("discopop_tau", discopop_tau)
+    return (per_type + [f("beta", beta), f("label_smoothing", label_smoothing),
+                        f("f_alpha_divergence_coef", f_alpha_divergence_coef),
+                        f("discopop_tau", discopop_tau)], _lib.PREF_FDIVS[f_divergence_type])
+
+
+def pref_struct(fopts, fdiv):
+    """lmloss_pref_options of pref_values' results."""
+    opt = _lib.pref_options_default()
+    for k in range(len(_lib.PREF_TYPES)):
+        opt.loss_weights[k] = fopts[k]
+    opt.beta, opt.label_smoothing, opt.f_alpha, opt.discopop_tau = fopts[-4:]
+    opt.f_divergence = fdiv
     return opt
 
 
@@ -83,8 +91,8 @@ def dpo_loss(chosen_logps: ArrayLike, rejected_logps: ArrayLike,
     grad=True: the gradients w.r.t. the chosen and rejected sums. Raises
     lmloss.Error.
     """
-    opt = pref_options(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
-                       f_alpha_divergence_coef, discopop_tau)
+    opt = pref_struct(*pref_values(loss_type, loss_weights, beta, label_smoothing,
+                                   f_divergence_type, f_alpha_divergence_coef, discopop_tau))
     ctx = _lib.make_context(backend, num_threads)
     c = native(as_array(chosen_logps))
     if c.ndim != 1:

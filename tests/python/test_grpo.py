@@ -77,7 +77,8 @@ def trl(c, cfg, given, dtype):
         return torch.tensor(x, dtype=dtype)
     logp, ent = tt(c["logp"]).requires_grad_(), tt(c["entropy"]).requires_grad_()
     is_key = "is_token" if "is_token" in given else "is_seq" if "is_seq" in given else None
-    inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=None if "no_old" in given else tt(c["old"]),
+    old = None if "no_old" in given else tt(c["old"])
+    inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=old,
                    ref=tt(c["ref"]) if "ref" in given else None,
                    sampling=tt(c["sampling"]) if "sampling" in given else None,
                    is_ratio=tt(c[is_key]) if is_key else None, num_items=tt(c["items"]))
@@ -107,8 +108,9 @@ def lmloss_args(c, cfg, given):
     kw["num_items"] = trl_divisor(c, cfg)
     kw.setdefault("max_completion_length", 512)
     is_key = "is_token" if "is_token" in given else "is_seq" if "is_seq" in given else None
-    return dict(old_logp=None if "no_old" in given else c["old"], ref_logp=c["ref"] if "ref" in given else None,
-                entropy=c["entropy"], sampling_logp=c["sampling"] if "sampling" in given else None,
+    return dict(old_logp=None if "no_old" in given else c["old"],
+                ref_logp=c["ref"] if "ref" in given else None, entropy=c["entropy"],
+                sampling_logp=c["sampling"] if "sampling" in given else None,
                 importance_sampling_ratio=c[is_key] if is_key else None, **kw)
 
 
@@ -199,7 +201,8 @@ def dropin_run(fn, c, cfg, given, dtype=torch.float32):
         return torch.tensor(x, dtype=dtype)
     logp, ent = tt(c["logp"]).requires_grad_(), tt(c["entropy"]).requires_grad_()
     is_key = "is_token" if "is_token" in given else "is_seq" if "is_seq" in given else None
-    inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=None if "no_old" in given else tt(c["old"]),
+    old = None if "no_old" in given else tt(c["old"])
+    inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=old,
                    ref=tt(c["ref"]) if "ref" in given else None,
                    sampling=tt(c["sampling"]) if "sampling" in given else None,
                    is_ratio=tt(c[is_key]) if is_key else None, num_items=tt(c["items"]))
@@ -208,8 +211,8 @@ def dropin_run(fn, c, cfg, given, dtype=torch.float32):
     dl, de = torch.autograd.grad(loss, (logp, ent), allow_unused=True)
     zero = torch.zeros_like(logp)
     logged = {m: dict(d) for m, d in s._metrics.items()}
-    return loss.item(), (zero if dl is None else dl).numpy(), (zero if de is None else de).numpy(), \
-        logged, s
+    return (loss.item(), (zero if dl is None else dl).numpy(),
+            (zero if de is None else de).numpy(), logged, s)
 
 
 @pytest.mark.parametrize("loss_type,level,option", PARAMS)
@@ -372,3 +375,25 @@ def test_bad_input_says_what():
     with pytest.raises(lmloss.Error) as e:
         lmloss.grpo_loss(lp[:0], adv[:0], m[:0])
     assert e.value.status == "LMLOSS_ERR_BAD_SHAPE"
+
+
+def test_torch_compile_fullgraph():
+    """grpo_loss traces without graph breaks (options as plain Python, the
+    entropy quantile and divisor as tensor ops) and gives eager's loss and
+    gradients."""
+    c = case(seed=21)
+    kw = torch_args(c, dict(loss_type="sapo", beta=0.05, entropy_coef=0.02,
+                            top_entropy_quantile=0.6), ("ref",))
+
+    def step(fn):
+        logp = torch.tensor(c["logp"], requires_grad=True)
+        ent = kw["entropies"].detach().clone().requires_grad_()
+        loss = fn(logp, torch.tensor(c["adv"]), torch.tensor(c["mask"]), ent)
+        loss.backward()
+        return loss, logp.grad, ent.grad
+
+    def f(logp, adv, mask, ent):
+        return lt.grpo_loss(logp, adv, mask, **dict(kw, entropies=ent))
+
+    for a, b in zip(step(torch.compile(f, fullgraph=True)), step(f)):
+        assert torch.equal(a, b)

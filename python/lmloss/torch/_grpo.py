@@ -25,25 +25,15 @@ import torch
 from torch import Tensor
 
 from .. import _lib
-from .._grpo import METRIC_NAMES, grpo_options
+from .._grpo import METRIC_NAMES, grpo_struct, grpo_values
 from . import _bridge as B
 from ._dispatch import Differentiable, custom_op
 
 F32 = torch.float32
-_FKEYS = ("epsilon_low", "epsilon_high", "delta", "beta", "sapo_temperature_pos",
-          "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-          "vespo_lambda_neg", "off_policy_threshold", "entropy_coef", "accumulation_steps")
-_IKEYS = ("loss_type", "level", "bias_correction_kl", "off_policy_mask",
-          "max_completion_length")
 
 
 def _options(fopts, iopts):
-    opt = _lib.grpo_options_default()
-    for k, v in zip(_FKEYS, fopts):
-        setattr(opt, k, v)
-    for k, v in zip(_IKEYS, iopts):
-        setattr(opt, k, v)
-    return opt
+    return grpo_struct(fopts, iopts[:5])
 
 
 def _grads(logp, entropy, iopts):
@@ -170,11 +160,11 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
     lmloss._grpo.METRIC_NAMES; metrics_dict and lmloss._grpo.trl_metrics
     make them TRL's logged means). CPU and CUDA tensors.
     """
-    opt = grpo_options(loss_type, importance_sampling_level, epsilon, epsilon_high, delta, beta,
-                       use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg,
-                       vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
-                       off_policy_mask_threshold, entropy_coef, gradient_accumulation_steps,
-                       max_completion_length)
+    fopts, iopts = grpo_values(loss_type, importance_sampling_level, epsilon, epsilon_high,
+                               delta, beta, use_bias_correction_kl, sapo_temperature_pos,
+                               sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                               vespo_lambda_neg, off_policy_mask_threshold, entropy_coef,
+                               gradient_accumulation_steps, max_completion_length)
     logp = per_token_logps
     if logp.dim() != 2:
         raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "per_token_logps must be [B, T], got %s"
@@ -189,11 +179,9 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
         num_items = torch.tensor(_lib.float_option("num_items", num_items), dtype=F32,
                                  device=logp.device)
     want = torch.is_grad_enabled()
-    iopts = [opt.loss_type, opt.level, opt.bias_correction_kl, opt.off_policy_mask,
-             opt.max_completion_length, B.backend_code(backend),
-             _lib.int_option("num_threads", num_threads),
-             int(want and logp.requires_grad), int(want and ent is not None and ent.requires_grad)]
-    fopts = [float(getattr(opt, k)) for k in _FKEYS]
+    iopts = iopts + [B.backend_code(backend), _lib.int_option("num_threads", num_threads),
+                     int(want and logp.requires_grad),
+                     int(want and ent is not None and ent.requires_grad)]
     loss, metrics, _, _ = grpo(
         logp.to(F32) if logp.dtype != F32 else logp, mask, _f32(advantages, logp, "advantages"),
         _f32(old_per_token_logps, logp, "old_per_token_logps"),

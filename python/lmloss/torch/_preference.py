@@ -15,19 +15,14 @@ import torch
 from torch import Tensor
 
 from .. import _lib
-from .._preference import METRIC_NAMES, pref_options
+from .._preference import METRIC_NAMES, pref_struct, pref_values
 from . import _bridge as B
 from ._dispatch import Differentiable, custom_op
 from ._grpo import F32, _f32
 
 
 def _options(fopts, iopts):
-    opt = _lib.pref_options_default()
-    for k in range(len(_lib.PREF_TYPES)):
-        opt.loss_weights[k] = fopts[k]
-    opt.beta, opt.label_smoothing, opt.f_alpha, opt.discopop_tau = fopts[-4:]
-    opt.f_divergence = iopts[0]
-    return opt
+    return pref_struct(fopts, iopts[0])
 
 
 def _grads(chosen, iopts):
@@ -103,17 +98,14 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor,
     float32 0-d loss, or (loss, metrics) with return_metrics (float32 [8]:
     lmloss._preference.METRIC_NAMES; metrics_dict reads them). CPU and
     CUDA tensors; nothing is read to the host."""
-    opt = pref_options(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
-                       f_alpha_divergence_coef, discopop_tau)
+    fopts, fdiv = pref_values(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
+                              f_alpha_divergence_coef, discopop_tau)
     c = chosen_logps
     if c.dim() != 1:
         raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "chosen_logps must be [P], got %s"
                          % (tuple(c.shape),))
     want = int(torch.is_grad_enabled() and (c.requires_grad or rejected_logps.requires_grad))
-    fopts = list(opt.loss_weights) + [opt.beta, opt.label_smoothing, opt.f_alpha,
-                                      opt.discopop_tau]
-    iopts = [opt.f_divergence, B.backend_code(backend), _lib.int_option("num_threads", num_threads),
-             want]
+    iopts = [fdiv, B.backend_code(backend), _lib.int_option("num_threads", num_threads), want]
 
     def vec(t, name):  # [P] F32, as the C call's [P, 1]
         t = _f32(t, c, name)
