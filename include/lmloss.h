@@ -666,6 +666,19 @@ typedef enum {
 
 typedef enum { LMLOSS_GRPO_TOKEN = 0, LMLOSS_GRPO_SEQUENCE = 1 } lmloss_grpo_level;
 
+/* vLLM's importance-sampling correction (TRL's vllm_importance_sampling_mode):
+ * GIVEN takes inputs->is_ratio as it is (or none); the others form it
+ * from old_logp - sampling_logp (times m, NaN as 0), per token or summed
+ * per sequence, exp of that, then clipped to [is_min, is_max] (TRUNCATE)
+ * or set to 0 outside it (MASK). */
+typedef enum {
+  LMLOSS_GRPO_IS_GIVEN = 0,
+  LMLOSS_GRPO_IS_TOKEN_TRUNCATE = 1,
+  LMLOSS_GRPO_IS_TOKEN_MASK = 2,
+  LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE = 3,
+  LMLOSS_GRPO_IS_SEQUENCE_MASK = 4
+} lmloss_grpo_is_mode;
+
 /* Real options are doubles: TRL's are Python floats, and a ratio clipped
  * at 1 - 0.2f or a KL weighted by 0.1f would differ from its loss. */
 typedef struct {
@@ -689,6 +702,9 @@ typedef struct {
    * num_items_in_batch.clamp(1) / num_processes * accumulation /
    * steps_per_generation) */
   double num_items;
+  lmloss_grpo_is_mode is_mode; /* default GIVEN; others need sampling_logp,
+                                  and no is_ratio */
+  double is_min, is_max;       /* not NaN; -inf / inf: no bound (defaults) */
 } lmloss_grpo_options;
 
 LMLOSS_API lmloss_grpo_options lmloss_grpo_options_default(void);

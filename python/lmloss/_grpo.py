@@ -25,8 +25,10 @@ METRIC_NAMES = ("tokens", "kl", "entropy", "clip_low", "clip_high", "clip_region
 # grpo_values' lists
 FKEYS = ("epsilon_low", "epsilon_high", "delta", "beta", "sapo_temperature_pos",
          "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-         "vespo_lambda_neg", "off_policy_threshold", "entropy_coef", "accumulation_steps")
-IKEYS = ("loss_type", "level", "bias_correction_kl", "off_policy_mask", "max_completion_length")
+         "vespo_lambda_neg", "off_policy_threshold", "entropy_coef", "accumulation_steps",
+         "is_min", "is_max")
+IKEYS = ("loss_type", "level", "bias_correction_kl", "off_policy_mask", "max_completion_length",
+         "is_mode")
 # TRL picks these per sequence with torch.where of two Python floats, which
 # makes an fp32 tensor: its loss uses them rounded to fp32.
 _FP32_KEYS = FKEYS[4:10]
@@ -35,7 +37,9 @@ _FP32_KEYS = FKEYS[4:10]
 def grpo_values(loss_type, importance_sampling_level, epsilon, epsilon_high, delta, beta,
                 use_bias_correction_kl, sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
                 vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold,
-                entropy_coef, gradient_accumulation_steps, max_completion_length):
+                entropy_coef, gradient_accumulation_steps, max_completion_length,
+                vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
+                vllm_importance_sampling_clip_max):
     """grpo_loss's keywords (GRPOConfig's names) as (fopts, iopts), numbers
     in FKEYS' and IKEYS' order: plain Python, which torch.compile traces.
     The C library checks their ranges."""
@@ -48,6 +52,11 @@ def grpo_values(loss_type, importance_sampling_level, epsilon, epsilon_high, del
                          "'sequence', got %r" % (importance_sampling_level,))
     if delta is not None and not f("delta", delta) > 0:
         raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "delta must be > 0 or None, got %r" % delta)
+    if vllm_importance_sampling_mode not in _lib.GRPO_IS_MODES:
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "vllm_importance_sampling_mode must be None or "
+                         "one of %s, got %r" % (", ".join(m for m in _lib.GRPO_IS_MODES if m),
+                                                vllm_importance_sampling_mode))
+    lo, hi = vllm_importance_sampling_clip_min, vllm_importance_sampling_clip_max
     eps = f("epsilon", epsilon)
     fopts = [eps, eps if epsilon_high is None else f("epsilon_high", epsilon_high),
              0.0 if delta is None else f("delta", delta), f("beta", beta),
@@ -58,11 +67,14 @@ def grpo_values(loss_type, importance_sampling_level, epsilon, epsilon_high, del
              0.0 if off_policy_mask_threshold is None
              else f("off_policy_mask_threshold", off_policy_mask_threshold),
              f("entropy_coef", entropy_coef),
-             f("gradient_accumulation_steps", gradient_accumulation_steps)]
+             f("gradient_accumulation_steps", gradient_accumulation_steps),
+             -float("inf") if lo is None else f("vllm_importance_sampling_clip_min", lo),
+             float("inf") if hi is None else f("vllm_importance_sampling_clip_max", hi)]
     iopts = [_lib.GRPO_LOSS_TYPES[loss_type], _lib.GRPO_LEVELS[importance_sampling_level],
              int(bool(use_bias_correction_kl)), int(off_policy_mask_threshold is not None),
              0 if max_completion_length is None
-             else _lib.int64_option("max_completion_length", max_completion_length)]
+             else _lib.int64_option("max_completion_length", max_completion_length),
+             _lib.GRPO_IS_MODES[vllm_importance_sampling_mode]]
     return fopts, iopts
 
 
@@ -152,6 +164,9 @@ def grpo_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
               top_entropy_quantile: float = 1.0, entropy_threshold_value: Optional[float] = None,
               entropy_coef: float = 0.0, gradient_accumulation_steps: float = 1.0,
               max_completion_length: Optional[int] = None, num_items: Optional[float] = None,
+              vllm_importance_sampling_mode: Optional[str] = None,
+              vllm_importance_sampling_clip_min: Optional[float] = None,
+              vllm_importance_sampling_clip_max: Optional[float] = None,
               grad: bool = False, backend: str = "auto", num_threads: int = 0) -> GRPOResult:
     """TRL's GRPOTrainer loss (_compute_loss) from per-token log-probs.
 
@@ -173,7 +188,11 @@ def grpo_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
     max_completion_length (dr_grpo; None: T) and num_items, the divisor of
     dapo, cispo and vespo (TRL: num_items_in_batch.clamp(min=1) /
     num_processes * accumulation / steps_per_generation; None: the
-    mask's sum, at least 1).
+    mask's sum, at least 1). vllm_importance_sampling_mode ("token_truncate",
+    "token_mask", "sequence_truncate", "sequence_mask") forms vLLM's IS
+    ratio here, from old_logp - sampling_logp, as TRL forms it at
+    generation (clip_min / clip_max: None is no bound); then
+    importance_sampling_ratio is not given.
 
     Returns GRPOResult; with grad=True the gradients of the loss w.r.t.
     logp and entropy (the bonus'; the entropy mask has none). Values are
@@ -185,7 +204,9 @@ def grpo_loss(logp: ArrayLike, advantages: ArrayLike, mask: ArrayLike, *,
                                    sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos,
                                    vespo_k_neg, vespo_lambda_neg, off_policy_mask_threshold,
                                    entropy_coef, gradient_accumulation_steps,
-                                   max_completion_length))
+                                   max_completion_length, vllm_importance_sampling_mode,
+                                   vllm_importance_sampling_clip_min,
+                                   vllm_importance_sampling_clip_max))
     ctx = _lib.make_context(backend, num_threads)
     lp = native(as_array(logp))
     if lp.ndim != 2:

@@ -54,6 +54,8 @@ DIV_KINDS = {"kl": 0, "reverse_kl": 1, "jsd": 2, "tvd": 3}  # lmloss_divergence_
 GRPO_LOSS_TYPES = {"grpo": 0, "bnpo": 1, "dr_grpo": 2, "dapo": 3, "cispo": 4, "sapo": 5,
                    "luspo": 6, "vespo": 7}
 GRPO_LEVELS = {"token": 0, "sequence": 1}
+GRPO_IS_MODES = {None: 0, "token_truncate": 1, "token_mask": 2, "sequence_truncate": 3,
+                 "sequence_mask": 4}  # vllm_importance_sampling_mode
 GRPO_METRICS = 16
 # lmloss_pref_type (index = C code), lmloss_pref_fdiv; LMLOSS_PREF_METRICS floats of metrics
 PREF_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
@@ -124,7 +126,8 @@ class GRPOOptions(ctypes.Structure):
                 ("vespo_lambda_neg", ctypes.c_double), ("off_policy_mask", ctypes.c_int),
                 ("off_policy_threshold", ctypes.c_double), ("entropy_coef", ctypes.c_double),
                 ("accumulation_steps", ctypes.c_double), ("max_completion_length", _c_int64),
-                ("num_items", ctypes.c_double)]
+                ("num_items", ctypes.c_double), ("is_mode", ctypes.c_int),
+                ("is_min", ctypes.c_double), ("is_max", ctypes.c_double)]
 
 
 class GRPOInputs(ctypes.Structure):

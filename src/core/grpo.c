@@ -24,6 +24,9 @@ lmloss_grpo_options lmloss_grpo_options_default(void) {
   o.accumulation_steps = 1.0;
   o.max_completion_length = 0;
   o.num_items = 1.0;
+  o.is_mode = LMLOSS_GRPO_IS_GIVEN;
+  o.is_min = -INFINITY;
+  o.is_max = INFINITY;
   return o;
 }
 
@@ -65,6 +68,11 @@ static lmloss_status check_options(const lmloss_grpo_options *o) {
   if (o->max_completion_length < 0)
     return bad("max_completion_length", (double)o->max_completion_length);
   if (!(isfinite(o->num_items) && o->num_items > 0.0)) return bad("num_items", o->num_items);
+  if ((unsigned)o->is_mode > LMLOSS_GRPO_IS_SEQUENCE_MASK)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown is_mode %d", (int)o->is_mode);
+  if (isnan(o->is_min) || isnan(o->is_max)) return bad("is_min or is_max", NAN);
+  if (o->is_mode >= LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE && o->loss_type == LMLOSS_GRPO_VESPO)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "VESPO takes token-level IS ratios (as TRL)");
   return LMLOSS_OK;
 }
 
@@ -102,6 +110,10 @@ static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_grpo_i
       !lmloss_present(&in->entropy))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
                        "entropy_coef != 0 and an entropy_threshold need the entropy");
+  if (opt->is_mode != LMLOSS_GRPO_IS_GIVEN &&
+      (lmloss_present(&in->is_ratio) || !lmloss_present(&in->sampling_logp)))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
+                       "an is_mode forms the IS ratio from sampling_logp: give that, not is_ratio");
   if (!ws) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
   if (ws_bytes < lmloss_grpo_workspace_size(B))
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",

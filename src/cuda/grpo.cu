@@ -84,12 +84,12 @@ __global__ void __launch_bounds__(BS) stage_a(Args a) {
     lmloss_grpo_stage_a(&a.p, &x, t, thr, rec);
   }
   double *out = a.recs + b * LMLOSS_GRPO_S_N;
-  for (int k = 0; k <= LMLOSS_GRPO_S_EFF; k++) {
+  for (int k = 0; k <= LMLOSS_GRPO_S_LIS; k++) {
     const double s = block_sum(rec[k], sh);
     if (threadIdx.x == 0) out[k] = s;
   }
   if (threadIdx.x == 0)
-    for (int k = LMLOSS_GRPO_S_EFF + 1; k < LMLOSS_GRPO_S_N; k++)
+    for (int k = LMLOSS_GRPO_S_LIS + 1; k < LMLOSS_GRPO_S_N; k++)
       out[k] = 0.0;
 }
 
@@ -141,13 +141,13 @@ __global__ void __launch_bounds__(BS) stage_c(Args a) {
     if (a.dentropy) a.dentropy[b * a.dhs + t] = (float)dent;
   }
   if (a.loss) {
-    for (int k = LMLOSS_GRPO_S_POLICY; k < LMLOSS_GRPO_S_N; k++) {
+    for (int k = LMLOSS_GRPO_S_POLICY; k <= LMLOSS_GRPO_S_BENT; k++) {
       const double s = block_sum(acc[k], sh);
       if (threadIdx.x == 0) seq[k] = s;
     }
     if (threadIdx.x == 0) {
       lmloss_grpo_seq_metrics(&p, &a.in, b, seq);
-      for (int k = LMLOSS_GRPO_S_POLICY; k < LMLOSS_GRPO_S_N; k++)
+      for (int k = LMLOSS_GRPO_S_POLICY; k <= LMLOSS_GRPO_S_BENT; k++)
         rec[k] = seq[k];
     }
   }

@@ -21,13 +21,15 @@
 
 #include "rowstats.h"
 
-/* A sequence's record (doubles): stage A's sums, then stage C's. */
+/* A sequence's record (doubles): stage A's sums (MSUM to LIS), then stage
+ * C's (POLICY to BENT). */
 enum {
   LMLOSS_GRPO_S_MSUM,   /* sum of m */
   LMLOSS_GRPO_S_LR,     /* sum of r m (the sequence-level log weight) */
   LMLOSS_GRPO_S_OFF,    /* sum of (sampling - logp) m, NaN as 0 */
   LMLOSS_GRPO_S_VESPO,  /* VESPO's sum of clipped r m and log IS */
   LMLOSS_GRPO_S_EFF,    /* the bonus' tokens: m where the entropy mask keeps */
+  LMLOSS_GRPO_S_LIS,    /* sum of (old - sampling) m, NaN as 0 (sequence IS modes) */
   LMLOSS_GRPO_S_POLICY, /* sum of the per-token loss m, weighted */
   LMLOSS_GRPO_S_KL,
   LMLOSS_GRPO_S_ENT,
@@ -57,9 +59,10 @@ typedef struct {
   int adv_cols;   /* 1 or T */
   int old;        /* old_logp given */
   int samp;       /* sampling_logp given */
+  int is_mode;    /* lmloss_grpo_is_mode */
   double lo, hi, eps_high, delta, beta;
   double tau_pos, tau_neg, k_pos, lam_pos, k_neg, lam_neg;
-  double off_thr, coef, accum, lmax, B;
+  double off_thr, coef, accum, lmax, B, is_min, is_max;
 } lmloss_grpo_par;
 
 LMLOSS_HD lmloss_grpo_par lmloss_grpo_par_make(const lmloss_grpo_options *o,
@@ -76,6 +79,11 @@ LMLOSS_HD lmloss_grpo_par lmloss_grpo_par_make(const lmloss_grpo_options *o,
   p.adv_cols = (int)in->advantages.cols;
   p.old = in->old_logp.data != 0;
   p.samp = in->sampling_logp.data != 0;
+  p.is_mode = (int)o->is_mode;
+  p.is_min = o->is_min;
+  p.is_max = o->is_max;
+  if (p.is_mode != LMLOSS_GRPO_IS_GIVEN) /* formed per token, or once per sequence */
+    p.is_cols = p.is_mode >= LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE ? 1 : 2;
   p.lo = 1.0 - (double)o->epsilon_low;
   p.hi = 1.0 + (double)o->epsilon_high;
   p.eps_high = o->epsilon_high;
@@ -261,6 +269,19 @@ LMLOSS_HD int lmloss_grpo_clip_per_seq(const lmloss_grpo_par *p) {
   return p->seq && p->adv_cols == 1;
 }
 
+/* vLLM's ratio from its log (a formed is_mode): clipped or masked. */
+LMLOSS_HD double lmloss_grpo_is_of(const lmloss_grpo_par *p, double log_ratio) {
+  const double r = exp(log_ratio);
+  if (p->is_mode == LMLOSS_GRPO_IS_TOKEN_TRUNCATE || p->is_mode == LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE)
+    return fmin(fmax(r, p->is_min), p->is_max);
+  return r < p->is_min || r > p->is_max ? 0.0 : r;
+}
+
+/* A token's log IS ratio term, (old - sampling) m with NaN as 0. */
+LMLOSS_HD double lmloss_grpo_is_log(double old, double samp, double m) {
+  return lmloss_grpo_nan0((old - samp) * m);
+}
+
 /* Element (b, j) of an F32 [B, T] or [B, 1] tensor (broadcast over j). */
 LMLOSS_HD double lmloss_grpo_at(const lmloss_tensor *t, int64_t b, int64_t j) {
   return ((const float *)t->data)[b * t->row_stride + (t->cols == 1 ? 0 : j)];
@@ -282,7 +303,11 @@ LMLOSS_HD lmloss_grpo_in lmloss_grpo_load(const lmloss_grpo_par *p, const lmloss
   x.ref = p->ref ? lmloss_grpo_at(&in->ref_logp, b, t) : 0.0;
   x.adv = lmloss_grpo_at(&in->advantages, b, t);
   x.ent = p->ent ? lmloss_grpo_at(&in->entropy, b, t) : 0.0;
-  x.is = p->is_cols ? lmloss_grpo_at(&in->is_ratio, b, t) : 1.0;
+  x.is = p->is_mode == LMLOSS_GRPO_IS_GIVEN
+             ? (p->is_cols ? lmloss_grpo_at(&in->is_ratio, b, t) : 1.0)
+         : p->is_mode < LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE
+             ? lmloss_grpo_is_of(p, lmloss_grpo_is_log(x.old, x.samp, x.m))
+             : 1.0; /* the sequence's: lmloss_grpo_stage_c */
   return x;
 }
 
@@ -294,6 +319,8 @@ LMLOSS_HD void lmloss_grpo_stage_a(const lmloss_grpo_par *p, const lmloss_grpo_i
   if (p->type == LMLOSS_GRPO_VESPO && p->is_cols && (p->is_cols > 1 || t == 0))
     rec[LMLOSS_GRPO_S_VESPO] += lmloss_grpo_log_is(x->is);
   if (x->m != 0.0) lmloss_grpo_seq_add(p, rec, x->m, x->logp, x->old, x->samp, x->ent, thr);
+  if (p->is_mode >= LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE && x->m != 0.0)
+    rec[LMLOSS_GRPO_S_LIS] += lmloss_grpo_is_log(x->old, x->samp, x->m);
 }
 
 /* Stage C's per-token values: the multiplier s of the policy term and
@@ -301,8 +328,11 @@ LMLOSS_HD void lmloss_grpo_stage_a(const lmloss_grpo_par *p, const lmloss_grpo_i
 LMLOSS_HD lmloss_grpo_tok lmloss_grpo_stage_c(const lmloss_grpo_par *p, const double *rec,
                                               const lmloss_grpo_in *x, double thr, int *keep_e) {
   *keep_e = lmloss_grpo_keep_entropy(p, x->ent, x->m, thr);
+  const double is = p->is_mode >= LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE
+                        ? lmloss_grpo_is_of(p, rec[LMLOSS_GRPO_S_LIS])
+                        : x->is;
   const double s = (lmloss_grpo_keep_off(p, rec, x->adv) && *keep_e ? 1.0 : 0.0) *
-                   (p->type == LMLOSS_GRPO_VESPO ? 1.0 : x->is);
+                   (p->type == LMLOSS_GRPO_VESPO ? 1.0 : is);
   const double phi = p->type == LMLOSS_GRPO_VESPO ? lmloss_grpo_phi(p, rec, x->adv) : 0.0;
   const double lw = p->seq ? lmloss_grpo_seq_lw(rec) : x->logp - x->old;
   return lmloss_grpo_token(p, lw, x->logp, x->ref, x->adv, s, phi);

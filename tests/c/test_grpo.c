@@ -2,7 +2,8 @@
  * test_grpo.c - the GRPO family (lmloss_grpo) of the backend under test
  * against REF: every loss type at both levels with the KL and its bias
  * correction, delta, the off-policy and entropy masks, the entropy bonus,
- * IS ratios per token and per sequence, advantages per token; the loss,
+ * IS ratios per token and per sequence, given or formed in each of vLLM's
+ * modes, advantages per token; the loss,
  * the metrics and both gradients, the backward from dloss, thread counts
  * (bitwise), closed forms where fp32 would lose them (a ratio of log-probs
  * near -1000, k3 of a difference of 1e-6), and bad arguments. TRL itself
@@ -26,7 +27,8 @@ static lmloss_grpo_inputs as_inputs(const lmloss_tensor *t) {
 /* Random inputs: log-probs in (-3, 0) (shift: added), old ones around
  * them, padded tails and an empty sequence; flags pick the optional ones
  * (1 old, 2 ref, 4 sampling, 8 IS per token, 16 IS per sequence, 32
- * entropy and threshold, 64 advantages per token, 128 num_items). */
+ * entropy and threshold, 64 advantages per token, 128 num_items; 256,
+ * read by the caller: vLLM's ratio formed from sampling_logp). */
 static host_in make_in(int64_t B, int64_t T, unsigned flags, double shift) {
   host_in h;
   memset(&h, 0, sizeof h);
@@ -141,8 +143,10 @@ static void compare(tgroup *g, const host_out *got, const host_out *ref, int fwd
 static void every_option(void) {
   tgroup g;
   tg_begin(&g, "every loss type, level and option against REF, forward and backward");
-  static const unsigned flags[] = {0,      1,      1 | 2,      1 | 4,   1 | 8,
-                                   1 | 16, 1 | 32, 1 | 2 | 64, 1 | 128, 1 | 2 | 4 | 8 | 32 | 128};
+  static const unsigned flags[] = {
+      0,          1,      1 | 2,      1 | 4,   1 | 8,
+      1 | 16,     1 | 32, 1 | 2 | 64, 1 | 128, 1 | 2 | 4 | 8 | 32 | 128,
+      1 | 4 | 256};
   for (int type = LMLOSS_GRPO_GRPO; type <= LMLOSS_GRPO_VESPO; type++)
     for (int level = 0; level < 2; level++)
       for (int f = 0; f < (int)(sizeof flags / sizeof *flags); f++) {
@@ -156,6 +160,11 @@ static void every_option(void) {
         if (flags[f] & 4) o.off_policy_mask = 1, o.off_policy_threshold = 0.01;
         if (flags[f] & 32) o.entropy_coef = 0.02;
         if (f == 9) o.delta = 1.2, o.epsilon_high = 0.28;
+        if (flags[f] & 256) { /* vLLM's ratio formed in the call, each mode */
+          o.is_mode = (lmloss_grpo_is_mode)(1 + (type + level) % 4);
+          if (type == LMLOSS_GRPO_VESPO) o.is_mode = (lmloss_grpo_is_mode)(1 + level);
+          o.is_min = 0.8, o.is_max = 1.25;
+        }
         o.accumulation_steps = 1 + f % 3;
         o.max_completion_length = f % 2 ? 0 : 40;
         o.num_items = 11.0;
@@ -260,6 +269,12 @@ static void bad_arguments(void) {
   o = lmloss_grpo_options_default(), o.num_items = 0;
   EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
   o = lmloss_grpo_options_default(), o.sapo_temperature_neg = 0;
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default(), o.is_mode = (lmloss_grpo_is_mode)5;
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default(), o.is_mode = LMLOSS_GRPO_IS_TOKEN_MASK; /* no sampling_logp */
+  EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default(), o.is_max = NAN;
   EXPECT(lmloss_grpo(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
   o = lmloss_grpo_options_default();
   lmloss_grpo_inputs bad = in;

@@ -50,6 +50,15 @@ OPTIONS = {
 }
 
 
+IS_KEYS = ("is_token", "is_seq", "token_truncate", "token_mask", "sequence_truncate",
+           "sequence_mask")
+
+
+def ratio_key(given):
+    """Which of a case's IS ratios the inputs carry (None: none)."""
+    return next((k for k in given if k in IS_KEYS), None)
+
+
 def case(b=5, t=7, seed=0, adv_tokens=False):
     """fp32 inputs: log-probs in (-3, 0), old ones around them (ratios across
     the clip range), a padded tail and one empty sequence."""
@@ -76,7 +85,7 @@ def trl(c, cfg, given, dtype):
     def tt(x):
         return torch.tensor(x, dtype=dtype)
     logp, ent = tt(c["logp"]).requires_grad_(), tt(c["entropy"]).requires_grad_()
-    is_key = "is_token" if "is_token" in given else "is_seq" if "is_seq" in given else None
+    is_key = ratio_key(given)
     old = None if "no_old" in given else tt(c["old"])
     inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=old,
                    ref=tt(c["ref"]) if "ref" in given else None,
@@ -107,7 +116,7 @@ def lmloss_args(c, cfg, given):
     kw["gradient_accumulation_steps"] = cfg.get("gradient_accumulation_steps", 1) if train else 1
     kw["num_items"] = trl_divisor(c, cfg)
     kw.setdefault("max_completion_length", 512)
-    is_key = "is_token" if "is_token" in given else "is_seq" if "is_seq" in given else None
+    is_key = ratio_key(given)
     return dict(old_logp=None if "no_old" in given else c["old"],
                 ref_logp=c["ref"] if "ref" in given else None, entropy=c["entropy"],
                 sampling_logp=c["sampling"] if "sampling" in given else None,
@@ -200,7 +209,7 @@ def dropin_run(fn, c, cfg, given, dtype=torch.float32):
     def tt(x):
         return torch.tensor(x, dtype=dtype)
     logp, ent = tt(c["logp"]).requires_grad_(), tt(c["entropy"]).requires_grad_()
-    is_key = "is_token" if "is_token" in given else "is_seq" if "is_seq" in given else None
+    is_key = ratio_key(given)
     old = None if "no_old" in given else tt(c["old"])
     inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=old,
                    ref=tt(c["ref"]) if "ref" in given else None,
@@ -397,3 +406,42 @@ def test_torch_compile_fullgraph():
 
     for a, b in zip(step(torch.compile(f, fullgraph=True)), step(f)):
         assert torch.equal(a, b)
+
+
+def trl_is_ratio(c, mode, lo, hi):
+    """vLLM's IS ratio as TRL's _generate_and_score_completions forms it."""
+    d = np.nan_to_num((np.float64(c["old"]) - c["sampling"]) * c["mask"], nan=0.0)
+    if mode.startswith("sequence"):
+        d = d.sum(1, keepdims=True)
+    r = np.exp(d)
+    lo_ = -np.inf if lo is None else lo
+    hi_ = np.inf if hi is None else hi
+    if mode.endswith("truncate"):
+        return np.clip(r, lo_, hi_)
+    return np.where((r < lo_) | (r > hi_), 0.0, r)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate",
+                                  "sequence_mask"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_vllm_is_modes_form_trls_ratio(mode, loss_type):
+    """vllm_importance_sampling_mode: the ratio formed in the C call gives
+    what TRL's ratio (formed as TRL forms it, passed in) gives; NaN
+    sampling log-probs read as no correction."""
+    if loss_type == "vespo" and mode.startswith("sequence"):
+        pytest.skip("TRL refuses VESPO with sequence-level IS")
+    c = case(seed=31)
+    c["sampling"] = (c["old"] + np.random.default_rng(2).normal(0, 0.4, c["old"].shape)
+                     ).astype(np.float32)
+    c["sampling"][0, 1] = np.nan
+    lo, hi = (0.7, 1.6) if "mask" in mode else (None, 1.3)
+    cfg = dict(loss_type=loss_type, beta=0.02)
+    base = lmloss_args(c, cfg, ("ref",))
+    r = lmloss.grpo_loss(c["logp"], c["adv"], c["mask"], grad=True, sampling_logp=c["sampling"],
+                         vllm_importance_sampling_mode=mode, vllm_importance_sampling_clip_min=lo,
+                         vllm_importance_sampling_clip_max=hi,
+                         **{k: v for k, v in base.items() if k != "sampling_logp"})
+    c[mode] = trl_is_ratio(c, mode, lo, hi).astype(np.float32)
+    loss64, dl64, _, _ = trl(c, dict(cfg, use_vllm=True), ("ref", mode), torch.float64)
+    assert_close(r.loss, loss64, "loss")
+    assert_close(r.dlogp, dl64, "dlogp")

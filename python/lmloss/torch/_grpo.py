@@ -11,12 +11,9 @@ upstream scalar. Every input and the divisor stay on the device: the C
 call reads the entropy threshold and num_items there, so a CUDA step
 never synchronizes the host.
 
-Options travel as two lists (_ops.ce_args says why): fopts [epsilon_low,
-epsilon_high, delta, beta, sapo_temperature_pos, sapo_temperature_neg,
-vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg,
-off_policy_threshold, entropy_coef, accumulation_steps]; iopts
-[loss_type, level, bias_correction_kl, off_policy_mask,
-max_completion_length, backend, num_threads, want dlogp, want dentropy].
+Options travel as two lists (_ops.ce_args says why): fopts
+lmloss._grpo.FKEYS' values, iopts IKEYS' then [backend, num_threads, want
+dlogp, want dentropy].
 """
 
 from typing import Optional, Tuple, Union
@@ -25,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .. import _lib
-from .._grpo import METRIC_NAMES, grpo_struct, grpo_values
+from .._grpo import IKEYS, METRIC_NAMES, grpo_struct, grpo_values
 from . import _bridge as B
 from ._dispatch import Differentiable, custom_op
 
@@ -33,11 +30,11 @@ F32 = torch.float32
 
 
 def _options(fopts, iopts):
-    return grpo_struct(fopts, iopts[:5])
+    return grpo_struct(fopts, iopts[:len(IKEYS)])
 
 
 def _grads(logp, entropy, iopts):
-    want = (iopts[7], iopts[8] and entropy is not None)
+    want = (iopts[-2], iopts[-1] and entropy is not None)
     return tuple(logp.new_empty(logp.shape if w else (0,), dtype=F32) for w in want)
 
 
@@ -57,7 +54,7 @@ def grpo(logp: Tensor, mask: Tensor, advantages: Tensor, old_logp: Optional[Tens
     def v(t):
         return B.view(t, keep)
 
-    with B.context(logp, iopts[5], iopts[6]) as ctx:
+    with B.context(logp, iopts[-4], iopts[-3]) as ctx:
         inputs = _lib.GRPOInputs(v(logp), v(mask), v(advantages), v(old_logp), v(ref_logp),
                                  v(sampling_logp), v(is_ratio), v(entropy),
                                  v(None if entropy_threshold is None
@@ -135,7 +132,11 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
               top_entropy_quantile: float = 1.0, entropy_threshold: Optional[Tensor] = None,
               entropy_coef: float = 0.0, gradient_accumulation_steps: Number = 1,
               max_completion_length: Optional[int] = None,
-              num_items: Optional[Union[Number, Tensor]] = None, return_metrics: bool = False,
+              num_items: Optional[Union[Number, Tensor]] = None,
+              vllm_importance_sampling_mode: Optional[str] = None,
+              vllm_importance_sampling_clip_min: Optional[float] = None,
+              vllm_importance_sampling_clip_max: Optional[float] = None,
+              return_metrics: bool = False,
               backend: str = "auto", num_threads: int = 0
               ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """TRL's GRPOTrainer loss (_compute_loss) from the policy's per-token
@@ -153,7 +154,9 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
     accumulation / steps_per_generation; None: the mask's sum, at least
     1); gradient_accumulation_steps divides the other types' loss and the
     bonus (TRL: current_gradient_accumulation_steps in training, 1 in
-    evaluation).
+    evaluation); vllm_importance_sampling_mode and its clip bounds form
+    vLLM's IS ratio from the old and sampling log-probs instead of taking
+    importance_sampling_ratio (lmloss.grpo_loss says how).
 
     Returns the float32 0-d loss, or (loss, metrics) with return_metrics:
     a float32 [16] tensor of lmloss_grpo_metric's sums and counts (names:
@@ -164,7 +167,9 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
                                delta, beta, use_bias_correction_kl, sapo_temperature_pos,
                                sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
                                vespo_lambda_neg, off_policy_mask_threshold, entropy_coef,
-                               gradient_accumulation_steps, max_completion_length)
+                               gradient_accumulation_steps, max_completion_length,
+                               vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
+                               vllm_importance_sampling_clip_max)
     logp = per_token_logps
     if logp.dim() != 2:
         raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "per_token_logps must be [B, T], got %s"
