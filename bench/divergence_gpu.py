@@ -29,43 +29,11 @@ machine where TRL's own dependencies are not installed.
 """
 import argparse
 import importlib.util
-import statistics
 
 import torch
 
 import lmloss.torch as lt
-
-DEV = "cuda"
-
-
-def timed(fn, reps=10, queued=5):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(queued):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / queued)
-    return statistics.median(ts)
-
-
-def peak_mib(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def copy_gbs():
-    a = torch.empty(2**31, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    return 2 * a.numel() / (timed(lambda: b.copy_(a), 20) * 1e6)
+from peers_gpu import DEV, copy_gbs, peak_mib, timed
 
 
 def trl_jsd(path):
@@ -143,7 +111,7 @@ def bench_logits(n, v, trl, lk, bw):
     for rows in ("random", "peaked"):
         s, t = logits_rows(n, v, rows, g)
         for name, fn in ours.items():
-            ms = timed(fwd_bwd(fn, s, t))
+            ms = timed(fwd_bwd(fn, s, t), 10)
             line = f"  {rows:6} {name:10} lmloss {ms:7.3f} ms = {limit / ms:5.1%} of copy"
             for pname, pfn in peers.get(name, []):
                 try:
@@ -202,7 +170,7 @@ def gemm_ms(h_s, w_s, h_t, w_t, train):
         torch.matmul(a, w_s)
         if train:
             torch.matmul(a.T, h_s)
-    return timed(gemms)
+    return timed(gemms, 10)
 
 
 def bench_heads(n, hs, ht, v, trl, lk):

@@ -234,21 +234,45 @@ template <bool CAPS> __device__ __forceinline__ float w_of(const lmloss_xform *f
   return CAPS ? lmloss_xform_w(f, x) : x;
 }
 
-/* The columns of a sweep: fn(j, e, ws, wt, xs, xt) for each column j < V
- * of this CTA's chunk, e its place in the thread's eight. */
-template <bool CAPS, typename F>
-__device__ __forceinline__ void for_columns(const DivArgs &a, const void *rs, const void *rt,
+/* The vectors of a sweep: fn(j, xs, xt) for each eight columns from j of
+ * this CTA's chunk [jb, je), both rows' raw logits (0 at or past je). */
+template <typename F>
+__device__ __forceinline__ void for_vectors(const DivArgs &a, const void *rs, const void *rt,
                                             int64_t jb, int64_t je, F fn) {
   for (int64_t j = jb + (int64_t)threadIdx.x * DIV_NV; j < je; j += (int64_t)DIV_BS * DIV_NV) {
     float xs[DIV_NV], xt[DIV_NV];
     load8(rs, a.sdt, j, je, xs);
     load8(rt, a.tdt, j, je, xt);
+    fn(j, xs, xt);
+  }
+}
+
+/* The columns of a sweep: fn(j, ws, wt, xs, xt) for each column j of the
+ * chunk. */
+template <bool CAPS, typename F>
+__device__ __forceinline__ void for_columns(const DivArgs &a, const void *rs, const void *rt,
+                                            int64_t jb, int64_t je, F fn) {
+  for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt) {
 #pragma unroll
     for (int e = 0; e < DIV_NV; e++) {
       if (j + e >= je) break;
-      fn(j + e, e, w_of<CAPS>(&a.pr.fs, xs[e]), w_of<CAPS>(&a.pr.ft, xt[e]), xs[e], xt[e]);
+      fn(j + e, w_of<CAPS>(&a.pr.fs, xs[e]), w_of<CAPS>(&a.pr.ft, xt[e]), xs[e], xt[e]);
     }
-  }
+  });
+}
+
+/* K sums of the cluster's columns from each thread's floats (v), the
+ * same doubles in every CTA; slot holds this CTA's. */
+template <int K> struct Sums { double v[K]; };
+template <int K>
+__device__ Sums<K> cluster_sums(const DivArgs &a, float (&v)[K], DivShared &sh, double *slot) {
+  cta_sums<K>(v, sh, slot);
+  cluster_sync(a);
+  return cluster_merge(a, (Sums<K> *)slot, [](Sums<K> x, const Sums<K> &z) {
+    for (int k = 0; k < K; k++)
+      x.v[k] += z.v[k];
+    return x;
+  });
 }
 
 /* One row pair per cluster, of the kind K; CAPS: a softcap on either side
@@ -302,7 +326,7 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
   const int mode = CAPS ? a.mode : 0;
   /* 1. the maxes and argmaxes of w, and the flags */
   Extent e = {{-INFINITY, LLONG_MAX}, {-INFINITY, LLONG_MAX}, 0, 0, 0};
-  for_columns<CAPS>(a, rs, rt, jb, je, [&](int64_t j, int, float ws, float wt, float xs, float xt) {
+  for_columns<CAPS>(a, rs, rt, jb, je, [&](int64_t j, float ws, float wt, float xs, float xt) {
     e.bad |= (xs != xs) | (xs == INFINITY) | (xt != xt) | (xt == INFINITY);
     e.any_s |= xs > -INFINITY, e.any_t |= xt > -INFINITY;
     e.s = max_at(e.s, MaxAt{ws, j}), e.t = max_at(e.t, MaxAt{wt, j});
@@ -334,77 +358,57 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
   const float G = lmloss_div_gap(&a.pr, a.pr.capped, mt, xt_at, ms, xs_a);
   /* 2. R of each row and D = Rt - Rs below the maxes */
   float b3[3] = {0.0f, 0.0f, 0.0f};
-  for_columns<CAPS>(a, rs, rt, jb, je, [&](int64_t j, int, float ws, float wt, float xs, float xt) {
+  for_columns<CAPS>(a, rs, rt, jb, je, [&](int64_t j, float ws, float wt, float xs, float xt) {
     const float ds = (ws - ms) * ks, dt = (wt - mt) * kt;
-    const float es = lmloss_vexp_neg(ds, -0.0f), et = lmloss_vexp_neg(dt, -0.0f);
+    const float es = lmloss_div_exp(ds), et = lmloss_div_exp(dt);
     const float dg = lmloss_pair_dg(lmloss_div_gap(&a.pr, mode, wt, xt, ws, xs), G, ds, dt);
     b3[0] += j == as ? 0.0f : es;
     b3[1] += j == at ? 0.0f : et;
     b3[2] += fabsf(dg) <= 0.5f ? es * lmloss_vexpm1_small(dg) : et - es;
   });
-  cta_sums<3>(b3, sh, sh.tot_b);
-  struct Sum3 {
-    double v[3];
-  };
-  cluster_sync(a);
-  const Sum3 st = cluster_merge(a, (Sum3 *)sh.tot_b, [](Sum3 x, const Sum3 &z) {
-    for (int k = 0; k < 3; k++)
-      x.v[k] += z.v[k];
-    return x;
-  });
+  const Sums<3> st = cluster_sums<3>(a, b3, sh, sh.tot_b);
   const lmloss_div_row r = lmloss_div_row_make(&a.pr, ms, mt, (float)st.v[0], (float)st.v[1],
                                                (float)st.v[2], as, xs_a, xt_at, xt_as);
   lmloss_div_grad gc = {};
   gc.y = y, gc.soft = a.soft, gc.scale = (float)(up * factor);
   gc.hard = y >= 0 ? a.hard : 0.0f;
   gc.one_minus_py = y == as ? r.rs / (1.0f + r.rs) : -1.0f;
+  auto column = [&](const float *xs, const float *xt, int k) {
+    return lmloss_div_column(&a.pr, &r, mode, w_of<CAPS>(&a.pr.fs, xs[k]),
+                             w_of<CAPS>(&a.pr.ft, xt[k]), xs[k], xt[k]);
+  };
   /* 3. the loss sweep, with the forward KL's gradient */
   const bool fused = rd && K == LMLOSS_DIV_KL;
   float c6[6] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for (int64_t j = jb + (int64_t)threadIdx.x * DIV_NV; j < je; j += (int64_t)DIV_BS * DIV_NV) {
-    float xs[DIV_NV], xt[DIV_NV], g[DIV_NV];
-    load8(rs, a.sdt, j, je, xs);
-    load8(rt, a.tdt, j, je, xt);
+  for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt) {
+    float g[DIV_NV];
 #pragma unroll
     for (int k = 0; k < DIV_NV; k++) {
       if (j + k >= je) break;
-      const lmloss_div_col c = lmloss_div_column(&a.pr, &r, mode, w_of<CAPS>(&a.pr.fs, xs[k]),
-                                                 w_of<CAPS>(&a.pr.ft, xt[k]), xs[k], xt[k]);
+      const lmloss_div_col c = column(xs, xt, k);
       const lmloss_div_terms t =
           lmloss_div_loss_terms(&a.pr, &r, &c, j + k != as && c.p != 0.0f, K);
       c6[0] += t.div, c6[1] += t.rev, c6[2] += t.mix, c6[3] += t.pos, c6[4] += t.neg, c6[5] += t.eq;
       if (fused) g[k] = lmloss_div_grad_entry(&a.pr, &r, &gc, j + k, &c, xs[k], mode, K);
     }
     if (fused) store8(rd, a.dxt, j, je, g);
-  }
-  cta_sums<6>(c6, sh, sh.tot_c);
-  struct Sum6 {
-    double v[6];
-  };
-  cluster_sync(a);
-  const Sum6 lo = cluster_merge(a, (Sum6 *)sh.tot_c, [](Sum6 x, const Sum6 &z) {
-    for (int k = 0; k < 6; k++)
-      x.v[k] += z.v[k];
-    return x;
   });
+  const Sums<6> lo = cluster_sums<6>(a, c6, sh, sh.tot_c);
   float es_y = 0.0f;
   if (y >= 0) es_y = y == as ? 0.0f : (w_of<CAPS>(&a.pr.fs, xs_y) - ms) * ks;
   finish(lo.v[0], y >= 0 ? (double)r.l1s - es_y : 0.0);
   /* 4. the other kinds' gradient */
   if (rd && !fused) {
     lmloss_div_grad_sums(&gc, lo.v[1], lo.v[2], lo.v[3], lo.v[4], lo.v[5]);
-    for (int64_t j = jb + (int64_t)threadIdx.x * DIV_NV; j < je; j += (int64_t)DIV_BS * DIV_NV) {
-      float xs[DIV_NV], xt[DIV_NV], g[DIV_NV];
-      load8(rs, a.sdt, j, je, xs);
-      load8(rt, a.tdt, j, je, xt);
+    for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt) {
+      float g[DIV_NV];
 #pragma unroll
       for (int k = 0; k < DIV_NV; k++) {
-        const lmloss_div_col c = lmloss_div_column(&a.pr, &r, mode, w_of<CAPS>(&a.pr.fs, xs[k]),
-                                                   w_of<CAPS>(&a.pr.ft, xt[k]), xs[k], xt[k]);
+        const lmloss_div_col c = column(xs, xt, k);
         g[k] = lmloss_div_grad_entry(&a.pr, &r, &gc, j + k, &c, xs[k], mode, K);
       }
       store8(rd, a.dxt, j, je, g);
-    }
+    });
   }
   cluster_sync(a); /* no CTA leaves while another reads its slots */
 }
