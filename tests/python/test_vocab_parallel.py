@@ -2,8 +2,9 @@
 family over a vocabulary split into 2, 3 and 4 shards, even and uneven,
 against the single-process call on the whole rows, on peaked rows whose
 argmax sits on each rank in turn, ties at the max across ranks, a shard
-holding only -inf and ignored rows; and the fused head with its weight's
-rows split over the ranks."""
+holding only -inf and ignored rows; GRPO's objective on the log-probs and
+entropies they give; and the fused head with its weight's rows split over
+the ranks."""
 
 import os
 import tempfile
@@ -127,6 +128,35 @@ def _check_rank(world, rank, uneven, V):
         _close(ggot, gref[:, s:e], "softmax grad log=%s" % log, rtol=1e-4, atol=1e-30)
 
 
+def _check_grpo(world, rank, uneven, V):
+    """GRPO's loss on the policy's log-probs and entropies over the shards:
+    every rank forms the same [B, T] of them, so the objective, its
+    entropy bonus and the KL to a reference run as in one process, and the
+    gradient reaches each rank's columns."""
+    bounds = _bounds(V, world, uneven)
+    s, e = bounds[rank]
+    shard = dict(process_group=dist.group.WORLD)
+    if uneven:
+        shard.update(vocab_start=s, vocab_size=V)
+    x, y = _rows(V, bounds, seed=world * 10 + uneven + 3)
+    x[2] = torch.randn(V, generator=torch.Generator().manual_seed(7))  # no -inf shard here
+    idx = y.clamp(min=0)
+    g = torch.Generator().manual_seed(8)
+    adv = torch.randn(4, generator=g)
+    mask = (torch.rand(4, N // 4, generator=g) > 0.2).float()
+    old = -torch.rand(4, N // 4, generator=g) * 3
+    ref_lp = -torch.rand(4, N // 4, generator=g) * 3
+    for kw in (dict(loss_type="grpo", beta=0.04, entropy_coef=0.01),
+               dict(loss_type="dapo", importance_sampling_level="sequence", epsilon_high=0.28)):
+        def loss(t, **sh):
+            lp, ent = LT.log_probs(t, idx, entropy=True, **sh)
+            return LT.grpo_loss(lp.view(4, -1), adv, mask, old, ref_lp, ent.view(4, -1), **kw)
+        ref, gref = _grad_of(loss, x)
+        got, ggot = _grad_of(lambda t: loss(t, **shard), x[:, s:e])
+        _close(got, ref, "grpo %s" % kw)
+        _close(ggot, gref[:, s:e], "grpo grad %s" % kw, atol=1e-8)
+
+
 def _head_case(world, rank, uneven, V, seed):
     """This rank's [s, e), the sharding keywords, a generator, and hidden
     [N, H], the whole head [V, H] and bias [V]."""
@@ -220,6 +250,7 @@ def _worker(rank, world, init):
         _check_rank(world, rank, False, 20 * world)
         _check_rank(world, rank, True, 12 * world + 61)
         _check_bf16(world, rank, world == 3, 12 * world + 61 if world == 3 else 20 * world)
+        _check_grpo(world, rank, world != 2, 12 * world + 61 if world != 2 else 20 * world)
         _check_head(world, rank, False, 20 * world)
         _check_head(world, rank, True, 12 * world + 61)
         uneven = world % 2 == 1
