@@ -1,11 +1,8 @@
-/* grpo.c - the GRPO family on the CPU: the host stages (src/ref/grpo.c)
- * with OpenMP threads over sequences; every sum keeps its sequence order,
- * so results are the same bits for any thread count. */
+/* grpo.c - the GRPO family on the CPU: math/grpo.h's stages with OpenMP
+ * threads over sequences; every sum keeps its sequence order, so results
+ * are the same bits for any thread count. */
+#include "math/grpo.h"
 #include "common.h"
-
-lmloss_status lmloss_grpo_host(const lmloss_grpo_inputs *, const lmloss_grpo_options *,
-                               const lmloss_grpo_outputs *, const lmloss_tensor *,
-                               const lmloss_tensor *, const lmloss_tensor *, void *, int);
 
 lmloss_status lmloss_cpu_grpo(const lmloss_context *ctx, const lmloss_grpo_inputs *in,
                               const lmloss_grpo_options *opt, const lmloss_grpo_outputs *out,
