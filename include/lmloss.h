@@ -321,6 +321,8 @@ typedef struct {
   lmloss_tensor ce;         /* optional F32 [N]: ce_i (needs a label) */
   lmloss_tensor dstudent;   /* optional [N, V]: fused forward and backward;
                                may alias the student's logits exactly */
+  lmloss_tensor entropy;    /* optional F32 [N]: the student's entropy
+                               -sum_j p_j log p_j (ignored rows 0) */
 } lmloss_div_outputs;
 
 /* Forward (and with outputs->dstudent the gradient, upstream

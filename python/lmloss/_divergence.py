@@ -10,11 +10,13 @@ from . import _lib
 from ._ce import set_reduction, workspace
 from ._tensor import Rows, optional_vector, out_vector, shape_error
 
-DivergenceResult = collections.namedtuple("DivergenceResult", "loss dstudent divergence ce")
+DivergenceResult = collections.namedtuple("DivergenceResult",
+                                          "loss dstudent divergence ce entropy")
 DivergenceResult.__doc__ = """Returned by divergence(return_parts=True): loss as in the
 plain form; dstudent (or None without grad=True); divergence D_i (float32
-shaped like the rows, ignored rows 0) and ce, the student's cross-entropy
-against the labels (None without labels)."""
+shaped like the rows, ignored rows 0), ce, the student's cross-entropy
+against the labels (None without labels), and entropy, the student's
+-sum_j p_j log p_j (float32, ignored rows 0)."""
 
 
 def sides(logit_scale, softcap, temperature, teacher_logit_scale, teacher_softcap,
@@ -46,16 +48,18 @@ def div_options(kind, beta, ignore_index, student, teacher, soft_weight, hard_we
 
 
 def div_outputs(n, reduction, return_parts, labels):
-    """(loss array, lmloss_div_outputs over it, divergence array, ce array)
-    for n rows; the last two None unless return_parts (ce: with labels)."""
+    """(loss array, lmloss_div_outputs over it, (divergence, ce, entropy)
+    arrays) for n rows; the parts None unless return_parts (ce: with
+    labels)."""
     loss, loss_t = out_vector(n if reduction == "none" else 1)
     outputs = _lib.DivOutputs(loss=loss_t)
-    div = ce = None
+    div = ce = ent = None
     if return_parts:
         div, outputs.divergence = out_vector(n)
+        ent, outputs.entropy = out_vector(n)
         if labels is not None:
             ce, outputs.ce = out_vector(n)
-    return loss, outputs, div, ce
+    return loss, outputs, (div, ce, ent)
 
 
 def divergence(student: ArrayLike, teacher: ArrayLike, *, kind: str = "kl", beta: float = 0.5,
@@ -109,7 +113,7 @@ def divergence(student: ArrayLike, teacher: ArrayLike, *, kind: str = "kl", beta
     inputs = _lib.DivInputs(s.t, t.t,
                             optional_vector(labels, s.n, s.lead, "labels", "index", keep))
 
-    loss, outputs, div, ce = div_outputs(s.n, reduction, return_parts, labels)
+    loss, outputs, (div, ce, ent) = div_outputs(s.n, reduction, return_parts, labels)
     dstudent = None
     if grad:
         dstudent, outputs.dstudent = s.empty(s.out_dtype())
@@ -122,5 +126,5 @@ def divergence(student: ArrayLike, teacher: ArrayLike, *, kind: str = "kl", beta
         dstudent = dstudent.reshape(s.lead + (s.v,))
     if return_parts:
         return DivergenceResult(loss, dstudent, div.reshape(s.lead),
-                                None if ce is None else ce.reshape(s.lead))
+                                None if ce is None else ce.reshape(s.lead), ent.reshape(s.lead))
     return (loss, dstudent) if grad else loss

@@ -113,7 +113,8 @@ class DivInputs(ctypes.Structure):
 
 
 class DivOutputs(ctypes.Structure):
-    _fields_ = [("loss", Tensor), ("divergence", Tensor), ("ce", Tensor), ("dstudent", Tensor)]
+    _fields_ = [("loss", Tensor), ("divergence", Tensor), ("ce", Tensor), ("dstudent", Tensor),
+                ("entropy", Tensor)]
 
 
 class GRPOOptions(ctypes.Structure):

@@ -33,10 +33,10 @@ dbias None without bias); lse, entropy (float32) and argmax (int64, -1 on ignore
 each shaped like target and None unless requested."""
 
 LinearDivergenceResult = collections.namedtuple(
-    "LinearDivergenceResult", "loss dhidden dweight dbias divergence ce")
+    "LinearDivergenceResult", "loss dhidden dweight dbias divergence ce entropy")
 LinearDivergenceResult.__doc__ = """Returned by linear_divergence(return_parts=True): loss
 as in the plain form; the student's dhidden, dweight, dbias (None without grad=True; dbias
-None without student_bias); divergence D_i and ce as in lmloss.DivergenceResult."""
+None without student_bias); divergence D_i, ce and entropy as in lmloss.DivergenceResult."""
 
 
 class _Head:
@@ -243,7 +243,7 @@ def linear_divergence(student_hidden: ArrayLike, student_weight: ArrayLike,
                           % (t.x.lead, s.x.lead))
     hopt, n, lead, keep = _options(memory_budget), s.n, s.x.lead, []
     label_t = optional_vector(labels, n, lead, "labels", "index", keep)
-    loss, outputs, div, ce = div_outputs(n, reduction, return_parts, labels)
+    loss, outputs, (div, ce, ent) = div_outputs(n, reduction, return_parts, labels)
     (dh, dw, db), grads = s.grads() if grad else ((None, None, None), None)
     ws, ws_ptr, ws_bytes = _workspace(_lib.linear_divergence_workspace_size, s.t, t.t, hopt)
     _lib.check(_lib.linear_divergence(ctx, s.t, t.t, label_t, opt, hopt, outputs, grads, ws_ptr,
@@ -251,5 +251,6 @@ def linear_divergence(student_hidden: ArrayLike, student_weight: ArrayLike,
     loss = loss.reshape(lead) if reduction == "none" else float(loss[0])
     if return_parts:
         return LinearDivergenceResult(loss, dh, dw, db, div.reshape(lead),
-                                      None if ce is None else ce.reshape(lead))
+                                      None if ce is None else ce.reshape(lead),
+                                      ent.reshape(lead))
     return (loss, dh, dw, db) if grad else loss

@@ -76,6 +76,7 @@ lmloss_status lmloss_divergence(const lmloss_context *ctx, const lmloss_div_inpu
                           1));
   TRY(lmloss_check_optional(&out->divergence, "divergence", f32, N, 1));
   TRY(lmloss_check_optional(&out->ce, "ce", f32, N, 1));
+  TRY(lmloss_check_optional(&out->entropy, "entropy", f32, N, 1));
   if (lmloss_present(&out->ce) && !lmloss_present(&in->label))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "a ce output needs a label");
   TRY(lmloss_check_optional(&out->dstudent, "dstudent", LMLOSS_FLOATS, N, V));
@@ -83,8 +84,9 @@ lmloss_status lmloss_divergence(const lmloss_context *ctx, const lmloss_div_inpu
     TRY(lmloss_check_alias(&in->student, &out->dstudent, "dstudent"));
     TRY(lmloss_check_alias(&in->teacher, &out->dstudent, "dstudent"));
   }
-  const lmloss_tensor *ts[] = {&out->loss, &out->divergence, &out->ce, &out->dstudent};
-  TRY(lmloss_check_device(ts, 4, in->student.device));
+  const lmloss_tensor *ts[] = {&out->loss, &out->divergence, &out->ce, &out->dstudent,
+                               &out->entropy};
+  TRY(lmloss_check_device(ts, 5, in->student.device));
   return ops->divergence(ctx, in, &eff, out, NULL,
                          lmloss_present(&out->dstudent) ? &out->dstudent : NULL, ws, ws_bytes);
 }

@@ -20,7 +20,7 @@
  * gathered hidden rows, dhidden, the gathered labels and upstream, the
  * per-row outputs, the row op's workspace. */
 typedef struct {
-  size_t list, sums, slab_s, slab_t, hs, ht, dh, label, dloss, loss, div, ce, row_ws, total;
+  size_t list, sums, slab_s, slab_t, hs, ht, dh, label, dloss, loss, div, ce, ent, row_ws, total;
   int64_t rows;
 } div_plan;
 
@@ -32,8 +32,8 @@ static lmloss_status plan(const lmloss_head *s, const lmloss_head *t,
   size_t off = 0;
   p->list = off, off += lmloss_ws_up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
   p->sums = off, off += lmloss_ws_up((size_t)(N + 2) * 4);
-  const size_t per_row = (size_t)V * 8 + (size_t)(2 * Hs + Ht) * 4 + 8 + 4 * 4 + 3 * sizeof(double);
-  const size_t slack = 12 * LMLOSS_WS_ALIGN + LMLOSS_CE_WS_HEADER;
+  const size_t per_row = (size_t)V * 8 + (size_t)(2 * Hs + Ht) * 4 + 8 + 5 * 4 + 3 * sizeof(double);
+  const size_t slack = 13 * LMLOSS_WS_ALIGN + LMLOSS_CE_WS_HEADER;
   const int64_t rows = lmloss_chunk_rows(budget, off + slack, per_row, N);
   if (rows < 1)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
@@ -52,6 +52,7 @@ static lmloss_status plan(const lmloss_head *s, const lmloss_head *t,
   p->loss = off, off += lmloss_ws_up(R * 4);
   p->div = off, off += lmloss_ws_up(R * 4);
   p->ce = off, off += lmloss_ws_up(R * 4);
+  p->ent = off, off += lmloss_ws_up(R * 4);
   p->row_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(rows));
   p->total = off;
   return LMLOSS_OK;
@@ -112,6 +113,7 @@ static lmloss_status check_call(const div_call *c, const lmloss_head_options *ho
     TRY(lmloss_check_tensor(&c->out->loss, "loss", f32, reduced ? 1 : N, 1));
     TRY(lmloss_check_optional(&c->out->divergence, "divergence", f32, N, 1));
     TRY(lmloss_check_optional(&c->out->ce, "ce", f32, N, 1));
+    TRY(lmloss_check_optional(&c->out->entropy, "entropy", f32, N, 1));
     if (lmloss_present(&c->out->ce) && !lmloss_present(label))
       return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "a ce output needs a label");
     if (lmloss_present(&c->out->dstudent))
@@ -125,8 +127,8 @@ static lmloss_status check_call(const div_call *c, const lmloss_head_options *ho
                                &t->weight, &t->bias,   label,    c->dloss ? c->dloss : &none};
   TRY(lmloss_check_device(ts, 8, s->hidden.device));
   if (c->out) {
-    const lmloss_tensor *os[] = {&c->out->loss, &c->out->divergence, &c->out->ce};
-    TRY(lmloss_check_device(os, 3, s->hidden.device));
+    const lmloss_tensor *os[] = {&c->out->loss, &c->out->divergence, &c->out->ce, &c->out->entropy};
+    TRY(lmloss_check_device(os, 4, s->hidden.device));
   }
   if (c->g) {
     const lmloss_tensor *gs[] = {&c->g->dhidden, &c->g->dweight, &c->g->dbias};
@@ -179,6 +181,7 @@ static lmloss_status run(const div_call *c, const lmloss_head_options *hopt, voi
     if (!reduced) TRY(L->fill(ctx, &c->out->loss, 0.0));
     if (lmloss_present(&c->out->divergence)) TRY(L->fill(ctx, &c->out->divergence, 0.0));
     if (lmloss_present(&c->out->ce)) TRY(L->fill(ctx, &c->out->ce, 0.0));
+    if (lmloss_present(&c->out->entropy)) TRY(L->fill(ctx, &c->out->entropy, 0.0));
   }
   if (want_grad && lmloss_present(&g->dhidden)) TRY(L->fill(ctx, &g->dhidden, 0.0));
   const int64_t nchunks = (M + p.rows - 1) / p.rows;
@@ -205,13 +208,17 @@ static lmloss_status run(const div_call *c, const lmloss_head_options *hopt, voi
                   : lmloss_ws_view(w + p.loss, LMLOSS_F32, dev, n, 1),
           lmloss_ws_view(w + p.div, LMLOSS_F32, dev, n, 1),
           lmloss_ws_view(w + p.ce, LMLOSS_F32, dev, n, 1),
-          {0}};
+          {0},
+          lmloss_ws_view(w + p.ent, LMLOSS_F32, dev, n, 1)};
       if (!label) oc.ce = (lmloss_tensor){0};
+      if (!lmloss_present(&c->out->entropy)) oc.entropy = (lmloss_tensor){0};
       TRY(ops->divergence(ctx, &in, &co, &oc, NULL, want_grad ? &zs : NULL, w + p.row_ws, rws));
       if (!reduced) TRY(L->scatter_rows(ctx, &oc.loss, lc, &c->out->loss));
       if (lmloss_present(&c->out->divergence))
         TRY(L->scatter_rows(ctx, &oc.divergence, lc, &c->out->divergence));
       if (lmloss_present(&c->out->ce)) TRY(L->scatter_rows(ctx, &oc.ce, lc, &c->out->ce));
+      if (lmloss_present(&c->out->entropy))
+        TRY(L->scatter_rows(ctx, &oc.entropy, lc, &c->out->entropy));
     } else {
       lmloss_tensor up = *c->dloss;
       if (!reduced) {

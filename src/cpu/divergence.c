@@ -152,7 +152,7 @@ static pair_stats merge(const div_job *jb, const pair_stats *x, const pair_stats
 /* A row pair's constants and the loss sweep's sums (in double). */
 typedef struct {
   lmloss_div_row c;
-  double div, rev, mix, pos, neg, eq;
+  double div, rev, mix, pos, neg, eq, ent;
   float es_y; /* the label's exponent (cross-entropy) */
 } pair_row;
 
@@ -160,18 +160,20 @@ typedef struct {
  * KL) the block's gradient into out. */
 DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, int64_t j0,
                            const lmloss_div_grad *gc, float *out, int grad, int capped, int kind) {
-  float div = 0.0f, rev = 0.0f, mix = 0.0f, pos = 0.0f, neg = 0.0f, eq = 0.0f;
+  float div = 0.0f, rev = 0.0f, mix = 0.0f, pos = 0.0f, neg = 0.0f, eq = 0.0f, ent = 0.0f;
   const lmloss_div_row *rc = &r->c;
-#pragma omp simd reduction(+ : div, rev, mix, pos, neg, eq)
+#pragma omp simd reduction(+ : div, rev, mix, pos, neg, eq, ent)
   for (int i = 0; i < b->n; i++) {
     const lmloss_div_col c =
         lmloss_div_column(&jb->pr, rc, capped, b->ws[i], b->wt[i], b->xs[i], b->xt[i]);
     const lmloss_div_terms t =
         lmloss_div_loss_terms(&jb->pr, rc, &c, j0 + i != rc->as && c.p != 0.0f, kind);
     div += t.div, rev += t.rev, mix += t.mix, pos += t.pos, neg += t.neg, eq += t.eq;
+    ent += t.ent;
     if (grad) out[i] = lmloss_div_grad_entry(&jb->pr, rc, gc, j0 + i, &c, b->xs[i], capped, kind);
   }
   r->div += div, r->rev += rev, r->mix += mix, r->pos += pos, r->neg += neg, r->eq += eq;
+  r->ent += ent;
 }
 
 DIV_INLINE void grad_block(const div_job *jb, const pair_row *r, const pair_block *b, int64_t j0,
@@ -299,7 +301,7 @@ lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_
       if (!b || !gbuf) continue;
       const int64_t y = label_of(in, opt, i);
       void *drow = dx ? lmloss_cpu_row_mut(dx, i) : NULL;
-      double div = 0.0, ce = 0.0;
+      double div = 0.0, ce = 0.0, ent = 0.0;
       if (y == -2) {
         if (drow) lmloss_cpu_row_fill(drow, dx->dtype, V, 0.0f);
       } else {
@@ -318,6 +320,7 @@ lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_
         int ok;
         lmloss_cpu_div_pair(&jb, &io, b, gbuf, &r, &ok);
         div = ok ? r.div : NAN;
+        ent = ok ? r.ent : NAN;
         ce = !ok ? NAN : y >= 0 ? r.c.l1s - r.es_y : 0.0;
         if (!ok && drow) lmloss_cpu_row_fill(drow, dx->dtype, V, NAN);
       }
@@ -325,6 +328,7 @@ lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_
       if (out && lmloss_present(&out->divergence))
         *lmloss_cpu_f32_at(&out->divergence, i) = (float)div;
       if (out && lmloss_present(&out->ce)) *lmloss_cpu_f32_at(&out->ce, i) = (float)ce;
+      if (out && lmloss_present(&out->entropy)) *lmloss_cpu_f32_at(&out->entropy, i) = (float)ent;
       if (out && !reduced) *lmloss_cpu_f32_at(&out->loss, i) = (float)row_loss[i];
     }
     free(b), free(gbuf);

@@ -58,8 +58,8 @@ struct DivArgs {
   void *dx; /* the gradient: NULL for none */
   lmloss_dtype dxt;
   int64_t dxs;
-  float *loss, *div, *ce; /* outputs (NONE: loss [N]) */
-  int64_t los, dvs, ces;
+  float *loss, *div, *ce, *ent; /* outputs (NONE: loss [N]) */
+  int64_t los, dvs, ces, ens;
   double *count, *row_loss; /* workspace */
   int cs;
   int64_t chunk;
@@ -160,7 +160,7 @@ struct Extent {
 /* What a CTA shares with its cluster, one slot per exchange. */
 struct DivShared {
   Extent ext, ext_cta[DIV_WARPS];
-  double sums[DIV_WARPS][6], tot_b[3], tot_c[6];
+  double sums[DIV_WARPS][7], tot_b[3], tot_c[7];
 };
 
 /* This CTA's Extent from its threads' (every thread gets it). */
@@ -301,11 +301,12 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
   if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) factor = 1.0 / a.num_items;
   const float up =
       a.dloss ? a.dloss[a.reduction == LMLOSS_REDUCE_NONE ? i * a.dls : 0] : a.grad_output;
-  auto finish = [&](double div, double ce) {
+  auto finish = [&](double div, double ce, double ent) {
     if (!lead) return;
     const double li = ignored ? 0.0 : a.soft * div + a.hard * ce;
     if (a.div) a.div[i * a.dvs] = (float)div;
     if (a.ce) a.ce[i * a.ces] = (float)ce;
+    if (a.ent) a.ent[i * a.ens] = (float)ent;
     if (a.loss && a.reduction == LMLOSS_REDUCE_NONE) a.loss[i * a.los] = (float)li;
     a.row_loss[i] = li;
   };
@@ -320,7 +321,7 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
   };
   if (ignored) { /* the same decision in every CTA of the cluster */
     fill(0.0f);
-    finish(0.0, 0.0);
+    finish(0.0, 0.0, 0.0);
     return;
   }
   const int mode = CAPS ? a.mode : 0;
@@ -341,7 +342,7 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
   const bool ok = !e.bad && e.any_s && e.any_t && !bad_label;
   if (!ok) {
     fill(NAN);
-    finish(NAN, NAN);
+    finish(NAN, NAN, NAN);
     cluster_sync(a); /* no CTA leaves while another reads its slot */
     return;
   }
@@ -379,7 +380,7 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
   };
   /* 3. the loss sweep, with the forward KL's gradient */
   const bool fused = rd && K == LMLOSS_DIV_KL;
-  float c6[6] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  float c7[7] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt) {
     float g[DIV_NV];
 #pragma unroll
@@ -388,15 +389,16 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
       const lmloss_div_col c = column(xs, xt, k);
       const lmloss_div_terms t =
           lmloss_div_loss_terms(&a.pr, &r, &c, j + k != as && c.p != 0.0f, K);
-      c6[0] += t.div, c6[1] += t.rev, c6[2] += t.mix, c6[3] += t.pos, c6[4] += t.neg, c6[5] += t.eq;
+      c7[0] += t.div, c7[1] += t.rev, c7[2] += t.mix, c7[3] += t.pos, c7[4] += t.neg, c7[5] += t.eq;
+      c7[6] += t.ent;
       if (fused) g[k] = lmloss_div_grad_entry(&a.pr, &r, &gc, j + k, &c, xs[k], mode, K);
     }
     if (fused) store8(rd, a.dxt, j, je, g);
   });
-  const Sums<6> lo = cluster_sums<6>(a, c6, sh, sh.tot_c);
+  const Sums<7> lo = cluster_sums<7>(a, c7, sh, sh.tot_c);
   float es_y = 0.0f;
   if (y >= 0) es_y = y == as ? 0.0f : (w_of<CAPS>(&a.pr.fs, xs_y) - ms) * ks;
-  finish(lo.v[0], y >= 0 ? (double)r.l1s - es_y : 0.0);
+  finish(lo.v[0], y >= 0 ? (double)r.l1s - es_y : 0.0, lo.v[6]);
   /* 4. the other kinds' gradient */
   if (rd && !fused) {
     lmloss_div_grad_sums(&gc, lo.v[1], lo.v[2], lo.v[3], lo.v[4], lo.v[5]);
@@ -500,6 +502,7 @@ static lmloss_status run_div(const lmloss_context *ctx, const lmloss_div_inputs 
     a.loss = (float *)out->loss.data, a.los = out->loss.row_stride;
     a.div = (float *)out->divergence.data, a.dvs = out->divergence.row_stride;
     a.ce = (float *)out->ce.data, a.ces = out->ce.row_stride;
+    a.ent = (float *)out->entropy.data, a.ens = out->entropy.row_stride;
   }
   a.count = (double *)ws;
   a.row_loss = (double *)((char *)ws + LMLOSS_CE_WS_HEADER);

@@ -229,18 +229,20 @@ LMLOSS_DIV_HD lmloss_div_col lmloss_div_column(const lmloss_div_pair *pr, const 
   return c;
 }
 
-/* A column's share of the loss sweep's sums: the divergence, and the row
+/* A column's share of the loss sweep's sums: the divergence, the row
  * constants the gradients of the reverse KL (rev), the JSD (mix) and TVD
- * (the student's mass where p > q, p < q, p = q) need. rest: the column
- * is not the student's argmax and has mass. */
+ * (the student's mass where p > q, p < q, p = q) need, and the student's
+ * entropy (-p log p, each term >= 0). rest: the column is not the
+ * student's argmax and has mass. */
 typedef struct {
-  float div, rev, mix, pos, neg, eq;
+  float div, rev, mix, pos, neg, eq, ent;
 } lmloss_div_terms;
 
 LMLOSS_DIV_HD lmloss_div_terms lmloss_div_loss_terms(const lmloss_div_pair *pr,
                                                      const lmloss_div_row *r,
                                                      const lmloss_div_col *c, int rest, int kind) {
-  lmloss_div_terms t = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  lmloss_div_terms t = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  t.ent = c->p == 0.0f ? 0.0f : -c->p * c->lp;
   if (kind == LMLOSS_DIV_KL) t.div = lmloss_kl_term(c->q, c->p, c->delta);
   if (kind == LMLOSS_DIV_REVERSE_KL) {
     t.div = lmloss_kl_term(c->p, c->q, -c->delta);

@@ -58,21 +58,23 @@ typedef struct {
   double *xs, *ws, *xt, *wt, *lp, *lq;
 } ref_pair;
 
-/* One row pair: D (and ce) returned, the gradient written when drow. */
+/* One row pair: D, ce and the student's entropy returned, the gradient
+ * written when drow. */
 static void pair_row(const lmloss_div_options *o, const ref_pair *b, int64_t V, int64_t y,
-                     double scale, double *div, double *ce, char *drow, lmloss_dtype odt) {
+                     double scale, double *div, double *ce, double *ent, char *drow,
+                     lmloss_dtype odt) {
   ref_xf fs = ref_xf_make(&o->student), ft = ref_xf_make(&o->teacher);
   ref_row s, t;
   ref_row_stats(&fs, b->xs, b->ws, V, &s);
   ref_row_stats(&ft, b->xt, b->wt, V, &t);
   if (!s.finite || !t.finite) {
-    *div = *ce = NAN;
+    *div = *ce = *ent = NAN;
     for (int64_t j = 0; drow && j < V; j++)
       ref_store(drow, odt, j, NAN);
     return;
   }
   const double beta = o->beta;
-  double sum = 0.0, rev = 0.0, mix = 0.0, pos = 0.0, neg = 0.0, eq = 0.0;
+  double sum = 0.0, rev = 0.0, mix = 0.0, pos = 0.0, neg = 0.0, eq = 0.0, h = 0.0;
   for (int64_t j = 0; j < V; j++)
     b->lp[j] = ref_logp(&fs, &s, b->ws[j]), b->lq[j] = ref_logp(&ft, &t, b->wt[j]);
   const int64_t a = s.a;
@@ -84,6 +86,7 @@ static void pair_row(const lmloss_div_options *o, const ref_pair *b, int64_t V, 
   for (int64_t j = 0; j < V; j++) {
     const double lp = b->lp[j], lq = b->lq[j], p = exp(lp), q = exp(lq);
     const double delta = lq - lp, pq = p > 0.0 ? -p * expm1(delta) : -q;
+    if (p > 0.0) h -= p * lp;
     if (o->kind == LMLOSS_DIV_KL) sum += kl_term(q, p, delta);
     if (o->kind == LMLOSS_DIV_REVERSE_KL) sum += kl_term(p, q, -delta);
     if (j != a && p > 0.0) rev += p * (delta - d_a);
@@ -97,7 +100,7 @@ static void pair_row(const lmloss_div_options *o, const ref_pair *b, int64_t V, 
       if (j != a && p > 0.0) mix += p * jsd_dmu(lu_a, lw_a, delta - d_a);
     }
   }
-  *div = sum;
+  *div = sum, *ent = h;
   *ce = y >= 0 ? -b->lp[y] : 0.0;
   for (int64_t j = 0; drow && j < V; j++) {
     const double lp = b->lp[j], p = exp(lp), delta = b->lq[j] - lp;
@@ -135,7 +138,7 @@ static lmloss_status div_run(const lmloss_div_inputs *in, const lmloss_div_optio
   for (int64_t i = 0; i < N; i++) {
     const int64_t y = label_at(in, o, i);
     char *drow = dx ? ref_row_mut(dx, i) : NULL;
-    double div = 0.0, ce = 0.0;
+    double div = 0.0, ce = 0.0, ent = 0.0;
     if (y == -2) {
       for (int64_t j = 0; drow && j < V; j++)
         ref_store(drow, dx->dtype, j, 0.0);
@@ -143,7 +146,7 @@ static lmloss_status div_run(const lmloss_div_inputs *in, const lmloss_div_optio
       ref_load_row(&in->student, i, b.xs);
       ref_load_row(&in->teacher, i, b.xt);
       double up = dloss ? ref_f32_at(dloss, reduced ? 0 : i) : o->grad_output;
-      pair_row(o, &b, V, y, up * factor, &div, &ce, drow, drow ? dx->dtype : LMLOSS_F32);
+      pair_row(o, &b, V, y, up * factor, &div, &ce, &ent, drow, drow ? dx->dtype : LMLOSS_F32);
     }
     const double loss = y == -2 ? 0.0 : o->soft_weight * div + o->hard_weight * ce;
     total += loss;
@@ -151,6 +154,7 @@ static lmloss_status div_run(const lmloss_div_inputs *in, const lmloss_div_optio
     if (!reduced) *(float *)ref_row_mut(&out->loss, i) = (float)loss;
     if (lmloss_present(&out->divergence)) *(float *)ref_row_mut(&out->divergence, i) = (float)div;
     if (lmloss_present(&out->ce)) *(float *)ref_row_mut(&out->ce, i) = (float)ce;
+    if (lmloss_present(&out->entropy)) *(float *)ref_row_mut(&out->entropy, i) = (float)ent;
   }
   if (out && reduced) *(float *)out->loss.data = (float)(total * factor);
 done:

@@ -174,10 +174,11 @@ static void run_case(tgroup *g, int64_t N, int64_t V, lmloss_dtype sdt, lmloss_d
   lmloss_tensor lr = host_new(LMLOSS_F32, reduced ? 1 : N, 1, 1),
                 dr = host_new(LMLOSS_F32, N, 1, 1);
   lmloss_tensor cr = host_new(LMLOSS_F32, N, 1, 1), gr = host_new(gdt, N, V, V);
+  lmloss_tensor er = host_new(LMLOSS_F32, N, 1, 1);
   lmloss_tensor lg = host_clone(&lr), dg = host_clone(&dr), cg = host_clone(&cr),
-                gg = host_clone(&gr);
+                gg = host_clone(&gr), eg = host_clone(&er);
   lmloss_div_inputs hin = {s, t, labels ? y : (lmloss_tensor){0}};
-  lmloss_div_outputs hout = {lr, dr, labels ? cr : (lmloss_tensor){0}, gr};
+  lmloss_div_outputs hout = {lr, dr, labels ? cr : (lmloss_tensor){0}, gr, er};
   size_t wsb = lmloss_cross_entropy_workspace_size(N);
   void *hws = malloc(wsb);
   lmloss_context rc = ref_ctx(), tc = tb_ctx();
@@ -185,10 +186,12 @@ static void run_case(tgroup *g, int64_t N, int64_t V, lmloss_dtype sdt, lmloss_d
   lmloss_div_inputs din = {dev_clone(&s), dev_clone(&t),
                            labels ? dev_clone(&y) : (lmloss_tensor){0}};
   lmloss_div_outputs dout = {dev_clone(&lg), dev_clone(&dg),
-                             labels ? dev_clone(&cg) : (lmloss_tensor){0}, dev_clone(&gg)};
+                             labels ? dev_clone(&cg) : (lmloss_tensor){0}, dev_clone(&gg),
+                             dev_clone(&eg)};
   void *dws = dev_alloc_bytes(wsb);
   lmloss_status sg = lmloss_divergence(&tc, &din, o, &dout, dws, wsb);
   dev_fetch(&lg, &dout.loss), dev_fetch(&dg, &dout.divergence), dev_fetch(&gg, &dout.dstudent);
+  dev_fetch(&eg, &dout.entropy);
   if (labels) dev_fetch(&cg, &dout.ce);
   long before = g->fails;
   double *gf = malloc(sizeof(double) * (size_t)V);
@@ -210,6 +213,7 @@ static void run_case(tgroup *g, int64_t N, int64_t V, lmloss_dtype sdt, lmloss_d
       tg_true(g, !(dv < 0), "divergence %g < 0 at row %lld", dv, (long long)i);
       if (rows == ROWS_SAME && !ignored) tg_true(g, dv == 0, "identical rows: divergence %g", dv);
       if (labels) tg_close(g, tget(&cg, i, 0), tget(&cr, i, 0), LMLOSS_F32, 0, "ce", i, 0);
+      tg_close(g, tget(&eg, i, 0), tget(&er, i, 0), LMLOSS_F32, 0, "entropy", i, 0);
       if (!reduced)
         tg_close(g, tget(&lg, i, 0), tget(&lr, i, 0), LMLOSS_F32, o->soft_weight * rf, "loss", i,
                  0);
@@ -243,6 +247,7 @@ static void run_case(tgroup *g, int64_t N, int64_t V, lmloss_dtype sdt, lmloss_d
            (int)o->kind, (double)o->beta, labels);
   dev_free(&din.student), dev_free(&din.teacher), dev_free(&din.label);
   dev_free(&dout.loss), dev_free(&dout.divergence), dev_free(&dout.ce), dev_free(&dout.dstudent);
+  dev_free(&dout.entropy), host_free(&er), host_free(&eg);
   dev_free_bytes(dws), free(hws), free(gf);
   host_free(&s), host_free(&t), host_free(&y), host_free(&lr), host_free(&dr), host_free(&cr);
   host_free(&gr), host_free(&lg), host_free(&dg), host_free(&cg), host_free(&gg);

@@ -274,6 +274,21 @@ def test_bf16_inputs(kind, beta, form):
         check_rows(loss, g, ref, grad, form=form, what=form)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "ref"])
+def test_the_students_entropy(backend):
+    """return_parts' entropy: -sum p log p of the student's transformed row,
+    peaked rows to margin 1000 included; ignored rows 0."""
+    rng = np.random.default_rng(16)
+    s = np.concatenate([pair(rng, 3, 301)[0]] + [util.peaked(rng, 1, 301, m)[0]
+                                                 for m in (17.0, 50.0, 1000.0)])
+    t = pair(rng, 6, 301)[1]
+    y = np.array([1, -100, 2, 3, 4, 5])
+    res = lmloss.divergence(s, t, labels=y, temperature=1.5, return_parts=True, backend=backend)
+    lp = log_softmax64(transform64(torch.from_numpy(s).double(), temperature=1.5))
+    want = torch.where(torch.from_numpy(y) != -100, -(lp.exp() * lp).sum(-1), 0.0)
+    util.check(res.entropy, want.numpy(), what="entropy")
+
+
 def test_hard_weight_adds_the_students_cross_entropy():
     rng = np.random.default_rng(9)
     s, t = pair(rng, 8, 503)
@@ -470,3 +485,53 @@ def test_trl_drop_in_patches_gkd_trainer_and_restores_it():
     want = TRL_JSD(s.detach().double(), t.double(), y, 0.5, num_items_in_batch=torch.tensor(4))
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-12)
     torch.testing.assert_close(elem, TRL_JSD(s, t, y, 0.5, 1.0, "none"))
+
+
+def _trl_distillation():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            import trl.trainer.distillation_trainer as mod
+            return mod
+        except ImportError:
+            return None
+
+
+@pytest.mark.skipif(_trl_distillation() is None,
+                    reason="TRL's DistillationTrainer not importable")
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_trl_distillation_two_head_loss_is_trls(beta):
+    """DistillationTrainer's _chunked_divergence_loss and lmloss's drop-in on
+    the same heads (float64 inputs on TRL's side): the loss, the student's entropy
+    sum, the count, and the student's gradients; each model its own width,
+    bias, logit scale, the student's softcap, a temperature, masked
+    positions; enable() patches the module and disable() restores it."""
+    mod = _trl_distillation()
+    trl_fn = mod._chunked_divergence_loss
+    g = torch.Generator().manual_seed(30)
+    hs, ht = torch.randn(2, 7, 24, generator=g), torch.randn(2, 7, 40, generator=g)
+    ws, wt = torch.randn(301, 24, generator=g) * 0.4, torch.randn(301, 40, generator=g) * 0.3
+    bs, bt = torch.randn(301, generator=g), torch.randn(301, generator=g)
+    mask = (torch.rand(2, 7, generator=g) > 0.3).long()
+    kw = dict(student_logit_scale=1.5, teacher_logit_scale=0.8,
+              student_final_logit_softcapping=20.0, temperature=2.0)
+    for items in (None, torch.tensor(9.0)):
+        res = []
+        for fn, dt in ((trl_fn, torch.float64), (ltrl.chunked_divergence_loss, torch.float32)):
+            h, w, b = (a.detach().to(dt).requires_grad_() for a in (hs, ws, bs))
+            loss, ent, n = fn(h, ht.to(dt), w, wt.to(dt), mask, beta, items,
+                              student_lm_head_bias=b, teacher_lm_head_bias=bt.to(dt), **kw)
+            loss.backward()
+            res.append((loss, ent, n, h.grad, w.grad, b.grad))
+        (tl, te, tn, *tg), (ll, le, ln, *lg) = res
+        assert int(tn) == int(ln) == int(mask.sum())
+        torch.testing.assert_close(ll.double(), tl.double(), rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(le.double(), te.detach().double(), rtol=1e-5, atol=1e-6)
+        for a, b in zip(lg, tg):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-7)
+    ltrl.enable()
+    try:
+        assert mod._chunked_divergence_loss is ltrl.chunked_divergence_loss
+    finally:
+        ltrl.disable()
+    assert mod._chunked_divergence_loss is trl_fn

@@ -10,7 +10,9 @@ ChunkedLogProbFunction stands in for TRL's fused LM head kernel behind
 add_fused_lm_head (SFT's and GRPO's loss): per-token log-probs, entropy and
 is_top1 from lmloss's fused head, never materializing the logits.
 generalized_jsd_loss is GKDTrainer.generalized_jsd_loss (TRL's GKD
-distillation loss) through lmloss.torch.generalized_jsd. grpo_compute_loss
+distillation loss) through lmloss.torch.generalized_jsd, and
+chunked_divergence_loss DistillationTrainer's two-head loss through
+lmloss.torch.linear_generalized_jsd. grpo_compute_loss
 is GRPOTrainer._compute_loss (its loss, gradient and logged metrics, every
 GRPOConfig option) through lmloss.torch.grpo_loss; dpo_compute_loss
 DPOTrainer._compute_loss through lmloss.torch.dpo_loss.
@@ -19,7 +21,8 @@ enable(module=None) / disable(module=None): patch (and restore) those names
 in `module`, by default trl.trainer.utils together with every imported trl
 module that imported them by name (e.g. trl.trainer.grpo_trainer), and
 GKDTrainer.generalized_jsd_loss where TRL has that trainer
-(trl.experimental.gkd), and GRPOTrainer's and DPOTrainer's _compute_loss.
+(trl.experimental.gkd), DistillationTrainer's _chunked_divergence_loss,
+and GRPOTrainer's and DPOTrainer's _compute_loss.
 """
 
 import sys
@@ -129,6 +132,66 @@ def _patch_gkd():
         return
     _saved[_JSD_KEY] = (cls, old)
     cls.generalized_jsd_loss = _JSD_STATIC
+
+
+def _full(t, dtype=None):
+    """A DTensor (FSDP2's sharded or replicated head) as one plain tensor,
+    gathered once per call; a plain tensor as it is."""
+    if t is None or not hasattr(t, "full_tensor"):
+        return t
+    t = t.full_tensor()
+    return t if dtype is None else t.to(dtype)
+
+
+def chunked_divergence_loss(student_hidden_states: Any, teacher_hidden_states: Any,
+                            student_lm_head_weight: Any, teacher_lm_head_weight: Any,
+                            completion_mask: Any, beta: float, num_items_in_batch: Any = None,
+                            student_lm_head_bias: Any = None, teacher_lm_head_bias: Any = None,
+                            student_logit_scale: float = 1.0, teacher_logit_scale: float = 1.0,
+                            student_final_logit_softcapping: Optional[float] = None,
+                            teacher_final_logit_softcapping: Optional[float] = None,
+                            temperature: float = 1.0) -> Any:
+    """DistillationTrainer's two-head loss (trl.trainer.distillation_trainer.
+    _chunked_divergence_loss) through lmloss.torch.linear_generalized_jsd:
+    its signature and results, (loss, the student's entropy summed over the
+    completion positions, their count), the loss divided by
+    num_items_in_batch, else by that count (at least 1). Hidden states [B,
+    K, H] of each model with its own width, completion_mask [B, K]; the
+    masked positions are compacted away before either head's GEMM, with no
+    host synchronization."""
+    import torch
+
+    h_s = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])
+    h_t = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])
+    valid = completion_mask.reshape(-1) != 0
+    n_valid = valid.sum()
+    labels = torch.where(valid, 0, -100)
+    divisor = n_valid.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss, entropy = lt.linear_generalized_jsd(
+        h_s, _full(student_lm_head_weight, h_s.dtype), h_t,
+        _full(teacher_lm_head_weight, h_t.dtype), labels, beta, temperature, "sum", divisor,
+        student_bias=_full(student_lm_head_bias), teacher_bias=_full(teacher_lm_head_bias),
+        logit_scale=student_logit_scale, teacher_logit_scale=teacher_logit_scale,
+        softcap=student_final_logit_softcapping,
+        teacher_softcap=teacher_final_logit_softcapping or 0.0, return_entropy=True)
+    return loss, entropy.sum(), n_valid
+
+
+_DISTILL_KEY = ("trl.trainer.distillation_trainer", "_chunked_divergence_loss")
+
+
+def _patch_distillation():
+    """DistillationTrainer's _chunked_divergence_loss -> chunked_divergence_loss
+    where TRL has it."""
+    try:
+        import trl.trainer.distillation_trainer as mod
+    except ImportError:  # an older TRL, or one without its dependencies
+        return
+    old = getattr(mod, _DISTILL_KEY[1], None)
+    if old is None or old is chunked_divergence_loss:
+        return
+    _saved[_DISTILL_KEY] = (mod, old)
+    setattr(mod, _DISTILL_KEY[1], chunked_divergence_loss)
 
 
 def _grpo_trainer():
@@ -439,6 +502,7 @@ def enable(module: Optional[types.ModuleType] = None) -> List[types.ModuleType]:
     mods = _targets(module)
     if module is None:
         _patch_gkd()
+        _patch_distillation()
         _patch_trainer(_GRPO_KEY, _grpo_trainer, grpo_compute_loss)
         _patch_trainer(_DPO_KEY, _dpo_trainer, dpo_compute_loss)
     for mod in mods:

@@ -12,7 +12,7 @@ logits in float32, a 16-bit weight's gradient rounded once per chunk of
 rows.
 """
 
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 from torch import Tensor
 
@@ -20,6 +20,8 @@ from .. import _lib
 from . import _linear_ops as L
 from ._divergence import Items, _distill
 from ._functional import _budget, _empty_logits, _grads_in_forward, _head, _same_device
+
+Loss = Union[Tensor, Tuple[Tensor, Tensor]]
 
 
 class _Heads:
@@ -43,14 +45,21 @@ class _Heads:
         self.v, self.budget = student_weight.shape[0], _budget(memory_budget)
 
     def loss(self, label, fopts, iopts, per_row):
-        """The C call's per-row values or sum, in the graph of the student's head."""
+        """The C call's per-row values or sum, in the graph of the student's
+        head; the student's entropy per row into self.entropy."""
         h, w, b = self.student
         if h.shape[0] == 0:  # no rows: an empty or zero sum, in the graph
             loss = _empty_logits(h, w, b).sum(-1)
+            self.entropy = loss.detach()
             return loss if per_row else loss.sum()
         need = _grads_in_forward("none" if per_row else "sum", h, w, b)
-        return L.linear_divergence(h, w, b, *self.teacher, label, fopts, iopts, self.budget,
-                                   need)[0]
+        out = L.linear_divergence(h, w, b, *self.teacher, label, fopts, iopts, self.budget, need)
+        self.entropy = out[1].detach()
+        return out[0]
+
+    def result(self, loss, return_entropy):
+        """loss, or (loss, the student's entropy [...]) with return_entropy."""
+        return (loss, self.entropy.reshape(self.lead)) if return_entropy else loss
 
 
 def linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
@@ -66,7 +75,7 @@ def linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                            teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
                            hard_weight: float = 0.0, ignore_index: int = -100,
                            memory_budget: Optional[int] = None, backend: str = "auto",
-                           num_threads: int = 0) -> Tensor:
+                           num_threads: int = 0, return_entropy: bool = False) -> Loss:
     """generalized_jsd (TRL's generalized_jsd_loss, every keyword) of the
     logits student_hidden [..., Hs] student_weight[V, Hs]^T (+ student_bias
     [V]) and teacher_hidden [..., Ht] teacher_weight[V, Ht]^T (+
@@ -74,15 +83,20 @@ def linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     student_hidden.size(0), the logits' size(0). memory_budget: bytes for
     the per-chunk buffers of both heads (None = 256 MiB).
 
+    return_entropy=True returns (loss, entropy): the student's entropy
+    -sum_j p_j log p_j per row (float32 [...], ignored rows 0, no
+    gradient), from the same pass (TRL's DistillationTrainer logs it).
+
     Cost: a scalar loss whose student needs a gradient computes it in this
     call (the backward scales it by the upstream gradient), so evaluate
     under torch.no_grad().
     """
-    return _distill(_Heads(student_hidden, student_weight, student_bias, teacher_hidden,
-                           teacher_weight, teacher_bias, labels, memory_budget),
-                    labels, "jsd", beta, temperature, reduction, num_items_in_batch,
+    heads = _Heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                   teacher_bias, labels, memory_budget)
+    loss = _distill(heads, labels, "jsd", beta, temperature, reduction, num_items_in_batch,
                     teacher_temperature, logit_scale, teacher_logit_scale, softcap,
                     teacher_softcap, soft_weight, hard_weight, ignore_index, backend, num_threads)
+    return heads.result(loss, return_entropy)
 
 
 def linear_kl_div(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
@@ -95,15 +109,16 @@ def linear_kl_div(student_hidden: Tensor, student_weight: Tensor, teacher_hidden
                   teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
                   hard_weight: float = 0.0, ignore_index: int = -100,
                   memory_budget: Optional[int] = None, backend: str = "auto",
-                  num_threads: int = 0) -> Tensor:
+                  num_threads: int = 0, return_entropy: bool = False) -> Loss:
     """kl_div (KL(q || p), reverse=True: KL(p || q)) through the two heads;
     arguments and results as linear_generalized_jsd's."""
-    return _distill(_Heads(student_hidden, student_weight, student_bias, teacher_hidden,
-                           teacher_weight, teacher_bias, labels, memory_budget),
-                    labels, "reverse_kl" if reverse else "kl", 0.0, temperature, reduction,
+    heads = _Heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                   teacher_bias, labels, memory_budget)
+    loss = _distill(heads, labels, "reverse_kl" if reverse else "kl", 0.0, temperature, reduction,
                     num_items_in_batch, teacher_temperature, logit_scale, teacher_logit_scale,
                     softcap, teacher_softcap, soft_weight, hard_weight, ignore_index, backend,
                     num_threads)
+    return heads.result(loss, return_entropy)
 
 
 def linear_tvd(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: Tensor,
@@ -116,11 +131,12 @@ def linear_tvd(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: T
                teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
                hard_weight: float = 0.0, ignore_index: int = -100,
                memory_budget: Optional[int] = None, backend: str = "auto",
-               num_threads: int = 0) -> Tensor:
+               num_threads: int = 0, return_entropy: bool = False) -> Loss:
     """tvd (0.5 sum_j |p_j - q_j| per row) through the two heads; arguments
     and results as linear_generalized_jsd's."""
-    return _distill(_Heads(student_hidden, student_weight, student_bias, teacher_hidden,
-                           teacher_weight, teacher_bias, labels, memory_budget),
-                    labels, "tvd", 0.0, temperature, reduction, num_items_in_batch,
+    heads = _Heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                   teacher_bias, labels, memory_budget)
+    loss = _distill(heads, labels, "tvd", 0.0, temperature, reduction, num_items_in_batch,
                     teacher_temperature, logit_scale, teacher_logit_scale, softcap,
                     teacher_softcap, soft_weight, hard_weight, ignore_index, backend, num_threads)
+    return heads.result(loss, return_entropy)

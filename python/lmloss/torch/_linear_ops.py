@@ -207,12 +207,14 @@ def linear_divergence(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                       teacher_hidden: Tensor, teacher_weight: Tensor,
                       teacher_bias: Optional[Tensor], label: Optional[Tensor],
                       fopts: list[float], iopts: list[int], memory_budget: int,
-                      need: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """loss, then the student's (hidden, weight, bias) gradients in `need`
-    (a scalar reduction only) at an upstream gradient of 1. Options as
+                      need: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """loss, the student's entropy per row (float32 [N], ignored rows 0),
+    then the student's (hidden, weight, bias) gradients in `need` (a
+    scalar reduction only) at an upstream gradient of 1. Options as
     _div_ops' (fopts, iopts)."""
     opt = _div_opt(fopts, iopts)
     loss = _loss(hidden, hidden.shape[0], _reduction_name(iopts))
+    entropy = hidden.new_empty((hidden.shape[0],), dtype=F32)
     grads = _grads(hidden, weight, bias, need)
     keep, hopt = [], _hopt(memory_budget)
     with B.context(hidden, *run_args(iopts)) as ctx:
@@ -221,17 +223,19 @@ def linear_divergence(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
         gs = _grads_struct(grads, keep) if need else None
         ws, addr, nbytes = _workspace(hidden.device, _lib.linear_divergence_workspace_size, s, t,
                                       hopt)
-        _lib.check(_lib.linear_divergence(ctx, s, t, B.view(label, keep), opt, hopt,
-                                          _lib.DivOutputs(loss=B.view(loss.reshape(-1), keep)),
+        out = _lib.DivOutputs(loss=B.view(loss.reshape(-1), keep),
+                              entropy=B.view(entropy, keep))
+        _lib.check(_lib.linear_divergence(ctx, s, t, B.view(label, keep), opt, hopt, out,
                                           B.ptr(gs), addr, nbytes))
-    return (loss,) + grads
+    return (loss, entropy) + grads
 
 
 @linear_divergence.register_fake
 def _(hidden, weight, bias, teacher_hidden, teacher_weight, teacher_bias, label, fopts, iopts,
       memory_budget, need):
     loss = _loss(hidden, hidden.shape[0], _reduction_name(iopts))
-    return (loss,) + _grads(hidden, weight, bias, need)
+    entropy = hidden.new_empty((hidden.shape[0],), dtype=F32)
+    return (loss, entropy) + _grads(hidden, weight, bias, need)
 
 
 @custom_op("lmloss::linear_divergence_backward")
@@ -260,7 +264,7 @@ def _(dloss, hidden, weight, bias, *rest):
 
 
 linear_divergence = Differentiable(linear_divergence,
-                                   *_fused_formula(7, 1, linear_divergence_backward))
+                                   *_fused_formula(7, 2, linear_divergence_backward))
 
 
 # ---------------------------------------------------------------- log-probs, entropy
