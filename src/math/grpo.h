@@ -109,7 +109,7 @@ LMLOSS_HD int lmloss_grpo_by_items(const lmloss_grpo_par *p) {
          p->type == LMLOSS_GRPO_VESPO;
 }
 
-/* The ratio's clipped forms read it, and CISPO's and VESPO's read logp. */
+/* The types of the two-sided clip, whose clip metrics TRL logs. */
 LMLOSS_HD int lmloss_grpo_clipped(const lmloss_grpo_par *p) {
   return p->type != LMLOSS_GRPO_CISPO && p->type != LMLOSS_GRPO_SAPO &&
          p->type != LMLOSS_GRPO_VESPO;
