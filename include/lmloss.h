@@ -654,7 +654,8 @@ LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const
  * cancel at small d. Per-token values are formed in double; sums over
  * tokens and sequences are in a fixed order, so results do not depend on
  * the thread count. Tokens with m = 0 are not read (they add nothing and
- * get a zero gradient). */
+ * get a zero gradient), but for VESPO's sum of log IS ratios, which runs
+ * over every token as TRL's. */
 typedef enum {
   LMLOSS_GRPO_GRPO = 0,
   LMLOSS_GRPO_BNPO = 1,
@@ -814,7 +815,13 @@ typedef enum {
   LMLOSS_PREF_DISCOPOP = 12,
   LMLOSS_PREF_SFT = 13,
   LMLOSS_PREF_SIGMOID_NORM = 14,
-  LMLOSS_PREF_TYPES = 15
+  /* CPOTrainer's and ORPOTrainer's (trl.experimental), on the policy's sums
+   * or means with no reference: */
+  LMLOSS_PREF_CPO_SIGMOID = 15, /* (1 - e) softplus(-z) + e softplus(z) */
+  LMLOSS_PREF_SIMPO = 16,       /* the same at z - simpo_gamma */
+  LMLOSS_PREF_CPO_IPO = 17,     /* (s(lc) - s(lr) - 1 / (2 beta))^2 */
+  LMLOSS_PREF_ORPO = 18,        /* -beta log sigmoid(log odds(c) - log odds(r)) */
+  LMLOSS_PREF_TYPES = 19
 } lmloss_pref_type;
 
 /* TRL's f_divergence_type: the score of a log ratio x. */
@@ -822,8 +829,10 @@ typedef enum {
   LMLOSS_PREF_FDIV_REVERSE_KL = 0, /* x (standard DPO) */
   LMLOSS_PREF_FDIV_FORWARD_KL = 1, /* 1 - e^-x */
   LMLOSS_PREF_FDIV_JS = 2,         /* log 2 + log sigmoid(x) */
-  LMLOSS_PREF_FDIV_ALPHA = 3       /* (e^((alpha - 1) x) - 1) / (alpha - 1),
+  LMLOSS_PREF_FDIV_ALPHA = 3,      /* (e^((alpha - 1) x) - 1) / (alpha - 1),
                                       the exponent clipped at 80 as TRL's */
+  LMLOSS_PREF_FDIV_ALPHAPO = 4     /* CPO's AlphaPO reward (1 - e^(-alpha x)) /
+                                      alpha (x at alpha 0) */
 } lmloss_pref_fdiv;
 
 typedef struct {
@@ -833,6 +842,7 @@ typedef struct {
   lmloss_pref_fdiv f_divergence;          /* default REVERSE_KL */
   double f_alpha;                         /* ALPHA's coefficient, default 0.5 */
   double discopop_tau;                    /* > 0, default 0.05 */
+  double simpo_gamma;                     /* finite, default 0.5 */
 } lmloss_pref_options;
 
 LMLOSS_API lmloss_pref_options lmloss_pref_options_default(void);
@@ -858,6 +868,7 @@ typedef enum {
   LMLOSS_PREF_M_MARGIN = 4,
   LMLOSS_PREF_M_LOGP_CHOSEN = 5,
   LMLOSS_PREF_M_LOGP_REJECTED = 6,
+  LMLOSS_PREF_M_ORPO_LOG_ODDS = 7, /* ORPO's log odds ratio */
   LMLOSS_PREF_METRICS = 8
 } lmloss_pref_metric;
 
@@ -866,6 +877,9 @@ typedef struct {
   lmloss_tensor metrics;   /* optional F32 [LMLOSS_PREF_METRICS] */
   lmloss_tensor dchosen;   /* optional F32 [P]: the gradient (upstream 1) */
   lmloss_tensor drejected; /* optional F32 [P] */
+  lmloss_tensor pair_loss; /* optional F32 [P]: each pair's own terms
+                              (all but AOT's and SFT's), weighted, before
+                              the mean */
 } lmloss_pref_outputs;
 
 /* Bytes of workspace for P pairs (every backend). */

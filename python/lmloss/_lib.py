@@ -59,8 +59,10 @@ GRPO_IS_MODES = {None: 0, "token_truncate": 1, "token_mask": 2, "sequence_trunca
 GRPO_METRICS = 16
 # lmloss_pref_type (index = C code), lmloss_pref_fdiv; LMLOSS_PREF_METRICS floats of metrics
 PREF_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard",
-              "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
-PREF_FDIVS = {"reverse_kl": 0, "forward_kl": 1, "js_divergence": 2, "alpha_divergence": 3}
+              "aot", "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm",
+              "cpo_sigmoid", "simpo", "cpo_ipo", "orpo")
+PREF_FDIVS = {"reverse_kl": 0, "forward_kl": 1, "js_divergence": 2, "alpha_divergence": 3,
+              "alphapo": 4}
 PREF_METRICS = 8
 
 _c_int64 = ctypes.c_int64
@@ -142,9 +144,10 @@ class GRPOOutputs(ctypes.Structure):
 
 
 class PrefOptions(ctypes.Structure):
-    _fields_ = [("loss_weights", ctypes.c_double * 15), ("beta", ctypes.c_double),
+    _fields_ = [("loss_weights", ctypes.c_double * 19), ("beta", ctypes.c_double),
                 ("label_smoothing", ctypes.c_double), ("f_divergence", ctypes.c_int),
-                ("f_alpha", ctypes.c_double), ("discopop_tau", ctypes.c_double)]
+                ("f_alpha", ctypes.c_double), ("discopop_tau", ctypes.c_double),
+                ("simpo_gamma", ctypes.c_double)]
 
 
 class PrefInputs(ctypes.Structure):
@@ -155,7 +158,7 @@ class PrefInputs(ctypes.Structure):
 
 class PrefOutputs(ctypes.Structure):
     _fields_ = [("loss", Tensor), ("metrics", Tensor), ("dchosen", Tensor),
-                ("drejected", Tensor)]
+                ("drejected", Tensor), ("pair_loss", Tensor)]
 
 
 class Head(ctypes.Structure):

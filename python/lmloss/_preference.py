@@ -16,15 +16,16 @@ DPOResult.__doc__ = """Returned by dpo_loss: loss (float); dchosen and drejected
 float (sums over the pairs: trl_metrics makes them TRL's logged means)."""
 
 METRIC_NAMES = ("pairs", "reward_chosen", "reward_rejected", "accuracy", "margin", "logp_chosen",
-                "logp_rejected")
+                "logp_rejected", "orpo_log_odds")
 
 
 def pref_values(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
-                f_alpha_divergence_coef, discopop_tau):
+                f_alpha_divergence_coef, discopop_tau, simpo_gamma):
     """DPOConfig's options as (fopts, f-divergence code): fopts the 15 loss
     weights (loss_type one name or TRL's list, loss_weights one each, None:
-    1 each), beta, label_smoothing, f_alpha, discopop_tau. Plain Python,
-    which torch.compile traces; the C library checks the ranges."""
+    1 each), beta, label_smoothing, f_alpha, discopop_tau, simpo_gamma.
+    Plain Python, which torch.compile traces; the C library checks the
+    ranges."""
     f = _lib.float_option
     types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     weights = [1.0] * len(types) if loss_weights is None else list(loss_weights)
@@ -42,7 +43,8 @@ def pref_values(loss_type, loss_weights, beta, label_smoothing, f_divergence_typ
                          % (", ".join(_lib.PREF_FDIVS), f_divergence_type))
     return (per_type + [f("beta", beta), f("label_smoothing", label_smoothing),
                         f("f_alpha_divergence_coef", f_alpha_divergence_coef),
-                        f("discopop_tau", discopop_tau)], _lib.PREF_FDIVS[f_divergence_type])
+                        f("discopop_tau", discopop_tau), f("simpo_gamma", simpo_gamma)],
+            _lib.PREF_FDIVS[f_divergence_type])
 
 
 def pref_struct(fopts, fdiv):
@@ -50,7 +52,7 @@ def pref_struct(fopts, fdiv):
     opt = _lib.pref_options_default()
     for k in range(len(_lib.PREF_TYPES)):
         opt.loss_weights[k] = fopts[k]
-    opt.beta, opt.label_smoothing, opt.f_alpha, opt.discopop_tau = fopts[-4:]
+    opt.beta, opt.label_smoothing, opt.f_alpha, opt.discopop_tau, opt.simpo_gamma = fopts[-5:]
     opt.f_divergence = fdiv
     return opt
 
@@ -74,6 +76,7 @@ def dpo_loss(chosen_logps: ArrayLike, rejected_logps: ArrayLike,
              loss_weights: Optional[Sequence[float]] = None, beta: float = 0.1,
              label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
              f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05,
+             simpo_gamma: float = 0.5, reduction: str = "mean",
              chosen_tokens: Optional[ArrayLike] = None,
              rejected_tokens: Optional[ArrayLike] = None, weight: Optional[ArrayLike] = None,
              grad: bool = False, backend: str = "auto", num_threads: int = 0) -> DPOResult:
@@ -85,14 +88,30 @@ def dpo_loss(chosen_logps: ArrayLike, rejected_logps: ArrayLike,
     "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft",
     "sigmoid_norm", or a list of them with loss_weights), beta,
     label_smoothing, f_divergence_type, f_alpha_divergence_coef,
-    discopop_tau. chosen_tokens, rejected_tokens [P]: the completions'
+    discopop_tau. Also CPOTrainer's and ORPOTrainer's (trl.experimental)
+    on the policy's sums or means without a reference: "cpo_sigmoid"
+    (CPO's "sigmoid"), "simpo" (with simpo_gamma), "cpo_ipo", "hinge", and
+    "orpo" (minus ORPOTrainer's odds_ratio_loss), f_divergence_type
+    "alphapo" with f_alpha_divergence_coef as CPO's alpha. reduction
+    "none": loss is each pair's own terms [P] (every type but aot,
+    aot_unpaired and sft) and the gradients are those of their sum.
+    chosen_tokens, rejected_tokens [P]: the completions'
     token counts (ipo, sigmoid_norm, sft); weight [P]: each pair's (WPO's
     use_weighting: the product of its two sequences' weights).
     grad=True: the gradients w.r.t. the chosen and rejected sums. Raises
     lmloss.Error.
     """
     opt = pref_struct(*pref_values(loss_type, loss_weights, beta, label_smoothing,
-                                   f_divergence_type, f_alpha_divergence_coef, discopop_tau))
+                                   f_divergence_type, f_alpha_divergence_coef, discopop_tau,
+                                   simpo_gamma))
+    if reduction not in ("mean", "none"):
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "reduction must be 'mean' or 'none', got %r"
+                         % (reduction,))
+    per_pair = reduction == "none"
+    if per_pair and any(opt.loss_weights[_lib.PREF_TYPES.index(t)]
+                        for t in ("aot", "aot_unpaired", "sft")):
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "reduction 'none' has no per-pair value of "
+                         "aot, aot_unpaired or sft")
     ctx = _lib.make_context(backend, num_threads)
     c = native(as_array(chosen_logps))
     if c.ndim != 1:
@@ -121,9 +140,12 @@ def dpo_loss(chosen_logps: ArrayLike, rejected_logps: ArrayLike,
     if grad:
         dc, outputs.dchosen = view(np.empty(n, np.float32), vector=True)
         dr, outputs.drejected = view(np.empty(n, np.float32), vector=True)
+    pairs, outputs.pair_loss = view(np.empty(n, np.float32), vector=True)
     nbytes = int(_lib.pref_workspace_size(n))
     ws = np.empty(nbytes + 64, np.uint8)
     addr = ws.ctypes.data + (-ws.ctypes.data % 64)
     _lib.check(_lib.preference(ctx, inputs, opt, outputs, addr, nbytes))
-    return DPOResult(float(loss[0, 0]), dc, dr,
+    if per_pair and grad:  # the mean's gradient of pair-local terms, times P
+        dc, dr = dc * np.float32(n), dr * np.float32(n)
+    return DPOResult(pairs if per_pair else float(loss[0, 0]), dc, dr,
                      dict(zip(METRIC_NAMES, (float(v) for v in metrics[:, 0]))))

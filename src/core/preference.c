@@ -13,6 +13,7 @@ lmloss_pref_options lmloss_pref_options_default(void) {
   o.f_divergence = LMLOSS_PREF_FDIV_REVERSE_KL;
   o.f_alpha = 0.5;
   o.discopop_tau = 0.05;
+  o.simpo_gamma = 0.5;
   return o;
 }
 
@@ -33,10 +34,12 @@ static lmloss_status check_options(const lmloss_pref_options *o) {
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "ROBUST needs label_smoothing < 0.5, got %g", e);
   if (o->loss_weights[LMLOSS_PREF_EXO_PAIR] != 0.0 && e == 0.0)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "EXO_PAIR needs label_smoothing > 0");
-  if ((unsigned)o->f_divergence > LMLOSS_PREF_FDIV_ALPHA)
+  if ((unsigned)o->f_divergence > LMLOSS_PREF_FDIV_ALPHAPO)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown f_divergence %d", (int)o->f_divergence);
   if (!isfinite(o->f_alpha))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "f_alpha is not finite: %g", o->f_alpha);
+  if (!isfinite(o->simpo_gamma))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "simpo_gamma is not finite: %g", o->simpo_gamma);
   if (!(isfinite(o->discopop_tau) && o->discopop_tau > 0.0))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "discopop_tau must be finite and > 0, got %g",
                        o->discopop_tau);
@@ -99,8 +102,9 @@ lmloss_status lmloss_preference(const lmloss_context *ctx, const lmloss_pref_inp
   TRY(lmloss_check_tensor(&out->loss, "loss", f32, 1, 1));
   TRY(lmloss_check_optional(&out->metrics, "metrics", f32, LMLOSS_PREF_METRICS, 1));
   TRY(check_grads(in, &out->dchosen, &out->drejected));
-  const lmloss_tensor *ts[] = {&out->loss, &out->metrics};
-  TRY(lmloss_check_device(ts, 2, in->chosen.device));
+  TRY(lmloss_check_optional(&out->pair_loss, "pair_loss", f32, in->chosen.rows, 1));
+  const lmloss_tensor *ts[] = {&out->loss, &out->metrics, &out->pair_loss};
+  TRY(lmloss_check_device(ts, 3, in->chosen.device));
   return ops->preference(ctx, in, opt, out, NULL,
                          lmloss_present(&out->dchosen) ? &out->dchosen : NULL,
                          lmloss_present(&out->drejected) ? &out->drejected : NULL, ws, ws_bytes);

@@ -29,7 +29,7 @@ lmloss_status lmloss_cpu_grpo(const lmloss_context *, const lmloss_grpo_inputs *
                               const lmloss_grpo_options *, const lmloss_grpo_outputs *,
                               const lmloss_tensor *, const lmloss_tensor *, const lmloss_tensor *,
                               void *, size_t);
-lmloss_status lmloss_ref_preference(const lmloss_context *, const lmloss_pref_inputs *,
+lmloss_status lmloss_cpu_preference(const lmloss_context *, const lmloss_pref_inputs *,
                                     const lmloss_pref_options *, const lmloss_pref_outputs *,
                                     const lmloss_tensor *, const lmloss_tensor *,
                                     const lmloss_tensor *, void *, size_t);
@@ -80,7 +80,7 @@ const lmloss_backend_ops lmloss_cpu_ops = {
     &cpu_states,
     cpu_supports,
     lmloss_cpu_grpo,
-    lmloss_ref_preference, /* the host's (src/ref/preference.c) */
+    lmloss_cpu_preference,
 };
 
 const char *lmloss_cpu_isa(void) { return lmloss_cpu_isa_name(); }

@@ -39,8 +39,8 @@ struct Args {
   lmloss_pref_inputs in;
   double *ws;
   const float *dloss;
-  float *loss, *metrics, *dc, *dr;
-  int64_t ms, dcs, drs;
+  float *loss, *metrics, *dc, *dr, *own;
+  int64_t ms, dcs, drs, os;
 };
 
 __global__ void __launch_bounds__(BS) run(Args a) {
@@ -64,8 +64,9 @@ __global__ void __launch_bounds__(BS) run(Args a) {
   double total = 0.0, m[LMLOSS_PREF_METRICS] = {0};
   for (int64_t i = threadIdx.x; i < P; i += BS) {
     lmloss_pref_in x = lmloss_pref_load(&a.in, i);
-    double dc, dr;
-    total += lmloss_pref_element(&p, &x, a.ws, P, i, &dc, &dr);
+    double dc, dr, own;
+    total += lmloss_pref_element(&p, &x, a.ws, P, i, &dc, &dr, &own);
+    if (a.own) a.own[i * a.os] = (float)own;
     lmloss_pref_metrics_add(&p, &x, m);
     if (a.dc) a.dc[i * a.dcs] = (float)(u * (dc / p.P + dsft));
     if (a.dr) a.dr[i * a.drs] = (float)(u * dr / p.P);
@@ -97,6 +98,8 @@ lmloss_cuda_preference(const lmloss_context *ctx, const lmloss_pref_inputs *in,
   a.loss = out ? (float *)out->loss.data : nullptr;
   a.metrics = out && out->metrics.data ? (float *)out->metrics.data : nullptr;
   a.ms = out ? out->metrics.row_stride : 0;
+  a.own = out && out->pair_loss.data ? (float *)out->pair_loss.data : nullptr;
+  a.os = out ? out->pair_loss.row_stride : 0;
   a.dc = dchosen ? (float *)dchosen->data : nullptr;
   a.dcs = dchosen ? dchosen->row_stride : 0;
   a.dr = drejected ? (float *)drejected->data : nullptr;

@@ -30,7 +30,7 @@ LMLOSS_HD double lmloss_pref_sigmoid(double x) {
 typedef struct {
   int fdiv;     /* lmloss_pref_fdiv (ALPHA at alpha 1 is REVERSE_KL) */
   double alpha; /* ALPHA's coefficient */
-  double beta, eps, tau;
+  double beta, eps, tau, gamma;
   double w[LMLOSS_PREF_TYPES];
   double P;
 } lmloss_pref_par;
@@ -44,6 +44,7 @@ LMLOSS_HD lmloss_pref_par lmloss_pref_par_make(const lmloss_pref_options *o, int
   p.beta = o->beta;
   p.eps = o->label_smoothing;
   p.tau = o->discopop_tau;
+  p.gamma = o->simpo_gamma;
   for (int k = 0; k < LMLOSS_PREF_TYPES; k++)
     p.w[k] = o->loss_weights[k];
   p.P = (double)P;
@@ -63,8 +64,19 @@ LMLOSS_HD double lmloss_pref_score(const lmloss_pref_par *p, double x, double *d
     *ds = t < 80.0 ? exp(t) : 0.0;
     return expm1(fmin(t, 80.0)) / a1;
   }
-  default: *ds = 1.0; return x;
+  case LMLOSS_PREF_FDIV_ALPHAPO:
+    if (p->alpha == 0.0) break;
+    *ds = exp(-p->alpha * x);
+    return -expm1(-p->alpha * x) / p->alpha;
+  default: break;
   }
+  *ds = 1.0;
+  return x;
+}
+
+/* log(1 - e^x), x < 0, without cancellation on either side of -log 2. */
+LMLOSS_HD double lmloss_pref_log1mexp(double x) {
+  return x < -0.6931471805599453 ? log1p(-exp(x)) : log(-expm1(x));
 }
 
 /* A pair's inputs: the policy's and reference's log-prob sums, the
@@ -72,6 +84,11 @@ LMLOSS_HD double lmloss_pref_score(const lmloss_pref_par *p, double x, double *d
 typedef struct {
   double c, r, rc, rr, nc, nr, w;
 } lmloss_pref_in;
+
+/* ORPO's log odds ratio of the policy's c over r (log-probs < 0). */
+LMLOSS_HD double lmloss_pref_log_odds(const lmloss_pref_in *x) {
+  return (x->c - x->r) - (lmloss_pref_log1mexp(x->c) - lmloss_pref_log1mexp(x->r));
+}
 
 /* -log sigmoid(z) with smoothing e (and its d/dz): the AOT terms' form. */
 LMLOSS_HD double lmloss_pref_smoothed(double z, double e, double *dz) {
@@ -167,6 +184,27 @@ LMLOSS_HD double lmloss_pref_pair(const lmloss_pref_par *p, const lmloss_pref_in
       gz += w * (-lmloss_pref_sigmoid(-z) * (1.0 - m) - sp * dm - ez * m + ez * dm);
       break;
     }
+    case LMLOSS_PREF_CPO_SIGMOID:
+    case LMLOSS_PREF_SIMPO: {
+      double dz;
+      l = lmloss_pref_smoothed(k == LMLOSS_PREF_SIMPO ? z - p->gamma : z, e, &dz);
+      gz += w * dz;
+      break;
+    }
+    case LMLOSS_PREF_CPO_IPO: {
+      const double m = sc - sr - 1.0 / (2.0 * b);
+      l = m * m;
+      gc += w * 2.0 * m * dsc, gr -= w * 2.0 * m * dsr;
+      break;
+    }
+    case LMLOSS_PREF_ORPO: {
+      /* log odds from c and r: d/dc = -1 / expm1(c), d/dr = 1 / expm1(r) */
+      const double lo = lmloss_pref_log_odds(x);
+      const double g = -b * lmloss_pref_sigmoid(-lo);
+      l = b * lmloss_pref_softplus(-lo);
+      gc += w * g * (-1.0 / expm1(x->c)), gr += w * g / expm1(x->r);
+      break;
+    }
     default: continue; /* the batch's terms */
     }
     loss += w * l;
@@ -224,12 +262,13 @@ LMLOSS_HD void lmloss_pref_sort(double *ws, int64_t P, int64_t i) {
 }
 
 /* Pair i's share of the loss (before the mean over pairs) and of the
- * derivatives in c and r: its own terms, and the AOT terms at its ranks
- * (each sorted position once, as pair i's for its X rank). */
+ * derivatives in c and r: its own terms (*own), and the AOT terms at its
+ * ranks (each sorted position once, as pair i's for its X rank). */
 LMLOSS_HD double lmloss_pref_element(const lmloss_pref_par *p, const lmloss_pref_in *x,
-                                     const double *ws, int64_t P, int64_t i, double *dc,
-                                     double *dr) {
+                                     const double *ws, int64_t P, int64_t i, double *dc, double *dr,
+                                     double *own) {
   double loss = lmloss_pref_pair(p, x, dc, dr), dz;
+  *own = loss;
   const double b = p->beta;
   for (int l = 0; l < 2; l++) {
     const double w = p->w[l ? LMLOSS_PREF_AOT_UNPAIRED : LMLOSS_PREF_AOT];
@@ -265,6 +304,7 @@ LMLOSS_HD void lmloss_pref_metrics_add(const lmloss_pref_par *p, const lmloss_pr
   m[LMLOSS_PREF_M_MARGIN] += rc - rr;
   m[LMLOSS_PREF_M_LOGP_CHOSEN] += x->c;
   m[LMLOSS_PREF_M_LOGP_REJECTED] += x->r;
+  if (p->w[LMLOSS_PREF_ORPO] != 0.0) m[LMLOSS_PREF_M_ORPO_LOG_ODDS] += lmloss_pref_log_odds(x);
 }
 
 /* SFT's loss (the mean over pairs of -sum c / sum n, weighted) and its
@@ -276,10 +316,11 @@ LMLOSS_HD double lmloss_pref_sft(const lmloss_pref_par *p, const double *s, doub
 }
 
 /* Every stage on the host, pair after pair (REF and CPU). u: the upstream
- * gradient; loss and metrics may be NULL (the backward). */
+ * gradient; loss, metrics and pair_loss may be NULL (the backward). */
 static inline void lmloss_pref_host(const lmloss_pref_par *p, const lmloss_pref_inputs *in,
                                     double *ws, double u, float *loss, float *metrics, int64_t ms,
-                                    const lmloss_tensor *dchosen, const lmloss_tensor *drejected) {
+                                    const lmloss_tensor *pair_loss, const lmloss_tensor *dchosen,
+                                    const lmloss_tensor *drejected) {
   const int64_t P = in->chosen.rows;
   const int aot = p->w[LMLOSS_PREF_AOT] != 0.0 || p->w[LMLOSS_PREF_AOT_UNPAIRED] != 0.0;
   double sft[3] = {0, 0, 0}, m[LMLOSS_PREF_METRICS] = {0}, total = 0.0, dsft;
@@ -293,8 +334,9 @@ static inline void lmloss_pref_host(const lmloss_pref_par *p, const lmloss_pref_
   const double lsft = lmloss_pref_sft(p, sft, &dsft);
   for (int64_t i = 0; i < P; i++) {
     lmloss_pref_in x = lmloss_pref_load(in, i);
-    double dc, dr;
-    total += lmloss_pref_element(p, &x, ws, P, i, &dc, &dr);
+    double dc, dr, own;
+    total += lmloss_pref_element(p, &x, ws, P, i, &dc, &dr, &own);
+    if (pair_loss) ((float *)pair_loss->data)[i * pair_loss->row_stride] = (float)own;
     lmloss_pref_metrics_add(p, &x, m);
     if (dchosen)
       ((float *)dchosen->data)[i * dchosen->row_stride] = (float)(u * (dc / p->P + dsft));
@@ -304,5 +346,22 @@ static inline void lmloss_pref_host(const lmloss_pref_par *p, const lmloss_pref_
   for (int k = 0; metrics && k < LMLOSS_PREF_METRICS; k++)
     metrics[k * ms] = (float)m[k];
 }
+
+#ifndef __CUDACC__
+/* A backend's call on the host (REF's and the CPU's). */
+static inline lmloss_status
+lmloss_pref_host_call(const lmloss_pref_inputs *in, const lmloss_pref_options *opt,
+                      const lmloss_pref_outputs *out, const lmloss_tensor *dloss,
+                      const lmloss_tensor *dchosen, const lmloss_tensor *drejected, void *ws) {
+  const lmloss_pref_par p = lmloss_pref_par_make(opt, in->chosen.rows);
+  const double u = dloss ? ((const float *)dloss->data)[0] : 1.0;
+  lmloss_pref_host(&p, in, (double *)((char *)ws + LMLOSS_PREF_WS_HEADER), u,
+                   out ? (float *)out->loss.data : NULL,
+                   out && out->metrics.data ? (float *)out->metrics.data : NULL,
+                   out ? out->metrics.row_stride : 0,
+                   out && out->pair_loss.data ? &out->pair_loss : NULL, dchosen, drejected);
+  return LMLOSS_OK;
+}
+#endif
 
 #endif

@@ -111,9 +111,9 @@ static void every_type(void) {
   tgroup g;
   tg_begin(&g, "every loss type, f-divergence and combination against REF");
   for (int k = 0; k <= LMLOSS_PREF_TYPES; k++)
-    for (int f = 0; f < 4; f++) {
+    for (int f = 0; f < 5; f++) {
       if (f && k != LMLOSS_PREF_SIGMOID && k != LMLOSS_PREF_IPO && k != LMLOSS_PREF_DISCOPOP &&
-          k != LMLOSS_PREF_TYPES)
+          k != LMLOSS_PREF_TYPES && k != LMLOSS_PREF_CPO_SIGMOID)
         continue;
       rng_seed(10 * k + f);
       const int aot = k == LMLOSS_PREF_AOT || k == LMLOSS_PREF_AOT_UNPAIRED;
@@ -188,7 +188,7 @@ static void bad_arguments(void) {
   EXPECT(lmloss_preference(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
   o = lmloss_pref_options_default(), o.loss_weights[3] = NAN;
   EXPECT(lmloss_preference(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
-  o = lmloss_pref_options_default(), o.f_divergence = (lmloss_pref_fdiv)4;
+  o = lmloss_pref_options_default(), o.f_divergence = (lmloss_pref_fdiv)5;
   EXPECT(lmloss_preference(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);
   o = lmloss_pref_options_default(), o.loss_weights[LMLOSS_PREF_AOT] = 1.0; /* with weights */
   EXPECT(lmloss_preference(&c, &in, &o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION);

@@ -21,7 +21,7 @@ pytest.importorskip("trl")
 import lmloss.torch as lt  # noqa: E402
 from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402
 
-LOSS_TYPES = lmloss._lib.PREF_TYPES
+LOSS_TYPES = lmloss._lib.PREF_TYPES[:15]  # DPOTrainer's; CPO's and ORPO's follow
 F_DIV_TYPES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
 
 
@@ -264,3 +264,80 @@ def test_torch_compile_fullgraph():
 
     for a, b in zip(step(torch.compile(f, fullgraph=True)), step(f)):
         assert torch.equal(a, b)
+
+
+def cpo_stand_in(cls, **kw):
+    return types.SimpleNamespace(accelerator=_Accelerator(), **kw)
+
+
+CPO = [("sigmoid", 0.0, 0.0), ("sigmoid", 0.1, 0.0), ("hinge", 0.0, 0.0), ("ipo", 0.0, 0.0),
+       ("simpo", 0.1, 0.0), ("sigmoid", 0.0, 0.3), ("simpo", 0.0, -0.2), ("ipo", 0.0, 0.5)]
+
+
+@pytest.mark.parametrize("loss_type,eps,alpha", CPO)
+@pytest.mark.parametrize("api", ["numpy", "torch"])
+def test_cpo_matches_trl(loss_type, eps, alpha, api):
+    """CPOTrainer.cpo_loss (trl.experimental), its per-pair losses and their
+    gradient, AlphaPO's transform included (exact where TRL's 1 - p^-alpha
+    cancels)."""
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+
+    g = np.random.default_rng(5)
+    c64 = -g.uniform(0.2, 3.0, 9)
+    r64 = -g.uniform(0.2, 3.0, 9)
+    s = cpo_stand_in(CPOTrainer, alpha=alpha, loss_type=loss_type, simpo_gamma=0.7, beta=0.3,
+                     label_smoothing=eps)
+    c, r = torch.tensor(c64, requires_grad=True), torch.tensor(r64, requires_grad=True)
+    losses, _, _ = CPOTrainer.cpo_loss(s, c, r)
+    w = torch.linspace(0.5, 1.5, 9, dtype=torch.float64)
+    gc, gr = torch.autograd.grad((losses * w).sum(), (c, r))
+    name = {"sigmoid": "cpo_sigmoid", "ipo": "cpo_ipo"}.get(loss_type, loss_type)
+    kw = dict(loss_type=name, beta=0.3, label_smoothing=eps, simpo_gamma=0.7,
+              f_divergence_type="alphapo", f_alpha_divergence_coef=alpha, reduction="none")
+    c32, r32 = c64.astype(np.float32), r64.astype(np.float32)
+    if api == "numpy":
+        res = lmloss.dpo_loss(c32, r32, grad=True, **kw)
+        got, dc, dr = res.loss, res.dchosen * w.numpy(), res.drejected * w.numpy()
+    else:
+        ct, rt = torch.tensor(c32, requires_grad=True), torch.tensor(r32, requires_grad=True)
+        got = lt.dpo_loss(ct, rt, **kw)
+        (got * w.float()).sum().backward()
+        got, dc, dr = got.detach().numpy(), ct.grad.numpy(), rt.grad.numpy()
+    # TRL on the fp32 values in fp64: the same inputs
+    c, r = torch.tensor(c32, dtype=torch.float64, requires_grad=True), \
+        torch.tensor(r32, dtype=torch.float64, requires_grad=True)
+    losses, _, _ = CPOTrainer.cpo_loss(s, c, r)
+    gc, gr = torch.autograd.grad((losses * w).sum(), (c, r))
+    assert_close(got, losses.detach().numpy(), "losses")
+    assert_close(dc, gc.numpy(), "d chosen", 2e-6)
+    assert_close(dr, gr.numpy(), "d rejected", 2e-6)
+
+
+@pytest.mark.parametrize("api", ["numpy", "torch"])
+def test_orpo_matches_trl(api):
+    """ORPOTrainer.odds_ratio_loss (trl.experimental): lmloss's "orpo" is minus
+    its per-pair losses, with their gradient and the mean log odds it logs,
+    on log-probs near 0 (log1mexp's cancelling side) and far below."""
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    c32 = np.array([-1e-4, -0.3, -2.0, -0.05, -7.0, -0.6], np.float32)
+    r32 = np.array([-2e-3, -0.9, -0.4, -3.0, -0.01, -0.69], np.float32)
+    s = types.SimpleNamespace(accelerator=_Accelerator(), beta=0.25)
+    c = torch.tensor(c32, dtype=torch.float64, requires_grad=True)
+    r = torch.tensor(r32, dtype=torch.float64, requires_grad=True)
+    losses, _, _, _, log_odds = ORPOTrainer.odds_ratio_loss(s, c, r)
+    gc, gr = torch.autograd.grad(losses.sum(), (c, r))
+    if api == "numpy":
+        res = lmloss.dpo_loss(c32, r32, loss_type="orpo", beta=0.25, reduction="none", grad=True)
+        got, dc, dr, m = res.loss, res.dchosen, res.drejected, res.metrics
+    else:
+        ct, rt = torch.tensor(c32, requires_grad=True), torch.tensor(r32, requires_grad=True)
+        got, mt = lt.dpo_loss(ct, rt, loss_type="orpo", beta=0.25, reduction="none",
+                              return_metrics=True)
+        got.sum().backward()
+        got, dc, dr = got.detach().numpy(), ct.grad.numpy(), rt.grad.numpy()
+        m = lt._preference.metrics_dict(mt)
+    assert_close(got, -losses.detach().numpy(), "losses")
+    assert_close(dc, -gc.numpy(), "d chosen", 2e-6)
+    assert_close(dr, -gr.numpy(), "d rejected", 2e-6)
+    assert_close(m["orpo_log_odds"] / m["pairs"], log_odds.item(), "mean log odds")

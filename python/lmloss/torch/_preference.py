@@ -34,12 +34,14 @@ def _grads(chosen, iopts):
 def preference(chosen: Tensor, rejected: Tensor, ref_chosen: Optional[Tensor],
                ref_rejected: Optional[Tensor], chosen_tokens: Optional[Tensor],
                rejected_tokens: Optional[Tensor], weight: Optional[Tensor], fopts: list[float],
-               iopts: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+               iopts: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """loss (0-d), metrics [LMLOSS_PREF_METRICS], dchosen and drejected at an
-    upstream gradient of 1 ([0] when not wanted); F32 vectors [P]."""
+    upstream gradient of 1 ([0] when not wanted), each pair's own terms
+    [P]; F32 vectors [P]."""
     loss = chosen.new_empty((), dtype=F32)
     metrics = chosen.new_empty((_lib.PREF_METRICS,), dtype=F32)
     dc, dr = _grads(chosen, iopts)
+    pairs = chosen.new_empty(chosen.shape, dtype=F32)
     keep = []
 
     def v(t):
@@ -48,33 +50,42 @@ def preference(chosen: Tensor, rejected: Tensor, ref_chosen: Optional[Tensor],
     with B.context(chosen, iopts[1], iopts[2]) as ctx:
         inputs = _lib.PrefInputs(v(chosen), v(rejected), v(ref_chosen), v(ref_rejected),
                                  v(chosen_tokens), v(rejected_tokens), v(weight))
-        out = _lib.PrefOutputs(loss=v(loss.reshape(1)), metrics=v(metrics))
+        out = _lib.PrefOutputs(loss=v(loss.reshape(1)), metrics=v(metrics), pair_loss=v(pairs))
         if dc.numel():
             out.dchosen, out.drejected = v(dc), v(dr)
         ws, addr, nbytes = B.workspace(_lib.pref_workspace_size(chosen.shape[0]), chosen.device)
         _lib.check(_lib.preference(ctx, inputs, _options(fopts, iopts), out, addr, nbytes))
-    return loss, metrics, dc, dr
+    return loss, metrics, dc, dr, pairs
 
 
 @preference.register_fake
 def _(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens, weight, fopts,
       iopts):
     return ((chosen.new_empty((), dtype=F32),
-             chosen.new_empty((_lib.PREF_METRICS,), dtype=F32)) + _grads(chosen, iopts))
+             chosen.new_empty((_lib.PREF_METRICS,), dtype=F32)) + _grads(chosen, iopts)
+            + (chosen.new_empty(chosen.shape, dtype=F32),))
 
 
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(output[2], output[3])
 
 
-def _backward(ctx, dloss, _dmetrics, _ddc, _ddr):
+def _backward(ctx, dloss, _dmetrics, _ddc, _ddr, dpairs):
+    """The mean's gradient scaled by its upstream; the pairs' (pair-local
+    terms: each pair's gradient is P times its share of the mean's) by
+    theirs."""
     dc, dr = ctx.saved_tensors
     grads = [None] * 9
-    if dloss is not None and dc.numel():
-        if ctx.needs_input_grad[0]:
-            grads[0] = dc * dloss
-        if ctx.needs_input_grad[1]:
-            grads[1] = dr * dloss
+    if not dc.numel():
+        return tuple(grads)
+    for i, d in ((0, dc), (1, dr)):
+        if not ctx.needs_input_grad[i]:
+            continue
+        g = None if dloss is None else d * dloss
+        if dpairs is not None:
+            gp = d * (dpairs * d.shape[0])
+            g = gp if g is None else g + gp
+        grads[i] = g
     return tuple(grads)
 
 
@@ -88,6 +99,7 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor,
              loss_weights: Optional[Sequence[float]] = None, beta: float = 0.1,
              label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
              f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05,
+             simpo_gamma: float = 0.5, reduction: str = "mean",
              chosen_tokens: Optional[Tensor] = None, rejected_tokens: Optional[Tensor] = None,
              weight: Optional[Tensor] = None, return_metrics: bool = False,
              backend: str = "auto", num_threads: int = 0
@@ -95,11 +107,20 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor,
     """TRL's DPOTrainer loss (lmloss.dpo_loss lists the options) from the
     policy's sequence log-prob sums chosen_logps, rejected_logps [P] and
     the reference's, differentiable w.r.t. the policy's. Returns the
-    float32 0-d loss, or (loss, metrics) with return_metrics (float32 [8]:
+    float32 0-d loss (reduction "none": each pair's own terms [P], as
+    lmloss.dpo_loss says), or (loss, metrics) with return_metrics (float32
+    [8]:
     lmloss._preference.METRIC_NAMES; metrics_dict reads them). CPU and
     CUDA tensors; nothing is read to the host."""
     fopts, fdiv = pref_values(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
-                              f_alpha_divergence_coef, discopop_tau)
+                              f_alpha_divergence_coef, discopop_tau, simpo_gamma)
+    if reduction not in ("mean", "none"):
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "reduction must be 'mean' or 'none', got %r"
+                         % (reduction,))
+    if reduction == "none" and any(fopts[_lib.PREF_TYPES.index(t)]
+                                   for t in ("aot", "aot_unpaired", "sft")):
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "reduction 'none' has no per-pair value of "
+                         "aot, aot_unpaired or sft")
     c = chosen_logps
     if c.dim() != 1:
         raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "chosen_logps must be [P], got %s"
@@ -111,12 +132,13 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor,
         t = _f32(t, c, name)
         return None if t is None else t.reshape(-1)
 
-    loss, metrics, _, _ = preference(vec(c, "chosen_logps"), vec(rejected_logps, "rejected_logps"),
-                                     vec(ref_chosen_logps, "ref_chosen_logps"),
-                                     vec(ref_rejected_logps, "ref_rejected_logps"),
-                                     vec(chosen_tokens, "chosen_tokens"),
-                                     vec(rejected_tokens, "rejected_tokens"),
-                                     vec(weight, "weight"), fopts, iopts)
+    loss, metrics, _, _, pairs = preference(
+        vec(c, "chosen_logps"), vec(rejected_logps, "rejected_logps"),
+        vec(ref_chosen_logps, "ref_chosen_logps"), vec(ref_rejected_logps, "ref_rejected_logps"),
+        vec(chosen_tokens, "chosen_tokens"), vec(rejected_tokens, "rejected_tokens"),
+        vec(weight, "weight"), fopts, iopts)
+    if reduction == "none":
+        loss = pairs
     return (loss, metrics) if return_metrics else loss
 
 
