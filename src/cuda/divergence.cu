@@ -457,7 +457,7 @@ template <int K> static void (*pick(const DivArgs &a))(DivArgs) {
   return caps ? div_rows<K, true> : div_rows<K, false>;
 }
 
-static lmloss_status launch_rows(const DivArgs &a, int kind, const DevInfo &d, cudaStream_t st) {
+static lmloss_status launch_rows(const DivArgs &a, int kind, cudaStream_t st) {
   void (*k)(DivArgs) = kind == LMLOSS_DIV_KL           ? pick<LMLOSS_DIV_KL>(a)
                        : kind == LMLOSS_DIV_REVERSE_KL ? pick<LMLOSS_DIV_REVERSE_KL>(a)
                        : kind == LMLOSS_DIV_TVD        ? pick<LMLOSS_DIV_TVD>(a)
@@ -467,7 +467,6 @@ static lmloss_status launch_rows(const DivArgs &a, int kind, const DevInfo &d, c
   const cudaError_t e = cudaLaunchKernelEx(&cfg, k, a);
   if (e != cudaSuccess)
     return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA divergence: %s", cudaGetErrorString(e));
-  (void)d;
   return check_launch("divergence");
 }
 
@@ -526,7 +525,7 @@ static lmloss_status run_div(const lmloss_context *ctx, const lmloss_div_inputs 
     div_count<<<1, 1024, 0, st>>>(a);
     if ((s = check_launch("divergence count")) != LMLOSS_OK) return s;
   }
-  if ((s = launch_rows(a, opt->kind, d, st)) != LMLOSS_OK) return s;
+  if ((s = launch_rows(a, opt->kind, st)) != LMLOSS_OK) return s;
   if (!reduced_out) return LMLOSS_OK;
   div_finalize<<<1, 1024, 0, st>>>(a);
   return check_launch("divergence finalize");
