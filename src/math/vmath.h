@@ -47,20 +47,20 @@ LMLOSS_VMATH float lmloss_vexp_neg(float hi, float lo) {
 }
 
 /* expm1(x) for |x| <= 1: Taylor to degree 11 (error 2e-9 relative at
- * |x| = 1), full relative precision near 0 where e^x - 1 would cancel. */
+ * |x| = 1), full relative precision near 0 where e^x - 1 would cancel.
+ * Horner's form in x: one FMA a term. */
 LMLOSS_VMATH float lmloss_vexpm1_small(float x) {
-  /* x (1 + x/2 (1 + x/3 (... (1 + x/11)))), unrolled: a loop here would
-   * keep the callers' loops from vectorizing */
-  float p = fmaf(x, 1.0f / 11.0f, 1.0f);
-  p = fmaf(p, x * (1.0f / 10.0f), 1.0f);
-  p = fmaf(p, x * (1.0f / 9.0f), 1.0f);
-  p = fmaf(p, x * (1.0f / 8.0f), 1.0f);
-  p = fmaf(p, x * (1.0f / 7.0f), 1.0f);
-  p = fmaf(p, x * (1.0f / 6.0f), 1.0f);
-  p = fmaf(p, x * (1.0f / 5.0f), 1.0f);
-  p = fmaf(p, x * (1.0f / 4.0f), 1.0f);
-  p = fmaf(p, x * (1.0f / 3.0f), 1.0f);
-  p = fmaf(p, x * 0.5f, 1.0f);
+  /* unrolled: a loop here would keep the callers' loops from vectorizing */
+  float p = fmaf(x, 1.0f / 39916800.0f, 1.0f / 3628800.0f); /* 1/11!, 1/10! */
+  p = fmaf(p, x, 1.0f / 362880.0f);
+  p = fmaf(p, x, 1.0f / 40320.0f);
+  p = fmaf(p, x, 1.0f / 5040.0f);
+  p = fmaf(p, x, 1.0f / 720.0f);
+  p = fmaf(p, x, 1.0f / 120.0f);
+  p = fmaf(p, x, 1.0f / 24.0f);
+  p = fmaf(p, x, 1.0f / 6.0f);
+  p = fmaf(p, x, 0.5f);
+  p = fmaf(p, x, 1.0f);
   return x * p;
 }
 
