@@ -900,6 +900,60 @@ LMLOSS_API lmloss_status lmloss_preference_backward(
     const lmloss_tensor *dloss, const lmloss_tensor *dchosen, const lmloss_tensor *drejected,
     void *workspace, size_t workspace_bytes);
 
+/* KTOTrainer's losses over N unpaired completions, from the policy's
+ * sequence log-prob sums and the reference's (absent: 0), lr = logp -
+ * ref: desirable ones (label 1) desirable_weight (1 - sigmoid(beta (lr -
+ * kl))), undesirable ones undesirable_weight (1 - sigmoid(beta (kl - lr)))
+ * for KTO (kl: the caller's detached batch estimate, TRL's clamped mean
+ * of the KL completions' log ratios; absent: 0), 1 - sigmoid(beta lr) and
+ * sigmoid(beta lr) for APO_ZERO_UNPAIRED; the loss is their mean over the
+ * completions whose loss is not NaN (TRL's nanmean). 1 - sigmoid is a
+ * sigmoid, so a margin of 80 nats keeps its e^-80. */
+typedef enum { LMLOSS_KTO_KTO = 0, LMLOSS_KTO_APO_ZERO_UNPAIRED = 1 } lmloss_kto_type;
+
+typedef struct {
+  lmloss_kto_type loss_type; /* default KTO */
+  double beta;               /* > 0, default 0.1 */
+  double desirable_weight;   /* finite, default 1 */
+  double undesirable_weight; /* finite, default 1 */
+} lmloss_kto_options;
+
+LMLOSS_API lmloss_kto_options lmloss_kto_options_default(void);
+
+typedef struct {
+  lmloss_tensor logps;     /* F32 [N]: the policy's sums (differentiated) */
+  lmloss_tensor ref_logps; /* optional F32 [N] */
+  lmloss_tensor label;     /* BOOL [N]: desirable */
+  lmloss_tensor kl;        /* optional F32 [1] */
+} lmloss_kto_inputs;
+
+/* The metrics output (F32 [LMLOSS_KTO_METRICS]): sums over this call's
+ * completions (rewards beta lr; NaN ones skipped, as TRL's nansum). */
+typedef enum {
+  LMLOSS_KTO_M_CHOSEN = 0, /* desirable completions */
+  LMLOSS_KTO_M_REJECTED = 1,
+  LMLOSS_KTO_M_REWARD_CHOSEN = 2,
+  LMLOSS_KTO_M_REWARD_REJECTED = 3,
+  LMLOSS_KTO_M_LOGP_CHOSEN = 4,
+  LMLOSS_KTO_M_LOGP_REJECTED = 5,
+  LMLOSS_KTO_METRICS = 8
+} lmloss_kto_metric;
+
+typedef struct {
+  lmloss_tensor loss;    /* required F32 [1] */
+  lmloss_tensor metrics; /* optional F32 [LMLOSS_KTO_METRICS] */
+  lmloss_tensor dlogps;  /* optional F32 [N]: the gradient (upstream 1) */
+} lmloss_kto_outputs;
+
+/* Forward (with dlogps when present) and backward from dloss (F32 [1] on
+ * the device). No workspace. Errors as lmloss_preference's. */
+LMLOSS_API lmloss_status lmloss_kto(const lmloss_context *ctx, const lmloss_kto_inputs *in,
+                                    const lmloss_kto_options *opt, const lmloss_kto_outputs *out);
+LMLOSS_API lmloss_status lmloss_kto_backward(const lmloss_context *ctx, const lmloss_kto_inputs *in,
+                                             const lmloss_kto_options *opt,
+                                             const lmloss_tensor *dloss,
+                                             const lmloss_tensor *dlogps);
+
 /* ================================================================== */
 /* STABLE again: the library                                          */
 /* ================================================================== */

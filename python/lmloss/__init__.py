@@ -30,7 +30,7 @@ from ._lib import path as library_path
 from ._linear import (LinearCrossEntropyResult, LinearDivergenceResult, linear_cross_entropy,
                       linear_divergence, linear_log_probs, linear_log_probs_backward)
 from ._logprob import entropy, log_probs, log_probs_backward, selective_log_softmax
-from ._preference import DPOResult, dpo_loss
+from ._preference import DPOResult, KTOResult, dpo_loss, kto_loss
 from ._softmax import log_softmax, softmax, softmax_backward
 
 # The size/version handshake with the library (_lib.check_abi): ImportError
@@ -49,8 +49,8 @@ def cpu_isa() -> str:
 
 
 __all__ = ["CrossEntropyResult", "DivergenceResult", "DPOResult", "Error", "GRPOResult",
-           "LinearCrossEntropyResult", "LinearDivergenceResult", "cpu_isa", "cross_entropy",
-           "divergence", "dpo_loss", "entropy", "grpo_loss", "has_cuda", "library_path",
-           "linear_cross_entropy", "linear_divergence", "linear_log_probs",
-           "linear_log_probs_backward", "log_probs", "log_probs_backward", "log_softmax",
-           "selective_log_softmax", "softmax", "softmax_backward", "__version__"]
+           "KTOResult", "LinearCrossEntropyResult", "LinearDivergenceResult", "cpu_isa",
+           "cross_entropy", "divergence", "dpo_loss", "entropy", "grpo_loss", "has_cuda",
+           "kto_loss", "library_path", "linear_cross_entropy", "linear_divergence",
+           "linear_log_probs", "linear_log_probs_backward", "log_probs", "log_probs_backward",
+           "log_softmax", "selective_log_softmax", "softmax", "softmax_backward", "__version__"]

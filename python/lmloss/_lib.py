@@ -64,6 +64,8 @@ PREF_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_
 PREF_FDIVS = {"reverse_kl": 0, "forward_kl": 1, "js_divergence": 2, "alpha_divergence": 3,
               "alphapo": 4}
 PREF_METRICS = 8
+KTO_TYPES = {"kto": 0, "apo_zero_unpaired": 1}  # lmloss_kto_type
+KTO_METRICS = 8
 
 _c_int64 = ctypes.c_int64
 
@@ -161,6 +163,19 @@ class PrefOutputs(ctypes.Structure):
                 ("drejected", Tensor), ("pair_loss", Tensor)]
 
 
+class KTOOptions(ctypes.Structure):
+    _fields_ = [("loss_type", ctypes.c_int), ("beta", ctypes.c_double),
+                ("desirable_weight", ctypes.c_double), ("undesirable_weight", ctypes.c_double)]
+
+
+class KTOInputs(ctypes.Structure):
+    _fields_ = [("logps", Tensor), ("ref_logps", Tensor), ("label", Tensor), ("kl", Tensor)]
+
+
+class KTOOutputs(ctypes.Structure):
+    _fields_ = [("loss", Tensor), ("metrics", Tensor), ("dlogps", Tensor)]
+
+
 class Head(ctypes.Structure):
     """lmloss_head: hidden [N, H], weight [V, H], optional bias [V]."""
     _fields_ = [("hidden", Tensor), ("weight", Tensor), ("bias", Tensor)]
@@ -183,7 +198,9 @@ STRUCTS = {"lmloss_tensor": Tensor, "lmloss_context": Context, "lmloss_transform
            "lmloss_head_options": HeadOptions, "lmloss_head_grads": HeadGrads,
            "lmloss_grpo_options": GRPOOptions, "lmloss_grpo_inputs": GRPOInputs,
            "lmloss_grpo_outputs": GRPOOutputs, "lmloss_pref_options": PrefOptions,
-           "lmloss_pref_inputs": PrefInputs, "lmloss_pref_outputs": PrefOutputs}
+           "lmloss_pref_inputs": PrefInputs, "lmloss_pref_outputs": PrefOutputs,
+           "lmloss_kto_options": KTOOptions, "lmloss_kto_inputs": KTOInputs,
+           "lmloss_kto_outputs": KTOOutputs}
 
 _P = ctypes.POINTER
 _status = ctypes.c_int
@@ -230,6 +247,8 @@ pref_options_default = _proto("lmloss_pref_options_default", PrefOptions)
 pref_workspace_size = _proto("lmloss_preference_workspace_size", ctypes.c_size_t, _c_int64)
 preference = _proto("lmloss_preference", _status, _P(Context), _P(PrefInputs), _P(PrefOptions),
                     _P(PrefOutputs), ctypes.c_void_p, ctypes.c_size_t)
+kto_options_default = _proto("lmloss_kto_options_default", KTOOptions)
+kto = _proto("lmloss_kto", _status, _P(Context), _P(KTOInputs), _P(KTOOptions), _P(KTOOutputs))
 head_options_default = _proto("lmloss_head_options_default", HeadOptions)
 linear_workspace_size = _proto("lmloss_linear_workspace_size", _status, _P(Head),
                                _P(HeadOptions), _P(HeadGrads), _c_int64, _P(ctypes.c_size_t))

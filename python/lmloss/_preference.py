@@ -11,6 +11,11 @@ from . import _lib
 from ._tensor import as_array, native, shape_error, view
 
 DPOResult = collections.namedtuple("DPOResult", "loss dchosen drejected metrics")
+KTOResult = collections.namedtuple("KTOResult", "loss dlogps metrics")
+KTOResult.__doc__ = """Returned by kto_loss: loss (float); dlogps (float32 [N], or None
+without grad=True); metrics, a dict of KTO_METRIC_NAMES -> float (sums)."""
+KTO_METRIC_NAMES = ("chosen", "rejected", "reward_chosen", "reward_rejected", "logp_chosen",
+                    "logp_rejected")
 DPOResult.__doc__ = """Returned by dpo_loss: loss (float); dchosen and drejected (float32
 [P], or None without grad=True); metrics, a dict of METRIC_NAMES ->
 float (sums over the pairs: trl_metrics makes them TRL's logged means)."""
@@ -149,3 +154,77 @@ def dpo_loss(chosen_logps: ArrayLike, rejected_logps: ArrayLike,
         dc, dr = dc * np.float32(n), dr * np.float32(n)
     return DPOResult(pairs if per_pair else float(loss[0, 0]), dc, dr,
                      dict(zip(METRIC_NAMES, (float(v) for v in metrics[:, 0]))))
+
+
+def kto_values(loss_type, beta, desirable_weight, undesirable_weight):
+    """KTOConfig's options as (fopts [beta, desirable_weight,
+    undesirable_weight], type code): plain Python, which torch.compile
+    traces."""
+    if loss_type not in _lib.KTO_TYPES:
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "loss_type must be 'kto' or "
+                         "'apo_zero_unpaired', got %r" % (loss_type,))
+    f = _lib.float_option
+    return ([f("beta", beta), f("desirable_weight", desirable_weight),
+             f("undesirable_weight", undesirable_weight)], _lib.KTO_TYPES[loss_type])
+
+
+def kto_struct(fopts, code):
+    """lmloss_kto_options of kto_values' results."""
+    opt = _lib.kto_options_default()
+    opt.loss_type = code
+    opt.beta, opt.desirable_weight, opt.undesirable_weight = fopts
+    return opt
+
+
+def kto_trl_metrics(metrics: dict) -> dict:
+    """KTOTrainer's rewards and log-prob means (one process) from kto_loss's
+    sums, each where TRL logs it."""
+    out = {}
+    for side in ("chosen", "rejected"):
+        if metrics[side] > 0:
+            out["rewards/" + side] = metrics["reward_" + side] / metrics[side]
+            out["logps/" + side] = metrics["logp_" + side] / metrics[side]
+    if metrics["chosen"] > 0 and metrics["rejected"] > 0:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    return out
+
+
+def kto_loss(logps: ArrayLike, ref_logps: Optional[ArrayLike], label: ArrayLike, *,
+             kl: Optional[float] = None, loss_type: str = "kto", beta: float = 0.1,
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0, grad: bool = False,
+             backend: str = "auto", num_threads: int = 0) -> KTOResult:
+    """KTOTrainer's loss from N completions' sequence log-prob sums [N], the
+    reference's (None: 0) and their labels [N] (True: desirable): loss_type
+    "kto" (with kl, the batch's detached KL estimate, TRL's clamped mean;
+    None: 0) or "apo_zero_unpaired", beta, desirable_weight,
+    undesirable_weight (KTOConfig's). The mean skips NaN losses, as TRL's
+    nanmean. grad=True: the gradient w.r.t. logps. Raises lmloss.Error."""
+    opt = kto_struct(*kto_values(loss_type, beta, desirable_weight, undesirable_weight))
+    ctx = _lib.make_context(backend, num_threads)
+    lp = native(as_array(logps))
+    if lp.ndim != 1:
+        raise shape_error("logps must be [N], got shape %s" % (lp.shape,))
+    n = lp.shape[0]
+    keep = []
+
+    def vec(x, name, dtype=np.float32):
+        if x is None:
+            return _lib.Tensor()
+        a = np.ascontiguousarray(native(as_array(x)), dtype=dtype)
+        if a.shape != (n,) and name != "kl":
+            raise shape_error("%s has shape %s, expected (%d,)" % (name, a.shape, n))
+        a, t = view(a.reshape(-1), vector=True, name=name)
+        keep.append(a)
+        return t
+
+    inputs = _lib.KTOInputs(vec(lp, "logps"), vec(ref_logps, "ref_logps"),
+                            vec(np.asarray(label) != 0, "label", np.bool_),
+                            vec(None if kl is None else np.full(1, kl, np.float32), "kl"))
+    loss, metrics = np.zeros((1, 1), np.float32), np.zeros((_lib.KTO_METRICS, 1), np.float32)
+    outputs = _lib.KTOOutputs(loss=view(loss)[1], metrics=view(metrics)[1])
+    d = None
+    if grad:
+        d, outputs.dlogps = view(np.empty(n, np.float32), vector=True)
+    _lib.check(_lib.kto(ctx, inputs, opt, outputs))
+    return KTOResult(float(loss[0, 0]), d,
+                     dict(zip(KTO_METRIC_NAMES, (float(v) for v in metrics[:6, 0]))))

@@ -183,6 +183,10 @@ typedef struct {
                               const lmloss_pref_options *, const lmloss_pref_outputs *out,
                               const lmloss_tensor *dloss, const lmloss_tensor *dchosen,
                               const lmloss_tensor *drejected, void *, size_t);
+  /* KTO (every backend), likewise. */
+  lmloss_status (*kto)(const lmloss_context *, const lmloss_kto_inputs *,
+                       const lmloss_kto_options *, const lmloss_kto_outputs *out,
+                       const lmloss_tensor *dloss, const lmloss_tensor *dlogps);
 } lmloss_backend_ops;
 
 extern const lmloss_backend_ops lmloss_ref_ops;

@@ -126,3 +126,67 @@ lmloss_status lmloss_preference_backward(const lmloss_context *ctx, const lmloss
   return ops->preference(ctx, in, opt, NULL, dloss, lmloss_present(dchosen) ? dchosen : NULL,
                          lmloss_present(drejected) ? drejected : NULL, ws, ws_bytes);
 }
+
+lmloss_kto_options lmloss_kto_options_default(void) {
+  lmloss_kto_options o;
+  o.loss_type = LMLOSS_KTO_KTO;
+  o.beta = 0.1;
+  o.desirable_weight = o.undesirable_weight = 1.0;
+  return o;
+}
+
+static lmloss_status check_kto(const lmloss_context *ctx, const lmloss_kto_inputs *in,
+                               const lmloss_kto_options *opt, const lmloss_backend_ops **ops) {
+  if (!in || !opt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "inputs or options is NULL");
+  const unsigned f32 = LMLOSS_MASK(LMLOSS_F32);
+  TRY(lmloss_check_tensor(&in->logps, "logps", f32, -1, 1));
+  const int64_t N = in->logps.rows;
+  if (N < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "logps: N must be >= 1");
+  TRY(lmloss_check_optional(&in->ref_logps, "ref_logps", f32, N, 1));
+  TRY(lmloss_check_tensor(&in->label, "label", LMLOSS_MASK(LMLOSS_BOOL), N, 1));
+  TRY(lmloss_check_optional(&in->kl, "kl", f32, 1, 1));
+  if ((unsigned)opt->loss_type > LMLOSS_KTO_APO_ZERO_UNPAIRED)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "unknown KTO loss_type %d", (int)opt->loss_type);
+  if (!(isfinite(opt->beta) && opt->beta > 0.0))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "beta must be finite and > 0, got %g", opt->beta);
+  if (!(isfinite(opt->desirable_weight) && isfinite(opt->undesirable_weight)))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "desirable_weight and undesirable_weight must be "
+                                              "finite");
+  const lmloss_tensor *ts[] = {&in->ref_logps, &in->label, &in->kl};
+  TRY(lmloss_check_device(ts, 3, in->logps.device));
+  return lmloss_pick_backend(ctx, in->logps.device, ops);
+}
+
+static lmloss_status check_kto_grad(const lmloss_kto_inputs *in, const lmloss_tensor *d) {
+  TRY(lmloss_check_optional(d, "dlogps", LMLOSS_MASK(LMLOSS_F32), in->logps.rows, 1));
+  if (lmloss_present(d)) TRY(lmloss_check_alias(&in->logps, d, "dlogps"));
+  const lmloss_tensor *ts[] = {d};
+  return lmloss_check_device(ts, 1, in->logps.device);
+}
+
+lmloss_status lmloss_kto(const lmloss_context *ctx, const lmloss_kto_inputs *in,
+                         const lmloss_kto_options *opt, const lmloss_kto_outputs *out) {
+  const lmloss_backend_ops *ops;
+  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
+  TRY(check_kto(ctx, in, opt, &ops));
+  const unsigned f32 = LMLOSS_MASK(LMLOSS_F32);
+  TRY(lmloss_check_tensor(&out->loss, "loss", f32, 1, 1));
+  TRY(lmloss_check_optional(&out->metrics, "metrics", f32, LMLOSS_KTO_METRICS, 1));
+  TRY(check_kto_grad(in, &out->dlogps));
+  const lmloss_tensor *ts[] = {&out->loss, &out->metrics};
+  TRY(lmloss_check_device(ts, 2, in->logps.device));
+  return ops->kto(ctx, in, opt, out, NULL, lmloss_present(&out->dlogps) ? &out->dlogps : NULL);
+}
+
+lmloss_status lmloss_kto_backward(const lmloss_context *ctx, const lmloss_kto_inputs *in,
+                                  const lmloss_kto_options *opt, const lmloss_tensor *dloss,
+                                  const lmloss_tensor *dlogps) {
+  const lmloss_backend_ops *ops;
+  TRY(check_kto(ctx, in, opt, &ops));
+  TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32), 1, 1));
+  TRY(lmloss_check_tensor(dlogps, "dlogps", LMLOSS_MASK(LMLOSS_F32), in->logps.rows, 1));
+  TRY(check_kto_grad(in, dlogps));
+  const lmloss_tensor *ts[] = {dloss};
+  TRY(lmloss_check_device(ts, 1, in->logps.device));
+  return ops->kto(ctx, in, opt, NULL, dloss, dlogps);
+}

@@ -97,7 +97,8 @@ size_t lmloss_struct_size(const char *name) {
       LMLOSS_STRUCT(lmloss_div_outputs),  LMLOSS_STRUCT(lmloss_grpo_options),
       LMLOSS_STRUCT(lmloss_grpo_inputs),  LMLOSS_STRUCT(lmloss_grpo_outputs),
       LMLOSS_STRUCT(lmloss_pref_options), LMLOSS_STRUCT(lmloss_pref_inputs),
-      LMLOSS_STRUCT(lmloss_pref_outputs),
+      LMLOSS_STRUCT(lmloss_pref_outputs), LMLOSS_STRUCT(lmloss_kto_options),
+      LMLOSS_STRUCT(lmloss_kto_inputs),   LMLOSS_STRUCT(lmloss_kto_outputs),
   };
 #undef LMLOSS_STRUCT
   for (size_t i = 0; name && i < sizeof structs / sizeof *structs; i++)

@@ -33,6 +33,9 @@ lmloss_status lmloss_cpu_preference(const lmloss_context *, const lmloss_pref_in
                                     const lmloss_pref_options *, const lmloss_pref_outputs *,
                                     const lmloss_tensor *, const lmloss_tensor *,
                                     const lmloss_tensor *, void *, size_t);
+lmloss_status lmloss_cpu_kto(const lmloss_context *, const lmloss_kto_inputs *,
+                             const lmloss_kto_options *, const lmloss_kto_outputs *,
+                             const lmloss_tensor *, const lmloss_tensor *);
 
 lmloss_status lmloss_cpu_ce_state(const lmloss_context *, const lmloss_ce_inputs *,
                                   const lmloss_ce_options *, const lmloss_shard *,
@@ -81,6 +84,7 @@ const lmloss_backend_ops lmloss_cpu_ops = {
     cpu_supports,
     lmloss_cpu_grpo,
     lmloss_cpu_preference,
+    lmloss_cpu_kto,
 };
 
 const char *lmloss_cpu_isa(void) { return lmloss_cpu_isa_name(); }

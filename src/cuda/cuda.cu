@@ -39,6 +39,9 @@ lmloss_status lmloss_cuda_preference(const lmloss_context *, const lmloss_pref_i
                                      const lmloss_pref_options *, const lmloss_pref_outputs *,
                                      const lmloss_tensor *, const lmloss_tensor *,
                                      const lmloss_tensor *, void *, size_t); /* preference.cu */
+lmloss_status lmloss_cuda_kto(const lmloss_context *, const lmloss_kto_inputs *,
+                              const lmloss_kto_options *, const lmloss_kto_outputs *,
+                              const lmloss_tensor *, const lmloss_tensor *); /* preference.cu */
 
 /* Everything: the fused head, also of 16-bit heads, row states and the
  * divergences. */
@@ -57,5 +60,6 @@ extern const lmloss_backend_ops lmloss_cuda_ops = {
     cuda_supports,
     lmloss_cuda_grpo,
     lmloss_cuda_preference,
+    lmloss_cuda_kto,
 };
 }

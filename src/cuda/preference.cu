@@ -107,3 +107,61 @@ lmloss_cuda_preference(const lmloss_context *ctx, const lmloss_pref_inputs *in,
   lmc::pref::run<<<1, lmc::pref::BS, 0, lmc::stream_of(ctx)>>>(a);
   return lmc::check_launch("preference");
 }
+
+namespace lmc {
+namespace pref {
+
+struct KtoArgs {
+  lmloss_kto_par p;
+  lmloss_kto_inputs in;
+  const float *dloss;
+  float *loss, *metrics, *d;
+  int64_t ms, ds;
+};
+
+/* KTO in one CTA: the sums (the mean's divisor among them), then each
+ * completion's gradient. */
+__global__ void __launch_bounds__(BS) kto(KtoArgs a) {
+  __shared__ double sh[BS / 32 + 1];
+  const int64_t N = a.in.logps.rows;
+  const double kl = a.in.kl.data ? (double)*(const float *)a.in.kl.data : 0.0;
+  const double u = a.dloss ? (double)*a.dloss : 1.0;
+  double m[8] = {0}, lp, lr, d;
+  int des;
+  for (int64_t i = threadIdx.x; i < N; i += BS) {
+    lmloss_kto_load(&a.in, i, &lp, &lr, &des);
+    lmloss_kto_add(&a.p, lp, lr, des, lmloss_kto_term(&a.p, lr, des, kl, &d), m);
+  }
+  for (int k = 0; k < 8; k++)
+    m[k] = block_sum(m[k], sh);
+  for (int64_t i = threadIdx.x; a.d && i < N; i += BS) {
+    lmloss_kto_load(&a.in, i, &lp, &lr, &des);
+    const double l = lmloss_kto_term(&a.p, lr, des, kl, &d);
+    a.d[i * a.ds] = (float)(isnan(l) ? 0.0 : u * d / m[6]);
+  }
+  if (threadIdx.x == 0 && a.loss) {
+    *a.loss = (float)(m[7] / m[6]);
+    for (int k = 0; a.metrics && k < LMLOSS_KTO_METRICS; k++)
+      a.metrics[k * a.ms] = (float)(k < 6 ? m[k] : 0.0);
+  }
+}
+
+} // namespace pref
+} // namespace lmc
+
+extern "C" lmloss_status lmloss_cuda_kto(const lmloss_context *ctx, const lmloss_kto_inputs *in,
+                                         const lmloss_kto_options *opt,
+                                         const lmloss_kto_outputs *out, const lmloss_tensor *dloss,
+                                         const lmloss_tensor *dlogps) {
+  lmc::pref::KtoArgs a = {};
+  a.p = lmloss_kto_par_make(opt);
+  a.in = *in;
+  a.dloss = dloss ? (const float *)dloss->data : nullptr;
+  a.loss = out ? (float *)out->loss.data : nullptr;
+  a.metrics = out && out->metrics.data ? (float *)out->metrics.data : nullptr;
+  a.ms = out ? out->metrics.row_stride : 0;
+  a.d = dlogps ? (float *)dlogps->data : nullptr;
+  a.ds = dlogps ? dlogps->row_stride : 0;
+  lmc::pref::kto<<<1, lmc::pref::BS, 0, lmc::stream_of(ctx)>>>(a);
+  return lmc::check_launch("kto");
+}

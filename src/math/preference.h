@@ -364,4 +364,83 @@ lmloss_pref_host_call(const lmloss_pref_inputs *in, const lmloss_pref_options *o
 }
 #endif
 
+/* KTO's options, resolved, and one completion's term (weighted; NaN
+ * where its inputs are) with its derivative in logp. */
+typedef struct {
+  int type;
+  double beta, wd, wu;
+} lmloss_kto_par;
+
+LMLOSS_HD lmloss_kto_par lmloss_kto_par_make(const lmloss_kto_options *o) {
+  lmloss_kto_par p;
+  p.type = (int)o->loss_type;
+  p.beta = o->beta;
+  p.wd = o->desirable_weight;
+  p.wu = o->undesirable_weight;
+  return p;
+}
+
+/* Desirable: 1 - sigmoid(x) = sigmoid(-x); undesirable: 1 - sigmoid(-x) =
+ * sigmoid(x); x = beta (lr - kl) (KTO) or beta lr (APO_ZERO_UNPAIRED). */
+LMLOSS_HD double lmloss_kto_term(const lmloss_kto_par *p, double lr, int desirable, double kl,
+                                 double *d) {
+  const double x = p->beta * (p->type == LMLOSS_KTO_KTO ? lr - kl : lr);
+  const double w = desirable ? p->wd : p->wu;
+  const double sx = lmloss_pref_sigmoid(x), snx = lmloss_pref_sigmoid(-x);
+  *d = w * (desirable ? -1.0 : 1.0) * p->beta * sx * snx;
+  return w * (desirable ? snx : sx);
+}
+
+/* A completion's metrics' terms (m: 8 doubles; [6] counts the non-NaN
+ * losses, the mean's divisor). */
+LMLOSS_HD void lmloss_kto_add(const lmloss_kto_par *p, double lp, double lr, int desirable,
+                              double loss, double *m) {
+  const int k = desirable ? 0 : 1;
+  m[LMLOSS_KTO_M_CHOSEN + k] += 1.0;
+  if (!isnan(lr)) m[LMLOSS_KTO_M_REWARD_CHOSEN + k] += p->beta * lr;
+  if (!isnan(lp)) m[LMLOSS_KTO_M_LOGP_CHOSEN + k] += lp;
+  m[6] += !isnan(loss);
+  m[7] += isnan(loss) ? 0.0 : loss;
+}
+
+/* Completion i's inputs: its log-prob sum, log ratio and label. */
+LMLOSS_HD void lmloss_kto_load(const lmloss_kto_inputs *in, int64_t i, double *lp, double *lr,
+                               int *desirable) {
+  *lp = lmloss_pref_at(&in->logps, i);
+  *lr = *lp - lmloss_pref_at(&in->ref_logps, i);
+  *desirable = ((const unsigned char *)in->label.data)[i * in->label.row_stride] != 0;
+}
+
+#ifndef __CUDACC__
+/* The call on the host (REF's and the CPU's): the metrics' sums (the mean's
+ * divisor among them), then each completion's gradient. */
+static inline lmloss_status lmloss_kto_host_call(const lmloss_kto_inputs *in,
+                                                 const lmloss_kto_options *opt,
+                                                 const lmloss_kto_outputs *out,
+                                                 const lmloss_tensor *dloss,
+                                                 const lmloss_tensor *dlogps) {
+  const lmloss_kto_par p = lmloss_kto_par_make(opt);
+  const int64_t N = in->logps.rows;
+  const double kl = in->kl.data ? ((const float *)in->kl.data)[0] : 0.0;
+  const double u = dloss ? ((const float *)dloss->data)[0] : 1.0;
+  double m[8] = {0}, lp, lr, d;
+  int des;
+  for (int64_t i = 0; i < N; i++) {
+    lmloss_kto_load(in, i, &lp, &lr, &des);
+    lmloss_kto_add(&p, lp, lr, des, lmloss_kto_term(&p, lr, des, kl, &d), m);
+  }
+  for (int64_t i = 0; dlogps && i < N; i++) {
+    lmloss_kto_load(in, i, &lp, &lr, &des);
+    const double l = lmloss_kto_term(&p, lr, des, kl, &d);
+    ((float *)dlogps->data)[i * dlogps->row_stride] = (float)(isnan(l) ? 0.0 : u * d / m[6]);
+  }
+  if (out) {
+    *(float *)out->loss.data = (float)(m[7] / m[6]);
+    for (int k = 0; out->metrics.data && k < LMLOSS_KTO_METRICS; k++)
+      ((float *)out->metrics.data)[k * out->metrics.row_stride] = (float)(k < 6 ? m[k] : 0.0);
+  }
+  return LMLOSS_OK;
+}
+#endif
+
 #endif

@@ -36,6 +36,9 @@ lmloss_status lmloss_ref_preference(const lmloss_context *, const lmloss_pref_in
                                     const lmloss_pref_options *, const lmloss_pref_outputs *,
                                     const lmloss_tensor *, const lmloss_tensor *,
                                     const lmloss_tensor *, void *, size_t);
+lmloss_status lmloss_ref_kto(const lmloss_context *, const lmloss_kto_inputs *,
+                             const lmloss_kto_options *, const lmloss_kto_outputs *,
+                             const lmloss_tensor *, const lmloss_tensor *);
 
 /* Neither the fused head (its oracle is the full product in the tests)
  * nor row states (theirs is the one-shot call). */
@@ -54,4 +57,5 @@ const lmloss_backend_ops lmloss_ref_ops = {
     ref_supports,
     lmloss_ref_grpo,
     lmloss_ref_preference,
+    lmloss_ref_kto,
 };

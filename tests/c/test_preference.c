@@ -212,10 +212,94 @@ static void bad_arguments(void) {
   tg_end(&g);
 }
 
+/* KTO on the backend under test against REF (both types, labels mixed,
+ * a NaN completion skipped by the mean), its backward, and one desirable
+ * completion at beta (lr - kl) = 80: 1 - sigmoid(80) = e^-80 / (1 + e^-80). */
+static void kto(void) {
+  tgroup g;
+  tg_begin(&g, "KTO against REF, backward, a margin of 80 nats");
+  for (int type = 0; type < 2; type++) {
+    rng_seed(70 + type);
+    const int64_t N = 333;
+    lmloss_tensor lp = host_new(LMLOSS_F32, N, 1, 1), ref = host_new(LMLOSS_F32, N, 1, 1),
+                  lab = host_new(LMLOSS_BOOL, N, 1, 1), kl = host_new(LMLOSS_F32, 1, 1, 1);
+    for (int64_t i = 0; i < N; i++) {
+      tset(&lp, i, 0, -20.0 + 4.0 * rng_normal());
+      tset(&ref, i, 0, tget(&lp, i, 0) + rng_normal());
+      tset(&lab, i, 0, rng_uniform() < 0.4);
+    }
+    tset(&lp, 5, 0, NAN);
+    tset(&kl, 0, 0, 0.3);
+    lmloss_kto_options o = lmloss_kto_options_default();
+    o.loss_type = (lmloss_kto_type)type, o.beta = 0.2, o.desirable_weight = 1.3;
+    lmloss_tensor r[2][3];
+    for (int dev = 0; dev < 2; dev++) {
+      lmloss_tensor in4[4] = {lp, ref, lab, kl};
+      for (int k = 0; dev && k < 4; k++)
+        in4[k] = dev_clone(&in4[k]);
+      lmloss_kto_inputs in = {in4[0], in4[1], in4[2], in4[3]};
+      r[dev][0] = host_new(LMLOSS_F32, 1, 1, 1);
+      r[dev][1] = host_new(LMLOSS_F32, LMLOSS_KTO_METRICS, 1, 1);
+      r[dev][2] = host_new(LMLOSS_F32, N, 1, 1);
+      lmloss_tensor o3[3] = {r[dev][0], r[dev][1], r[dev][2]};
+      for (int k = 0; dev && k < 3; k++)
+        o3[k] = dev_clone(&o3[k]);
+      lmloss_kto_outputs out = {o3[0], o3[1], o3[2]};
+      lmloss_context c = dev ? tb_ctx() : ref_ctx();
+      tg_true(&g, lmloss_kto(&c, &in, &o, &out) == LMLOSS_OK, "call: %s", lmloss_last_error());
+      if (dev) {
+        lmloss_tensor dl = host_new(LMLOSS_F32, 1, 1, 1), d = host_new(LMLOSS_F32, N, 1, 1);
+        tset(&dl, 0, 0, 0.5);
+        lmloss_tensor ddl = dev_clone(&dl), dd = dev_clone(&d);
+        tg_true(&g, lmloss_kto_backward(&c, &in, &o, &ddl, &dd) == LMLOSS_OK, "backward");
+        dev_fetch(&d, &dd);
+        for (int64_t i = 0; i < N; i++)
+          tg_close(&g, tget(&d, i, 0), 0.5 * tget(&r[0][2], i, 0), LMLOSS_F32, 0, "bwd", i, 0);
+        for (int k = 0; k < 3; k++)
+          dev_fetch(&r[dev][k], &o3[k]), dev_free(&o3[k]);
+        for (int k = 0; k < 4; k++)
+          dev_free(&in4[k]);
+        dev_free(&ddl), dev_free(&dd), host_free(&dl), host_free(&d);
+      }
+    }
+    tg_close(&g, tget(&r[1][0], 0, 0), tget(&r[0][0], 0, 0), LMLOSS_F32, 0, "loss", 0, 0);
+    for (int k = 0; k < LMLOSS_KTO_METRICS; k++)
+      tg_close(&g, tget(&r[1][1], k, 0), tget(&r[0][1], k, 0), LMLOSS_F32, 0, "metrics", k, 0);
+    for (int64_t i = 0; i < N; i++)
+      tg_close(&g, tget(&r[1][2], i, 0), tget(&r[0][2], i, 0), LMLOSS_F32, 0, "dlogps", i, 0);
+    tg_true(&g, tget(&r[0][2], 5, 0) == 0.0, "a NaN completion's gradient is 0");
+    for (int dev = 0; dev < 2; dev++)
+      for (int k = 0; k < 3; k++)
+        host_free(&r[dev][k]);
+    host_free(&lp), host_free(&ref), host_free(&lab), host_free(&kl);
+  }
+  lmloss_tensor lp = host_new(LMLOSS_F32, 1, 1, 1), lab = host_new(LMLOSS_BOOL, 1, 1, 1),
+                loss = host_new(LMLOSS_F32, 1, 1, 1);
+  tset(&lp, 0, 0, 80.0), tset(&lab, 0, 0, 1);
+  lmloss_kto_inputs in = {lp, {0}, lab, {0}};
+  lmloss_kto_outputs out = {loss, {0}, {0}};
+  lmloss_kto_options o = lmloss_kto_options_default();
+  o.beta = 1.0;
+  lmloss_context c = ref_ctx();
+  tg_true(&g, lmloss_kto(&c, &in, &o, &out) == LMLOSS_OK, "call");
+  tg_close(&g, tget(&loss, 0, 0), 1.0 / (1.0 + exp(80.0)), LMLOSS_F32, 0, "kto e^-80", 0, 0);
+  o.beta = 0.0;
+  tg_true(&g, lmloss_kto(&c, &in, &o, &out) == LMLOSS_ERR_BAD_OPTION, "beta 0 refused");
+  o = lmloss_kto_options_default(), o.loss_type = (lmloss_kto_type)2;
+  tg_true(&g, lmloss_kto(&c, &in, &o, &out) == LMLOSS_ERR_BAD_OPTION, "unknown type refused");
+  lmloss_kto_inputs bad = in;
+  bad.label.dtype = LMLOSS_F32;
+  o = lmloss_kto_options_default();
+  tg_true(&g, lmloss_kto(&c, &bad, &o, &out) == LMLOSS_ERR_BAD_DTYPE, "a float label refused");
+  host_free(&lp), host_free(&lab), host_free(&loss);
+  tg_end(&g);
+}
+
 int main(void) {
   tb_init();
   every_type();
   large_margin();
+  kto();
   if (!tb_is_cuda()) bad_arguments();
   return test_finish();
 }

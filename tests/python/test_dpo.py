@@ -341,3 +341,77 @@ def test_orpo_matches_trl(api):
     assert_close(dc, -gc.numpy(), "d chosen", 2e-6)
     assert_close(dr, -gr.numpy(), "d rejected", 2e-6)
     assert_close(m["orpo_log_odds"] / m["pairs"], log_odds.item(), "mean log odds")
+
+
+def kto_case(n=9, t=6, seed=0):
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((n, t + 1), np.int64)
+    for i in range(n):
+        mask[i, 1:1 + rng.integers(1, t + 1)] = 1
+    logp = np.round(-rng.uniform(0.01, 2.0, (n, t)) * 4096) / 4096
+    logp = (logp * mask[:, 1:]).astype(np.float32)
+    ref = (logp.astype(np.float64).sum(1) + rng.normal(0, 1, n)).astype(np.float32)
+    label = rng.uniform(size=n) < 0.5
+    label[:2] = [True, False]
+    kl_policy = rng.normal(-5, 1, n).astype(np.float32)
+    kl_ref = (kl_policy - rng.normal(0.3, 0.2, n)).astype(np.float32)  # a KL of about 0.3
+    return dict(logp=logp, mask=mask, ref=ref, label=label, kl_policy=kl_policy, kl_ref=kl_ref)
+
+
+def trl_kto(c, cfg):
+    """KTOTrainer._compute_loss on a stand-in self and model (fp64): the
+    loss, its gradient w.r.t. the per-token log-probs, and logged metrics."""
+    from trl.trainer.kto_trainer import KTOTrainer
+
+    logp = torch.tensor(c["logp"], dtype=torch.float64, requires_grad=True)
+    outputs = types.SimpleNamespace(log_probs=logp, entropy=torch.zeros_like(logp),
+                                    mean_logits=torch.zeros_like(logp))
+    s = types.SimpleNamespace(
+        model=types.SimpleNamespace(training=True), accelerator=_Accelerator(),
+        aux_loss_enabled=False, precompute_ref_logps=True,
+        calculate_KL=cfg.get("calculate_KL", True), loss_type=cfg.get("loss_type", "kto"),
+        beta=cfg.get("beta", 0.1), desirable_weight=cfg.get("desirable_weight", 1.0),
+        undesirable_weight=cfg.get("undesirable_weight", 1.0),
+        _metrics={"train": collections.defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
+        _compute_kl_logps=lambda model, batch: (
+            torch.tensor(c["kl_policy"], dtype=torch.float64) if cfg.get("calculate_KL", True)
+            else None))
+    mask = torch.tensor(c["mask"])
+    batch = {"label": torch.tensor(c["label"]), "input_ids": torch.zeros_like(mask),
+             "attention_mask": torch.ones_like(mask), "completion_mask": mask,
+             "ref_logps": torch.tensor(c["ref"], dtype=torch.float64),
+             "ref_KL_logps": torch.tensor(c["kl_ref"], dtype=torch.float64)}
+    loss = KTOTrainer._compute_loss(s, lambda **kw: outputs, batch, False)
+    (g,) = torch.autograd.grad(loss, (logp,))
+    metrics = {k: v[-1] for k, v in s._metrics["train"].items()}
+    return loss.item(), g.numpy() * c["mask"][:, 1:], metrics
+
+
+KTO = [dict(), dict(beta=0.3, desirable_weight=1.33, undesirable_weight=0.7),
+       dict(calculate_KL=False), dict(loss_type="apo_zero_unpaired", beta=0.2)]
+
+
+@pytest.mark.parametrize("api", ["numpy", "torch"])
+@pytest.mark.parametrize("cfg", KTO, ids=["kto", "weights", "no_kl", "apo_zero_unpaired"])
+def test_kto_matches_trl(cfg, api):
+    c = kto_case(seed=len(str(cfg)))
+    loss64, d64, metrics = trl_kto(c, cfg)
+    sums = c["logp"].astype(np.float64).sum(1).astype(np.float32)
+    kl = None
+    if cfg.get("calculate_KL", True):
+        kl = max(float(np.mean(np.float64(c["kl_policy"]) - c["kl_ref"])), 0.0)
+    kw = {k: v for k, v in cfg.items() if k != "calculate_KL"}
+    if api == "numpy":
+        r = lmloss.kto_loss(sums, c["ref"], c["label"], kl=kl, grad=True, **kw)
+        loss, d, m = r.loss, r.dlogps, r.metrics
+    else:
+        s = torch.tensor(sums, requires_grad=True)
+        loss, mt = lt.kto_loss(s, torch.tensor(c["ref"]), torch.tensor(c["label"]), kl,
+                               return_metrics=True, **kw)
+        (2.0 * loss).backward()
+        loss, d = loss.item(), s.grad.numpy() / 2.0
+        m = dict(zip(lmloss._preference.KTO_METRIC_NAMES, mt.tolist()))
+    assert_close(loss, loss64, "loss")
+    assert_close(d[:, None] * c["mask"][:, 1:], d64, "d logp")
+    for k, v in lmloss._preference.kto_trl_metrics(m).items():
+        assert_close(v, metrics[k], "metric " + k)

@@ -473,3 +473,28 @@ def test_dpo_on_cuda_matches_trl_without_host_sync(name, cfg):
     D.assert_close(out["cuda"][0].item(), loss64, "loss")
     D.assert_close(out["cuda"][1].cpu().numpy()[:, None] * m[:, 1:], d64, "d logp")
     close(out["cuda"][2], out["cpu"][2], rtol=1e-6, atol=1e-6)
+
+
+def test_kto_on_cuda_matches_cpu_without_host_sync():
+    """lmloss.torch.kto_loss on CUDA tensors: the CPU backend's loss,
+    gradient and metrics, with no host sync in the forward and backward."""
+    g = torch.Generator().manual_seed(3)
+    lp = torch.randn(300, generator=g) * 4 - 20
+    ref = lp + torch.randn(300, generator=g)
+    label = torch.rand(300, generator=g) < 0.4
+    out = {}
+    for dev in ("cpu", "cuda"):
+        x = lp.to(dev).requires_grad_()
+        args = (ref.to(dev), label.to(dev), torch.tensor(0.3, device=dev))
+        torch.cuda.synchronize()
+        if dev == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss, metrics = lt.kto_loss(x, *args, beta=0.2, desirable_weight=1.3,
+                                        return_metrics=True)
+            (1.5 * loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        out[dev] = (loss, x.grad, metrics)
+    for a, b in zip(out["cuda"], out["cpu"]):
+        close(a, b, rtol=1e-6, atol=1e-9)

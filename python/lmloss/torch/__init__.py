@@ -26,7 +26,8 @@ fused heads, a student's and a teacher's, as linear_cross_entropy does.
 
 grpo_loss (_grpo.py) is TRL's GRPOTrainer loss on per-token log-probs,
 differentiable w.r.t. them and the entropies, with every GRPOConfig option;
-dpo_loss (_preference.py) DPOTrainer's on sequence log-prob sums.
+dpo_loss and kto_loss (_preference.py) DPOTrainer's and KTOTrainer's on
+sequence log-prob sums.
 
 The ops are registered with torch.library (namespace ``lmloss``: see
 _ops.py, _linear_ops.py and _div_ops.py) with fake impls from symbolic
@@ -39,7 +40,7 @@ run from a torch.autograd.Function.
 
 from ._divergence import generalized_jsd, kl_div, tvd
 from ._grpo import grpo_loss
-from ._preference import dpo_loss
+from ._preference import dpo_loss, kto_loss
 from ._functional import (cross_entropy, entropy, entropy_from_logits, linear_cross_entropy,
                           linear_log_probs, log_probs, log_softmax, selective_log_softmax,
                           softmax)
@@ -49,7 +50,7 @@ from ._modules import (CrossEntropyLoss, LinearCrossEntropyLoss, LinearGeneraliz
 
 __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "LinearGeneralizedJSD", "LinearLogProbs",
            "cross_entropy", "dpo_loss", "entropy", "entropy_from_logits", "generalized_jsd",
-           "grpo_loss",
+           "grpo_loss", "kto_loss",
            "kl_div",
            "linear_cross_entropy", "linear_generalized_jsd", "linear_kl_div", "linear_log_probs",
            "linear_tvd", "log_probs", "log_softmax", "selective_log_softmax", "softmax", "tvd"]

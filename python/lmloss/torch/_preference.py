@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import _lib
-from .._preference import METRIC_NAMES, pref_struct, pref_values
+from .._preference import METRIC_NAMES, kto_struct, kto_values, pref_struct, pref_values
 from . import _bridge as B
 from ._dispatch import Differentiable, custom_op
 from ._grpo import F32, _f32
@@ -145,3 +145,71 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor,
 def metrics_dict(metrics: Tensor) -> dict:
     """dpo_loss's metrics tensor as {name: float} (reads it to the host)."""
     return dict(zip(METRIC_NAMES, metrics.tolist()))
+
+
+@custom_op("lmloss::kto")
+def kto(logps: Tensor, ref_logps: Optional[Tensor], label: Tensor, kl: Optional[Tensor],
+        fopts: list[float], iopts: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """loss (0-d), metrics [LMLOSS_KTO_METRICS] and dlogps at an upstream
+    gradient of 1 ([0] when not wanted); iopts [type, backend, num_threads,
+    want the gradient]."""
+    loss = logps.new_empty((), dtype=F32)
+    metrics = logps.new_empty((_lib.KTO_METRICS,), dtype=F32)
+    d = logps.new_empty(logps.shape if iopts[3] else (0,), dtype=F32)
+    keep = []
+
+    def v(t):
+        return B.view(t, keep)
+
+    with B.context(logps, iopts[1], iopts[2]) as ctx:
+        inputs = _lib.KTOInputs(v(logps), v(ref_logps), v(label), v(kl))
+        out = _lib.KTOOutputs(loss=v(loss.reshape(1)), metrics=v(metrics))
+        if d.numel():
+            out.dlogps = v(d)
+        _lib.check(_lib.kto(ctx, inputs, kto_struct(fopts, iopts[0]), out))
+    return loss, metrics, d
+
+
+@kto.register_fake
+def _(logps, ref_logps, label, kl, fopts, iopts):
+    return (logps.new_empty((), dtype=F32), logps.new_empty((_lib.KTO_METRICS,), dtype=F32),
+            logps.new_empty(logps.shape if iopts[3] else (0,), dtype=F32))
+
+
+def _kto_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[2])
+
+
+def _kto_backward(ctx, dloss, _dmetrics, _dd):
+    (d,) = ctx.saved_tensors
+    grads = [None] * 6
+    if dloss is not None and d.numel() and ctx.needs_input_grad[0]:
+        grads[0] = d * dloss
+    return tuple(grads)
+
+
+kto = Differentiable(kto, _kto_setup, _kto_backward)
+
+
+def kto_loss(logps: Tensor, ref_logps: Optional[Tensor], label: Tensor,
+             kl: Optional[Union[float, Tensor]] = None, *, loss_type: str = "kto",
+             beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+             return_metrics: bool = False, backend: str = "auto", num_threads: int = 0
+             ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """KTOTrainer's loss (lmloss.kto_loss says what) from the policy's
+    sequence log-prob sums [N], the reference's and the labels [N],
+    differentiable w.r.t. logps; kl a number or a tensor (detached). Returns
+    the float32 0-d loss, or (loss, metrics [8]) with return_metrics."""
+    fopts, code = kto_values(loss_type, beta, desirable_weight, undesirable_weight)
+    if logps.dim() != 1:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "logps must be [N], got %s"
+                         % (tuple(logps.shape),))
+    want = int(torch.is_grad_enabled() and logps.requires_grad)
+    iopts = [code, B.backend_code(backend), _lib.int_option("num_threads", num_threads), want]
+    if kl is not None and not isinstance(kl, Tensor):
+        kl = torch.tensor(_lib.float_option("kl", kl), dtype=F32, device=logps.device)
+    lab = label.to(device=logps.device, dtype=torch.bool).reshape(-1)
+    loss, metrics, _ = kto(_f32(logps, logps, "logps"), _f32(ref_logps, logps, "ref_logps"), lab,
+                           None if kl is None else _f32(kl.detach().reshape(1), logps, "kl"),
+                           fopts, iopts)
+    return (loss, metrics) if return_metrics else loss
