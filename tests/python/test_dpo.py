@@ -358,14 +358,17 @@ def kto_case(n=9, t=6, seed=0):
     return dict(logp=logp, mask=mask, ref=ref, label=label, kl_policy=kl_policy, kl_ref=kl_ref)
 
 
-def trl_kto(c, cfg):
-    """KTOTrainer._compute_loss on a stand-in self and model (fp64): the
-    loss, its gradient w.r.t. the per-token log-probs, and logged metrics."""
+def trl_kto(c, cfg, fn=None):
+    """KTOTrainer._compute_loss (or fn) on a stand-in self and model (fp64):
+    the loss, its gradient w.r.t. the per-token log-probs, and logged
+    metrics."""
     from trl.trainer.kto_trainer import KTOTrainer
 
     logp = torch.tensor(c["logp"], dtype=torch.float64, requires_grad=True)
-    outputs = types.SimpleNamespace(log_probs=logp, entropy=torch.zeros_like(logp),
-                                    mean_logits=torch.zeros_like(logp))
+    rng = np.random.default_rng(4)
+    outputs = types.SimpleNamespace(
+        log_probs=logp, entropy=torch.tensor(rng.uniform(0, 2, logp.shape)),
+        mean_logits=torch.tensor(rng.normal(0, 1, logp.shape)))
     s = types.SimpleNamespace(
         model=types.SimpleNamespace(training=True), accelerator=_Accelerator(),
         aux_loss_enabled=False, precompute_ref_logps=True,
@@ -381,7 +384,7 @@ def trl_kto(c, cfg):
              "attention_mask": torch.ones_like(mask), "completion_mask": mask,
              "ref_logps": torch.tensor(c["ref"], dtype=torch.float64),
              "ref_KL_logps": torch.tensor(c["kl_ref"], dtype=torch.float64)}
-    loss = KTOTrainer._compute_loss(s, lambda **kw: outputs, batch, False)
+    loss = (fn or KTOTrainer._compute_loss)(s, lambda **kw: outputs, batch, False)
     (g,) = torch.autograd.grad(loss, (logp,))
     metrics = {k: v[-1] for k, v in s._metrics["train"].items()}
     return loss.item(), g.numpy() * c["mask"][:, 1:], metrics
@@ -415,3 +418,32 @@ def test_kto_matches_trl(cfg, api):
     assert_close(d[:, None] * c["mask"][:, 1:], d64, "d logp")
     for k, v in lmloss._preference.kto_trl_metrics(m).items():
         assert_close(v, metrics[k], "metric " + k)
+
+
+@pytest.mark.parametrize("cfg", KTO, ids=["kto", "weights", "no_kl", "apo_zero_unpaired"])
+def test_kto_trl_dropin_matches_trl(cfg):
+    """KTOTrainer._compute_loss replaced by the drop-in: TRL's loss, gradient
+    and every logged metric."""
+    from lmloss.integrations import trl as lmloss_trl
+
+    c = kto_case(seed=40 + len(str(cfg)))
+    got = trl_kto(c, cfg, lmloss_trl.kto_compute_loss)
+    want = trl_kto(c, cfg)
+    assert_close(got[0], want[0], "loss")
+    assert_close(got[1], want[1], "d logp")
+    assert got[2].keys() == want[2].keys()
+    for k, v in want[2].items():
+        assert_close(got[2][k], v, "metric " + k)
+
+
+def test_trl_enable_patches_and_restores_kto():
+    from lmloss.integrations import trl as lmloss_trl
+    from trl.trainer.kto_trainer import KTOTrainer
+
+    orig = KTOTrainer._compute_loss
+    lmloss_trl.enable()
+    try:
+        assert KTOTrainer._compute_loss is lmloss_trl.kto_compute_loss
+    finally:
+        lmloss_trl.disable()
+    assert KTOTrainer._compute_loss is orig

@@ -15,14 +15,15 @@ chunked_divergence_loss DistillationTrainer's two-head loss through
 lmloss.torch.linear_generalized_jsd. grpo_compute_loss
 is GRPOTrainer._compute_loss (its loss, gradient and logged metrics, every
 GRPOConfig option) through lmloss.torch.grpo_loss; dpo_compute_loss
-DPOTrainer._compute_loss through lmloss.torch.dpo_loss.
+DPOTrainer._compute_loss through lmloss.torch.dpo_loss, kto_compute_loss
+KTOTrainer's through lmloss.torch.kto_loss.
 
 enable(module=None) / disable(module=None): patch (and restore) those names
 in `module`, by default trl.trainer.utils together with every imported trl
 module that imported them by name (e.g. trl.trainer.grpo_trainer), and
 GKDTrainer.generalized_jsd_loss where TRL has that trainer
 (trl.experimental.gkd), DistillationTrainer's _chunked_divergence_loss,
-and GRPOTrainer's and DPOTrainer's _compute_loss.
+and GRPOTrainer's, DPOTrainer's and KTOTrainer's _compute_loss.
 """
 
 import sys
@@ -31,7 +32,9 @@ import warnings
 from typing import Any, List, Optional, Sequence
 
 from .. import torch as lt
+from .._preference import KTO_METRIC_NAMES as _KTO_METRICS
 from .._preference import METRIC_NAMES as _DPO_METRICS
+from .._preference import kto_trl_metrics as _kto_trl_metrics
 from .._preference import trl_metrics as _dpo_trl_metrics
 
 _saved = {}  # (module name, attribute) -> original
@@ -468,6 +471,79 @@ def dpo_compute_loss(self: Any, model: Any, inputs: dict, return_outputs: bool) 
     return loss
 
 
+def _kto_trainer():
+    """TRL's KTOTrainer, or None where TRL or its _compute_loss is absent."""
+    try:
+        from trl.trainer.kto_trainer import KTOTrainer
+    except ImportError:
+        return None
+    return KTOTrainer if "_compute_loss" in vars(KTOTrainer) else None
+
+
+_KTO_KEY = ("trl.trainer.kto_trainer.KTOTrainer", "_compute_loss")
+_KTO_SKIP = {"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask",
+             "KL_token_type_ids", "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps"}
+
+
+def kto_compute_loss(self: Any, model: Any, inputs: dict, return_outputs: bool) -> Any:
+    """KTOTrainer._compute_loss through lmloss.torch.kto_loss: the same model
+    forwards and KL estimate, both loss types, the weights, TRL's nanmean,
+    exact at large margins, and TRL's logged metrics. return_outputs, and
+    a reference model run in the step (precompute_ref_logps off), go to
+    TRL's own."""
+    import torch
+
+    if return_outputs or not self.precompute_ref_logps:
+        return (_saved[_KTO_KEY][1] if _KTO_KEY in _saved
+                else vars(_kto_trainer())["_compute_loss"])(self, model, inputs, return_outputs)
+    mode = "train" if self.model.training else "eval"
+    acc = self.accelerator
+    batch = {k: (v.to(acc.device) if isinstance(v, torch.Tensor) else v)
+             for k, v in inputs.items()}
+    kl_logps = self._compute_kl_logps(model, batch)
+    kwargs = {k: v for k, v in batch.items() if k not in _KTO_SKIP}
+    kwargs["use_cache"] = False
+    if self.aux_loss_enabled:
+        kwargs["output_router_logits"] = True
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    outputs = model(**kwargs, labels=labels, fused_lm_head=True)
+    seq_len = batch["input_ids"].size(1) - 1
+    logps = outputs.log_probs[:, -seq_len:].sum(-1)
+    kl = None
+    if self.calculate_KL:
+        kl = (kl_logps - batch["ref_KL_logps"]).mean().detach()
+        kl = acc.gather_for_metrics(kl).mean().clamp(min=0)
+    desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=logps.device)
+    loss, metrics = lt.kto_loss(logps, batch["ref_logps"], desirable, kl,
+                                loss_type=self.loss_type, beta=self.beta,
+                                desirable_weight=self.desirable_weight,
+                                undesirable_weight=self.undesirable_weight, return_metrics=True)
+    log = self._metrics[mode]
+    log["kl"].append(0.0 if kl is None else kl.item())
+    mask = batch["completion_mask"][:, 1:]
+    ent = acc.gather_for_metrics((outputs.entropy[:, -seq_len:].detach() * mask).sum()).sum()
+    tokens = acc.gather_for_metrics(mask.sum()).sum()
+    log["entropy"].append((ent / tokens).item() if tokens > 0 else 0.0)
+    if mode == "train":
+        n = acc.gather_for_metrics(batch["attention_mask"].sum()).sum().item()
+        self._total_train_tokens += n // self._tp_size
+    log["num_tokens"] = [self._total_train_tokens]
+    mean_logits = outputs.mean_logits[:, -seq_len:]
+    for name, keep in (("chosen", desirable), ("rejected", ~desirable)):
+        m = mask[keep]
+        total = acc.gather_for_metrics(mean_logits[keep][m.bool()].sum()).sum().item()
+        count = acc.gather_for_metrics(m.sum()).sum().item()
+        if count > 0:
+            log["logits/" + name].append(total / count)
+    sums = acc.gather_for_metrics(metrics.detach()).reshape(-1, metrics.numel()).sum(0).tolist()
+    for k, v in _kto_trl_metrics(dict(zip(_KTO_METRICS, sums))).items():
+        log[k].append(v)
+    if self.aux_loss_enabled:
+        loss = loss + self.router_aux_loss_coef * outputs.aux_loss
+        log["aux_loss"].append(acc.gather_for_metrics(outputs.aux_loss).mean().item())
+    return loss
+
+
 def _patch_trainer(key, find, new):
     """cls._compute_loss -> new where TRL has the trainer (find() returns it)."""
     cls = find()
@@ -505,6 +581,7 @@ def enable(module: Optional[types.ModuleType] = None) -> List[types.ModuleType]:
         _patch_distillation()
         _patch_trainer(_GRPO_KEY, _grpo_trainer, grpo_compute_loss)
         _patch_trainer(_DPO_KEY, _dpo_trainer, dpo_compute_loss)
+        _patch_trainer(_KTO_KEY, _kto_trainer, kto_compute_loss)
     for mod in mods:
         for attr, new in _REPLACEMENTS.items():
             old = getattr(mod, attr, None)
