@@ -447,3 +447,46 @@ def test_trl_enable_patches_and_restores_kto():
     finally:
         lmloss_trl.disable()
     assert KTOTrainer._compute_loss is orig
+
+
+@pytest.mark.parametrize("loss_type,eps,alpha", CPO)
+def test_cpo_and_orpo_trl_dropins_match_trl(loss_type, eps, alpha):
+    """CPOTrainer.cpo_loss and ORPOTrainer.odds_ratio_loss replaced by the
+    drop-ins: TRL's tuples, and the gradient of the per-pair losses."""
+    from lmloss.integrations import trl as lmloss_trl
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    g = np.random.default_rng(6)
+    c32 = (-g.uniform(0.01, 3.0, 7)).astype(np.float32)
+    r32 = (-g.uniform(0.01, 3.0, 7)).astype(np.float32)
+    w = torch.linspace(0.5, 1.5, 7, dtype=torch.float64)
+    cpo = cpo_stand_in(CPOTrainer, alpha=alpha, loss_type=loss_type, simpo_gamma=0.7, beta=0.3,
+                       label_smoothing=eps)
+    orpo = types.SimpleNamespace(accelerator=_Accelerator(), beta=0.3)
+    for s, ours, theirs in ((cpo, lmloss_trl.cpo_loss, CPOTrainer.cpo_loss),
+                            (orpo, lmloss_trl.odds_ratio_loss, ORPOTrainer.odds_ratio_loss)):
+        out = []
+        for fn in (ours, theirs):
+            c = torch.tensor(c32, dtype=torch.float64, requires_grad=True)
+            r = torch.tensor(r32, dtype=torch.float64, requires_grad=True)
+            res = fn(s, c, r)
+            gc, gr = torch.autograd.grad((res[0] * w).sum(), (c, r))
+            out.append([x.detach().double().numpy() for x in res] + [gc.numpy(), gr.numpy()])
+        for k, (a, b) in enumerate(zip(*out)):
+            assert_close(a, b, "output %d" % k, 2e-6)
+
+
+def test_trl_enable_patches_cpo_and_orpo():
+    from lmloss.integrations import trl as lmloss_trl
+    from trl.experimental.cpo.cpo_trainer import CPOTrainer
+    from trl.experimental.orpo.orpo_trainer import ORPOTrainer
+
+    orig = CPOTrainer.cpo_loss, ORPOTrainer.odds_ratio_loss
+    lmloss_trl.enable()
+    try:
+        assert CPOTrainer.cpo_loss is lmloss_trl.cpo_loss
+        assert ORPOTrainer.odds_ratio_loss is lmloss_trl.odds_ratio_loss
+    finally:
+        lmloss_trl.disable()
+    assert (CPOTrainer.cpo_loss, ORPOTrainer.odds_ratio_loss) == orig

@@ -16,14 +16,16 @@ lmloss.torch.linear_generalized_jsd. grpo_compute_loss
 is GRPOTrainer._compute_loss (its loss, gradient and logged metrics, every
 GRPOConfig option) through lmloss.torch.grpo_loss; dpo_compute_loss
 DPOTrainer._compute_loss through lmloss.torch.dpo_loss, kto_compute_loss
-KTOTrainer's through lmloss.torch.kto_loss.
+KTOTrainer's through lmloss.torch.kto_loss; cpo_loss and odds_ratio_loss
+the per-pair losses of CPOTrainer and ORPOTrainer (trl.experimental).
 
 enable(module=None) / disable(module=None): patch (and restore) those names
 in `module`, by default trl.trainer.utils together with every imported trl
 module that imported them by name (e.g. trl.trainer.grpo_trainer), and
 GKDTrainer.generalized_jsd_loss where TRL has that trainer
 (trl.experimental.gkd), DistillationTrainer's _chunked_divergence_loss,
-and GRPOTrainer's, DPOTrainer's and KTOTrainer's _compute_loss.
+GRPOTrainer's, DPOTrainer's and KTOTrainer's _compute_loss, and
+CPOTrainer.cpo_loss and ORPOTrainer.odds_ratio_loss.
 """
 
 import sys
@@ -544,13 +546,75 @@ def kto_compute_loss(self: Any, model: Any, inputs: dict, return_outputs: bool) 
     return loss
 
 
+def _experimental(module, name):
+    """trl.experimental's trainer class `name` of `module`, or None; its
+    import warning kept quiet (enable() is not the user choosing it)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are importing from 'trl.experimental'")
+        try:
+            mod = __import__("trl.experimental.%s" % module, fromlist=[name])
+        except ImportError:
+            return None
+    return getattr(mod, name, None)
+
+
+_CPO_KEY = ("trl.experimental.cpo.cpo_trainer.CPOTrainer", "cpo_loss")
+_ORPO_KEY = ("trl.experimental.orpo.orpo_trainer.ORPOTrainer", "odds_ratio_loss")
+_CPO_TYPES = {"sigmoid": "cpo_sigmoid", "hinge": "hinge", "ipo": "cpo_ipo", "simpo": "simpo"}
+
+
+def _original(key, find):
+    return _saved[key][1] if key in _saved else vars(find())[key[1]]
+
+
+def _cpo_trainer():
+    return _experimental("cpo.cpo_trainer", "CPOTrainer")
+
+
+def _orpo_trainer():
+    return _experimental("orpo.orpo_trainer", "ORPOTrainer")
+
+
+def cpo_loss(self: Any, policy_chosen_logps: Any, policy_rejected_logps: Any) -> tuple:
+    """CPOTrainer.cpo_loss through lmloss.torch.dpo_loss's CPO types: TRL's
+    (losses, chosen_rewards, rejected_rewards), the per-pair losses
+    differentiable. AlphaPO (alpha != 0), whose rewards are transformed,
+    goes to TRL's own."""
+    if self.alpha != 0.0 or self.loss_type not in _CPO_TYPES:
+        return _original(_CPO_KEY, _cpo_trainer)(self, policy_chosen_logps,
+                                                 policy_rejected_logps)
+    dev = self.accelerator.device
+    losses = lt.dpo_loss(policy_chosen_logps, policy_rejected_logps,
+                         loss_type=_CPO_TYPES[self.loss_type], beta=self.beta,
+                         label_smoothing=self.label_smoothing,
+                         simpo_gamma=getattr(self, "simpo_gamma", 0.5), reduction="none")
+    return (losses.to(dev), self.beta * policy_chosen_logps.to(dev).detach(),
+            self.beta * policy_rejected_logps.to(dev).detach())
+
+
+def odds_ratio_loss(self: Any, policy_chosen_logps: Any, policy_rejected_logps: Any) -> tuple:
+    """ORPOTrainer.odds_ratio_loss through lmloss.torch.dpo_loss's "orpo":
+    TRL's (losses, chosen_rewards, rejected_rewards, mean log sigmoid of the
+    log odds, mean log odds), the losses (minus lmloss's per-pair terms)
+    differentiable, exact where p is near 1 or the log odds are large."""
+    dev = self.accelerator.device
+    terms, metrics = lt.dpo_loss(policy_chosen_logps, policy_rejected_logps, loss_type="orpo",
+                                 beta=self.beta, reduction="none", return_metrics=True)
+    losses = -terms
+    n = policy_chosen_logps.shape[0]
+    log_odds = metrics[_DPO_METRICS.index("orpo_log_odds")] / n
+    return (losses.to(dev), self.beta * policy_chosen_logps.to(dev).detach(),
+            self.beta * policy_rejected_logps.to(dev).detach(),
+            (losses.detach() / self.beta).mean().to(dev), log_odds.to(dev))
+
+
 def _patch_trainer(key, find, new):
-    """cls._compute_loss -> new where TRL has the trainer (find() returns it)."""
+    """cls.<key[1]> -> new where TRL has the trainer (find() returns it)."""
     cls = find()
-    if cls is None or vars(cls)["_compute_loss"] is new:
+    if cls is None or key[1] not in vars(cls) or vars(cls)[key[1]] is new:
         return
-    _saved[key] = (cls, vars(cls)["_compute_loss"])
-    cls._compute_loss = new
+    _saved[key] = (cls, vars(cls)[key[1]])
+    setattr(cls, key[1], new)
 
 
 _REPLACEMENTS = {"selective_log_softmax": selective_log_softmax,
@@ -582,6 +646,8 @@ def enable(module: Optional[types.ModuleType] = None) -> List[types.ModuleType]:
         _patch_trainer(_GRPO_KEY, _grpo_trainer, grpo_compute_loss)
         _patch_trainer(_DPO_KEY, _dpo_trainer, dpo_compute_loss)
         _patch_trainer(_KTO_KEY, _kto_trainer, kto_compute_loss)
+        _patch_trainer(_CPO_KEY, _cpo_trainer, cpo_loss)
+        _patch_trainer(_ORPO_KEY, _orpo_trainer, odds_ratio_loss)
     for mod in mods:
         for attr, new in _REPLACEMENTS.items():
             old = getattr(mod, attr, None)
