@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 secs=${1:-20}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(fuzz_ce fuzz_logprob fuzz_softmax fuzz_shard fuzz_fused_linear fuzz_divergence)
+[ ${#targets[@]} -gt 0 ] || targets=(fuzz_ce fuzz_logprob fuzz_softmax fuzz_shard fuzz_fused_linear fuzz_divergence
+                                  fuzz_objectives)
 
 cc=${CC:-}
 if [ -z "$cc" ]; then
