@@ -445,3 +445,45 @@ def test_vllm_is_modes_form_trls_ratio(mode, loss_type):
     loss64, dl64, _, _ = trl(c, dict(cfg, use_vllm=True), ("ref", mode), torch.float64)
     assert_close(r.loss, loss64, "loss")
     assert_close(r.dlogp, dl64, "dlogp")
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_from_hidden_states_through_the_fused_head(loss_type):
+    """The composition a trainer runs: lt.linear_log_probs (the fused head,
+    log-probs and entropy) into grpo_loss, backward into the hidden states
+    and the head; against TRL's _compute_loss on torch's own log-softmax of
+    the materialized logits (fp64), gradients w.r.t. hidden and weight."""
+    b, t, h, v = 3, 5, 16, 37
+    g = torch.Generator().manual_seed(8)
+    hidden0, weight0 = torch.randn(b * t, h, generator=g), torch.randn(v, h, generator=g) * 0.5
+    ids = torch.randint(0, v, (b * t,), generator=g)
+    c = case(b=b, t=t, seed=12)
+    cfg = dict(loss_type=loss_type, beta=0.04, entropy_coef=0.02, top_entropy_quantile=0.6,
+               temperature=0.7)
+    kw = torch_args(c, {k: v for k, v in cfg.items() if k != "temperature"}, ("ref",))
+    kw.pop("entropies")
+    out = []
+    for ours in (True, False):
+        dt = torch.float32 if ours else torch.float64
+        hidden, weight = hidden0.to(dt).requires_grad_(), weight0.to(dt).requires_grad_()
+        if ours:
+            logp, ent = lt.linear_log_probs(hidden, weight, ids, temperature=0.7, entropy=True)
+            loss = lt.grpo_loss(logp.reshape(b, t), torch.tensor(c["adv"]),
+                                torch.tensor(c["mask"]), entropies=ent.reshape(b, t), **kw)
+        else:
+            logits = hidden @ weight.T / 0.7
+            lsm = torch.log_softmax(logits, -1)
+            logp = lsm.gather(-1, ids[:, None])[:, 0].reshape(b, t)
+            ent = -(lsm.exp() * lsm).sum(-1).reshape(b, t)
+            inp = O.inputs(torch.tensor(c["mask"], dtype=torch.float64),
+                           torch.tensor(c["adv"], dtype=torch.float64),
+                           old=torch.tensor(c["old"], dtype=torch.float64),
+                           ref=torch.tensor(c["ref"], dtype=torch.float64),
+                           num_items=torch.tensor(c["items"], dtype=torch.float64))
+            loss = O.trl_loss(logp, ent, inp,
+                              **{k: v for k, v in cfg.items() if k != "temperature"})[0]
+        loss.backward()
+        out.append((loss.item(), hidden.grad.double().numpy(), weight.grad.double().numpy()))
+    # the fused head's fp32 against fp64: its contract's 1e-4 (design.md)
+    for k, what in enumerate(("loss", "d hidden", "d weight")):
+        assert_close(out[0][k], out[1][k], what, rtol=1e-4)
