@@ -465,7 +465,8 @@ def test_from_hidden_states_through_the_fused_head(loss_type):
     out = []
     for ours in (True, False):
         dt = torch.float32 if ours else torch.float64
-        hidden, weight = hidden0.to(dt).requires_grad_(), weight0.to(dt).requires_grad_()
+        hidden = hidden0.to(dt, copy=True).requires_grad_()
+        weight = weight0.to(dt, copy=True).requires_grad_()
         if ours:
             logp, ent = lt.linear_log_probs(hidden, weight, ids, temperature=0.7, entropy=True)
             loss = lt.grpo_loss(logp.reshape(b, t), torch.tensor(c["adv"]),
