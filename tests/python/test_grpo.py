@@ -11,6 +11,8 @@ float32 (what a user compares with). Then the exactness cases TRL's fp32
 loses (log-probs near -1000, k3 of small differences), masked tokens,
 empty sequences, B = 1, thread counts and bad input."""
 
+import types
+
 import numpy as np
 import pytest
 
@@ -488,3 +490,55 @@ def test_from_hidden_states_through_the_fused_head(loss_type):
     # the fused head's fp32 against fp64: its contract's 1e-4 (design.md)
     for k, what in enumerate(("loss", "d hidden", "d weight")):
         assert_close(out[0][k], out[1][k], what, rtol=1e-4)
+
+
+class TwinAccelerator(O.Accelerator):
+    """Two processes holding the same batch: gathers repeat a tensor, sums
+    double; what the drop-in's multi-process paths (the entropy threshold
+    over every process's tokens, reduced metric sums, the divisor per
+    process) meet."""
+
+    num_processes = 2
+
+    def gather(self, x):
+        return torch.cat([x.reshape(-1), x.reshape(-1)]) if x.dim() else torch.stack([x, x])
+
+    def gather_for_metrics(self, x):
+        return self.gather(x)
+
+    def reduce(self, x, reduction="sum"):
+        return 2 * x
+
+
+@pytest.mark.parametrize("option", ["everything", "bonus", "off_policy", "kl_bias"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "cispo", "vespo"])
+def test_trl_dropin_on_two_processes(loss_type, option):
+    """The drop-in against TRL's own under a two-process accelerator."""
+    from lmloss.integrations import trl as lmloss_trl
+
+    cfg, given = OPTIONS[option]
+    cfg = dict(cfg, loss_type=loss_type)
+    c = case(b=3, t=6, seed=77)
+    runs = []
+    for fn in (lmloss_trl.grpo_compute_loss, O.GRPOTrainer._compute_loss):
+        def tt(x):
+            return torch.tensor(x)
+        logp, ent = tt(c["logp"]).requires_grad_(), tt(c["entropy"]).requires_grad_()
+        is_key = ratio_key(given)
+        inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=tt(c["old"]),
+                       ref=tt(c["ref"]) if "ref" in given else None,
+                       sampling=tt(c["sampling"]) if "sampling" in given else None,
+                       is_ratio=tt(c[is_key]) if is_key else None, num_items=tt(c["items"]))
+        s = O.stand_in(logp, ent, **cfg)
+        s.accelerator = TwinAccelerator()
+        s.get_high_entropy_mask = types.MethodType(O.GRPOTrainer.get_high_entropy_mask, s)
+        loss = fn(s, None, inp)
+        dl, de = torch.autograd.grad(loss, (logp, ent), allow_unused=True)
+        runs.append((loss.item(), dl.numpy(), torch.zeros_like(ent) if de is None else de,
+                     dict(s._metrics["train"])))
+    assert_close(runs[0][0], runs[1][0], "loss", rtol=1e-5, atol=1e-6)
+    assert_close(runs[0][1], runs[1][1], "dlogp", rtol=1e-5, atol=1e-7)
+    assert_close(runs[0][2].numpy(), runs[1][2].numpy(), "dentropy", rtol=1e-5, atol=1e-7)
+    assert runs[0][3].keys() == runs[1][3].keys()
+    for k, v in runs[1][3].items():
+        assert_close(runs[0][3][k], v, "metric " + k, rtol=1e-5, atol=1e-7)
