@@ -89,23 +89,8 @@ __device__ __forceinline__ void put_loss(const CeArgs &a, int64_t i, double li, 
   }
 }
 
-/* One 1024-thread block: a fixed-order double sum over rows (deterministic,
- * N is small next to N x V). */
-__device__ __forceinline__ double block_sum(double v, double *sh) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1)
-    v += __shfl_down_sync(0xffffffffu, v, off);
-  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
-  __syncthreads();
-  double s = 0.0;
-  if (threadIdx.x == 0)
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++)
-      s += sh[w];
-  return s;
-}
-
 __global__ void ce_denominator(CeArgs a, double *out) {
-  __shared__ double sh[32];
+  __shared__ double sh[33];
   double s = 0.0;
   for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x)
     s += row_weight(a, ld_index(a.tgt, a.tgt64, i * a.ts));
@@ -114,14 +99,13 @@ __global__ void ce_denominator(CeArgs a, double *out) {
 }
 
 __global__ void ce_finalize(CeArgs a, float *loss) {
-  __shared__ double sh[32];
+  __shared__ double sh[33];
   double l = 0.0, w = 0.0;
   for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x) {
     l += a.ws_loss[i];
     w += a.ws_wt[i];
   }
   l = block_sum(l, sh);
-  __syncthreads();
   w = block_sum(w, sh);
   if (threadIdx.x == 0) {
     double r = l;

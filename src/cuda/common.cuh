@@ -439,6 +439,31 @@ __device__ __forceinline__ void prefetch_index(const void *p, int is64, int64_t 
   prefetch_l1(is64 ? (const void *)((const long long *)p + i) : (const void *)((const int *)p + i));
 }
 
+/* The sum of v over a block (a multiple of 32 threads, up to 1024) in a
+ * fixed order, returned to every thread; sh holds blockDim.x / 32 + 1
+ * doubles and may be reused after the call. For the per-row or
+ * per-sequence values of a call's final reductions, few next to its
+ * N x V, so one block does them and the bits never depend on scheduling. */
+__device__ __forceinline__ double block_sum(double v, double *sh) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    v += __shfl_down_sync(0xffffffffu, v, off);
+  if (lane == 0) sh[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < warps ? sh[lane] : 0.0;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+      v += __shfl_down_sync(0xffffffffu, v, off);
+    if (lane == 0) sh[warps] = v;
+  }
+  __syncthreads();
+  const double total = sh[warps];
+  __syncthreads();
+  return total;
+}
+
 /* ------------------------------------------------------------------ */
 /* Host side                                                           */
 /* ------------------------------------------------------------------ */

@@ -415,35 +415,21 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
   cluster_sync(a); /* no CTA leaves while another reads its slots */
 }
 
-/* One 1024-thread block: a fixed-order double sum. */
-__device__ __forceinline__ double div_block_sum(double v, double *sh) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1)
-    v += __shfl_down_sync(0xffffffffu, v, off);
-  if ((threadIdx.x & 31) == 0) sh[threadIdx.x >> 5] = v;
-  __syncthreads();
-  double s = 0.0;
-  if (threadIdx.x == 0)
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++)
-      s += sh[w];
-  return s;
-}
-
 __global__ void div_count(DivArgs a) {
-  __shared__ double sh[32];
+  __shared__ double sh[33];
   double n = 0.0;
   for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x)
     n += !a.label || ld_index(a.label, a.label64, i * a.ls) != a.ignore;
-  n = div_block_sum(n, sh);
+  n = block_sum(n, sh);
   if (threadIdx.x == 0) *a.count = n;
 }
 
 __global__ void div_finalize(DivArgs a) {
-  __shared__ double sh[32];
+  __shared__ double sh[33];
   double l = 0.0;
   for (int64_t i = threadIdx.x; i < a.N; i += blockDim.x)
     l += a.row_loss[i];
-  l = div_block_sum(l, sh);
+  l = block_sum(l, sh);
   if (threadIdx.x == 0) {
     double f = 1.0;
     if (a.reduction == LMLOSS_REDUCE_MEAN) f = *a.count > 0.0 ? 1.0 / *a.count : 0.0;

@@ -15,27 +15,8 @@ namespace grpo {
 
 constexpr int BS = 256; /* threads of a CTA */
 
-/* The sum of v over the CTA, in a fixed order, returned to every thread;
- * sh holds BS / 32 doubles. */
-__device__ double block_sum(double v, double *sh) {
-  for (int o = 16; o > 0; o >>= 1)
-    v += __shfl_down_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) sh[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < BS / 32 ? sh[lane] : 0.0;
-    for (int o = 16; o > 0; o >>= 1)
-      v += __shfl_down_sync(0xffffffffu, v, o);
-    if (lane == 0) sh[BS / 32] = v;
-  }
-  __syncthreads();
-  const double total = sh[BS / 32];
-  __syncthreads(); /* sh is reused by the next call */
-  return total;
-}
-
-/* Least (most) of v ignoring NaN, likewise. */
+/* The least (most) of v over the CTA ignoring NaN, in a fixed order, to
+ * every thread (sh as block_sum's, common.cuh). */
 __device__ double block_nanext(double v, double *sh, bool most) {
   for (int o = 16; o > 0; o >>= 1) {
     double w = __shfl_down_sync(0xffffffffu, v, o);

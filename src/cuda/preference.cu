@@ -14,26 +14,6 @@ namespace pref {
 
 constexpr int BS = 256;
 
-/* The sum of v over the CTA in a fixed order, to every thread (sh: BS / 32
- * + 1 doubles). */
-__device__ double block_sum(double v, double *sh) {
-  for (int o = 16; o > 0; o >>= 1)
-    v += __shfl_down_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) sh[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < BS / 32 ? sh[lane] : 0.0;
-    for (int o = 16; o > 0; o >>= 1)
-      v += __shfl_down_sync(0xffffffffu, v, o);
-    if (lane == 0) sh[BS / 32] = v;
-  }
-  __syncthreads();
-  const double total = sh[BS / 32];
-  __syncthreads();
-  return total;
-}
-
 struct Args {
   lmloss_pref_par p;
   lmloss_pref_inputs in;
