@@ -19,21 +19,11 @@ Run on an otherwise idle machine (2 cores: any load shows at once).
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 import lmloss.torch as lt
-
-
-def best(f, reps):
-    f()
-    t = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        t = min(t, time.perf_counter() - t0)
-    return 1e3 * t
+from divergence_cpu import best
 
 
 def main():
