@@ -4,8 +4,8 @@
 #include "block.h"
 #include "dispatch.h"
 #include "math/dtype.h"
-#include "rowpass.h"
 #include "math/vmath.h"
+#include "rowpass.h"
 
 const char *lmloss_cpu_isa_name(void) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)

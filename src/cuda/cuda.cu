@@ -48,18 +48,12 @@ lmloss_status lmloss_cuda_kto(const lmloss_context *, const lmloss_kto_inputs *,
 static int cuda_supports(lmloss_capability c) { return c <= LMLOSS_CAN_DIVERGENCE; }
 
 extern const lmloss_backend_ops lmloss_cuda_ops = {
-    lmloss_cuda_cross_entropy,
-    lmloss_cuda_cross_entropy_backward,
-    lmloss_cuda_log_probs,
-    lmloss_cuda_log_probs_backward,
-    lmloss_cuda_softmax,
-    lmloss_cuda_softmax_backward,
-    lmloss_cuda_divergence,
-    &lmloss_cuda_linear,
-    &lmloss_cuda_states,
-    cuda_supports,
-    lmloss_cuda_grpo,
-    lmloss_cuda_preference,
+    lmloss_cuda_cross_entropy, lmloss_cuda_cross_entropy_backward,
+    lmloss_cuda_log_probs,     lmloss_cuda_log_probs_backward,
+    lmloss_cuda_softmax,       lmloss_cuda_softmax_backward,
+    lmloss_cuda_divergence,    &lmloss_cuda_linear,
+    &lmloss_cuda_states,       cuda_supports,
+    lmloss_cuda_grpo,          lmloss_cuda_preference,
     lmloss_cuda_kto,
 };
 }
