@@ -348,14 +348,9 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
   }
   const float ms = e.s.m, mt = e.t.m, ks = a.pr.fs.k, kt = a.pr.ft.k;
   const long long as = e.s.a, at = e.t.a;
-  auto raw = [](const void *row, lmloss_dtype dt, long long j) {
-    return dt == LMLOSS_F32    ? ((const float *)row)[j]
-           : dt == LMLOSS_BF16 ? lmloss_bf16_to_f32(((const uint16_t *)row)[j])
-                               : lmloss_f16_to_f32(((const uint16_t *)row)[j]);
-  };
   /* read before any CTA of the cluster writes a gradient over the student */
-  const float xs_a = raw(rs, a.sdt, as), xt_at = raw(rt, a.tdt, at), xt_as = raw(rt, a.tdt, as);
-  const float xs_y = y >= 0 ? raw(rs, a.sdt, y) : 0.0f;
+  const float xs_a = lmloss_load(rs, a.sdt, as), xt_at = lmloss_load(rt, a.tdt, at);
+  const float xt_as = lmloss_load(rt, a.tdt, as), xs_y = y >= 0 ? lmloss_load(rs, a.sdt, y) : 0.0f;
   const float G = lmloss_div_gap(&a.pr, a.pr.capped, mt, xt_at, ms, xs_a);
   /* 2. R of each row and D = Rt - Rs below the maxes */
   float b3[3] = {0.0f, 0.0f, 0.0f};

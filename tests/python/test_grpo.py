@@ -82,8 +82,9 @@ def case(b=5, t=7, seed=0, adv_tokens=False):
                 is_seq=rng.uniform(0.5, 1.5, (b, 1)).astype(f), items=f(mask.sum() * 1.5))
 
 
-def trl(c, cfg, given, dtype):
-    """TRL's loss, d loss / d logp, d loss / d entropy and logged metrics."""
+def trl_inputs(c, given, dtype):
+    """The case's log-probs and entropies (leaves needing a gradient) and
+    TRL's inputs dict for them, in dtype."""
     def tt(x):
         return torch.tensor(x, dtype=dtype)
     logp, ent = tt(c["logp"]).requires_grad_(), tt(c["entropy"]).requires_grad_()
@@ -93,6 +94,12 @@ def trl(c, cfg, given, dtype):
                    ref=tt(c["ref"]) if "ref" in given else None,
                    sampling=tt(c["sampling"]) if "sampling" in given else None,
                    is_ratio=tt(c[is_key]) if is_key else None, num_items=tt(c["items"]))
+    return logp, ent, inp
+
+
+def trl(c, cfg, given, dtype):
+    """TRL's loss, d loss / d logp, d loss / d entropy and logged metrics."""
+    logp, ent, inp = trl_inputs(c, given, dtype)
     loss, s = O.trl_loss(logp, ent, inp, **cfg)
     dl, de = torch.autograd.grad(loss, (logp, ent), allow_unused=True)
     mode = "train" if cfg.get("training", True) else "eval"
@@ -208,15 +215,7 @@ def test_torch_matches_trl(loss_type, level, option):
 def dropin_run(fn, c, cfg, given, dtype=torch.float32):
     """fn (TRL's _compute_loss or the drop-in) on a fresh stand-in: loss,
     gradients w.r.t. logp and entropy, and everything it logged."""
-    def tt(x):
-        return torch.tensor(x, dtype=dtype)
-    logp, ent = tt(c["logp"]).requires_grad_(), tt(c["entropy"]).requires_grad_()
-    is_key = ratio_key(given)
-    old = None if "no_old" in given else tt(c["old"])
-    inp = O.inputs(tt(c["mask"]), tt(c["adv"]), old=old,
-                   ref=tt(c["ref"]) if "ref" in given else None,
-                   sampling=tt(c["sampling"]) if "sampling" in given else None,
-                   is_ratio=tt(c[is_key]) if is_key else None, num_items=tt(c["items"]))
+    logp, ent, inp = trl_inputs(c, given, dtype)
     s = O.stand_in(logp, ent, **cfg)
     loss = fn(s, None, inp)
     dl, de = torch.autograd.grad(loss, (logp, ent), allow_unused=True)
