@@ -618,6 +618,121 @@ LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const
                                                 const lmloss_transform *transform,
                                                 const lmloss_tensor *out);
 
+/* Divergences (lmloss_divergence) over a sharded vocabulary: rank r holds
+ * columns [col0, col0 + V_r) of both the student's and the teacher's rows.
+ * A divergence's loss is a sum over columns of terms that need both rows'
+ * log-sum-exps, so it takes two exchanges where cross-entropy takes one:
+ *
+ *   1. each rank: lmloss_divergence_state of its columns -> state [N,
+ *      LMLOSS_DIV_STATE_COLS]; all-gather, merge with
+ *      lmloss_divergence_state_merge (any order, or a tree);
+ *   2. each rank: lmloss_divergence_partials of its columns from the
+ *      merged state -> partials [N, LMLOSS_DIV_PARTIAL_COLS], sums of
+ *      per-column terms; all-reduce them (a plain sum: every term the loss
+ *      sums is >= 0 and formed against the whole rows' maxes and sums, so
+ *      no collapse); the gradient's sums (rev, mix, pos, neg, eq) are also
+ *      sums of terms formed against the whole rows, like the one-shot
+ *      call's;
+ *   3. each rank: lmloss_divergence_finish (or _backward_finish) of its
+ *      columns: every per-row output is the whole row's on every rank,
+ *      dstudent covers the rank's columns.
+ *
+ * The forward KL's gradient p - q needs the merged state alone: its
+ * backward_finish takes no partials (NULL). With one shard of all V
+ * columns the three calls give the one-shot call's result up to fp32
+ * rounding of the packed sums. Backends: CPU; REF and CUDA return
+ * LMLOSS_ERR_UNSUPPORTED.
+ *
+ * The packed state, F32, LMLOSS_DIV_STATE_COLS = 12 columns a row, layout
+ * version LMLOSS_DIV_STATE_VERSION; each side's w and k as lmloss.h's row
+ * state (ws, ks the student's, wt, kt the teacher's), s the student's row,
+ * t the teacher's:
+ *   [0]  ms     max of ws; NaN: either row holds a NaN or +inf
+ *   [1]  rs     sum over j != as of exp((ws_j - ms) ks)
+ *   [2]  as     the student's first argmax column, a float (exact: vocab
+ *               <= 2^24); -1 for an empty state (an ignored row); -2 - as
+ *               where the student's columns hold no logit above -inf
+ *   [3]  mt     max of wt
+ *   [4]  rt     sum over j != at of exp((wt_j - mt) kt)
+ *   [5]  at     the teacher's first argmax column; -2 - at as [2]
+ *   [6]  d      Rt - Rs summed term by term against G, the gap zt - zs
+ *               between the maxes (math/divergence.h), never as the
+ *               difference of the two sums
+ *   [7]  xt_as  the teacher's raw logit at the student's argmax
+ *   [8]  ws_y   ws at the row's label; NaN where the label is elsewhere
+ *   [9]  xs_a   the student's raw logit at as (read with a student softcap)
+ *   [10] xt_at  the teacher's raw logit at at (read with a teacher softcap)
+ *   [11] 0      reserved
+ * An exchange need send only the columns a finish reads: the leading
+ * LMLOSS_DIV_STATE_EXCHANGE_COLS (32 bytes a row), ws_y with a hard term
+ * or a ce output, xs_a and xt_at with a softcap on that side; the receiver
+ * fills the others with 0 (ws_y with NaN). 32 bytes is the floor of two
+ * rows: each row's m, R and argmax (24 bytes), D (4) and the teacher at
+ * the student's argmax (4); cross-entropy's 16 is one row's.
+ *
+ * The partials, F32, LMLOSS_DIV_PARTIAL_COLS = 8 columns a row, the sums
+ * over the rank's columns (ignored rows 0, rows the state marks
+ * non-finite NaN):
+ *   [0] div  the divergence's terms (every kind)
+ *   [1] rev  REVERSE_KL: the gradient's sum_{j != as} p_j (dg_j - dg_as)
+ *   [2] mix  JSD (0 < beta < 1): the gradient's mixture sum
+ *   [3] pos, [4] neg, [5] eq  TVD: p's mass where p > q, p < q, p = q
+ *   [6] ent  the student's entropy terms (an entropy output)
+ *   [7] 0    reserved
+ * The all-reduce need send only the columns its kind reads: [0] (KL, 4
+ * bytes a row), [0, 1] (REVERSE_KL, 8), [0, 2] (JSD, 8), [0, 3, 4, 5]
+ * (TVD, 16), plus [6] with an entropy output. A JSD with beta 0 or 1 is
+ * the KL or REVERSE_KL. */
+#define LMLOSS_DIV_STATE_VERSION 1
+#define LMLOSS_DIV_STATE_COLS 12
+#define LMLOSS_DIV_STATE_EXCHANGE_COLS 8
+#define LMLOSS_DIV_PARTIAL_COLS 8
+
+/* State of a shard for a divergence: in->student and in->teacher [N, V_r]
+ * the shard's columns, in->label (optional) [N] in the whole vocabulary
+ * (rows equal to opt->ignore_index are not read: their state is empty).
+ * state: F32 [N, LMLOSS_DIV_STATE_COLS]. Errors as lmloss_divergence,
+ * plus BAD_SHAPE for a shard outside the vocabulary; shard->entropy is
+ * not read (the partials carry the entropy). */
+LMLOSS_API lmloss_status lmloss_divergence_state(const lmloss_context *ctx,
+                                                 const lmloss_div_inputs *in,
+                                                 const lmloss_div_options *opt,
+                                                 const lmloss_shard *shard,
+                                                 const lmloss_tensor *state);
+
+/* out = merge(a, b), row by row: divergence states of two disjoint column
+ * sets of the same rows, formed with opt's transforms. out may alias a or
+ * b exactly. On the host also usable as an MPI user op over rows. */
+LMLOSS_API lmloss_status lmloss_divergence_state_merge(const lmloss_context *ctx,
+                                                       const lmloss_tensor *a,
+                                                       const lmloss_tensor *b,
+                                                       const lmloss_div_options *opt,
+                                                       const lmloss_tensor *out);
+
+/* The shard's partial sums from merged states: partials F32 [N,
+ * LMLOSS_DIV_PARTIAL_COLS]. */
+LMLOSS_API lmloss_status lmloss_divergence_partials(
+    const lmloss_context *ctx, const lmloss_div_inputs *in, const lmloss_div_options *opt,
+    const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *partials);
+
+/* lmloss_divergence's outputs from merged states and summed partials, for
+ * the same inputs and options: out->loss, divergence, ce and entropy of
+ * the whole rows, out->dstudent [N, V_r] over the shard's columns
+ * (upstream opt->grad_output). Workspace as lmloss_divergence. */
+LMLOSS_API lmloss_status lmloss_divergence_finish(
+    const lmloss_context *ctx, const lmloss_div_inputs *in, const lmloss_div_options *opt,
+    const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *partials,
+    const lmloss_div_outputs *out, void *workspace, size_t workspace_bytes);
+
+/* lmloss_divergence_backward over the shard's columns: dstudent [N, V_r]
+ * from dloss; partials may be NULL for the forward KL (and a JSD with
+ * beta 0). */
+LMLOSS_API lmloss_status lmloss_divergence_backward_finish(
+    const lmloss_context *ctx, const lmloss_div_inputs *in, const lmloss_div_options *opt,
+    const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *partials,
+    const lmloss_tensor *dloss, const lmloss_tensor *dstudent, void *workspace,
+    size_t workspace_bytes);
+
 /* ------------------------------------------------------------------ */
 /* RL objectives on per-token log-probs: the GRPO family               */
 /* ------------------------------------------------------------------ */

@@ -123,6 +123,24 @@ typedef struct {
                                   const lmloss_tensor *out);
   lmloss_status (*merge)(const lmloss_context *, const lmloss_tensor *a, const lmloss_tensor *b,
                          const lmloss_transform *, const lmloss_tensor *out);
+  /* The divergences' phases (NULL on a backend without them): states
+   * [N, LMLOSS_DIV_STATE_COLS], their merge, the partials [N,
+   * LMLOSS_DIV_PARTIAL_COLS] from merged states, and the finish: the
+   * forward's outputs (out), or the backward's dstudent from dloss (out
+   * NULL; partials NULL for the forward KL). */
+  lmloss_status (*div_state)(const lmloss_context *, const lmloss_div_inputs *,
+                             const lmloss_div_options *, const lmloss_shard *,
+                             const lmloss_tensor *state);
+  lmloss_status (*div_merge)(const lmloss_context *, const lmloss_tensor *a, const lmloss_tensor *b,
+                             const lmloss_div_options *, const lmloss_tensor *out);
+  lmloss_status (*div_partials)(const lmloss_context *, const lmloss_div_inputs *,
+                                const lmloss_div_options *, const lmloss_shard *,
+                                const lmloss_tensor *state, const lmloss_tensor *partials);
+  lmloss_status (*div_finish)(const lmloss_context *, const lmloss_div_inputs *,
+                              const lmloss_div_options *, const lmloss_shard *,
+                              const lmloss_tensor *state, const lmloss_tensor *partials,
+                              const lmloss_div_outputs *out, const lmloss_tensor *dloss,
+                              const lmloss_tensor *dstudent, void *, size_t);
 } lmloss_state_ops;
 
 /* What a backend runs beyond the row ops every backend has. */

@@ -87,7 +87,8 @@ static lmloss_status check_shard_call(const lmloss_context *ctx, const lmloss_ce
                                       size_t ws_bytes, lmloss_shard *sh,
                                       const lmloss_backend_ops **ops) {
   TRY(check_logits(in, opt));
-  TRY(lmloss_check_shard(shard, in->logits.rows, in->logits.cols, state, in->logits.device, sh));
+  TRY(lmloss_check_shard(shard, in->logits.rows, in->logits.cols, state, LMLOSS_ROW_STATE_COLS,
+                         in->logits.device, sh));
   TRY(check_inputs(ctx, in, opt, sh->vocab, need_ws, ws, ws_bytes, ops));
   return lmloss_check_supports(*ops, LMLOSS_CAN_ROW_STATES, "row states");
 }

@@ -37,10 +37,14 @@ lmloss_div_options lmloss_div_resolve(const lmloss_div_options *opt) {
   return eff;
 }
 
-/* Everything both calls share; *eff is opt resolved. */
+/* Everything the calls share; *eff is opt resolved. With a shard (else
+ * NULL), *sh is it resolved and state must be [N, LMLOSS_DIV_STATE_COLS];
+ * need_ws 0: a call without a workspace (a state or partials). */
 static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_div_inputs *in,
-                                  const lmloss_div_options *opt, void *ws, size_t ws_bytes,
-                                  lmloss_div_options *eff, const lmloss_backend_ops **ops) {
+                                  const lmloss_div_options *opt, const lmloss_shard *shard,
+                                  const lmloss_tensor *state, int need_ws, void *ws,
+                                  size_t ws_bytes, lmloss_shard *sh, lmloss_div_options *eff,
+                                  const lmloss_backend_ops **ops) {
   if (!in || !opt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "inputs or options is NULL");
   TRY(lmloss_check_tensor(&in->student, "student", LMLOSS_FLOATS, -1, -1));
   const int64_t N = in->student.rows, V = in->student.cols;
@@ -50,26 +54,33 @@ static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_div_in
   TRY(lmloss_check_div_options(opt));
   if (opt->hard_weight > 0.0f && !lmloss_present(&in->label))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "hard_weight > 0 needs a label");
-  if (!ws && N > 0) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
-  if (ws_bytes < lmloss_cross_entropy_workspace_size(N))
+  int64_t vocab = V;
+  if (shard) {
+    TRY(lmloss_check_shard(shard, N, V, state, LMLOSS_DIV_STATE_COLS, in->student.device, sh));
+    vocab = sh->vocab;
+  }
+  if (need_ws && !ws && N > 0) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
+  if (need_ws && ws_bytes < lmloss_cross_entropy_workspace_size(N))
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",
                        ws_bytes, lmloss_cross_entropy_workspace_size(N));
   const lmloss_tensor *ts[] = {&in->student, &in->teacher, &in->label};
   TRY(lmloss_check_device(ts, 3, in->student.device));
   TRY(lmloss_pick_backend(ctx, in->student.device, ops));
   TRY(lmloss_check_supports(*ops, LMLOSS_CAN_DIVERGENCE, "divergences"));
-  TRY(lmloss_check_indices(&in->label, NULL, V, 1, opt->ignore_index, "label"));
+  if (shard) {
+    TRY(lmloss_check_supports(*ops, LMLOSS_CAN_ROW_STATES, "row states"));
+    if (!(*ops)->states->div_state)
+      return lmloss_fail(LMLOSS_ERR_UNSUPPORTED,
+                         "this backend has no divergences over a sharded vocabulary");
+  }
+  TRY(lmloss_check_indices(&in->label, NULL, vocab, 1, opt->ignore_index, "label"));
   *eff = lmloss_div_resolve(opt);
   return LMLOSS_OK;
 }
 
-lmloss_status lmloss_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
-                                const lmloss_div_options *opt, const lmloss_div_outputs *out,
-                                void *ws, size_t ws_bytes) {
-  const lmloss_backend_ops *ops;
-  lmloss_div_options eff;
-  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
-  TRY(check_inputs(ctx, in, opt, ws, ws_bytes, &eff, &ops));
+/* The forward's outputs for rows V wide. */
+static lmloss_status check_outputs(const lmloss_div_inputs *in, const lmloss_div_options *opt,
+                                   const lmloss_div_outputs *out) {
   const int64_t N = in->student.rows, V = in->student.cols;
   const unsigned f32 = LMLOSS_MASK(LMLOSS_F32);
   TRY(lmloss_check_tensor(&out->loss, "loss", f32, opt->reduction == LMLOSS_REDUCE_NONE ? N : 1,
@@ -86,7 +97,30 @@ lmloss_status lmloss_divergence(const lmloss_context *ctx, const lmloss_div_inpu
   }
   const lmloss_tensor *ts[] = {&out->loss, &out->divergence, &out->ce, &out->dstudent,
                                &out->entropy};
-  TRY(lmloss_check_device(ts, 5, in->student.device));
+  return lmloss_check_device(ts, 5, in->student.device);
+}
+
+/* The backward's dloss and dstudent. */
+static lmloss_status check_backward(const lmloss_div_inputs *in, const lmloss_div_options *opt,
+                                    const lmloss_tensor *dloss, const lmloss_tensor *dstudent) {
+  const int64_t N = in->student.rows, V = in->student.cols;
+  TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
+                          opt->reduction == LMLOSS_REDUCE_NONE ? N : 1, 1));
+  TRY(lmloss_check_tensor(dstudent, "dstudent", LMLOSS_FLOATS, N, V));
+  TRY(lmloss_check_alias(&in->student, dstudent, "dstudent"));
+  TRY(lmloss_check_alias(&in->teacher, dstudent, "dstudent"));
+  const lmloss_tensor *ts[] = {dloss, dstudent};
+  return lmloss_check_device(ts, 2, in->student.device);
+}
+
+lmloss_status lmloss_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                const lmloss_div_options *opt, const lmloss_div_outputs *out,
+                                void *ws, size_t ws_bytes) {
+  const lmloss_backend_ops *ops;
+  lmloss_div_options eff;
+  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
+  TRY(check_inputs(ctx, in, opt, NULL, NULL, 1, ws, ws_bytes, NULL, &eff, &ops));
+  TRY(check_outputs(in, opt, out));
   return ops->divergence(ctx, in, &eff, out, NULL,
                          lmloss_present(&out->dstudent) ? &out->dstudent : NULL, ws, ws_bytes);
 }
@@ -96,14 +130,100 @@ lmloss_status lmloss_divergence_backward(const lmloss_context *ctx, const lmloss
                                          const lmloss_tensor *dstudent, void *ws, size_t ws_bytes) {
   const lmloss_backend_ops *ops;
   lmloss_div_options eff;
-  TRY(check_inputs(ctx, in, opt, ws, ws_bytes, &eff, &ops));
-  const int64_t N = in->student.rows, V = in->student.cols;
-  TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
-                          opt->reduction == LMLOSS_REDUCE_NONE ? N : 1, 1));
-  TRY(lmloss_check_tensor(dstudent, "dstudent", LMLOSS_FLOATS, N, V));
-  TRY(lmloss_check_alias(&in->student, dstudent, "dstudent"));
-  TRY(lmloss_check_alias(&in->teacher, dstudent, "dstudent"));
-  const lmloss_tensor *ts[] = {dloss, dstudent};
-  TRY(lmloss_check_device(ts, 2, in->student.device));
+  TRY(check_inputs(ctx, in, opt, NULL, NULL, 1, ws, ws_bytes, NULL, &eff, &ops));
+  TRY(check_backward(in, opt, dloss, dstudent));
   return ops->divergence(ctx, in, &eff, NULL, dloss, dstudent, ws, ws_bytes);
+}
+
+/* ------------------------------------------------------------------ */
+/* Over a sharded vocabulary                                            */
+/* ------------------------------------------------------------------ */
+
+lmloss_status lmloss_divergence_state(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                      const lmloss_div_options *opt, const lmloss_shard *shard,
+                                      const lmloss_tensor *state) {
+  const lmloss_backend_ops *ops;
+  lmloss_div_options eff;
+  lmloss_shard sh;
+  TRY(check_inputs(ctx, in, opt, shard, state, 0, NULL, 0, &sh, &eff, &ops));
+  return ops->states->div_state(ctx, in, &eff, &sh, state);
+}
+
+lmloss_status lmloss_divergence_state_merge(const lmloss_context *ctx, const lmloss_tensor *a,
+                                            const lmloss_tensor *b, const lmloss_div_options *opt,
+                                            const lmloss_tensor *out) {
+  const lmloss_backend_ops *ops;
+  const unsigned f32 = LMLOSS_MASK(LMLOSS_F32);
+  if (!opt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "options is NULL");
+  TRY(lmloss_check_tensor(a, "a", f32, -1, LMLOSS_DIV_STATE_COLS));
+  TRY(lmloss_check_tensor(b, "b", f32, a->rows, LMLOSS_DIV_STATE_COLS));
+  TRY(lmloss_check_tensor(out, "out", f32, a->rows, LMLOSS_DIV_STATE_COLS));
+  TRY(lmloss_check_div_options(opt));
+  TRY(lmloss_check_alias(a, out, "out"));
+  TRY(lmloss_check_alias(b, out, "out"));
+  const lmloss_tensor *ts[] = {b, out};
+  TRY(lmloss_check_device(ts, 2, a->device));
+  TRY(lmloss_pick_backend(ctx, a->device, &ops));
+  TRY(lmloss_check_supports(ops, LMLOSS_CAN_ROW_STATES, "row states"));
+  if (!ops->states->div_merge)
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED,
+                       "this backend has no divergences over a sharded vocabulary");
+  const lmloss_div_options eff = lmloss_div_resolve(opt);
+  return ops->states->div_merge(ctx, a, b, &eff, out);
+}
+
+/* Partials [N, LMLOSS_DIV_PARTIAL_COLS] on the student's device. */
+static lmloss_status check_partials(const lmloss_div_inputs *in, const lmloss_tensor *partials) {
+  TRY(lmloss_check_tensor(partials, "partials", LMLOSS_MASK(LMLOSS_F32), in->student.rows,
+                          LMLOSS_DIV_PARTIAL_COLS));
+  const lmloss_tensor *ts[] = {partials};
+  return lmloss_check_device(ts, 1, in->student.device);
+}
+
+lmloss_status lmloss_divergence_partials(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                         const lmloss_div_options *opt, const lmloss_shard *shard,
+                                         const lmloss_tensor *state,
+                                         const lmloss_tensor *partials) {
+  const lmloss_backend_ops *ops;
+  lmloss_div_options eff;
+  lmloss_shard sh;
+  TRY(check_inputs(ctx, in, opt, shard, state, 0, NULL, 0, &sh, &eff, &ops));
+  TRY(check_partials(in, partials));
+  TRY(lmloss_check_alias(state, partials, "partials"));
+  return ops->states->div_partials(ctx, in, &eff, &sh, state, partials);
+}
+
+lmloss_status lmloss_divergence_finish(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                       const lmloss_div_options *opt, const lmloss_shard *shard,
+                                       const lmloss_tensor *state, const lmloss_tensor *partials,
+                                       const lmloss_div_outputs *out, void *ws, size_t ws_bytes) {
+  const lmloss_backend_ops *ops;
+  lmloss_div_options eff;
+  lmloss_shard sh;
+  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
+  TRY(check_inputs(ctx, in, opt, shard, state, 1, ws, ws_bytes, &sh, &eff, &ops));
+  TRY(check_outputs(in, opt, out));
+  TRY(check_partials(in, partials));
+  return ops->states->div_finish(ctx, in, &eff, &sh, state, partials, out, NULL,
+                                 lmloss_present(&out->dstudent) ? &out->dstudent : NULL, ws,
+                                 ws_bytes);
+}
+
+lmloss_status lmloss_divergence_backward_finish(
+    const lmloss_context *ctx, const lmloss_div_inputs *in, const lmloss_div_options *opt,
+    const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *partials,
+    const lmloss_tensor *dloss, const lmloss_tensor *dstudent, void *ws, size_t ws_bytes) {
+  const lmloss_backend_ops *ops;
+  lmloss_div_options eff;
+  lmloss_shard sh;
+  TRY(check_inputs(ctx, in, opt, shard, state, 1, ws, ws_bytes, &sh, &eff, &ops));
+  TRY(check_backward(in, opt, dloss, dstudent));
+  if (lmloss_present(partials))
+    TRY(check_partials(in, partials));
+  else if (eff.kind != LMLOSS_DIV_KL)
+    return lmloss_fail(LMLOSS_ERR_NULL_POINTER,
+                       "partials is NULL: only the forward KL's gradient needs none");
+  return ops->states->div_finish(ctx, in, &eff, &sh, state,
+                                 lmloss_present(partials) ? partials : NULL, NULL, dloss, dstudent,
+                                 ws, ws_bytes);
 }

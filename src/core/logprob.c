@@ -85,7 +85,8 @@ static lmloss_status check_shard_call(const lmloss_context *ctx, const lmloss_te
                                       const lmloss_tensor *state, lmloss_shard *sh,
                                       const lmloss_backend_ops **ops) {
   TRY(check_logits(logits));
-  TRY(lmloss_check_shard(shard, logits->rows, logits->cols, state, logits->device, sh));
+  TRY(lmloss_check_shard(shard, logits->rows, logits->cols, state, LMLOSS_ROW_STATE_COLS,
+                         logits->device, sh));
   if (lmloss_present(index) && index->cols != 1)
     return lmloss_fail(LMLOSS_ERR_BAD_SHAPE,
                        "index: a shard's log-probs take one index a row, got K = %lld",

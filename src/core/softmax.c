@@ -49,7 +49,7 @@ lmloss_status lmloss_softmax_finish(const lmloss_context *ctx, const lmloss_tens
   const lmloss_backend_ops *ops;
   lmloss_shard sh;
   TRY(check_x(x));
-  TRY(lmloss_check_shard(shard, x->rows, x->cols, state, x->device, &sh));
+  TRY(lmloss_check_shard(shard, x->rows, x->cols, state, LMLOSS_ROW_STATE_COLS, x->device, &sh));
   TRY(check_forward(ctx, x, log, out, &ops));
   TRY(lmloss_check_supports(ops, LMLOSS_CAN_ROW_STATES, "row states"));
   return ops->states->softmax_finish(ctx, x, &sh, state, log, out);

@@ -207,8 +207,8 @@ lmloss_status lmloss_check_lp_upstream(const lmloss_tensor *index, const lmloss_
 }
 
 lmloss_status lmloss_check_shard(const lmloss_shard *sh, int64_t N, int64_t cols,
-                                 const lmloss_tensor *state, lmloss_device device,
-                                 lmloss_shard *out) {
+                                 const lmloss_tensor *state, int64_t state_cols,
+                                 lmloss_device device, lmloss_shard *out) {
   if (!sh) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "shard is NULL");
   *out = *sh;
   if (out->vocab == 0) out->vocab = cols;
@@ -224,7 +224,7 @@ lmloss_status lmloss_check_shard(const lmloss_shard *sh, int64_t N, int64_t cols
   if (out->entropy != 0 && out->entropy != 1)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "shard: entropy must be 0 or 1, got %d",
                        out->entropy);
-  TRY(lmloss_check_tensor(state, "state", LMLOSS_MASK(LMLOSS_F32), N, LMLOSS_ROW_STATE_COLS));
+  TRY(lmloss_check_tensor(state, "state", LMLOSS_MASK(LMLOSS_F32), N, state_cols));
   const lmloss_tensor *ts[] = {state};
   return lmloss_check_device(ts, 1, device);
 }

@@ -77,10 +77,11 @@ lmloss_status lmloss_check_alias(const lmloss_tensor *in, const lmloss_tensor *o
 
 /* A shard of a vocabulary (lmloss.h) for logits [N, cols] on `device`:
  * *out is the shard with its vocabulary resolved (0: cols), and state
- * must be F32 [N, LMLOSS_ROW_STATE_COLS] there. */
+ * must be F32 [N, state_cols] there (LMLOSS_ROW_STATE_COLS, or
+ * LMLOSS_DIV_STATE_COLS for a divergence). */
 lmloss_status lmloss_check_shard(const lmloss_shard *sh, int64_t N, int64_t cols,
-                                 const lmloss_tensor *state, lmloss_device device,
-                                 lmloss_shard *out);
+                                 const lmloss_tensor *state, int64_t state_cols,
+                                 lmloss_device device, lmloss_shard *out);
 
 /* A divergence's options in range (their transforms too), and the kind
  * that runs: JSD's ends are the KLs (TRL's beta 0 and 1, where the

@@ -61,11 +61,27 @@ lmloss_status lmloss_cpu_state_merge(const lmloss_context *, const lmloss_tensor
                                      const lmloss_tensor *, const lmloss_transform *,
                                      const lmloss_tensor *);
 
+lmloss_status lmloss_cpu_div_state(const lmloss_context *, const lmloss_div_inputs *,
+                                   const lmloss_div_options *, const lmloss_shard *,
+                                   const lmloss_tensor *);
+lmloss_status lmloss_cpu_div_merge(const lmloss_context *, const lmloss_tensor *,
+                                   const lmloss_tensor *, const lmloss_div_options *,
+                                   const lmloss_tensor *);
+lmloss_status lmloss_cpu_div_partials(const lmloss_context *, const lmloss_div_inputs *,
+                                      const lmloss_div_options *, const lmloss_shard *,
+                                      const lmloss_tensor *, const lmloss_tensor *);
+lmloss_status lmloss_cpu_div_finish(const lmloss_context *, const lmloss_div_inputs *,
+                                    const lmloss_div_options *, const lmloss_shard *,
+                                    const lmloss_tensor *, const lmloss_tensor *,
+                                    const lmloss_div_outputs *, const lmloss_tensor *,
+                                    const lmloss_tensor *, void *, size_t);
+
 extern const lmloss_linear_prims lmloss_cpu_linear;
 
 static const lmloss_state_ops cpu_states = {
-    lmloss_cpu_ce_state,  lmloss_cpu_ce_finish,      lmloss_cpu_lp_state,
-    lmloss_cpu_lp_finish, lmloss_cpu_softmax_finish, lmloss_cpu_state_merge,
+    lmloss_cpu_ce_state,       lmloss_cpu_ce_finish,   lmloss_cpu_lp_state,  lmloss_cpu_lp_finish,
+    lmloss_cpu_softmax_finish, lmloss_cpu_state_merge, lmloss_cpu_div_state, lmloss_cpu_div_merge,
+    lmloss_cpu_div_partials,   lmloss_cpu_div_finish,
 };
 
 /* The fused head takes F32 heads only here (lmloss.h). */

@@ -10,6 +10,11 @@
  * KL's gradient, which needs none), then the other kinds' gradient. The
  * loops are branch-free and vectorize in the AVX-512 and x86-64-v3 clones
  * (vmath.h); a block's sums run in floats, the row's in double.
+ *
+ * Over a sharded vocabulary (lmloss.h) the same sweeps run apart: the
+ * statistics of the shard's columns (a state; states merge as blocks do),
+ * the loss sweep's sums from the merged state (the partials), and the
+ * gradient sweep from those summed over the shards.
  */
 #include <stdlib.h>
 
@@ -28,7 +33,8 @@
 typedef struct {
   const lmloss_div_options *opt;
   lmloss_div_pair pr;
-  int64_t V;
+  int64_t V;    /* the row's columns here */
+  int64_t col0; /* the first one's column in the vocabulary (a shard's) */
 } div_job;
 
 /* A block of both rows: w, and the raw x (the same arrays without a
@@ -122,14 +128,17 @@ DIV_INLINE pair_stats block_stats(const div_job *jb, const pair_block *b, int64_
   return s;
 }
 
-/* x then y (later columns): each row's max-split merge (a tie keeps the
- * earlier column), and D = sum over parts of e^(As_P - As) (expm1(G_P - G)
- * St_P + D_P), through lmloss_pair_d_term so neither factor overflows. */
+/* Two parts of a row: each row's max-split merge (a tie keeps the lower
+ * column, so shards merge in any order), and D = sum over parts of
+ * e^(As_P - As) (expm1(G_P - G) St_P + D_P), through lmloss_pair_d_term so
+ * neither factor overflows. */
 static pair_stats merge(const div_job *jb, const pair_stats *x, const pair_stats *y) {
   const float ks = jb->pr.fs.k, kt = jb->pr.ft.k;
   pair_stats o = *x;
-  if (y->ms > x->ms) o.ms = y->ms, o.as = y->as, o.xs_a = y->xs_a;
-  if (y->mt > x->mt) o.mt = y->mt, o.at = y->at, o.xt_a = y->xt_a;
+  if (y->ms > x->ms || (y->ms == x->ms && y->as < x->as))
+    o.ms = y->ms, o.as = y->as, o.xs_a = y->xs_a;
+  if (y->mt > x->mt || (y->mt == x->mt && y->at < x->at))
+    o.mt = y->mt, o.at = y->at, o.xt_a = y->xt_a;
   const float G = stats_G(jb, &o);
   const pair_stats *parts[2] = {x, y};
   o.rs = o.rt = o.d = 0.0;
@@ -149,12 +158,27 @@ static pair_stats merge(const div_job *jb, const pair_stats *x, const pair_stats
   return o;
 }
 
-/* A row pair's constants and the loss sweep's sums (in double). */
+/* What a row pair's flags say (the statistics' sweep's, a state's). */
+enum { PAIR_ANY_S = 1, PAIR_ANY_T = 2, PAIR_BAD = 4 };
+
+static int flags_ok(int flags) { return flags == (PAIR_ANY_S | PAIR_ANY_T); }
+
+/* A row pair's statistics, constants and the loss sweep's sums (in double). */
 typedef struct {
+  pair_stats st;
+  int flags;
+  float xt_as; /* the teacher's raw logit at the student's argmax */
+  float ws_y;  /* a shard's state: the student's w at the label, NaN: elsewhere */
   lmloss_div_row c;
   double div, rev, mix, pos, neg, eq, ent;
   float es_y; /* the label's exponent (cross-entropy) */
 } pair_row;
+
+/* What a call of a row pair runs: all of it (the one-shot call), or a
+ * shard's phase: the statistics (PAIR_STATE), the loss sweep's sums
+ * (PAIR_PARTIALS) or the gradient (PAIR_FINISH), the last two with r->c
+ * (and the finish with r's sums) from the merged state. */
+enum { PAIR_WHOLE, PAIR_STATE, PAIR_PARTIALS, PAIR_FINISH };
 
 /* The loss sweep's block: its sums into r, and with grad (the forward
  * KL) the block's gradient into out. */
@@ -196,73 +220,87 @@ typedef struct {
   int64_t y; /* the label, -1 without */
 } pair_io;
 
-/* The sweeps after the statistics, for one kind. */
+/* The sweeps after the statistics, for one kind: the loss sweep (not in
+ * a finish), then the gradient's unless the loss sweep wrote it. Columns
+ * (j0 + i here) are the vocabulary's from jb->col0. */
 DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_block *b,
-                       float *gbuf, int capped, int kind) {
-  const int64_t V = jb->V;
+                       float *gbuf, int phase, int capped, int kind) {
+  const int64_t V = jb->V, c0 = jb->col0, y = io->y;
   lmloss_div_grad gc = {0};
-  gc.y = io->y, gc.soft = jb->opt->soft_weight, gc.scale = io->scale;
-  gc.hard = io->y >= 0 ? jb->opt->hard_weight : 0.0f;
-  gc.one_minus_py = io->y == r->c.as ? r->c.rs / (1.0f + r->c.rs) : -1.0f;
-  const int fused = io->grad && kind == LMLOSS_DIV_KL;
-  for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_DIV_BLOCK) {
+  gc.y = y, gc.soft = jb->opt->soft_weight, gc.scale = io->scale;
+  gc.hard = y >= 0 ? jb->opt->hard_weight : 0.0f;
+  gc.one_minus_py = y == r->c.as ? r->c.rs / (1.0f + r->c.rs) : -1.0f;
+  const int fused = io->grad && kind == LMLOSS_DIV_KL && phase == PAIR_WHOLE;
+  for (int64_t j0 = 0; phase != PAIR_FINISH && j0 < V; j0 += LMLOSS_DIV_BLOCK) {
     load(jb, io->s, io->sdt, io->t, io->tdt, j0, 0, b);
     if (fused)
-      loss_block(jb, r, b, j0, &gc, gbuf, 1, capped, kind);
+      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 1, capped, kind);
     else
-      loss_block(jb, r, b, j0, &gc, gbuf, 0, capped, kind);
-    if (io->y >= j0 && io->y < j0 + b->n)
-      r->es_y = io->y == r->c.as ? 0.0f : (b->ws[io->y - j0] - r->c.ms) * r->c.ks;
+      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, capped, kind);
+    if (y >= c0 + j0 && y < c0 + j0 + b->n)
+      r->es_y = y == r->c.as ? 0.0f : (b->ws[y - c0 - j0] - r->c.ms) * r->c.ks;
     if (fused) lmloss_cpu_store_block(io->grad, io->gdt, j0, b->n, gbuf);
   }
   if (!io->grad || fused) return;
   lmloss_div_grad_sums(&gc, r->rev, r->mix, r->pos, r->neg, r->eq);
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_DIV_BLOCK) {
     load(jb, io->s, io->sdt, io->t, io->tdt, j0, 0, b);
-    grad_block(jb, r, b, j0, &gc, gbuf, capped, kind);
+    grad_block(jb, r, b, c0 + j0, &gc, gbuf, capped, kind);
     lmloss_cpu_store_block(io->grad, io->gdt, j0, b->n, gbuf);
   }
 }
 
+/* The row's constants from its statistics. */
+static lmloss_div_row row_of(const div_job *jb, const pair_stats *st, float xt_as) {
+  return lmloss_div_row_make(&jb->pr, st->ms, st->mt, (float)st->rs, (float)st->rt, (float)st->d,
+                             st->as, st->xs_a, st->xt_a, xt_as);
+}
+
 DIV_INLINE void div_pair(const div_job *jb, const pair_io *io, pair_block *b, float *gbuf,
-                         pair_row *r, int *ok, int capped) {
-  pair_stats st = {0};
-  int bad = 0, any_s = 0, any_t = 0;
-  for (int64_t j0 = 0; j0 < jb->V; j0 += LMLOSS_DIV_BLOCK) {
-    load(jb, io->s, io->sdt, io->t, io->tdt, j0, 1, b);
-    bad |= b->bad, any_s |= b->any_s, any_t |= b->any_t;
-    const pair_stats bs = block_stats(jb, b, j0, capped);
-    st = j0 == 0 ? bs : merge(jb, &st, &bs);
+                         pair_row *r, int phase, int capped) {
+  if (phase == PAIR_WHOLE || phase == PAIR_STATE) {
+    pair_stats st = {0};
+    int bad = 0, any_s = 0, any_t = 0;
+    for (int64_t j0 = 0; j0 < jb->V; j0 += LMLOSS_DIV_BLOCK) {
+      load(jb, io->s, io->sdt, io->t, io->tdt, j0, 1, b);
+      bad |= b->bad, any_s |= b->any_s, any_t |= b->any_t;
+      const pair_stats bs = block_stats(jb, b, jb->col0 + j0, capped);
+      st = j0 == 0 ? bs : merge(jb, &st, &bs);
+    }
+    *r = (pair_row){0};
+    r->st = st;
+    r->flags = (bad ? PAIR_BAD : 0) | (any_s ? PAIR_ANY_S : 0) | (any_t ? PAIR_ANY_T : 0);
+    r->xt_as = lmloss_load(io->t, io->tdt, st.as - jb->col0);
+    if (phase == PAIR_STATE || !flags_ok(r->flags)) return;
+    r->c = row_of(jb, &st, r->xt_as);
   }
-  *ok = !bad && any_s && any_t;
-  if (!*ok) return;
-  *r = (pair_row){0};
-  r->c = lmloss_div_row_make(&jb->pr, st.ms, st.mt, (float)st.rs, (float)st.rt, (float)st.d, st.as,
-                             st.xs_a, st.xt_a, lmloss_load(io->t, io->tdt, st.as));
   switch (jb->opt->kind) {
-  case LMLOSS_DIV_KL: sweeps(jb, r, io, b, gbuf, capped, LMLOSS_DIV_KL); break;
-  case LMLOSS_DIV_REVERSE_KL: sweeps(jb, r, io, b, gbuf, capped, LMLOSS_DIV_REVERSE_KL); break;
-  case LMLOSS_DIV_TVD: sweeps(jb, r, io, b, gbuf, capped, LMLOSS_DIV_TVD); break;
-  default: sweeps(jb, r, io, b, gbuf, capped, LMLOSS_DIV_JSD); break;
+  case LMLOSS_DIV_KL: sweeps(jb, r, io, b, gbuf, phase, capped, LMLOSS_DIV_KL); break;
+  case LMLOSS_DIV_REVERSE_KL:
+    sweeps(jb, r, io, b, gbuf, phase, capped, LMLOSS_DIV_REVERSE_KL);
+    break;
+  case LMLOSS_DIV_TVD: sweeps(jb, r, io, b, gbuf, phase, capped, LMLOSS_DIV_TVD); break;
+  default: sweeps(jb, r, io, b, gbuf, phase, capped, LMLOSS_DIV_JSD); break;
   }
 }
 
 void lmloss_cpu_div_pair(const div_job *jb, const pair_io *io, pair_block *b, float *gbuf,
-                         pair_row *r, int *ok);
+                         pair_row *r, int phase);
 
-/* One row pair: *ok = 0 for a non-finite pair (nothing written), else r
- * holds its divergence and cross-entropy, and io->grad its gradient. */
+/* One row pair's phase. PAIR_WHOLE: r->flags not ok for a non-finite
+ * pair (nothing written), else r holds its divergence and cross-entropy,
+ * and io->grad its gradient. */
 LMLOSS_CPU_DISPATCH
 void lmloss_cpu_div_pair(const div_job *jb, const pair_io *io, pair_block *b, float *gbuf,
-                         pair_row *r, int *ok) {
+                         pair_row *r, int phase) {
   const int shared = LMLOSS_DIV_SHARED_CAP, student = LMLOSS_DIV_STUDENT_CAP;
   const int mode = (jb->pr.capped ? shared : 0) | (jb->pr.fs.cap > 0.0f ? student : 0);
   if (mode == (shared | student))
-    div_pair(jb, io, b, gbuf, r, ok, shared | student);
+    div_pair(jb, io, b, gbuf, r, phase, shared | student);
   else if (mode == student)
-    div_pair(jb, io, b, gbuf, r, ok, student);
+    div_pair(jb, io, b, gbuf, r, phase, student);
   else
-    div_pair(jb, io, b, gbuf, r, ok, 0);
+    div_pair(jb, io, b, gbuf, r, phase, 0);
 }
 
 /* A row's label: -1 without labels, -2 for an ignored row. */
@@ -272,12 +310,36 @@ static int64_t label_of(const lmloss_div_inputs *in, const lmloss_div_options *o
   return y == o->ignore_index ? -2 : y;
 }
 
-lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
-                                    const lmloss_div_options *opt, const lmloss_div_outputs *out,
-                                    const lmloss_tensor *dloss, const lmloss_tensor *dx,
-                                    void *ws_bytes, size_t nbytes) {
+/* A shard's merged states and summed partials (the finish's), or none
+ * (the one-shot call). */
+typedef struct {
+  const lmloss_tensor *state, *partials;
+  int64_t vocab;
+} shard_in;
+
+static void state_unpack(const float *in, int64_t vocab, const lmloss_div_pair *pr, pair_row *r);
+
+/* The finish's row from the merged state and the summed partials: r's
+ * constants and sums as the one-shot sweeps leave them. */
+static void finish_row(const div_job *jb, const shard_in *si, int64_t i, int64_t y, pair_row *r) {
+  state_unpack(lmloss_cpu_row(si->state, i), si->vocab, &jb->pr, r);
+  if (!flags_ok(r->flags)) return;
+  r->c = row_of(jb, &r->st, r->xt_as);
+  const float *p = si->partials ? (const float *)lmloss_cpu_row(si->partials, i) : NULL;
+  /* partials absent (the forward KL's backward): its gradient reads none */
+  r->div = p ? p[0] : 0.0, r->rev = p ? p[1] : 0.0, r->mix = p ? p[2] : 0.0;
+  r->pos = p ? p[3] : 0.0, r->neg = p ? p[4] : 0.0, r->eq = p ? p[5] : 0.0;
+  r->ent = p ? p[6] : 0.0;
+  r->es_y = y < 0 || y == r->st.as ? 0.0f : (r->ws_y - r->st.ms) * jb->pr.fs.k;
+}
+
+/* The rows of a one-shot call (si NULL) or a shard's finish: per-row
+ * outputs, the reduced loss, and the gradient of the columns here. */
+static lmloss_status div_rows(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                              const lmloss_div_options *opt, const div_job *jb, const shard_in *si,
+                              const lmloss_div_outputs *out, const lmloss_tensor *dloss,
+                              const lmloss_tensor *dx, void *ws_bytes) {
   const int64_t N = in->student.rows, V = in->student.cols;
-  const div_job jb = {opt, lmloss_div_pair_make(opt), V};
   double *row_loss = (double *)((char *)ws_bytes + LMLOSS_CE_WS_HEADER);
   int64_t valid = 0;
   for (int64_t i = 0; i < N; i++)
@@ -317,14 +379,19 @@ lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_
                             (float)(up * factor),
                             y};
         pair_row r;
-        int ok;
-        lmloss_cpu_div_pair(&jb, &io, b, gbuf, &r, &ok);
+        if (si) finish_row(jb, si, i, y, &r);
+        if (!si || flags_ok(r.flags))
+          lmloss_cpu_div_pair(jb, &io, b, gbuf, &r, si ? PAIR_FINISH : PAIR_WHOLE);
+        const int ok = flags_ok(r.flags);
         div = ok ? r.div : NAN;
         ent = ok ? r.ent : NAN;
         ce = !ok ? NAN : y >= 0 ? r.c.l1s - r.es_y : 0.0;
         if (!ok && drow) lmloss_cpu_row_fill(drow, dx->dtype, V, NAN);
       }
-      row_loss[i] = y == -2 ? 0.0 : opt->soft_weight * div + opt->hard_weight * ce;
+      /* without a hard term ce is not read: a shard's exchange may leave out w_y */
+      row_loss[i] = y == -2 ? 0.0
+                            : opt->soft_weight * div +
+                                  (opt->hard_weight > 0.0f ? opt->hard_weight * ce : 0.0);
       if (out && lmloss_present(&out->divergence))
         *lmloss_cpu_f32_at(&out->divergence, i) = (float)div;
       if (out && lmloss_present(&out->ce)) *lmloss_cpu_f32_at(&out->ce, i) = (float)ce;
@@ -341,4 +408,206 @@ lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_
     *(float *)out->loss.data = (float)(total * factor);
   }
   return LMLOSS_OK;
+}
+
+lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                    const lmloss_div_options *opt, const lmloss_div_outputs *out,
+                                    const lmloss_tensor *dloss, const lmloss_tensor *dx,
+                                    void *ws_bytes, size_t nbytes) {
+  const div_job jb = {opt, lmloss_div_pair_make(opt), in->student.cols, 0};
+  return div_rows(ctx, in, opt, &jb, NULL, out, dloss, dx, ws_bytes);
+}
+
+/* ------------------------------------------------------------------ */
+/* Over a sharded vocabulary                                            */
+/* ------------------------------------------------------------------ */
+
+/* The packed state's columns (lmloss.h, layout version 1). */
+enum {
+  ST_MS,
+  ST_RS,
+  ST_AS,
+  ST_MT,
+  ST_RT,
+  ST_AT,
+  ST_D,
+  ST_XT_AS,
+  ST_WS_Y,
+  ST_XS_A,
+  ST_XT_AT,
+  ST_ZERO
+};
+typedef char div_state_columns_fit[ST_ZERO + 1 == LMLOSS_DIV_STATE_COLS ? 1 : -1];
+
+/* An argmax column packed: a, or -2 - a where its row held no logit above
+ * -inf (-1 is the empty state's). */
+static float pack_col(int64_t a, int any) { return any ? (float)a : -2.0f - (float)a; }
+
+static void state_pack(const pair_row *r, int empty, float *o) {
+  const pair_stats *st = &r->st;
+  for (int c = 0; c < LMLOSS_DIV_STATE_COLS; c++)
+    o[c] = 0.0f;
+  o[ST_WS_Y] = NAN;
+  o[ST_AS] = -1.0f;
+  if (empty) return;
+  o[ST_MS] = r->flags & PAIR_BAD ? NAN : st->ms;
+  o[ST_RS] = (float)st->rs, o[ST_RT] = (float)st->rt, o[ST_D] = (float)st->d;
+  o[ST_AS] = pack_col(st->as, r->flags & PAIR_ANY_S);
+  o[ST_MT] = st->mt;
+  o[ST_AT] = pack_col(st->at, r->flags & PAIR_ANY_T);
+  o[ST_XT_AS] = r->xt_as, o[ST_WS_Y] = r->ws_y;
+  o[ST_XS_A] = st->xs_a, o[ST_XT_AT] = st->xt_a;
+}
+
+/* An argmax column back: *any its flag; 0 when not a column of this
+ * vocabulary (not a state of these rows: the row reads non-finite). */
+static int unpack_col(float a, int64_t vocab, int64_t *col, int *any) {
+  *any = a >= 0.0f;
+  if (a < 0.0f) a = -2.0f - a;
+  *col = (int64_t)a;
+  return a >= 0.0f && a < (float)vocab && a == (float)*col;
+}
+
+/* A packed state into r->st and r->flags; an empty one has st.as = -1.
+ * Without a softcap on a side, the raw logit at its argmax is its max
+ * (w = x): those columns are not read, so an exchange need not send them. */
+static void state_unpack(const float *in, int64_t vocab, const lmloss_div_pair *pr, pair_row *r) {
+  *r = (pair_row){0};
+  r->st.as = -1;
+  r->ws_y = in[ST_WS_Y];
+  if (in[ST_AS] == -1.0f) return;
+  int any_s, any_t;
+  const int good = unpack_col(in[ST_AS], vocab, &r->st.as, &any_s) &
+                   unpack_col(in[ST_AT], vocab, &r->st.at, &any_t);
+  r->flags = (any_s ? PAIR_ANY_S : 0) | (any_t ? PAIR_ANY_T : 0) |
+             (good && !isnan(in[ST_MS]) ? 0 : PAIR_BAD);
+  if (!good) r->st.as = r->st.at = 0; /* a valid column: merges keep the flag */
+  r->st.ms = in[ST_MS], r->st.rs = in[ST_RS], r->st.mt = in[ST_MT], r->st.rt = in[ST_RT];
+  r->st.d = in[ST_D];
+  r->xt_as = in[ST_XT_AS];
+  r->st.xs_a = pr->fs.cap > 0.0f ? in[ST_XS_A] : r->st.ms;
+  r->st.xt_a = pr->ft.cap > 0.0f ? in[ST_XT_AT] : r->st.mt;
+}
+
+/* Two parts of a row (states of disjoint columns). */
+static void state_merge(const div_job *jb, const pair_row *x, const pair_row *y, pair_row *o) {
+  if (y->st.as < 0 || x->st.as < 0) {
+    *o = y->st.as < 0 ? *x : *y;
+    return;
+  }
+  *o = *x;
+  o->st = merge(jb, &x->st, &y->st);
+  o->ws_y = isnan(x->ws_y) ? y->ws_y : x->ws_y;
+  o->xt_as = o->st.as == x->st.as ? x->xt_as : y->xt_as;
+  o->flags = x->flags | y->flags;
+}
+
+/* A job over a shard's columns. */
+static div_job shard_job(const lmloss_div_inputs *in, const lmloss_div_options *opt,
+                         const lmloss_shard *sh) {
+  const div_job jb = {opt, lmloss_div_pair_make(opt), in->student.cols, sh->col0};
+  return jb;
+}
+
+/* A row's inputs (no gradient). */
+static pair_io row_io(const lmloss_div_inputs *in, int64_t i, int64_t y) {
+  const pair_io io = {lmloss_cpu_row(&in->student, i),
+                      lmloss_cpu_row(&in->teacher, i),
+                      in->student.dtype,
+                      in->teacher.dtype,
+                      NULL,
+                      LMLOSS_F32,
+                      0.0f,
+                      y};
+  return io;
+}
+
+/* The state phase (partials 0) or the partials phase (from merged states
+ * in `state`) of every row. */
+static lmloss_status shard_rows(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                const lmloss_div_options *opt, const lmloss_shard *sh,
+                                const lmloss_tensor *state, const lmloss_tensor *partials) {
+  const div_job jb = shard_job(in, opt, sh);
+  const int64_t N = in->student.rows, c0 = sh->col0;
+  int oom = 0;
+  const int nt = lmloss_cpu_row_threads(ctx, 2 * N * jb.V);
+#pragma omp parallel num_threads(nt)
+  {
+    pair_block *b = (pair_block *)malloc(sizeof(pair_block));
+    if (!b) {
+#pragma omp atomic write
+      oom = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < N; i++) {
+      if (!b) continue;
+      const int64_t y = label_of(in, opt, i);
+      const pair_io io = row_io(in, i, y);
+      pair_row r;
+      if (!partials) { /* the shard's statistics, and the label's w where it lies here */
+        if (y != -2) {
+          lmloss_cpu_div_pair(&jb, &io, b, NULL, &r, PAIR_STATE);
+          r.ws_y = y >= c0 && y < c0 + jb.V
+                       ? lmloss_xform_w(&jb.pr.fs, lmloss_load(io.s, in->student.dtype, y - c0))
+                       : NAN;
+        }
+        state_pack(&r, y == -2, lmloss_cpu_row_mut(state, i));
+        continue;
+      }
+      float *o = lmloss_cpu_row_mut(partials, i);
+      for (int c = 0; c < LMLOSS_DIV_PARTIAL_COLS; c++)
+        o[c] = 0.0f;
+      if (y == -2) continue;
+      state_unpack(lmloss_cpu_row(state, i), sh->vocab, &jb.pr, &r);
+      if (!flags_ok(r.flags)) {
+        for (int c = 0; c < LMLOSS_DIV_PARTIAL_COLS - 1; c++)
+          o[c] = NAN;
+        continue;
+      }
+      r.c = row_of(&jb, &r.st, r.xt_as);
+      lmloss_cpu_div_pair(&jb, &io, b, NULL, &r, PAIR_PARTIALS);
+      o[0] = (float)r.div, o[1] = (float)r.rev, o[2] = (float)r.mix, o[3] = (float)r.pos;
+      o[4] = (float)r.neg, o[5] = (float)r.eq, o[6] = (float)r.ent;
+    }
+    free(b);
+  }
+  if (oom) return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "CPU backend: no scratch for a row pair");
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_cpu_div_state(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                   const lmloss_div_options *opt, const lmloss_shard *sh,
+                                   const lmloss_tensor *state) {
+  return shard_rows(ctx, in, opt, sh, state, NULL);
+}
+
+lmloss_status lmloss_cpu_div_partials(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                      const lmloss_div_options *opt, const lmloss_shard *sh,
+                                      const lmloss_tensor *state, const lmloss_tensor *partials) {
+  return shard_rows(ctx, in, opt, sh, state, partials);
+}
+
+lmloss_status lmloss_cpu_div_merge(const lmloss_context *ctx, const lmloss_tensor *a,
+                                   const lmloss_tensor *b, const lmloss_div_options *opt,
+                                   const lmloss_tensor *out) {
+  const div_job jb = {opt, lmloss_div_pair_make(opt), 0, 0};
+  /* Merging is a few flops a row: threads would cost more than they save. */
+  for (int64_t i = 0; i < a->rows; i++) {
+    pair_row x, y, o;
+    state_unpack(lmloss_cpu_row(a, i), LMLOSS_STATE_MAX_VOCAB, &jb.pr, &x);
+    state_unpack(lmloss_cpu_row(b, i), LMLOSS_STATE_MAX_VOCAB, &jb.pr, &y);
+    state_merge(&jb, &x, &y, &o);
+    state_pack(&o, o.st.as < 0, lmloss_cpu_row_mut(out, i));
+  }
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_cpu_div_finish(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                    const lmloss_div_options *opt, const lmloss_shard *sh,
+                                    const lmloss_tensor *state, const lmloss_tensor *partials,
+                                    const lmloss_div_outputs *out, const lmloss_tensor *dloss,
+                                    const lmloss_tensor *dx, void *ws_bytes, size_t nbytes) {
+  const div_job jb = shard_job(in, opt, sh);
+  const shard_in si = {state, partials, sh->vocab};
+  return div_rows(ctx, in, opt, &jb, &si, out, dloss, dx, ws_bytes);
 }
