@@ -213,8 +213,9 @@ typedef struct {
 /* lw: the token's log weight (r, or its sequence's); s: the product of
  * the masks and the IS ratio that scale the policy term; phi: VESPO's.
  * min(a1, a2)'s gradient goes to the lesser, half to each on a tie, and
- * a clip passes it strictly inside its range: torch's rules, which TRL's
- * gradient follows (with epsilon 0 and a ratio of 1, half of it). */
+ * a clip passes it strictly inside its range: torch's rules since 2.14,
+ * which TRL's gradient follows (with epsilon 0 and a ratio of 1, half of
+ * it; torch 2.13's clip passed it at its bounds too, all of it). */
 LMLOSS_HD lmloss_grpo_tok lmloss_grpo_token(const lmloss_grpo_par *p, double lw, double logp,
                                             double ref, double adv, double s, double phi) {
   lmloss_grpo_tok o;

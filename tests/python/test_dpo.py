@@ -109,17 +109,27 @@ def wpo_weight(c):
     return (w[:c["p"]] * w[c["p"]:]).astype(np.float32)
 
 
+def dpo_kwargs(cfg):
+    """lmloss's dpo_loss keywords for a TRL DPOConfig's (cfg)."""
+    return dict(loss_type=cfg.get("loss_type", ["sigmoid"]), loss_weights=cfg.get("loss_weights"),
+                beta=cfg.get("beta", 0.1), label_smoothing=cfg.get("label_smoothing", 0.0),
+                f_divergence_type=cfg.get("f_divergence_type", "reverse_kl"),
+                f_alpha_divergence_coef=cfg.get("f_alpha_divergence_coef", 0.5),
+                discopop_tau=cfg.get("discopop_tau", 0.05))
+
+
+def trl_rtol(cfg):
+    """How close to TRL's fp64 loss: its alpha divergence clips in fp32."""
+    return 1e-5 if cfg.get("f_divergence_type") == "alpha_divergence" else 1e-6
+
+
 def ours(c, cfg, api="numpy"):
     """lmloss's loss and the gradient w.r.t. the per-token log-probs (the
     sums' gradient on each token of its completion)."""
     p, m = c["p"], c["mask"]
     sums = c["logp"].astype(np.float64).sum(1).astype(np.float32)
     tokens = m.sum(1).astype(np.float32)  # TRL's ipo / sigmoid_norm count the unshifted mask
-    kw = dict(loss_type=cfg.get("loss_type", ["sigmoid"]), loss_weights=cfg.get("loss_weights"),
-              beta=cfg.get("beta", 0.1), label_smoothing=cfg.get("label_smoothing", 0.0),
-              f_divergence_type=cfg.get("f_divergence_type", "reverse_kl"),
-              f_alpha_divergence_coef=cfg.get("f_alpha_divergence_coef", 0.5),
-              discopop_tau=cfg.get("discopop_tau", 0.05))
+    kw = dpo_kwargs(cfg)
     w = wpo_weight(c) if cfg.get("use_weighting") else None
     if api == "numpy":
         r = lmloss.dpo_loss(sums[:p], sums[p:], c["ref"][:p], c["ref"][p:], grad=True,
@@ -174,7 +184,7 @@ def test_matches_trl(name, cfg, api):
     c = case(seed=[n for n, _ in CONFIGS].index(name))
     loss, d, metrics = ours(c, cfg, api)
     loss64, d64, trl_metrics = trl(c, cfg)
-    rtol = 1e-5 if cfg.get("f_divergence_type") == "alpha_divergence" else 1e-6  # TRL's fp32
+    rtol = trl_rtol(cfg)
     assert_close(loss, loss64, "loss", rtol)
     assert_close(d, d64, "d logp", rtol)
     got = lmloss._preference.trl_metrics(metrics)
