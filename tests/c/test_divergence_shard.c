@@ -1,0 +1,309 @@
+/*
+ * test_divergence_shard.c - the divergences over a sharded vocabulary
+ * (lmloss.h): each shard's state, the states exchanged (only the columns
+ * lmloss.h says to send) and merged left to right, right to left and as a
+ * tree, each shard's partials summed in rank order, then each shard's
+ * finish and backward finish, against the one-shot lmloss_divergence and
+ * lmloss_divergence_backward (within fp32 rounding: testing.h's
+ * tolerances, gradients with a floor of 1e-6 of their row's largest
+ * entry). Every kind, beta 0, 0.3, 0.5 and 1, temperatures per side,
+ * softcap, a hard term; k = 1, 2, 3, 4 and 7 uneven shards. Rows: peaked
+ * with margins 0 to 1000 whose argmax lies in each shard in turn, the
+ * teacher peaked elsewhere, student == teacher (exactly 0 loss and
+ * gradient, merged over any number of shards), small gaps, ties at the max
+ * across shards, a shard of only -inf in both rows, a NaN, ignored rows.
+ */
+#include "math/dtype.h"
+#include "support/testing.h"
+
+enum { MERGE_L2R, MERGE_R2L, MERGE_TREE, MERGE_ORDERS };
+static const int shard_counts[] = {1, 2, 3, 4, 7};
+static const double margins[] = {0, 5, 17, 30, 100, 1000};
+
+typedef struct {
+  int k;
+  int64_t col0[8], n[8];
+} split;
+
+/* k uneven shards of V columns: distinct random cuts. */
+static split make_split(int64_t V, int k) {
+  split s;
+  int64_t cut[8];
+  s.k = k, cut[0] = 0;
+  for (int c = 1; c < k; c++) {
+    int again;
+    do {
+      cut[c] = 1 + rng_int(V - 1), again = 0;
+      for (int d = 1; d < c; d++)
+        again |= cut[d] == cut[c];
+    } while (again);
+  }
+  for (int a = 1; a < k; a++)
+    for (int b = a; b > 1 && cut[b] < cut[b - 1]; b--) {
+      const int64_t t = cut[b];
+      cut[b] = cut[b - 1], cut[b - 1] = t;
+    }
+  for (int c = 0; c < k; c++)
+    s.col0[c] = cut[c], s.n[c] = (c + 1 < k ? cut[c + 1] : V) - cut[c];
+  return s;
+}
+
+static lmloss_tensor cols_view(const lmloss_tensor *t, int64_t c0, int64_t n) {
+  lmloss_tensor v = *t;
+  v.data = (char *)t->data + (size_t)c0 * lmloss_dtype_size(t->dtype);
+  v.cols = n;
+  return v;
+}
+
+static lmloss_tensor f32(int64_t rows, int64_t cols) {
+  lmloss_tensor t = host_new(LMLOSS_F32, rows, cols, cols);
+  host_poison(&t);
+  return t;
+}
+
+typedef struct {
+  lmloss_divergence_kind kind;
+  float beta, ts, tt, cap, hard;
+  lmloss_reduction red;
+} div_case;
+
+/* Student and teacher rows (module comment); is_same[i]: identical rows. */
+static void fill_pair(const lmloss_tensor *s, const lmloss_tensor *t, int64_t *label,
+                      const split *sp, int *is_same) {
+  const int64_t N = s->rows, V = s->cols;
+  for (int64_t i = 0; i < N; i++) {
+    const int r = (int)(i % sp->k); /* the student's argmax in shard r */
+    label[i] = sp->col0[r] + rng_int(sp->n[r]);
+    int64_t tl = rng_int(V);
+    lmloss_tensor rs = cols_view(s, 0, V), rt = cols_view(t, 0, V);
+    rs.data = (char *)s->data + (size_t)(i * s->row_stride) * 4, rs.rows = 1;
+    rt.data = (char *)t->data + (size_t)(i * t->row_stride) * 4, rt.rows = 1;
+    fill_logits(&rs, 2.0, &label[i], margins[i % 6]);
+    fill_logits(&rt, 2.0, &tl, margins[(i + 2) % 6]);
+    is_same[i] = i % 7 == 0 || i % 7 == 5;
+    for (int64_t j = 0; j < V; j++) {
+      const double x = tget(s, i, j);
+      if (is_same[i]) tset(t, i, j, x);
+      if (i % 7 == 3) tset(t, i, j, x + 1e-2 * rng_normal()); /* a small gap */
+    }
+  }
+  if (N < 5) return;
+  /* row 1: both rows tie their max in the first and last shards */
+  const int64_t a = sp->col0[0], b = sp->col0[sp->k - 1] + sp->n[sp->k - 1] - 1;
+  tset(s, 1, a, 40.0), tset(s, 1, b, 40.0), tset(t, 1, a, 25.0), tset(t, 1, b, 25.0);
+  /* row 2: shard 1 (the whole row for k = 1: NaN results) holds only -inf */
+  const int64_t c0 = sp->k > 1 ? sp->col0[1] : 0, n = sp->k > 1 ? sp->n[1] : V;
+  for (int64_t j = c0; j < c0 + n; j++)
+    tset(s, 2, j, -INFINITY), tset(t, 2, j, -INFINITY);
+  tset(s, 4, rng_int(V), NAN); /* row 4: a NaN (also ignored in some reductions' rows) */
+}
+
+static lmloss_status merge_all(lmloss_tensor *st, int k, int order, const lmloss_div_options *o) {
+  lmloss_context c = tb_ctx();
+  lmloss_status s = LMLOSS_OK;
+  if (order == MERGE_L2R)
+    for (int i = 1; i < k && !s; i++)
+      s = lmloss_divergence_state_merge(&c, &st[0], &st[i], o, &st[0]);
+  else if (order == MERGE_R2L)
+    for (int i = k - 2; i >= 0 && !s; i--)
+      s = lmloss_divergence_state_merge(&c, &st[i], &st[i + 1], o, &st[i]);
+  else
+    for (int w = 1; w < k && !s; w *= 2)
+      for (int i = 0; i + w < k && !s; i += 2 * w)
+        s = lmloss_divergence_state_merge(&c, &st[i], &st[i + w], o, &st[i]);
+  return s;
+}
+
+/* What an exchange sends (lmloss.h): the leading columns, w_y with a hard
+ * term, each side's raw max logit with its softcap; the rest arrive 0
+ * (w_y NaN). */
+static void exchange(const lmloss_tensor *st, const div_case *dc) {
+  for (int64_t r = 0; r < st->rows; r++)
+    for (int j = LMLOSS_DIV_STATE_EXCHANGE_COLS; j < LMLOSS_DIV_STATE_COLS; j++) {
+      const int keep = (j == 8 && dc->hard > 0) || (j == 9 || j == 10) * (dc->cap > 0);
+      if (!keep) tset(st, r, j, j == 8 ? NAN : 0.0);
+    }
+}
+
+static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_case *dc) {
+  const split sp = make_split(V, k);
+  lmloss_tensor s = host_new(LMLOSS_F32, N, V, V + 3), t = host_new(LMLOSS_F32, N, V, V + 1);
+  lmloss_tensor y = host_new(LMLOSS_I64, N, 1, 1);
+  int64_t *label = malloc(sizeof(int64_t) * (size_t)N);
+  int *same = malloc(sizeof(int) * (size_t)N);
+  fill_pair(&s, &t, label, &sp, same);
+  for (int64_t i = 0; i < N; i++)
+    tset(&y, i, 0, i % 5 == 4 ? -100 : (double)label[i]);
+  lmloss_div_options o = lmloss_div_options_default();
+  o.kind = dc->kind, o.beta = dc->beta, o.hard_weight = dc->hard, o.reduction = dc->red;
+  o.student.temperature = dc->ts, o.teacher.temperature = dc->tt;
+  o.student.softcap = o.teacher.softcap = dc->cap;
+  const int64_t NL = dc->red == LMLOSS_REDUCE_NONE ? N : 1;
+  const size_t wsb = lmloss_cross_entropy_workspace_size(N);
+  void *ws = malloc(wsb);
+  lmloss_context c = tb_ctx();
+  /* the one-shot call */
+  lmloss_tensor l1 = f32(NL, 1), d1 = f32(N, 1), c1 = f32(N, 1), e1 = f32(N, 1), g1 = f32(N, V);
+  lmloss_div_inputs in = {s, t, y};
+  lmloss_div_outputs o1 = {l1, d1, c1, g1, e1};
+  tg_true(g, lmloss_divergence(&c, &in, &o, &o1, ws, wsb) == LMLOSS_OK, "one-shot: %s",
+          lmloss_last_error());
+  lmloss_tensor up = f32(NL, 1), b1 = f32(N, V), b2 = f32(N, V);
+  for (int64_t i = 0; i < NL; i++)
+    tset(&up, i, 0, 0.25 + rng_uniform());
+  tg_true(g, lmloss_divergence_backward(&c, &in, &o, &up, &b1, ws, wsb) == LMLOSS_OK,
+          "one-shot backward: %s", lmloss_last_error());
+  /* the shards' states, exchanged and merged, then the same merged state on every shard */
+  lmloss_tensor st[8], merged = f32(N, LMLOSS_DIV_STATE_COLS);
+  lmloss_div_inputs sin[8];
+  for (int r = 0; r < k; r++) {
+    const lmloss_shard sh = {sp.col0[r], V, 0};
+    sin[r] = (lmloss_div_inputs){cols_view(&s, sp.col0[r], sp.n[r]),
+                                 cols_view(&t, sp.col0[r], sp.n[r]), y};
+    st[r] = f32(N, LMLOSS_DIV_STATE_COLS);
+    tg_true(g, lmloss_divergence_state(&c, &sin[r], &o, &sh, &st[r]) == LMLOSS_OK, "state: %s",
+            lmloss_last_error());
+    exchange(&st[r], dc);
+  }
+  tg_true(g, merge_all(st, k, order, &o) == LMLOSS_OK, "merge: %s", lmloss_last_error());
+  memcpy(merged.data, st[0].data, tensor_bytes(&merged)); /* every order ends in st[0] */
+  /* each shard's partials, summed in rank order (the all-reduce) */
+  lmloss_tensor psum = f32(N, LMLOSS_DIV_PARTIAL_COLS), part = f32(N, LMLOSS_DIV_PARTIAL_COLS);
+  for (int r = 0; r < k; r++) {
+    const lmloss_shard sh = {sp.col0[r], V, 0};
+    tg_true(g, lmloss_divergence_partials(&c, &sin[r], &o, &sh, &merged, &part) == LMLOSS_OK,
+            "partials: %s", lmloss_last_error());
+    for (int64_t i = 0; i < N; i++)
+      for (int j = 0; j < LMLOSS_DIV_PARTIAL_COLS; j++)
+        tset(&psum, i, j, (r ? (float)tget(&psum, i, j) : 0.0f) + (float)tget(&part, i, j));
+  }
+  /* each shard's finish: the whole rows' outputs, its columns' gradients */
+  lmloss_tensor l2 = f32(NL, 1), d2 = f32(N, 1), c2 = f32(N, 1), e2 = f32(N, 1), g2 = f32(N, V);
+  for (int r = 0; r < k; r++) {
+    const lmloss_shard sh = {sp.col0[r], V, 0};
+    /* a ce output reads w_y, which the exchange sends with a hard term only */
+    lmloss_div_outputs o2 = {l2, d2, dc->hard > 0 ? c2 : (lmloss_tensor){0},
+                             cols_view(&g2, sp.col0[r], sp.n[r]), e2};
+    tg_true(g,
+            lmloss_divergence_finish(&c, &sin[r], &o, &sh, &merged, &psum, &o2, ws, wsb) ==
+                LMLOSS_OK,
+            "finish: %s", lmloss_last_error());
+    const lmloss_tensor db = cols_view(&b2, sp.col0[r], sp.n[r]);
+    const int kl = o.kind == LMLOSS_DIV_KL || (o.kind == LMLOSS_DIV_JSD && o.beta == 0.0f);
+    tg_true(g,
+            lmloss_divergence_backward_finish(&c, &sin[r], &o, &sh, &merged, kl ? NULL : &psum, &up,
+                                              &db, ws, wsb) == LMLOSS_OK,
+            "backward finish: %s", lmloss_last_error());
+  }
+  for (int64_t i = 0; i < NL; i++)
+    tg_close(g, tget(&l2, i, 0), tget(&l1, i, 0), LMLOSS_F32, 0, "loss", i, 0);
+  for (int64_t i = 0; i < N; i++) {
+    const double dv = tget(&d2, i, 0), fl = 1e-6;
+    tg_close(g, dv, tget(&d1, i, 0), LMLOSS_F32, 0, "divergence", i, 0);
+    if (dc->hard > 0) tg_close(g, tget(&c2, i, 0), tget(&c1, i, 0), LMLOSS_F32, 0, "ce", i, 0);
+    tg_close(g, tget(&e2, i, 0), tget(&e1, i, 0), LMLOSS_F32, 0, "entropy", i, 0);
+    tg_true(g, !(dv < 0), "divergence %g < 0 at row %lld", dv, (long long)i);
+    double m1 = 0, m2 = 0;
+    for (int64_t j = 0; j < V; j++) {
+      if (isfinite(tget(&g1, i, j))) m1 = fmax(m1, fabs(tget(&g1, i, j)));
+      if (isfinite(tget(&b1, i, j))) m2 = fmax(m2, fabs(tget(&b1, i, j)));
+    }
+    for (int64_t j = 0; j < V; j++) {
+      tg_close(g, tget(&g2, i, j), tget(&g1, i, j), LMLOSS_F32, fl * m1, "dstudent", i, j);
+      tg_close(g, tget(&b2, i, j), tget(&b1, i, j), LMLOSS_F32, fl * m2, "backward", i, j);
+    }
+    if (same[i] && i % 5 != 4 && i != 4 && dc->ts == dc->tt) {
+      tg_true(g, dv == 0, "identical rows: divergence %g at row %lld", dv, (long long)i);
+      for (int64_t j = 0; dc->hard == 0 && j < V; j++)
+        tg_true(g, tget(&g2, i, j) == 0 && tget(&b2, i, j) == 0,
+                "identical rows: gradient %g at [%lld, %lld]", tget(&g2, i, j), (long long)i,
+                (long long)j);
+    }
+  }
+  for (int r = 0; r < k; r++)
+    host_free(&st[r]);
+  lmloss_tensor *all[] = {&s,  &t,      &y,    &l1,   &d1, &c1, &e1, &g1, &up, &b1,
+                          &b2, &merged, &psum, &part, &l2, &d2, &c2, &e2, &g2};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+    host_free(all[i]);
+  free(label), free(same), free(ws);
+}
+
+/* Bad input: clear statuses, nothing else. */
+static void bad_inputs(tgroup *g) {
+  const int64_t N = 3, V = 10;
+  lmloss_tensor s = f32(N, V), t = f32(N, V), st = f32(N, LMLOSS_DIV_STATE_COLS);
+  lmloss_tensor st8 = f32(N, LMLOSS_ROW_STATE_COLS);
+  lmloss_tensor l = f32(1, 1), d = f32(N, V);
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < V; j++)
+      tset(&s, i, j, rng_normal()), tset(&t, i, j, rng_normal());
+  lmloss_context c = tb_ctx();
+  lmloss_div_options o = lmloss_div_options_default();
+  lmloss_div_inputs in = {s, t, {0}};
+  lmloss_shard out_of = {5, 14, 0}, ok = {0, 0, 0};
+  const size_t wsb = lmloss_cross_entropy_workspace_size(N);
+  void *ws = malloc(wsb);
+  lmloss_status e = lmloss_divergence_state(&c, &in, &o, &out_of, &st);
+  tg_true(g, e == LMLOSS_ERR_BAD_SHAPE, "shard outside the vocabulary: %s",
+          lmloss_status_string(e));
+  e = lmloss_divergence_state(&c, &in, &o, &ok, &st8);
+  tg_true(g, e == LMLOSS_ERR_BAD_SHAPE, "a row state's shape: %s", lmloss_status_string(e));
+  e = lmloss_divergence_state(&c, &in, &o, &ok, &st);
+  tg_true(g, e == LMLOSS_OK, "state: %s", lmloss_last_error());
+  e = lmloss_divergence_partials(&c, &in, &o, &ok, &st, &st);
+  tg_true(g, e == LMLOSS_ERR_BAD_SHAPE, "partials' shape: %s", lmloss_status_string(e));
+  o.kind = LMLOSS_DIV_TVD;
+  e = lmloss_divergence_backward_finish(&c, &in, &o, &ok, &st, NULL, &l, &d, ws, wsb);
+  tg_true(g, e == LMLOSS_ERR_NULL_POINTER, "TVD without partials: %s", lmloss_status_string(e));
+  e = lmloss_divergence_state_merge(&c, &st, &st8, &o, &st);
+  tg_true(g, e == LMLOSS_ERR_BAD_SHAPE, "merge of a row state: %s", lmloss_status_string(e));
+  lmloss_context rc = ref_ctx();
+  e = lmloss_divergence_state(&rc, &in, &o, &ok, &st);
+  tg_true(g, e == LMLOSS_ERR_UNSUPPORTED, "REF: %s", lmloss_status_string(e));
+  lmloss_tensor *all[] = {&s, &t, &st, &st8, &l, &d};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++)
+    host_free(all[i]);
+  free(ws);
+}
+
+int main(void) {
+  tb_init();
+  rng_seed(39);
+  if (tb_is_cuda()) { /* the host tensors below are the CPU's */
+    printf("divergence shards: CPU only (CUDA returns LMLOSS_ERR_UNSUPPORTED)\n");
+    return 0;
+  }
+  const div_case cases[] = {
+      {LMLOSS_DIV_KL, 0, 1, 1, 0, 0, LMLOSS_REDUCE_MEAN},
+      {LMLOSS_DIV_REVERSE_KL, 0, 1, 1, 0, 0, LMLOSS_REDUCE_NONE},
+      {LMLOSS_DIV_JSD, 0.5f, 1, 1, 0, 0, LMLOSS_REDUCE_SUM},
+      {LMLOSS_DIV_JSD, 0.3f, 0.7f, 1.3f, 0, 0, LMLOSS_REDUCE_NONE},
+      {LMLOSS_DIV_JSD, 0.0f, 2.0f, 2.0f, 0, 0, LMLOSS_REDUCE_MEAN},
+      {LMLOSS_DIV_JSD, 1.0f, 1, 0.5f, 0, 0, LMLOSS_REDUCE_NONE},
+      {LMLOSS_DIV_TVD, 0, 1, 1, 0, 0, LMLOSS_REDUCE_NONE},
+      {LMLOSS_DIV_TVD, 0, 0.8f, 0.8f, 0, 0.5f, LMLOSS_REDUCE_MEAN},
+      {LMLOSS_DIV_KL, 0, 0.9f, 0.9f, 30, 0.3f, LMLOSS_REDUCE_NONE},
+      {LMLOSS_DIV_JSD, 0.5f, 1, 1, 25, 0, LMLOSS_REDUCE_NONE},
+      {LMLOSS_DIV_REVERSE_KL, 0, 1.5f, 1, 0, 1.0f, LMLOSS_REDUCE_SUM},
+  };
+  const char *kinds[] = {"KL", "reverse KL", "JSD", "TVD"};
+  const int64_t Vs[] = {17, 1003, 5003};
+  for (size_t cse = 0; cse < sizeof cases / sizeof *cases; cse++) {
+    const div_case *dc = &cases[cse];
+    char name[128];
+    snprintf(name, sizeof name, "%s beta %g, T %g/%g, softcap %g, hard %g", kinds[dc->kind],
+             dc->beta, dc->ts, dc->tt, dc->cap, dc->hard);
+    tgroup g;
+    tg_begin(&g, name);
+    for (size_t v = 0; v < 3; v++)
+      for (size_t k = 0; k < sizeof shard_counts / sizeof *shard_counts; k++)
+        run(&g, Vs[v] > 2000 ? 14 : 21, Vs[v], shard_counts[k], (int)((v + k) % MERGE_ORDERS), dc);
+    tg_end(&g);
+  }
+  tgroup g;
+  tg_begin(&g, "bad input");
+  bad_inputs(&g);
+  tg_end(&g);
+  return test_finish();
+}
