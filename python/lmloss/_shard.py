@@ -51,3 +51,41 @@ lp_backward_finish = _proto("lmloss_log_probs_backward_finish", _Ctx, _T, _T, _T
                             _T, _T, _T)
 softmax_finish = _proto("lmloss_softmax_finish", _Ctx, _T, _S, _T, ctypes.c_int, _T)
 merge = _proto("lmloss_row_state_merge", _Ctx, _T, _T, _Tr, _T)
+
+# ---------------------------------------------------------------- divergences
+
+_DI, _DO = _P(_lib.DivInputs), _P(_lib.DivOptions)
+DIV_STATE_COLS = 12  # LMLOSS_DIV_STATE_COLS (layout version 1)
+DIV_STATE_EXCHANGE_COLS = 8  # LMLOSS_DIV_STATE_EXCHANGE_COLS: ms, rs, as, mt, rt, at, d, xt_as
+DIV_COL_WS_Y, DIV_COL_XS_A, DIV_COL_XT_AT = 8, 9, 10
+DIV_PARTIAL_COLS = 8  # LMLOSS_DIV_PARTIAL_COLS: div, rev, mix, pos, neg, eq, ent, 0
+_DIV_PARTIALS = {0: (0,), 1: (0, 1), 2: (0, 2), 3: (0, 3, 4, 5)}  # by lmloss_divergence_kind
+
+
+def div_exchange_columns(opt):
+    """The state columns a divergence's finish reads, all its exchange must
+    send (4 bytes each a row): the leading eight; ws_y with a hard term;
+    each side's raw logit at its argmax with that side's softcap. The
+    receiver fills the others: 0, and ws_y NaN."""
+    return (tuple(range(DIV_STATE_EXCHANGE_COLS))
+            + ((DIV_COL_WS_Y,) if opt.hard_weight > 0 else ())
+            + ((DIV_COL_XS_A,) if opt.student.softcap > 0 else ())
+            + ((DIV_COL_XT_AT,) if opt.teacher.softcap > 0 else ()))
+
+
+def div_partial_columns(opt):
+    """The partials' columns opt's kind reads (a JSD with beta 0 or 1 is the
+    KL or reverse KL, as the C call resolves it)."""
+    kind = opt.kind
+    if kind == _lib.DIV_KINDS["jsd"] and opt.beta in (0.0, 1.0):
+        kind = _lib.DIV_KINDS["kl"] if opt.beta == 0.0 else _lib.DIV_KINDS["reverse_kl"]
+    return _DIV_PARTIALS[kind]
+
+
+div_state = _proto("lmloss_divergence_state", _Ctx, _DI, _DO, _S, _T)
+div_state_merge = _proto("lmloss_divergence_state_merge", _Ctx, _T, _T, _DO, _T)
+div_partials = _proto("lmloss_divergence_partials", _Ctx, _DI, _DO, _S, _T, _T)
+div_finish = _proto("lmloss_divergence_finish", _Ctx, _DI, _DO, _S, _T, _T, _P(_lib.DivOutputs),
+                    ctypes.c_void_p, ctypes.c_size_t)
+div_backward_finish = _proto("lmloss_divergence_backward_finish", _Ctx, _DI, _DO, _S, _T, _T, _T,
+                             _T, ctypes.c_void_p, ctypes.c_size_t)

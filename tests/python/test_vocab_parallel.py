@@ -3,8 +3,9 @@ family over a vocabulary split into 2, 3 and 4 shards, even and uneven,
 against the single-process call on the whole rows, on peaked rows whose
 argmax sits on each rank in turn, ties at the max across ranks, a shard
 holding only -inf and ignored rows; GRPO's objective on the log-probs and
-entropies they give; and the fused head with its weight's rows split over
-the ranks."""
+entropies they give; the divergences (KL both ways, generalized JSD, TVD)
+with a teacher sharded alike; and the fused head with its weight's rows
+split over the ranks."""
 
 import os
 import tempfile
@@ -157,6 +158,51 @@ def _check_grpo(world, rank, uneven, V):
         _close(ggot, gref[:, s:e], "grpo grad %s" % kw, atol=1e-8)
 
 
+def _check_divergence(world, rank, uneven, V):
+    """kl_div, generalized_jsd and tvd of the rank's columns of both models:
+    the loss on every rank (the same bits), the student's gradient over its
+    columns; rows 0 and 5 have student == teacher (exactly 0 there), row 4
+    a small gap, row 2's last shard only -inf in both."""
+    bounds = _bounds(V, world, uneven)
+    s, e = bounds[rank]
+    shard = dict(process_group=dist.group.WORLD)
+    if uneven:
+        shard.update(vocab_start=s, vocab_size=V)
+    x, y = _rows(V, bounds, seed=world * 10 + uneven + 5)
+    t, _ = _rows(V, bounds[::-1], seed=world * 10 + uneven + 6)  # peaked elsewhere
+    t[2] = x[2]
+    t[2, : bounds[-1][0]] += torch.randn(bounds[-1][0], generator=torch.Generator().manual_seed(9))
+    t[0], t[5] = x[0], x[5]
+    t[4] = x[4] + 1e-2 * torch.randn(V, generator=torch.Generator().manual_seed(10))
+    cases = [
+        (LT.kl_div, dict()),
+        (LT.kl_div, dict(reverse=True, reduction="none", temperature=0.8,
+                         teacher_temperature=1.2)),
+        (LT.generalized_jsd, dict(beta=0.5, reduction="sum")),
+        (LT.generalized_jsd, dict(beta=0.3, reduction="mean", softcap=20.0, hard_weight=0.5)),
+        (LT.generalized_jsd, dict(beta=0.0, temperature=2.0, num_items_in_batch=7)),
+        (LT.generalized_jsd, dict(beta=1.0, reduction="none")),
+        (LT.tvd, dict(reduction="none")),
+        (LT.tvd, dict(hard_weight=1.0, temperature=0.9)),
+    ]
+    for fn, kw in cases:
+        what = "%s %s" % (fn.__name__, kw)
+        ref, gref = _grad_of(lambda z: fn(z, t, y, **kw), x)
+        got, ggot = _grad_of(lambda z: fn(z, t[:, s:e], y, **kw, **shard), x[:, s:e])
+        _close(got, ref, what)
+        _close(ggot, gref[:, s:e], what + " grad", atol=1e-7)
+        every = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(every, got)
+        assert all(torch.equal(a, every[0]) for a in every), what + ": ranks differ"
+        rows = fn(x[:, s:e], t[:, s:e], y, **dict(kw, reduction="none", num_items_in_batch=None),
+                  **shard)
+        same_t = kw.get("teacher_temperature", kw.get("temperature")) == kw.get("temperature")
+        if same_t and not kw.get("hard_weight"):  # the loss is the divergence alone
+            assert rows[0] == 0 and rows[5] == 0, what + ": identical rows"
+            assert not ggot[0].any() and not ggot[5].any(), what + ": identical rows' grad"
+        assert not (rows < 0).any(), what + ": negative"
+
+
 def _head_case(world, rank, uneven, V, seed):
     """This rank's [s, e), the sharding keywords, a generator, and hidden
     [N, H], the whole head [V, H] and bias [V]."""
@@ -251,6 +297,7 @@ def _worker(rank, world, init):
         _check_rank(world, rank, True, 12 * world + 61)
         _check_bf16(world, rank, world == 3, 12 * world + 61 if world == 3 else 20 * world)
         _check_grpo(world, rank, world != 2, 12 * world + 61 if world != 2 else 20 * world)
+        _check_divergence(world, rank, world != 3, 12 * world + 61 if world != 3 else 20 * world)
         _check_head(world, rank, False, 20 * world)
         _check_head(world, rank, True, 12 * world + 61)
         uneven = world % 2 == 1

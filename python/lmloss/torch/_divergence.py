@@ -17,9 +17,17 @@ and num_items_in_batch (a number or tensor) -> sum / num_items_in_batch
 whatever the reduction, as TRL. The C call reduces to a sum (or per-row
 values) and the divisions run in torch on the device, so nothing reads
 back to the host.
+
+process_group= (torch.distributed, as cross_entropy's): the logits are this
+rank's vocabulary shard [..., V_r] of both models (Megatron's layout,
+vocab_start / vocab_size for uneven shards), labels in the whole
+vocabulary; every rank gets the whole rows' loss, "mean" divides by the
+whole vocabulary, and the student's gradient covers its columns
+(_vocab_parallel.Divergence: two collectives in the forward, none in the
+backward). Eager only.
 """
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -28,6 +36,7 @@ from .. import _lib
 from .._divergence import sides
 from . import _div_ops as D
 from ._bridge import backend_code
+from . import _vocab_parallel as VP
 from ._functional import Number, _bad, _rows, _same_device, _target
 
 REDUCTIONS = ("batchmean", "sum", "mean", "none")
@@ -71,6 +80,25 @@ class _Logits:
         return D.divergence(x, self.t.detach(), label, fopts, iopts, fused)[0]
 
 
+class _ShardLogits(_Logits):
+    """_Logits of a vocabulary shard: the loss through the vocab-parallel op,
+    v the whole vocabulary's width (what "mean" divides by)."""
+
+    def __init__(self, student_logits, teacher_logits, process_group, vocab_start, vocab_size):
+        super().__init__(student_logits, teacher_logits)
+        self.shard = VP.Shard(process_group, self.v, vocab_start, vocab_size)
+        self.v = self.shard.vocab
+
+    def loss(self, label, fopts, iopts, per_row):
+        return VP.Divergence.apply(self.x, self.t.detach(), label, fopts, iopts, self.shard)
+
+
+def _pair(student_logits, teacher_logits, process_group, vocab_start, vocab_size):
+    if process_group is None:
+        return _Logits(student_logits, teacher_logits)
+    return _ShardLogits(student_logits, teacher_logits, process_group, vocab_start, vocab_size)
+
+
 def _distill(pair, labels, kind, beta, temperature, reduction, num_items, teacher_temperature,
              logit_scale, teacher_logit_scale, softcap, teacher_softcap, soft_weight,
              hard_weight, ignore_index, backend, num_threads):
@@ -105,7 +133,9 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor,
                     teacher_logit_scale: Optional[float] = None, softcap: Optional[float] = None,
                     teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
                     hard_weight: float = 0.0, ignore_index: int = -100, backend: str = "auto",
-                    num_threads: int = 0) -> Tensor:
+                    num_threads: int = 0, process_group: Optional[Any] = None,
+                    vocab_start: Optional[int] = None,
+                    vocab_size: Optional[int] = None) -> Tensor:
     """TRL's GKDTrainer.generalized_jsd_loss (its positional signature and
     results, but "none": module docstring): per row
     beta KL(q || M) + (1 - beta) KL(p || M), M = (1 - beta) p + beta q,
@@ -126,8 +156,12 @@ def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor,
     call and holds it (student-sized) until the backward, which scales it
     by the upstream gradient (for a 16-bit student a second rounding,
     unless that is 1).
+
+    process_group, vocab_start, vocab_size: a vocabulary split over ranks
+    (module docstring).
     """
-    return _distill(_Logits(student_logits, teacher_logits), labels, "jsd", beta, temperature,
+    return _distill(_pair(student_logits, teacher_logits, process_group, vocab_start,
+                          vocab_size), labels, "jsd", beta, temperature,
                     reduction, num_items_in_batch, teacher_temperature, logit_scale,
                     teacher_logit_scale, softcap, teacher_softcap, soft_weight, hard_weight,
                     ignore_index, backend, num_threads)
@@ -139,14 +173,15 @@ def kl_div(student_logits: Tensor, teacher_logits: Tensor, labels: Optional[Tens
            logit_scale: float = 1.0, teacher_logit_scale: Optional[float] = None,
            softcap: Optional[float] = None, teacher_softcap: Optional[float] = None,
            soft_weight: float = 1.0, hard_weight: float = 0.0, ignore_index: int = -100,
-           backend: str = "auto", num_threads: int = 0) -> Tensor:
+           backend: str = "auto", num_threads: int = 0, process_group: Optional[Any] = None,
+           vocab_start: Optional[int] = None, vocab_size: Optional[int] = None) -> Tensor:
     """KL(q || p) = sum_j q_j log(q_j / p_j) per row, q the teacher's softmax
     and p the student's: F.kl_div(log p, log q, log_target=True) summed
     over the classes (the forward KL of distillation, TRL's beta 0);
     reverse=True: KL(p || q) (TRL's beta 1). Arguments, reductions and
     results as generalized_jsd's."""
-    return _distill(_Logits(student_logits, teacher_logits), labels,
-                    "reverse_kl" if reverse else "kl", 0.0, temperature, reduction,
+    return _distill(_pair(student_logits, teacher_logits, process_group, vocab_start, vocab_size),
+                    labels, "reverse_kl" if reverse else "kl", 0.0, temperature, reduction,
                     num_items_in_batch, teacher_temperature, logit_scale, teacher_logit_scale,
                     softcap, teacher_softcap, soft_weight, hard_weight, ignore_index, backend,
                     num_threads)
@@ -158,10 +193,12 @@ def tvd(student_logits: Tensor, teacher_logits: Tensor, labels: Optional[Tensor]
         teacher_logit_scale: Optional[float] = None, softcap: Optional[float] = None,
         teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
         hard_weight: float = 0.0, ignore_index: int = -100, backend: str = "auto",
-        num_threads: int = 0) -> Tensor:
+        num_threads: int = 0, process_group: Optional[Any] = None,
+        vocab_start: Optional[int] = None, vocab_size: Optional[int] = None) -> Tensor:
     """Total variation distance 0.5 sum_j |p_j - q_j| per row; arguments,
     reductions and results as generalized_jsd's."""
-    return _distill(_Logits(student_logits, teacher_logits), labels, "tvd", 0.0, temperature,
+    return _distill(_pair(student_logits, teacher_logits, process_group, vocab_start, vocab_size),
+                    labels, "tvd", 0.0, temperature,
                     reduction, num_items_in_batch, teacher_temperature, logit_scale,
                     teacher_logit_scale, softcap, teacher_softcap, soft_weight, hard_weight,
                     ignore_index, backend, num_threads)

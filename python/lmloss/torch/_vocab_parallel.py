@@ -9,7 +9,10 @@ rank order with lmloss_row_state_merge, so that every rank holds the same
 bits and reports the same loss, and finishes its own columns. The
 backward needs no collective of its own, except softmax's (12 bytes a
 row, log-softmax's 16) and the fused head's dhidden, which is summed
-over the ranks.
+over the ranks. The divergences (Divergence) exchange twice in the
+forward: the two rows' states (32 bytes a row, more with a hard term or a
+softcap), then the loss sweep's sums (4 to 16 bytes a row by kind); their
+backward needs no collective.
 Never an all-reduce of a sum of exponentials: that is the collapse.
 
 The functions here are eager autograd Functions (a process group cannot
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from .. import _lib
 from .. import _shard as S
 from . import _bridge as B
+from . import _div_ops as DO
 from . import _ops as O
 
 F32 = torch.float32
@@ -284,6 +288,113 @@ class Softmax(torch.autograd.Function):
 def _all_reduce(t, shard):
     if shard.world > 1:
         dist.all_reduce(t, group=shard.group)
+
+
+# ---------------------------------------------------------------- divergences
+
+def _gather(t, cols, shard):
+    """Every rank's columns cols of t [n, c]: [world, n, len(cols)], by one
+    all-gather (rank order, so every rank holds the same bits)."""
+    n, cols = t.shape[0], list(cols)
+    wire = t[:, cols].contiguous()
+    if shard.world == 1:
+        return wire.unsqueeze(0)
+    parts = wire.new_empty((shard.world * n, len(cols)))
+    dist.all_gather_into_tensor(parts, wire, group=shard.group)
+    return parts.view(shard.world, n, len(cols))
+
+
+def div_exchange(state, opt, shard, run):
+    """The merged divergence states of every rank's shard: the columns a
+    finish reads gathered (S.div_exchange_columns: 32 to 44 bytes a row),
+    merged in rank order on every rank."""
+    if shard.world == 1:
+        return state
+    cols = list(S.div_exchange_columns(opt))
+    parts = _gather(state, cols, shard)
+    full = state.new_zeros((shard.world, state.shape[0], S.DIV_STATE_COLS))
+    full[:, :, S.DIV_COL_WS_Y] = float("nan")
+    full[:, :, cols] = parts
+    merged, keep = full[0], []
+    with B.context(state, *run) as ctx:
+        acc = B.view(merged, keep)
+        for p in range(1, shard.world):
+            _lib.check(S.div_state_merge(ctx, acc, B.view(full[p], keep), opt, acc))
+    return merged
+
+
+def div_partials_sum(partials, opt, shard):
+    """The partials summed over the ranks: the columns opt's kind reads
+    gathered (4 to 16 bytes a row) and summed in rank order, so every rank
+    holds the same bits (an all-reduce's order is its own). Every summand
+    of the loss is >= 0: a plain sum, no collapse."""
+    if shard.world == 1:
+        return partials
+    cols = list(S.div_partial_columns(opt))
+    summed = torch.zeros_like(partials)
+    summed[:, cols] = _gather(partials, cols, shard).sum(0)
+    return summed
+
+
+def _div_inputs(x, t, label, keep):
+    return _lib.DivInputs(B.view(x, keep), B.view(t, keep), B.view(label, keep))
+
+
+class Divergence(torch.autograd.Function):
+    """lmloss_divergence of a vocabulary shard: student and teacher [N, V_r]
+    this rank's columns, label [N] in the whole vocabulary; the whole rows'
+    loss on every rank (per row, or summed), the gradient w.r.t. the
+    student's columns here. Two exchanges in the forward (the states, then
+    the partial sums); the backward needs none. A summed loss whose student
+    needs a gradient forms it in the forward's finish at an upstream of 1,
+    as the one-shot op does, and the backward scales it."""
+
+    @staticmethod
+    def forward(ctx, x, t, label, fopts, iopts, shard):
+        opt, run = DO._div_opt(fopts, iopts), O.run_args(iopts)
+        n, sh, keep = x.shape[0], shard.struct(), []
+        state = x.new_empty((n, S.DIV_STATE_COLS), dtype=F32)
+        with B.context(x, *run) as c:
+            _lib.check(S.div_state(c, _div_inputs(x, t, label, keep), opt, sh,
+                                   B.view(state, keep)))
+        merged = div_exchange(state, opt, shard, run)
+        partials = x.new_empty((n, S.DIV_PARTIAL_COLS), dtype=F32)
+        with B.context(x, *run) as c:
+            _lib.check(S.div_partials(c, _div_inputs(x, t, label, keep), opt, sh,
+                                      B.view(merged, keep), B.view(partials, keep)))
+        summed = div_partials_sum(partials, opt, shard)
+        per_row = O._reduction_name(iopts) == "none"
+        fused = not per_row and ctx.needs_input_grad[0]
+        loss = O._loss(x, n, O._reduction_name(iopts))
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format) if fused else None
+        with B.context(x, *run) as c:
+            out = _lib.DivOutputs(loss=B.view(loss.reshape(-1), keep))
+            if fused:
+                out.dstudent = B.view(dx, keep)
+            ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(n), x.device)
+            _lib.check(S.div_finish(c, _div_inputs(x, t, label, keep), opt, sh,
+                                    B.view(merged, keep), B.view(summed, keep), out, addr,
+                                    nbytes))
+        ctx.save_for_backward(x, t, label, merged, summed)
+        ctx.args, ctx.fwd_grad = (fopts, iopts, shard), dx
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        if ctx.fwd_grad is not None:  # used once: another backward recomputes
+            dx, ctx.fwd_grad = ctx.fwd_grad.mul_(dloss.to(F32)), None
+            return (dx,) + (None,) * 5
+        x, t, label, merged, summed = ctx.saved_tensors
+        fopts, iopts, shard = ctx.args
+        opt, run, keep = DO._div_opt(fopts, iopts), O.run_args(iopts), []
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+        with B.context(x, *run) as c:
+            ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
+            _lib.check(S.div_backward_finish(
+                c, _div_inputs(x, t, label, keep), opt, shard.struct(), B.view(merged, keep),
+                B.view(summed, keep), B.view(dloss.reshape(-1).to(F32).contiguous(), keep),
+                B.view(dx, keep), addr, nbytes))
+        return (dx,) + (None,) * 5
 
 
 # ---------------------------------------------------------------- the fused head, W split by rows
