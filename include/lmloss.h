@@ -628,11 +628,12 @@ LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const
  *      lmloss_divergence_state_merge (any order, or a tree);
  *   2. each rank: lmloss_divergence_partials of its columns from the
  *      merged state -> partials [N, LMLOSS_DIV_PARTIAL_COLS], sums of
- *      per-column terms; all-reduce them (a plain sum: every term the loss
- *      sums is >= 0 and formed against the whole rows' maxes and sums, so
- *      no collapse); the gradient's sums (rev, mix, pos, neg, eq) are also
- *      sums of terms formed against the whole rows, like the one-shot
- *      call's;
+ *      per-column terms formed against the whole rows' maxes and sums;
+ *      all-reduce them (a plain sum: every term the loss sums is >= 0, so
+ *      no collapse). They are F64, as the one-shot call's row sums: the
+ *      gradient's rev and mix are sums of terms of both signs, and each
+ *      rank's part rounded to fp32 would carry an error of its own size,
+ *      not of the row's sum;
  *   3. each rank: lmloss_divergence_finish (or _backward_finish) of its
  *      columns: every per-row output is the whole row's on every rank,
  *      dstudent covers the rank's columns.
@@ -670,7 +671,7 @@ LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const
  * rows: each row's m, R and argmax (24 bytes), D (4) and the teacher at
  * the student's argmax (4); cross-entropy's 16 is one row's.
  *
- * The partials, F32, LMLOSS_DIV_PARTIAL_COLS = 8 columns a row, the sums
+ * The partials, F64, LMLOSS_DIV_PARTIAL_COLS = 8 columns a row, the sums
  * over the rank's columns (ignored rows 0, rows the state marks
  * non-finite NaN):
  *   [0] div  the divergence's terms (every kind)
@@ -679,9 +680,9 @@ LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const
  *   [3] pos, [4] neg, [5] eq  TVD: p's mass where p > q, p < q, p = q
  *   [6] ent  the student's entropy terms (an entropy output)
  *   [7] 0    reserved
- * The all-reduce need send only the columns its kind reads: [0] (KL, 4
- * bytes a row), [0, 1] (REVERSE_KL, 8), [0, 2] (JSD, 8), [0, 3, 4, 5]
- * (TVD, 16), plus [6] with an entropy output. A JSD with beta 0 or 1 is
+ * The all-reduce need send only the columns its kind reads: [0] (KL, 8
+ * bytes a row), [0, 1] (REVERSE_KL, 16), [0, 2] (JSD, 16), [0, 3, 4, 5]
+ * (TVD, 32), plus [6] with an entropy output. A JSD with beta 0 or 1 is
  * the KL or REVERSE_KL. */
 #define LMLOSS_DIV_STATE_VERSION 1
 #define LMLOSS_DIV_STATE_COLS 12
@@ -709,7 +710,7 @@ LMLOSS_API lmloss_status lmloss_divergence_state_merge(const lmloss_context *ctx
                                                        const lmloss_div_options *opt,
                                                        const lmloss_tensor *out);
 
-/* The shard's partial sums from merged states: partials F32 [N,
+/* The shard's partial sums from merged states: partials F64 [N,
  * LMLOSS_DIV_PARTIAL_COLS]. */
 LMLOSS_API lmloss_status lmloss_divergence_partials(
     const lmloss_context *ctx, const lmloss_div_inputs *in, const lmloss_div_options *opt,

@@ -10,11 +10,17 @@
  *   3. each rank: the finish, the whole rows' outputs and the gradient of
  *      its own columns.
  *
+ * A divergence (here the generalized JSD between the rows and a teacher's)
+ * takes two exchanges: the two rows' states (32 bytes a row, merged with
+ * lmloss_divergence_state_merge), then the per-rank sums of its loss
+ * sweep (lmloss_divergence_partials, in double; 16 bytes a row), summed in
+ * rank order.
+ *
  * Every rank checks its results against the one-shot calls on the whole
- * rows: cross-entropy, log-probs with entropy (and their backward) and
- * softmax, on rows peaked by up to 1000 at a label that lies on each rank
- * in turn, where a sum of exp all-reduced in fp32 reads a loss of 0.
- * Exits 1 when they differ.
+ * rows: cross-entropy, log-probs with entropy (and their backward),
+ * softmax and the JSD, on rows peaked by up to 1000 at a label that lies
+ * on each rank in turn, where a sum of exp all-reduced in fp32 reads a
+ * loss of 0. Exits 1 when they differ.
  */
 #include <lmloss.h>
 #include <math.h>
@@ -40,28 +46,39 @@ static lmloss_tensor view(void *data, lmloss_dtype dt, int64_t rows, int64_t col
 
 static int rank, world;
 
-/* Step 2: the leading `cols` columns of every rank's states [N, 8] into
- * merged [N, 8], the rest 0, merged in rank order. */
-static lmloss_status exchange(const float *state, int cols, const lmloss_transform *tr,
-                              float *merged) {
-  enum { S = LMLOSS_ROW_STATE_COLS };
+/* Every rank's columns [0, cols) of x [N, S] into all [world, N, cols]. */
+static float *gather(const float *x, int S, int cols) {
   float *wire = malloc(sizeof(float) * N * cols), *all = malloc(sizeof(float) * N * cols * world);
-  float *part = calloc((size_t)N * S, sizeof(float));
   for (int64_t i = 0; i < N; i++)
-    memcpy(wire + i * cols, state + i * S, sizeof(float) * cols);
+    memcpy(wire + i * cols, x + i * S, sizeof(float) * cols);
   MPI_Allgather(wire, N * cols, MPI_FLOAT, all, N * cols, MPI_FLOAT, MPI_COMM_WORLD);
-  memset(merged, 0, sizeof(float) * N * S);
+  free(wire);
+  return all;
+}
+
+/* Step 2: the leading `cols` columns of every rank's states [N, S] into
+ * merged [N, S], the rest 0 (a divergence state's ws_y NaN: no label),
+ * merged in rank order: row states (S = LMLOSS_ROW_STATE_COLS) with tr,
+ * divergence states (LMLOSS_DIV_STATE_COLS) with dopt. */
+static lmloss_status exchange(const float *state, int S, int cols, const lmloss_transform *tr,
+                              const lmloss_div_options *dopt, float *merged) {
+  float *all = gather(state, S, cols), *part = malloc(sizeof(float) * N * S);
   lmloss_context ctx = lmloss_context_default();
   lmloss_tensor mt = {merged, LMLOSS_F32, LMLOSS_CPU, N, S, S}, pt = mt;
   pt.data = part;
   lmloss_status s = LMLOSS_OK;
   for (int r = 0; r < world && !s; r++) {
     float *dst = r == 0 ? merged : part;
-    for (int64_t i = 0; i < N; i++)
+    for (int64_t i = 0; i < N; i++) {
+      memset(dst + i * S, 0, sizeof(float) * S);
+      if (dopt) dst[i * S + 8] = NAN; /* ws_y */
       memcpy(dst + i * S, all + ((int64_t)r * N + i) * cols, sizeof(float) * cols);
-    if (r > 0) s = lmloss_row_state_merge(&ctx, &mt, &pt, tr, &mt);
+    }
+    if (r > 0)
+      s = dopt ? lmloss_divergence_state_merge(&ctx, &mt, &pt, dopt, &mt)
+               : lmloss_row_state_merge(&ctx, &mt, &pt, tr, &mt);
   }
-  free(wire), free(all), free(part);
+  free(all), free(part);
   return s;
 }
 
@@ -124,7 +141,7 @@ int main(int argc, char **argv) {
   const lmloss_tensor st = view(state, LMLOSS_F32, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
   const lmloss_tensor mt =
       view(merged, LMLOSS_F32, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
-  double worst[3] = {0, 0, 0}; /* CE, log-probs, softmax */
+  double worst[4] = {0, 0, 0, 0}; /* CE, log-probs, softmax, JSD */
 
   /* Cross-entropy: the loss of every row, the gradient of this rank's columns */
   lmloss_ce_options opt = lmloss_ce_options_default();
@@ -139,7 +156,8 @@ int main(int argc, char **argv) {
   in.logits = shard_x;
   lmloss_shard shard = {col0, V, 0};
   CHECK(lmloss_cross_entropy_state(&ctx, &in, &opt, &shard, &st));
-  CHECK(exchange(state, LMLOSS_ROW_STATE_EXCHANGE_COLS, &opt.transform, merged));
+  CHECK(exchange(state, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_EXCHANGE_COLS, &opt.transform, NULL,
+                 merged));
   lmloss_ce_outputs out = {.loss = view(loss, LMLOSS_F32, N, 1, 1),
                            .dlogits = view(g, LMLOSS_F32, N, n, n)};
   CHECK(lmloss_cross_entropy_finish(&ctx, &in, &opt, &shard, &mt, &out, ws, wsb));
@@ -157,7 +175,8 @@ int main(int argc, char **argv) {
   CHECK(lmloss_log_probs_backward(&ctx, &whole, &idx, NULL, &tr, &one, &one, &g1t, NULL));
   shard.entropy = 1;
   CHECK(lmloss_log_probs_state(&ctx, &shard_x, &idx, NULL, &tr, &shard, &st));
-  CHECK(exchange(state, LMLOSS_ROW_STATE_EXCHANGE_COLS_ENTROPY, &tr, merged));
+  CHECK(exchange(state, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_EXCHANGE_COLS_ENTROPY, &tr, NULL,
+                 merged));
   CHECK(lmloss_log_probs_finish(&ctx, &shard_x, &idx, NULL, &tr, &shard, &mt, &lpt, &ht));
   CHECK(lmloss_log_probs_backward_finish(&ctx, &shard_x, &idx, NULL, &tr, &shard, &mt, &one, &one,
                                          &gt));
@@ -168,22 +187,64 @@ int main(int argc, char **argv) {
   shard.entropy = 0;
   CHECK(lmloss_softmax(&ctx, &whole, 0, &g1t));
   CHECK(lmloss_log_probs_state(&ctx, &shard_x, NULL, NULL, &tr, &shard, &st));
-  CHECK(exchange(state, LMLOSS_ROW_STATE_EXCHANGE_COLS, &tr, merged));
+  CHECK(exchange(state, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_EXCHANGE_COLS, &tr, NULL, merged));
   CHECK(lmloss_softmax_finish(&ctx, &shard_x, &shard, &mt, 0, &gt));
   worst[2] = worst_of(g, n, g1, V, col0, N, n);
 
-  double all_worst[3];
-  MPI_Reduce(worst, all_worst, 3, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+  /* The generalized JSD (beta 0.5) from a teacher near the student (row 0:
+   * the student itself, exactly 0), per-row losses and this rank's
+   * columns of the student's gradient */
+  enum { DS = LMLOSS_DIV_STATE_COLS, DP = LMLOSS_DIV_PARTIAL_COLS };
+  float *t = malloc(sizeof(float) * N * V), *dstate = malloc(sizeof(float) * N * DS);
+  float *dmerged = malloc(sizeof(float) * N * DS);
+  double *partials = malloc(sizeof(double) * N * DP), *wire = malloc(sizeof(double) * N * 2);
+  double *sums = malloc(sizeof(double) * N * 2 * world);
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < V; j++)
+      t[i * V + j] = x[i * V + j] + (i == 0 ? 0.0f : 0.3f * logit(i + N, j));
+  lmloss_div_options dopt = lmloss_div_options_default();
+  dopt.kind = LMLOSS_DIV_JSD, dopt.beta = 0.5f, dopt.reduction = LMLOSS_REDUCE_NONE;
+  lmloss_div_inputs din = {whole, view(t, LMLOSS_F32, N, V, V), view(target, LMLOSS_I64, N, 1, 1)};
+  lmloss_div_outputs dout1 = {.loss = view(loss1, LMLOSS_F32, N, 1, 1), .dstudent = g1t};
+  CHECK(lmloss_divergence(&ctx, &din, &dopt, &dout1, ws, wsb));
+  din.student = shard_x, din.teacher = view(t + col0, LMLOSS_F32, N, n, V);
+  const lmloss_tensor dst = view(dstate, LMLOSS_F32, N, DS, DS),
+                      dmt = view(dmerged, LMLOSS_F32, N, DS, DS),
+                      pat = view(partials, LMLOSS_F64, N, DP, DP);
+  CHECK(lmloss_divergence_state(&ctx, &din, &dopt, &shard, &dst));
+  CHECK(exchange(dstate, DS, LMLOSS_DIV_STATE_EXCHANGE_COLS, NULL, &dopt, dmerged));
+  CHECK(lmloss_divergence_partials(&ctx, &din, &dopt, &shard, &dmt, &pat));
+  /* the JSD reads the partials' div [0] and mix [2]: sent, then summed in rank order */
+  for (int64_t i = 0; i < N; i++)
+    wire[2 * i] = partials[i * DP], wire[2 * i + 1] = partials[i * DP + 2];
+  MPI_Allgather(wire, 2 * N, MPI_DOUBLE, sums, 2 * N, MPI_DOUBLE, MPI_COMM_WORLD);
+  memset(partials, 0, sizeof(double) * N * DP);
+  for (int r = 0; r < world; r++)
+    for (int64_t i = 0; i < N; i++) {
+      partials[i * DP] += sums[((int64_t)r * N + i) * 2];
+      partials[i * DP + 2] += sums[((int64_t)r * N + i) * 2 + 1];
+    }
+  lmloss_div_outputs dout = {.loss = view(loss, LMLOSS_F32, N, 1, 1), .dstudent = gt};
+  CHECK(lmloss_divergence_finish(&ctx, &din, &dopt, &shard, &dmt, &pat, &dout, ws, wsb));
+  worst[3] = fmax(worst_of(loss, 1, loss1, 1, 0, N, 1), worst_of(g, n, g1, V, col0, N, n));
+  int exact = loss[0] == 0.0f;
+  for (int64_t j = 0; j < n; j++)
+    exact &= g[j] == 0.0f;
+  worst[3] = exact ? worst[3] : INFINITY;
+  free(t), free(dstate), free(dmerged), free(partials), free(wire), free(sums);
+
+  double all_worst[4];
+  MPI_Reduce(worst, all_worst, 4, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
   int bad = 0;
   if (rank == 0) {
     printf("vocab-parallel over %d ranks, V = %d, %d rows, one exchange of 16 (CE, softmax) or "
-           "20 (log-probs + entropy) bytes a row\n",
+           "20 (log-probs + entropy) bytes a row; the JSD two, of 32 and 16\n",
            world, V, N);
     for (int64_t i = 0; i < 6; i++)
       printf("  CE row %lld (margin %s): loss %.9g, one-shot %.9g\n", (long long)i,
              (const char *[]){"0", "5", "17", "30", "50", "1000"}[i], loss[i], loss1[i]);
-    const char *names[] = {"CE", "log-probs + entropy", "softmax"};
-    for (int f = 0; f < 3; f++) {
+    const char *names[] = {"CE", "log-probs + entropy", "softmax", "JSD (beta 0.5)"};
+    for (int f = 0; f < 4; f++) {
       printf("%s: worst relative difference from the one-shot call %.3g\n", names[f], all_worst[f]);
       bad |= !(all_worst[f] < 1e-5);
     }

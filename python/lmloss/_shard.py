@@ -58,7 +58,7 @@ _DI, _DO = _P(_lib.DivInputs), _P(_lib.DivOptions)
 DIV_STATE_COLS = 12  # LMLOSS_DIV_STATE_COLS (layout version 1)
 DIV_STATE_EXCHANGE_COLS = 8  # LMLOSS_DIV_STATE_EXCHANGE_COLS: ms, rs, as, mt, rt, at, d, xt_as
 DIV_COL_WS_Y, DIV_COL_XS_A, DIV_COL_XT_AT = 8, 9, 10
-DIV_PARTIAL_COLS = 8  # LMLOSS_DIV_PARTIAL_COLS: div, rev, mix, pos, neg, eq, ent, 0
+DIV_PARTIAL_COLS = 8  # LMLOSS_DIV_PARTIAL_COLS (F64): div, rev, mix, pos, neg, eq, ent, 0
 _DIV_PARTIALS = {0: (0,), 1: (0, 1), 2: (0, 2), 3: (0, 3, 4, 5)}  # by lmloss_divergence_kind
 
 

@@ -124,7 +124,7 @@ typedef struct {
   lmloss_status (*merge)(const lmloss_context *, const lmloss_tensor *a, const lmloss_tensor *b,
                          const lmloss_transform *, const lmloss_tensor *out);
   /* The divergences' phases (NULL on a backend without them): states
-   * [N, LMLOSS_DIV_STATE_COLS], their merge, the partials [N,
+   * [N, LMLOSS_DIV_STATE_COLS], their merge, the partials (F64) [N,
    * LMLOSS_DIV_PARTIAL_COLS] from merged states, and the finish: the
    * forward's outputs (out), or the backward's dstudent from dloss (out
    * NULL; partials NULL for the forward KL). */

@@ -172,9 +172,9 @@ lmloss_status lmloss_divergence_state_merge(const lmloss_context *ctx, const lml
   return ops->states->div_merge(ctx, a, b, &eff, out);
 }
 
-/* Partials [N, LMLOSS_DIV_PARTIAL_COLS] on the student's device. */
+/* Partials F64 [N, LMLOSS_DIV_PARTIAL_COLS] on the student's device. */
 static lmloss_status check_partials(const lmloss_div_inputs *in, const lmloss_tensor *partials) {
-  TRY(lmloss_check_tensor(partials, "partials", LMLOSS_MASK(LMLOSS_F32), in->student.rows,
+  TRY(lmloss_check_tensor(partials, "partials", LMLOSS_MASK(LMLOSS_F64), in->student.rows,
                           LMLOSS_DIV_PARTIAL_COLS));
   const lmloss_tensor *ts[] = {partials};
   return lmloss_check_device(ts, 1, in->student.device);

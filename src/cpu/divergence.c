@@ -325,7 +325,7 @@ static void finish_row(const div_job *jb, const shard_in *si, int64_t i, int64_t
   state_unpack(lmloss_cpu_row(si->state, i), si->vocab, &jb->pr, r);
   if (!flags_ok(r->flags)) return;
   r->c = row_of(jb, &r->st, r->xt_as);
-  const float *p = si->partials ? (const float *)lmloss_cpu_row(si->partials, i) : NULL;
+  const double *p = si->partials ? (const double *)lmloss_cpu_row(si->partials, i) : NULL;
   /* partials absent (the forward KL's backward): its gradient reads none */
   r->div = p ? p[0] : 0.0, r->rev = p ? p[1] : 0.0, r->mix = p ? p[2] : 0.0;
   r->pos = p ? p[3] : 0.0, r->neg = p ? p[4] : 0.0, r->eq = p ? p[5] : 0.0;
@@ -554,7 +554,7 @@ static lmloss_status shard_rows(const lmloss_context *ctx, const lmloss_div_inpu
         state_pack(&r, y == -2, lmloss_cpu_row_mut(state, i));
         continue;
       }
-      float *o = lmloss_cpu_row_mut(partials, i);
+      double *o = lmloss_cpu_row_mut(partials, i);
       for (int c = 0; c < LMLOSS_DIV_PARTIAL_COLS; c++)
         o[c] = 0.0f;
       if (y == -2) continue;
@@ -566,8 +566,8 @@ static lmloss_status shard_rows(const lmloss_context *ctx, const lmloss_div_inpu
       }
       r.c = row_of(&jb, &r.st, r.xt_as);
       lmloss_cpu_div_pair(&jb, &io, b, NULL, &r, PAIR_PARTIALS);
-      o[0] = (float)r.div, o[1] = (float)r.rev, o[2] = (float)r.mix, o[3] = (float)r.pos;
-      o[4] = (float)r.neg, o[5] = (float)r.eq, o[6] = (float)r.ent;
+      o[0] = r.div, o[1] = r.rev, o[2] = r.mix, o[3] = r.pos, o[4] = r.neg, o[5] = r.eq;
+      o[6] = r.ent;
     }
     free(b);
   }

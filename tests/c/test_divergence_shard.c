@@ -168,14 +168,15 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
   tg_true(g, merge_all(st, k, order, &o) == LMLOSS_OK, "merge: %s", lmloss_last_error());
   memcpy(merged.data, st[0].data, tensor_bytes(&merged)); /* every order ends in st[0] */
   /* each shard's partials, summed in rank order (the all-reduce) */
-  lmloss_tensor psum = f32(N, LMLOSS_DIV_PARTIAL_COLS), part = f32(N, LMLOSS_DIV_PARTIAL_COLS);
+  lmloss_tensor psum = host_new(LMLOSS_F64, N, LMLOSS_DIV_PARTIAL_COLS, LMLOSS_DIV_PARTIAL_COLS);
+  lmloss_tensor part = host_new(LMLOSS_F64, N, LMLOSS_DIV_PARTIAL_COLS, LMLOSS_DIV_PARTIAL_COLS);
   for (int r = 0; r < k; r++) {
     const lmloss_shard sh = {sp.col0[r], V, 0};
     tg_true(g, lmloss_divergence_partials(&c, &sin[r], &o, &sh, &merged, &part) == LMLOSS_OK,
             "partials: %s", lmloss_last_error());
     for (int64_t i = 0; i < N; i++)
       for (int j = 0; j < LMLOSS_DIV_PARTIAL_COLS; j++)
-        tset(&psum, i, j, (r ? (float)tget(&psum, i, j) : 0.0f) + (float)tget(&part, i, j));
+        tset(&psum, i, j, (r ? tget(&psum, i, j) : 0.0) + tget(&part, i, j));
   }
   /* each shard's finish: the whole rows' outputs, its columns' gradients */
   lmloss_tensor l2 = f32(NL, 1), d2 = f32(N, 1), c2 = f32(N, 1), e2 = f32(N, 1), g2 = f32(N, V);
@@ -233,6 +234,7 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
 static void bad_inputs(tgroup *g) {
   const int64_t N = 3, V = 10;
   lmloss_tensor s = f32(N, V), t = f32(N, V), st = f32(N, LMLOSS_DIV_STATE_COLS);
+  lmloss_tensor pf = f32(N, LMLOSS_DIV_PARTIAL_COLS), p4 = host_new(LMLOSS_F64, N, 4, 4);
   lmloss_tensor st8 = f32(N, LMLOSS_ROW_STATE_COLS);
   lmloss_tensor l = f32(1, 1), d = f32(N, V);
   for (int64_t i = 0; i < N; i++)
@@ -251,8 +253,10 @@ static void bad_inputs(tgroup *g) {
   tg_true(g, e == LMLOSS_ERR_BAD_SHAPE, "a row state's shape: %s", lmloss_status_string(e));
   e = lmloss_divergence_state(&c, &in, &o, &ok, &st);
   tg_true(g, e == LMLOSS_OK, "state: %s", lmloss_last_error());
-  e = lmloss_divergence_partials(&c, &in, &o, &ok, &st, &st);
+  e = lmloss_divergence_partials(&c, &in, &o, &ok, &st, &p4);
   tg_true(g, e == LMLOSS_ERR_BAD_SHAPE, "partials' shape: %s", lmloss_status_string(e));
+  e = lmloss_divergence_partials(&c, &in, &o, &ok, &st, &pf);
+  tg_true(g, e == LMLOSS_ERR_BAD_DTYPE, "F32 partials: %s", lmloss_status_string(e));
   o.kind = LMLOSS_DIV_TVD;
   e = lmloss_divergence_backward_finish(&c, &in, &o, &ok, &st, NULL, &l, &d, ws, wsb);
   tg_true(g, e == LMLOSS_ERR_NULL_POINTER, "TVD without partials: %s", lmloss_status_string(e));
@@ -261,7 +265,7 @@ static void bad_inputs(tgroup *g) {
   lmloss_context rc = ref_ctx();
   e = lmloss_divergence_state(&rc, &in, &o, &ok, &st);
   tg_true(g, e == LMLOSS_ERR_UNSUPPORTED, "REF: %s", lmloss_status_string(e));
-  lmloss_tensor *all[] = {&s, &t, &st, &st8, &l, &d};
+  lmloss_tensor *all[] = {&s, &t, &st, &st8, &pf, &p4, &l, &d};
   for (size_t i = 0; i < sizeof all / sizeof *all; i++)
     host_free(all[i]);
   free(ws);

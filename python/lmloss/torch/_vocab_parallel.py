@@ -11,8 +11,8 @@ backward needs no collective of its own, except softmax's (12 bytes a
 row, log-softmax's 16) and the fused head's dhidden, which is summed
 over the ranks. The divergences (Divergence) exchange twice in the
 forward: the two rows' states (32 bytes a row, more with a hard term or a
-softcap), then the loss sweep's sums (4 to 16 bytes a row by kind); their
-backward needs no collective.
+softcap), then the loss sweep's sums (8 to 32 bytes a row by kind, in
+double); their backward needs no collective.
 Never an all-reduce of a sum of exponentials: that is the collapse.
 
 The functions here are eager autograd Functions (a process group cannot
@@ -325,7 +325,7 @@ def div_exchange(state, opt, shard, run):
 
 def div_partials_sum(partials, opt, shard):
     """The partials summed over the ranks: the columns opt's kind reads
-    gathered (4 to 16 bytes a row) and summed in rank order, so every rank
+    gathered (8 to 32 bytes a row) and summed in rank order, so every rank
     holds the same bits (an all-reduce's order is its own). Every summand
     of the loss is >= 0: a plain sum, no collapse."""
     if shard.world == 1:
@@ -358,7 +358,7 @@ class Divergence(torch.autograd.Function):
             _lib.check(S.div_state(c, _div_inputs(x, t, label, keep), opt, sh,
                                    B.view(state, keep)))
         merged = div_exchange(state, opt, shard, run)
-        partials = x.new_empty((n, S.DIV_PARTIAL_COLS), dtype=F32)
+        partials = x.new_empty((n, S.DIV_PARTIAL_COLS), dtype=torch.float64)
         with B.context(x, *run) as c:
             _lib.check(S.div_partials(c, _div_inputs(x, t, label, keep), opt, sh,
                                       B.view(merged, keep), B.view(partials, keep)))
