@@ -22,7 +22,7 @@
 #include "common.h"
 #include "core/validate.h"
 #include "dispatch.h"
-#include "math/divergence.h"
+#include "math/divstate.h"
 #include "math/vmath.h"
 #include "rowpass.h"
 
@@ -77,18 +77,6 @@ static void load(const div_job *jb, const void *rs, lmloss_dtype ds, const void 
   b->wt = side(rt, dt, &jb->pr.ft, j0, b->n, check, b->bxt, b->bwt, &b->xt, &b->bad, &b->any_t);
 }
 
-/* The statistics of a row pair's columns: each row's max (w), its first
- * column and raw x there, R of each row and D = Rt - Rs. */
-typedef struct {
-  float ms, mt, xs_a, xt_a;
-  int64_t as, at;
-  double rs, rt, d;
-} pair_stats;
-
-static float stats_G(const div_job *jb, const pair_stats *s) {
-  return lmloss_div_gap(&jb->pr, jb->pr.capped, s->mt, s->xt_a, s->ms, s->xs_a);
-}
-
 static int64_t first_max(const float *w, int n, float *m) {
   float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
@@ -105,11 +93,12 @@ static int64_t first_max(const float *w, int n, float *m) {
 /* A block's statistics (its columns from j0). A row whose block holds
  * only -inf (no softcap) has max -inf there: its exponents are taken from
  * 0 instead, so they read 0, and merge() counts no mass for it. */
-DIV_INLINE pair_stats block_stats(const div_job *jb, const pair_block *b, int64_t j0, int capped) {
-  pair_stats s;
+DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, int64_t j0,
+                                        int capped) {
+  lmloss_div_stats s;
   const int as = (int)first_max(b->ws, b->n, &s.ms), at = (int)first_max(b->wt, b->n, &s.mt);
   s.as = j0 + as, s.at = j0 + at, s.xs_a = b->xs[as], s.xt_a = b->xt[at];
-  const float G = stats_G(jb, &s), ks = jb->pr.fs.k, kt = jb->pr.ft.k;
+  const float G = lmloss_div_stats_G(&jb->pr, &s), ks = jb->pr.fs.k, kt = jb->pr.ft.k;
   const float ms = s.ms > -INFINITY ? s.ms : 0.0f, mt = s.mt > -INFINITY ? s.mt : 0.0f;
   const float *restrict ws = b->ws, *restrict wt = b->wt, *restrict xs = b->xs,
                         *restrict xt = b->xt;
@@ -128,47 +117,9 @@ DIV_INLINE pair_stats block_stats(const div_job *jb, const pair_block *b, int64_
   return s;
 }
 
-/* Two parts of a row: each row's max-split merge (a tie keeps the lower
- * column, so shards merge in any order), and D = sum over parts of
- * e^(As_P - As) (expm1(G_P - G) St_P + D_P), through lmloss_pair_d_term so
- * neither factor overflows. */
-static pair_stats merge(const div_job *jb, const pair_stats *x, const pair_stats *y) {
-  const float ks = jb->pr.fs.k, kt = jb->pr.ft.k;
-  pair_stats o = *x;
-  if (y->ms > x->ms || (y->ms == x->ms && y->as < x->as))
-    o.ms = y->ms, o.as = y->as, o.xs_a = y->xs_a;
-  if (y->mt > x->mt || (y->mt == x->mt && y->at < x->at))
-    o.mt = y->mt, o.at = y->at, o.xt_a = y->xt_a;
-  const float G = stats_G(jb, &o);
-  const pair_stats *parts[2] = {x, y};
-  o.rs = o.rt = o.d = 0.0;
-  for (int i = 0; i < 2; i++) {
-    const pair_stats *p = parts[i];
-    const int no_s = !(p->ms > -INFINITY), no_t = !(p->mt > -INFINITY); /* only -inf there */
-    const float ds = (p->ms - o.ms) * ks, dt = (p->mt - o.mt) * kt;
-    const double es = no_s ? 0.0 : expf(ds), et = no_t ? 0.0 : expf(dt);
-    o.rs += no_s ? 0.0 : p->as == o.as ? p->rs : (1.0 + p->rs) * es;
-    o.rt += no_t ? 0.0 : p->at == o.at ? p->rt : (1.0 + p->rt) * et;
-    if (no_s || no_t) /* D = St - Ss with one of them 0 */
-      o.d += et * (no_t ? 0.0 : 1.0 + p->rt) - es * (no_s ? 0.0 : 1.0 + p->rs);
-    else
-      o.d += lmloss_pair_d_term(ds, lmloss_pair_dg(stats_G(jb, p), G, ds, dt), dt) * (1.0 + p->rt) +
-             es * p->d;
-  }
-  return o;
-}
-
-/* What a row pair's flags say (the statistics' sweep's, a state's). */
-enum { PAIR_ANY_S = 1, PAIR_ANY_T = 2, PAIR_BAD = 4 };
-
-static int flags_ok(int flags) { return flags == (PAIR_ANY_S | PAIR_ANY_T); }
-
 /* A row pair's statistics, constants and the loss sweep's sums (in double). */
 typedef struct {
-  pair_stats st;
-  int flags;
-  float xt_as; /* the teacher's raw logit at the student's argmax */
-  float ws_y;  /* a shard's state: the student's w at the label, NaN: elsewhere */
+  lmloss_div_state s; /* the statistics (a shard's state) */
   lmloss_div_row c;
   double div, rev, mix, pos, neg, eq, ent;
   float es_y; /* the label's exponent (cross-entropy) */
@@ -250,29 +201,24 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   }
 }
 
-/* The row's constants from its statistics. */
-static lmloss_div_row row_of(const div_job *jb, const pair_stats *st, float xt_as) {
-  return lmloss_div_row_make(&jb->pr, st->ms, st->mt, (float)st->rs, (float)st->rt, (float)st->d,
-                             st->as, st->xs_a, st->xt_a, xt_as);
-}
-
 DIV_INLINE void div_pair(const div_job *jb, const pair_io *io, pair_block *b, float *gbuf,
                          pair_row *r, int phase, int capped) {
   if (phase == PAIR_WHOLE || phase == PAIR_STATE) {
-    pair_stats st = {0};
+    lmloss_div_stats st = {0};
     int bad = 0, any_s = 0, any_t = 0;
     for (int64_t j0 = 0; j0 < jb->V; j0 += LMLOSS_DIV_BLOCK) {
       load(jb, io->s, io->sdt, io->t, io->tdt, j0, 1, b);
       bad |= b->bad, any_s |= b->any_s, any_t |= b->any_t;
-      const pair_stats bs = block_stats(jb, b, jb->col0 + j0, capped);
-      st = j0 == 0 ? bs : merge(jb, &st, &bs);
+      const lmloss_div_stats bs = block_stats(jb, b, jb->col0 + j0, capped);
+      st = j0 == 0 ? bs : lmloss_div_stats_merge(&jb->pr, &st, &bs);
     }
     *r = (pair_row){0};
-    r->st = st;
-    r->flags = (bad ? PAIR_BAD : 0) | (any_s ? PAIR_ANY_S : 0) | (any_t ? PAIR_ANY_T : 0);
-    r->xt_as = lmloss_load(io->t, io->tdt, st.as - jb->col0);
-    if (phase == PAIR_STATE || !flags_ok(r->flags)) return;
-    r->c = row_of(jb, &st, r->xt_as);
+    r->s.st = st;
+    r->s.flags = (bad ? LMLOSS_PAIR_BAD : 0) | (any_s ? LMLOSS_PAIR_ANY_S : 0) |
+                 (any_t ? LMLOSS_PAIR_ANY_T : 0);
+    r->s.xt_as = lmloss_load(io->t, io->tdt, st.as - jb->col0);
+    if (phase == PAIR_STATE || !lmloss_pair_flags_ok(r->s.flags)) return;
+    r->c = lmloss_div_state_row(&jb->pr, &r->s);
   }
   switch (jb->opt->kind) {
   case LMLOSS_DIV_KL: sweeps(jb, r, io, b, gbuf, phase, capped, LMLOSS_DIV_KL); break;
@@ -287,7 +233,7 @@ DIV_INLINE void div_pair(const div_job *jb, const pair_io *io, pair_block *b, fl
 void lmloss_cpu_div_pair(const div_job *jb, const pair_io *io, pair_block *b, float *gbuf,
                          pair_row *r, int phase);
 
-/* One row pair's phase. PAIR_WHOLE: r->flags not ok for a non-finite
+/* One row pair's phase. PAIR_WHOLE: r->s.flags not ok for a non-finite
  * pair (nothing written), else r holds its divergence and cross-entropy,
  * and io->grad its gradient. */
 LMLOSS_CPU_DISPATCH
@@ -317,20 +263,19 @@ typedef struct {
   int64_t vocab;
 } shard_in;
 
-static void state_unpack(const float *in, int64_t vocab, const lmloss_div_pair *pr, pair_row *r);
-
 /* The finish's row from the merged state and the summed partials: r's
  * constants and sums as the one-shot sweeps leave them. */
 static void finish_row(const div_job *jb, const shard_in *si, int64_t i, int64_t y, pair_row *r) {
-  state_unpack(lmloss_cpu_row(si->state, i), si->vocab, &jb->pr, r);
-  if (!flags_ok(r->flags)) return;
-  r->c = row_of(jb, &r->st, r->xt_as);
+  *r = (pair_row){0};
+  r->s = lmloss_div_state_unpack(lmloss_cpu_row(si->state, i), si->vocab, &jb->pr);
+  if (!lmloss_pair_flags_ok(r->s.flags)) return;
+  r->c = lmloss_div_state_row(&jb->pr, &r->s);
   const double *p = si->partials ? (const double *)lmloss_cpu_row(si->partials, i) : NULL;
   /* partials absent (the forward KL's backward): its gradient reads none */
   r->div = p ? p[0] : 0.0, r->rev = p ? p[1] : 0.0, r->mix = p ? p[2] : 0.0;
   r->pos = p ? p[3] : 0.0, r->neg = p ? p[4] : 0.0, r->eq = p ? p[5] : 0.0;
   r->ent = p ? p[6] : 0.0;
-  r->es_y = y < 0 || y == r->st.as ? 0.0f : (r->ws_y - r->st.ms) * jb->pr.fs.k;
+  r->es_y = y < 0 || y == r->s.st.as ? 0.0f : (r->s.ws_y - r->s.st.ms) * jb->pr.fs.k;
 }
 
 /* The rows of a one-shot call (si NULL) or a shard's finish: per-row
@@ -380,9 +325,9 @@ static lmloss_status div_rows(const lmloss_context *ctx, const lmloss_div_inputs
                             y};
         pair_row r;
         if (si) finish_row(jb, si, i, y, &r);
-        if (!si || flags_ok(r.flags))
+        if (!si || lmloss_pair_flags_ok(r.s.flags))
           lmloss_cpu_div_pair(jb, &io, b, gbuf, &r, si ? PAIR_FINISH : PAIR_WHOLE);
-        const int ok = flags_ok(r.flags);
+        const int ok = lmloss_pair_flags_ok(r.s.flags);
         div = ok ? r.div : NAN;
         ent = ok ? r.ent : NAN;
         ce = !ok ? NAN : y >= 0 ? r.c.l1s - r.es_y : 0.0;
@@ -421,86 +366,6 @@ lmloss_status lmloss_cpu_divergence(const lmloss_context *ctx, const lmloss_div_
 /* ------------------------------------------------------------------ */
 /* Over a sharded vocabulary                                            */
 /* ------------------------------------------------------------------ */
-
-/* The packed state's columns (lmloss.h, layout version 1). */
-enum {
-  ST_MS,
-  ST_RS,
-  ST_AS,
-  ST_MT,
-  ST_RT,
-  ST_AT,
-  ST_D,
-  ST_XT_AS,
-  ST_WS_Y,
-  ST_XS_A,
-  ST_XT_AT,
-  ST_ZERO
-};
-typedef char div_state_columns_fit[ST_ZERO + 1 == LMLOSS_DIV_STATE_COLS ? 1 : -1];
-
-/* An argmax column packed: a, or -2 - a where its row held no logit above
- * -inf (-1 is the empty state's). */
-static float pack_col(int64_t a, int any) { return any ? (float)a : -2.0f - (float)a; }
-
-static void state_pack(const pair_row *r, int empty, float *o) {
-  const pair_stats *st = &r->st;
-  for (int c = 0; c < LMLOSS_DIV_STATE_COLS; c++)
-    o[c] = 0.0f;
-  o[ST_WS_Y] = NAN;
-  o[ST_AS] = -1.0f;
-  if (empty) return;
-  o[ST_MS] = r->flags & PAIR_BAD ? NAN : st->ms;
-  o[ST_RS] = (float)st->rs, o[ST_RT] = (float)st->rt, o[ST_D] = (float)st->d;
-  o[ST_AS] = pack_col(st->as, r->flags & PAIR_ANY_S);
-  o[ST_MT] = st->mt;
-  o[ST_AT] = pack_col(st->at, r->flags & PAIR_ANY_T);
-  o[ST_XT_AS] = r->xt_as, o[ST_WS_Y] = r->ws_y;
-  o[ST_XS_A] = st->xs_a, o[ST_XT_AT] = st->xt_a;
-}
-
-/* An argmax column back: *any its flag; 0 when not a column of this
- * vocabulary (not a state of these rows: the row reads non-finite). */
-static int unpack_col(float a, int64_t vocab, int64_t *col, int *any) {
-  *any = a >= 0.0f;
-  if (a < 0.0f) a = -2.0f - a;
-  *col = (int64_t)a;
-  return a >= 0.0f && a < (float)vocab && a == (float)*col;
-}
-
-/* A packed state into r->st and r->flags; an empty one has st.as = -1.
- * Without a softcap on a side, the raw logit at its argmax is its max
- * (w = x): those columns are not read, so an exchange need not send them. */
-static void state_unpack(const float *in, int64_t vocab, const lmloss_div_pair *pr, pair_row *r) {
-  *r = (pair_row){0};
-  r->st.as = -1;
-  r->ws_y = in[ST_WS_Y];
-  if (in[ST_AS] == -1.0f) return;
-  int any_s, any_t;
-  const int good = unpack_col(in[ST_AS], vocab, &r->st.as, &any_s) &
-                   unpack_col(in[ST_AT], vocab, &r->st.at, &any_t);
-  r->flags = (any_s ? PAIR_ANY_S : 0) | (any_t ? PAIR_ANY_T : 0) |
-             (good && !isnan(in[ST_MS]) ? 0 : PAIR_BAD);
-  if (!good) r->st.as = r->st.at = 0; /* a valid column: merges keep the flag */
-  r->st.ms = in[ST_MS], r->st.rs = in[ST_RS], r->st.mt = in[ST_MT], r->st.rt = in[ST_RT];
-  r->st.d = in[ST_D];
-  r->xt_as = in[ST_XT_AS];
-  r->st.xs_a = pr->fs.cap > 0.0f ? in[ST_XS_A] : r->st.ms;
-  r->st.xt_a = pr->ft.cap > 0.0f ? in[ST_XT_AT] : r->st.mt;
-}
-
-/* Two parts of a row (states of disjoint columns). */
-static void state_merge(const div_job *jb, const pair_row *x, const pair_row *y, pair_row *o) {
-  if (y->st.as < 0 || x->st.as < 0) {
-    *o = y->st.as < 0 ? *x : *y;
-    return;
-  }
-  *o = *x;
-  o->st = merge(jb, &x->st, &y->st);
-  o->ws_y = isnan(x->ws_y) ? y->ws_y : x->ws_y;
-  o->xt_as = o->st.as == x->st.as ? x->xt_as : y->xt_as;
-  o->flags = x->flags | y->flags;
-}
 
 /* A job over a shard's columns. */
 static div_job shard_job(const lmloss_div_inputs *in, const lmloss_div_options *opt,
@@ -547,24 +412,26 @@ static lmloss_status shard_rows(const lmloss_context *ctx, const lmloss_div_inpu
       if (!partials) { /* the shard's statistics, and the label's w where it lies here */
         if (y != -2) {
           lmloss_cpu_div_pair(&jb, &io, b, NULL, &r, PAIR_STATE);
-          r.ws_y = y >= c0 && y < c0 + jb.V
-                       ? lmloss_xform_w(&jb.pr.fs, lmloss_load(io.s, in->student.dtype, y - c0))
-                       : NAN;
+          r.s.ws_y = y >= c0 && y < c0 + jb.V
+                         ? lmloss_xform_w(&jb.pr.fs, lmloss_load(io.s, in->student.dtype, y - c0))
+                         : NAN;
         }
-        state_pack(&r, y == -2, lmloss_cpu_row_mut(state, i));
+        if (y == -2) r.s.st.as = -1; /* empty */
+        lmloss_div_state_pack(&r.s, lmloss_cpu_row_mut(state, i));
         continue;
       }
       double *o = lmloss_cpu_row_mut(partials, i);
       for (int c = 0; c < LMLOSS_DIV_PARTIAL_COLS; c++)
         o[c] = 0.0f;
       if (y == -2) continue;
-      state_unpack(lmloss_cpu_row(state, i), sh->vocab, &jb.pr, &r);
-      if (!flags_ok(r.flags)) {
+      r = (pair_row){0};
+      r.s = lmloss_div_state_unpack(lmloss_cpu_row(state, i), sh->vocab, &jb.pr);
+      if (!lmloss_pair_flags_ok(r.s.flags)) {
         for (int c = 0; c < LMLOSS_DIV_PARTIAL_COLS - 1; c++)
           o[c] = NAN;
         continue;
       }
-      r.c = row_of(&jb, &r.st, r.xt_as);
+      r.c = lmloss_div_state_row(&jb.pr, &r.s);
       lmloss_cpu_div_pair(&jb, &io, b, NULL, &r, PAIR_PARTIALS);
       o[0] = r.div, o[1] = r.rev, o[2] = r.mix, o[3] = r.pos, o[4] = r.neg, o[5] = r.eq;
       o[6] = r.ent;
@@ -590,14 +457,15 @@ lmloss_status lmloss_cpu_div_partials(const lmloss_context *ctx, const lmloss_di
 lmloss_status lmloss_cpu_div_merge(const lmloss_context *ctx, const lmloss_tensor *a,
                                    const lmloss_tensor *b, const lmloss_div_options *opt,
                                    const lmloss_tensor *out) {
-  const div_job jb = {opt, lmloss_div_pair_make(opt), 0, 0};
+  const lmloss_div_pair pr = lmloss_div_pair_make(opt);
   /* Merging is a few flops a row: threads would cost more than they save. */
   for (int64_t i = 0; i < a->rows; i++) {
-    pair_row x, y, o;
-    state_unpack(lmloss_cpu_row(a, i), LMLOSS_STATE_MAX_VOCAB, &jb.pr, &x);
-    state_unpack(lmloss_cpu_row(b, i), LMLOSS_STATE_MAX_VOCAB, &jb.pr, &y);
-    state_merge(&jb, &x, &y, &o);
-    state_pack(&o, o.st.as < 0, lmloss_cpu_row_mut(out, i));
+    const lmloss_div_state x =
+        lmloss_div_state_unpack(lmloss_cpu_row(a, i), LMLOSS_STATE_MAX_VOCAB, &pr);
+    const lmloss_div_state y =
+        lmloss_div_state_unpack(lmloss_cpu_row(b, i), LMLOSS_STATE_MAX_VOCAB, &pr);
+    const lmloss_div_state o = lmloss_div_state_merge(&pr, &x, &y);
+    lmloss_div_state_pack(&o, lmloss_cpu_row_mut(out, i));
   }
   return LMLOSS_OK;
 }
