@@ -98,20 +98,18 @@ DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, 
   lmloss_div_stats s;
   const int as = (int)first_max(b->ws, b->n, &s.ms), at = (int)first_max(b->wt, b->n, &s.mt);
   s.as = j0 + as, s.at = j0 + at, s.xs_a = b->xs[as], s.xt_a = b->xt[at];
-  const float G = lmloss_div_stats_G(&jb->pr, &s), ks = jb->pr.fs.k, kt = jb->pr.ft.k;
+  const float G = lmloss_div_stats_G(&jb->pr, &s);
   const float ms = s.ms > -INFINITY ? s.ms : 0.0f, mt = s.mt > -INFINITY ? s.mt : 0.0f;
   const float *restrict ws = b->ws, *restrict wt = b->wt, *restrict xs = b->xs,
                         *restrict xt = b->xt;
   float rs = 0.0f, rt = 0.0f, d = 0.0f;
 #pragma omp simd reduction(+ : rs, rt, d)
   for (int i = 0; i < b->n; i++) {
-    const float as_i = (ws[i] - ms) * ks, at_i = (wt[i] - mt) * kt;
-    const float es = lmloss_vexp_neg(as_i, -0.0f), et = lmloss_vexp_neg(at_i, -0.0f);
-    const float dg =
-        lmloss_pair_dg(lmloss_div_gap(&jb->pr, capped, wt[i], xt[i], ws[i], xs[i]), G, as_i, at_i);
+    float es, et, di;
+    lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
     rs += i == as ? 0.0f : es;
     rt += i == at ? 0.0f : et;
-    d += fabsf(dg) <= 0.5f ? es * lmloss_vexpm1_small(dg) : et - es;
+    d += di;
   }
   s.rs = rs, s.rt = rt, s.d = d;
   return s;

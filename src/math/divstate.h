@@ -24,6 +24,19 @@ LMLOSS_DIV_HD float lmloss_div_stats_G(const lmloss_div_pair *pr, const lmloss_d
   return lmloss_div_gap(pr, pr->capped, s->mt, s->xt_a, s->ms, s->xs_a);
 }
 
+/* One column's terms of a part's sums (w and raw x of both rows), against
+ * the part's maxes ms, mt (0 for a side whose max is -inf, so its
+ * exponents read 0) and its G: e^ds into *es, e^dt into *et, and its term
+ * of D, e^dt - e^ds, through e^ds expm1(dg) where the rows are close. */
+LMLOSS_DIV_HD void lmloss_div_stats_terms(const lmloss_div_pair *pr, int capped, float ws, float wt,
+                                          float xs, float xt, float ms, float mt, float G,
+                                          float *es, float *et, float *d) {
+  const float as = (ws - ms) * pr->fs.k, at = (wt - mt) * pr->ft.k;
+  *es = lmloss_vexp_neg(as, -0.0f), *et = lmloss_vexp_neg(at, -0.0f);
+  const float dg = lmloss_pair_dg(lmloss_div_gap(pr, capped, wt, xt, ws, xs), G, as, at);
+  *d = fabsf(dg) <= 0.5f ? *es * lmloss_vexpm1_small(dg) : *et - *es;
+}
+
 /* Two parts of a row: each row's max-split merge (a tie keeps the lower
  * column, so parts merge in any order), and D = sum over parts of
  * e^(As_P - As) (expm1(G_P - G) St_P + D_P), through lmloss_pair_d_term so
