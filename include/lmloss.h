@@ -641,8 +641,8 @@ LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const
  * The forward KL's gradient p - q needs the merged state alone: its
  * backward_finish takes no partials (NULL). With one shard of all V
  * columns the three calls give the one-shot call's result up to fp32
- * rounding of the packed sums. Backends: CPU; REF and CUDA return
- * LMLOSS_ERR_UNSUPPORTED.
+ * rounding of the packed sums. Backends: CPU and CUDA (states and
+ * partials on the inputs' device); REF returns LMLOSS_ERR_UNSUPPORTED.
  *
  * The packed state, F32, LMLOSS_DIV_STATE_COLS = 12 columns a row, layout
  * version LMLOSS_DIV_STATE_VERSION; each side's w and k as lmloss.h's row

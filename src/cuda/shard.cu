@@ -572,8 +572,26 @@ lmloss_status lmloss_cuda_state_merge(const lmloss_context *ctx, const lmloss_te
   return check_launch("state merge");
 }
 
+/* divergence_shard.cu */
+lmloss_status lmloss_cuda_div_state(const lmloss_context *, const lmloss_div_inputs *,
+                                    const lmloss_div_options *, const lmloss_shard *,
+                                    const lmloss_tensor *);
+lmloss_status lmloss_cuda_div_merge(const lmloss_context *, const lmloss_tensor *,
+                                    const lmloss_tensor *, const lmloss_div_options *,
+                                    const lmloss_tensor *);
+lmloss_status lmloss_cuda_div_partials(const lmloss_context *, const lmloss_div_inputs *,
+                                       const lmloss_div_options *, const lmloss_shard *,
+                                       const lmloss_tensor *, const lmloss_tensor *);
+lmloss_status lmloss_cuda_div_finish(const lmloss_context *, const lmloss_div_inputs *,
+                                     const lmloss_div_options *, const lmloss_shard *,
+                                     const lmloss_tensor *, const lmloss_tensor *,
+                                     const lmloss_div_outputs *, const lmloss_tensor *,
+                                     const lmloss_tensor *, void *, size_t);
+
 extern const lmloss_state_ops lmloss_cuda_states = {
-    lmloss_cuda_ce_state,  lmloss_cuda_ce_finish,      lmloss_cuda_lp_state,
-    lmloss_cuda_lp_finish, lmloss_cuda_softmax_finish, lmloss_cuda_state_merge,
+    lmloss_cuda_ce_state,   lmloss_cuda_ce_finish,      lmloss_cuda_lp_state,
+    lmloss_cuda_lp_finish,  lmloss_cuda_softmax_finish, lmloss_cuda_state_merge,
+    lmloss_cuda_div_state,  lmloss_cuda_div_merge,      lmloss_cuda_div_partials,
+    lmloss_cuda_div_finish,
 };
 }
