@@ -14,7 +14,9 @@ the head), or [vocab_start, vocab_start + V_r) of vocab_size with
 vocab_start= and vocab_size= for uneven shards. Indices, targets and class
 weights are the whole vocabulary's, per-row results the whole rows' on
 every rank, gradients the rank's columns. One all-gather of 16 bytes a row
-(_vocab_parallel.py); eager only (torch.compile breaks the graph there)."""
+(_vocab_parallel.py); eager only (torch.compile breaks the graph there).
+The divergences (kl_div, generalized_jsd, tvd in _divergence.py) take it
+too, with two exchanges (docs/design.md)."""
 
 from typing import Any, Optional, Tuple, Union
 
