@@ -90,7 +90,10 @@ class _ShardLogits(_Logits):
         self.v = self.shard.vocab
 
     def loss(self, label, fopts, iopts, per_row):
-        return VP.Divergence.apply(self.x, self.t.detach(), label, fopts, iopts, self.shard)
+        if self.x.shape[0] == 0:  # no rows: no exchange either, as on every rank
+            return super().loss(label, fopts, iopts, per_row)
+        fused = not per_row and torch.is_grad_enabled() and self.x.requires_grad
+        return VP.Divergence.apply(self.x, self.t.detach(), label, fopts, iopts, self.shard, fused)
 
 
 def _pair(student_logits, teacher_logits, process_group, vocab_start, vocab_size):

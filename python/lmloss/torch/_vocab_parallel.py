@@ -345,12 +345,13 @@ class Divergence(torch.autograd.Function):
     this rank's columns, label [N] in the whole vocabulary; the whole rows'
     loss on every rank (per row, or summed), the gradient w.r.t. the
     student's columns here. Two exchanges in the forward (the states, then
-    the partial sums); the backward needs none. A summed loss whose student
-    needs a gradient forms it in the forward's finish at an upstream of 1,
-    as the one-shot op does, and the backward scales it."""
+    the partial sums); the backward needs none. With fused (a summed loss
+    whose student needs a gradient) the forward's finish forms the gradient
+    at an upstream of 1, as the one-shot op does, and the backward scales
+    it."""
 
     @staticmethod
-    def forward(ctx, x, t, label, fopts, iopts, shard):
+    def forward(ctx, x, t, label, fopts, iopts, shard, fused):
         opt, run = DO._div_opt(fopts, iopts), O.run_args(iopts)
         n, sh, keep = x.shape[0], shard.struct(), []
         state = x.new_empty((n, S.DIV_STATE_COLS), dtype=F32)
@@ -363,8 +364,6 @@ class Divergence(torch.autograd.Function):
             _lib.check(S.div_partials(c, _div_inputs(x, t, label, keep), opt, sh,
                                       B.view(merged, keep), B.view(partials, keep)))
         summed = div_partials_sum(partials, opt, shard)
-        per_row = O._reduction_name(iopts) == "none"
-        fused = not per_row and ctx.needs_input_grad[0]
         loss = O._loss(x, n, O._reduction_name(iopts))
         dx = torch.empty_like(x, memory_format=torch.contiguous_format) if fused else None
         with B.context(x, *run) as c:
@@ -383,7 +382,7 @@ class Divergence(torch.autograd.Function):
     def backward(ctx, dloss):
         if ctx.fwd_grad is not None:  # used once: another backward recomputes
             dx, ctx.fwd_grad = ctx.fwd_grad.mul_(dloss.to(F32)), None
-            return (dx,) + (None,) * 5
+            return (dx,) + (None,) * 6
         x, t, label, merged, summed = ctx.saved_tensors
         fopts, iopts, shard = ctx.args
         opt, run, keep = DO._div_opt(fopts, iopts), O.run_args(iopts), []
@@ -394,7 +393,7 @@ class Divergence(torch.autograd.Function):
                 c, _div_inputs(x, t, label, keep), opt, shard.struct(), B.view(merged, keep),
                 B.view(summed, keep), B.view(dloss.reshape(-1).to(F32).contiguous(), keep),
                 B.view(dx, keep), addr, nbytes))
-        return (dx,) + (None,) * 5
+        return (dx,) + (None,) * 6
 
 
 # ---------------------------------------------------------------- the fused head, W split by rows
