@@ -201,6 +201,13 @@ def _check_divergence(world, rank, uneven, V):
             assert rows[0] == 0 and rows[5] == 0, what + ": identical rows"
             assert not ggot[0].any() and not ggot[5].any(), what + ": identical rows' grad"
         assert not (rows < 0).any(), what + ": negative"
+    # bf16 rows, computed in fp32 as the one-shot call: gradients to one bf16 rounding
+    xb, tb = x.bfloat16(), t.bfloat16()
+    ref, gref = _grad_of(lambda z: LT.generalized_jsd(z, tb, y, beta=0.3), xb)
+    got, ggot = _grad_of(lambda z: LT.generalized_jsd(z, tb[:, s:e], y, beta=0.3, **shard),
+                         xb[:, s:e])
+    _close(got, ref, "bf16 jsd")
+    _close(ggot.float(), gref[:, s:e].float(), "bf16 jsd grad", rtol=2 ** -8, atol=1e-30)
 
 
 def _head_case(world, rank, uneven, V, seed):
