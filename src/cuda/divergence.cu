@@ -234,8 +234,9 @@ template <bool CAPS> __device__ __forceinline__ float w_of(const lmloss_xform *f
   return CAPS ? lmloss_xform_w(f, x) : x;
 }
 
-/* The vectors of a sweep: fn(j, xs, xt) for each eight columns from j of
- * this CTA's chunk [jb, je), both rows' raw logits (0 at or past je). */
+/* The vectors of a sweep: fn(j, xs, xt, left) for each eight columns from
+ * j of this CTA's chunk [jb, je), both rows' raw logits (0 at or past
+ * je), left = je - j of them in the chunk (8 or more: all). */
 template <typename F>
 __device__ __forceinline__ void for_vectors(const DivArgs &a, const void *rs, const void *rt,
                                             int64_t jb, int64_t je, F fn) {
@@ -243,22 +244,43 @@ __device__ __forceinline__ void for_vectors(const DivArgs &a, const void *rs, co
     float xs[DIV_NV], xt[DIV_NV];
     load8(rs, a.sdt, j, je, xs);
     load8(rt, a.tdt, j, je, xt);
-    fn(j, xs, xt);
+    fn(j, xs, xt, (int)(je - j < DIV_NV ? je - j : DIV_NV));
   }
 }
 
-/* The columns of a sweep: fn(j, ws, wt, xs, xt) for each column j of the
- * chunk. */
-template <bool CAPS, typename F>
-__device__ __forceinline__ void for_columns(const DivArgs &a, const void *rs, const void *rt,
-                                            int64_t jb, int64_t je, F fn) {
-  for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt) {
+/* Whether a copy of a sweep's column code tests the columns' indices. */
+template <bool B> struct Tested { static constexpr bool on = B; };
+
+/* fn(e, check) for the columns e < left of a vector: a whole vector
+ * without a marked column (an argmax, the label: marked) in a copy that
+ * tests no column (check.on false), the others in one that does. */
+template <typename F> __device__ __forceinline__ void for_each(int left, bool marked, F fn) {
+  if (left == DIV_NV && !marked) {
 #pragma unroll
-    for (int e = 0; e < DIV_NV; e++) {
-      if (j + e >= je) break;
-      fn(j + e, w_of<CAPS>(&a.pr.fs, xs[e]), w_of<CAPS>(&a.pr.ft, xt[e]), xs[e], xt[e]);
-    }
-  });
+    for (int e = 0; e < DIV_NV; e++)
+      fn(e, Tested<false>());
+  } else {
+#pragma unroll
+    for (int e = 0; e < DIV_NV; e++)
+      if (e < left) fn(e, Tested<true>());
+  }
+}
+
+/* Whether column c lies in the vector from j. */
+__device__ __forceinline__ bool in_vector(int64_t c, int64_t j) {
+  return (uint64_t)(c - j) < (uint64_t)DIV_NV;
+}
+
+/* The first column from j (a vector's) where w is m; LLONG_MAX for j < 0. */
+template <bool CAPS>
+__device__ long long first_of(const void *row, lmloss_dtype dt, const lmloss_xform *f, int64_t j,
+                              int64_t je, float m) {
+  if (j < 0) return LLONG_MAX;
+  float x[DIV_NV];
+  load8(row, dt, j, je, x);
+  for (int e = 0; e < DIV_NV && j + e < je; e++)
+    if (w_of<CAPS>(f, x[e]) == m) return j + e;
+  return LLONG_MAX;
 }
 
 /* K sums of the cluster's columns from each thread's floats (v), the
@@ -277,7 +299,7 @@ __device__ Sums<K> cluster_sums(const DivArgs &a, float (&v)[K], DivShared &sh, 
 
 /* One row pair per cluster, of the kind K; CAPS: a softcap on either side
  * (the transforms' modes then read at run time). */
-template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(DivArgs a) {
+template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
   __shared__ DivShared sh;
   const int64_t i = blockIdx.x / a.cs;
   const int rank = (int)(blockIdx.x % a.cs);
@@ -325,13 +347,25 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
     return;
   }
   const int mode = CAPS ? a.mode : 0;
-  /* 1. the maxes and argmaxes of w, and the flags */
+  /* 1. the maxes and first argmaxes of w. A NaN or +inf logit: the flags
+   * with a softcap (which bounds w); without, +inf is the max and a NaN
+   * makes sweep 2's sums NaN, which costs the plain sweeps nothing. */
   Extent e = {{-INFINITY, LLONG_MAX}, {-INFINITY, LLONG_MAX}, 0, 0, 0};
-  for_columns<CAPS>(a, rs, rt, jb, je, [&](int64_t j, float ws, float wt, float xs, float xt) {
-    e.bad |= (xs != xs) | (xs == INFINITY) | (xt != xt) | (xt == INFINITY);
-    e.any_s |= xs > -INFINITY, e.any_t |= xt > -INFINITY;
-    e.s = max_at(e.s, MaxAt{ws, j}), e.t = max_at(e.t, MaxAt{wt, j});
+  int64_t js = -1, jt = -1; /* the first vectors that hold the thread's maxes */
+  for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
+    float vs = -INFINITY, vt = -INFINITY;
+    for_each(left, false, [&](int k, auto) {
+      if (CAPS) {
+        e.bad |= (xs[k] != xs[k]) | (xs[k] == INFINITY) | (xt[k] != xt[k]) | (xt[k] == INFINITY);
+        e.any_s |= xs[k] > -INFINITY, e.any_t |= xt[k] > -INFINITY;
+      }
+      vs = fmaxf(vs, w_of<CAPS>(&a.pr.fs, xs[k])), vt = fmaxf(vt, w_of<CAPS>(&a.pr.ft, xt[k]));
+    });
+    if (vs > e.s.m) e.s.m = vs, js = j;
+    if (vt > e.t.m) e.t.m = vt, jt = j;
   });
+  e.s.a = first_of<CAPS>(rs, a.sdt, &a.pr.fs, js, je, e.s.m);
+  e.t.a = first_of<CAPS>(rt, a.tdt, &a.pr.ft, jt, je, e.t.m);
   cta_extent(e, sh);
   cluster_sync(a);
   e = cluster_merge(a, &sh.ext, [](Extent x, const Extent &z) {
@@ -339,13 +373,16 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
     x.bad |= z.bad, x.any_s |= z.any_s, x.any_t |= z.any_t;
     return x;
   });
-  const bool ok = !e.bad && e.any_s && e.any_t && !bad_label;
-  if (!ok) {
+  if (!CAPS) {
+    e.bad = e.s.m == INFINITY || e.t.m == INFINITY;
+    e.any_s = e.s.m > -INFINITY, e.any_t = e.t.m > -INFINITY;
+  }
+  auto fail = [&]() {
     fill(NAN);
     finish(NAN, NAN, NAN);
     cluster_sync(a); /* no CTA leaves while another reads its slot */
-    return;
-  }
+  };
+  if (e.bad || !e.any_s || !e.any_t || bad_label) return fail();
   const float ms = e.s.m, mt = e.t.m, ks = a.pr.fs.k, kt = a.pr.ft.k;
   const long long as = e.s.a, at = e.t.a;
   /* read before any CTA of the cluster writes a gradient over the student */
@@ -354,15 +391,21 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
   const float G = lmloss_div_gap(&a.pr, a.pr.capped, mt, xt_at, ms, xs_a);
   /* 2. R of each row and D = Rt - Rs below the maxes */
   float b3[3] = {0.0f, 0.0f, 0.0f};
-  for_columns<CAPS>(a, rs, rt, jb, je, [&](int64_t j, float ws, float wt, float xs, float xt) {
-    const float ds = (ws - ms) * ks, dt = (wt - mt) * kt;
-    const float es = lmloss_div_exp(ds), et = lmloss_div_exp(dt);
-    const float dg = lmloss_pair_dg(lmloss_div_gap(&a.pr, mode, wt, xt, ws, xs), G, ds, dt);
-    b3[0] += j == as ? 0.0f : es;
-    b3[1] += j == at ? 0.0f : et;
-    b3[2] += fabsf(dg) <= 0.5f ? es * lmloss_vexpm1_small(dg) : et - es;
+  for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
+    for_each(left, in_vector(as, j) || in_vector(at, j), [&](int k, auto check) {
+      const float ws = w_of<CAPS>(&a.pr.fs, xs[k]), wt = w_of<CAPS>(&a.pr.ft, xt[k]);
+      const float ds = (ws - ms) * ks, dt = (wt - mt) * kt;
+      const float es = lmloss_div_exp(ds), et = lmloss_div_exp(dt);
+      const float dg = lmloss_pair_dg(lmloss_div_gap(&a.pr, mode, wt, xt[k], ws, xs[k]), G, ds, dt);
+      b3[0] += check.on && j + k == as ? 0.0f : es;
+      b3[1] += check.on && j + k == at ? 0.0f : et;
+      const bool near = fabsf(dg) <= 0.5f;
+      const float em = lmloss_vexpm1_small(near ? dg : 0.0f);
+      b3[2] += near ? es * em : et - es;
+    });
   });
   const Sums<3> st = cluster_sums<3>(a, b3, sh, sh.tot_b);
+  if (!CAPS && !(isfinite(st.v[0]) && isfinite(st.v[1]) && isfinite(st.v[2]))) return fail();
   const lmloss_div_row r = lmloss_div_row_make(&a.pr, ms, mt, (float)st.v[0], (float)st.v[1],
                                                (float)st.v[2], as, xs_a, xt_at, xt_as);
   lmloss_div_grad gc = {};
@@ -373,21 +416,24 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
     return lmloss_div_column(&a.pr, &r, mode, w_of<CAPS>(&a.pr.fs, xs[k]),
                              w_of<CAPS>(&a.pr.ft, xt[k]), xs[k], xt[k]);
   };
-  /* 3. the loss sweep, with the forward KL's gradient */
-  const bool fused = rd && K == LMLOSS_DIV_KL;
+  /* 3. the loss sweep, with the forward KL's gradient; each kind sums
+   * only what it reads, the entropy only when asked for */
+  const bool fused = rd && K == LMLOSS_DIV_KL, want_ent = a.ent != nullptr;
   float c7[7] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt) {
+  for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
     float g[DIV_NV];
-#pragma unroll
-    for (int k = 0; k < DIV_NV; k++) {
-      if (j + k >= je) break;
+    for_each(left, in_vector(as, j) || in_vector(y, j), [&](int k, auto check) {
       const lmloss_div_col c = column(xs, xt, k);
       const lmloss_div_terms t =
-          lmloss_div_loss_terms(&a.pr, &r, &c, j + k != as && c.p != 0.0f, K);
-      c7[0] += t.div, c7[1] += t.rev, c7[2] += t.mix, c7[3] += t.pos, c7[4] += t.neg, c7[5] += t.eq;
-      c7[6] += t.ent;
-      if (fused) g[k] = lmloss_div_grad_entry(&a.pr, &r, &gc, j + k, &c, xs[k], mode, K);
-    }
+          lmloss_div_loss_terms(&a.pr, &r, &c, !(check.on && j + k == as) && c.p != 0.0f, K);
+      c7[0] += t.div;
+      if (K == LMLOSS_DIV_REVERSE_KL) c7[1] += t.rev;
+      if (K == LMLOSS_DIV_JSD) c7[2] += t.mix;
+      if (K == LMLOSS_DIV_TVD) c7[3] += t.pos, c7[4] += t.neg, c7[5] += t.eq;
+      if (want_ent) c7[6] += t.ent;
+      if (fused)
+        g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p, t.pq, xs[k], mode);
+    });
     if (fused) store8(rd, a.dxt, j, je, g);
   });
   const Sums<7> lo = cluster_sums<7>(a, c7, sh, sh.tot_c);
@@ -397,13 +443,13 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS) div_rows(D
   /* 4. the other kinds' gradient */
   if (rd && !fused) {
     lmloss_div_grad_sums(&gc, lo.v[1], lo.v[2], lo.v[3], lo.v[4], lo.v[5]);
-    for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt) {
+    for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
       float g[DIV_NV];
-#pragma unroll
-      for (int k = 0; k < DIV_NV; k++) {
+      for_each(left, in_vector(y, j), [&](int k, auto check) {
         const lmloss_div_col c = column(xs, xt, k);
-        g[k] = lmloss_div_grad_entry(&a.pr, &r, &gc, j + k, &c, xs[k], mode, K);
-      }
+        g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p,
+                                    lmloss_div_grad_kind(&a.pr, &r, &gc, &c, K), xs[k], mode);
+      });
       store8(rd, a.dxt, j, je, g);
     });
   }

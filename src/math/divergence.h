@@ -27,15 +27,18 @@
 #define LMLOSS_DIV_HD static inline __attribute__((always_inline))
 #endif
 
-/* e^x for x <= 0 (x >= -inf). On the GPU exp2f of x log2(e): one MUFU
+/* e^x for x <= 0 (x >= -inf). On the GPU ex2 of x log2(e): one MUFU
  * op, 2 ulp, and the product's rounding costs |x| 2^-24 relative (8e-6
  * at fp32's underflow edge), inside the 1e-5 the suite holds every
- * backend to, as the CE kernels' exp (design.md, section 5); the
- * divergences there are bound by their instructions, not their bytes. On
- * the CPU the vectorizable series. */
+ * backend to; results below FLT_MIN flush to 0, the suite's floor. So
+ * the CE kernels' exp (design.md, section 5): the divergences there are
+ * bound by their instructions, not their bytes. On the CPU the
+ * vectorizable series. */
 LMLOSS_DIV_HD float lmloss_div_exp(float x) {
 #if defined(__CUDA_ARCH__)
-  return exp2f(x * 1.44269504088896341f);
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f));
+  return y;
 #else
   return lmloss_vexp_neg(x, -0.0f);
 #endif
@@ -48,8 +51,14 @@ LMLOSS_DIV_HD float lmloss_diff_of_products(float a, float b, float c, float d) 
   return (ab - cd) + (fmaf(a, b, -ab) - fmaf(c, d, -cd));
 }
 
-/* g = zt - zs of one column from the two rows' w and k. */
+/* g = zt - zs of one column from the two rows' w and k. On the GPU,
+ * where the divergences are bound by their instructions, rows of one k
+ * take (wt - ws) k: a rounding more than the recovered products (2 ulp
+ * of g), in two instructions instead of nine. */
 LMLOSS_DIV_HD float lmloss_pair_gap(float wt, float kt, float ws, float ks) {
+#if defined(__CUDA_ARCH__)
+  if (kt == ks) return (wt - ws) * ks;
+#endif
   if (!(wt > -INFINITY) || !(ws > -INFINITY)) return wt * kt - ws * ks; /* +-inf or NaN */
   return lmloss_diff_of_products(wt, kt, ws, ks);
 }
@@ -115,6 +124,19 @@ LMLOSS_DIV_HD float lmloss_phi_series(float x) {
 LMLOSS_DIV_HD float lmloss_kl_term(float a, float b, float x) {
   const float t = fabsf(x) < 1.0f ? a * lmloss_phi_series(x) : a * x - a + b;
   return a == 0.0f ? b : t;
+}
+
+/* The forward KL's summand q log(q / p) - q + p, and p - q into *pq, from
+ * delta = log(q / p): inside |delta| < 1 from one series, s = (e^delta -
+ * 1 - delta) / delta^2, as p delta^2 (1 - s (1 - delta)) (each >= 0, no
+ * cancellation) and -p expm1(delta); outside directly, where at most a
+ * factor 1.6 cancels. q = 0 gives p, whatever delta is. */
+LMLOSS_DIV_HD float lmloss_kl_fwd(float p, float q, float delta, float *pq) {
+  const int small = fabsf(delta) < 1.0f;
+  const float d = small ? delta : 0.0f, s = lmloss_vexpm1_tail(d);
+  *pq = small ? -p * (d * fmaf(s, d, 1.0f)) : p - q;
+  const float t = small ? p * (d * d) * fmaf(s, d - 1.0f, 1.0f) : q * delta - q + p;
+  return q == 0.0f ? p : t;
 }
 
 /* The pair's constants of a call: both rows' transforms, whether they
@@ -236,20 +258,22 @@ LMLOSS_DIV_HD lmloss_div_col lmloss_div_column(const lmloss_div_pair *pr, const 
  * student's argmax and has mass. */
 typedef struct {
   float div, rev, mix, pos, neg, eq, ent;
+  float pq; /* p - q (the forward KL's gradient and TVD's) */
 } lmloss_div_terms;
 
 LMLOSS_DIV_HD lmloss_div_terms lmloss_div_loss_terms(const lmloss_div_pair *pr,
                                                      const lmloss_div_row *r,
                                                      const lmloss_div_col *c, int rest, int kind) {
-  lmloss_div_terms t = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  lmloss_div_terms t = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   t.ent = c->p == 0.0f ? 0.0f : -c->p * c->lp;
-  if (kind == LMLOSS_DIV_KL) t.div = lmloss_kl_term(c->q, c->p, c->delta);
+  if (kind == LMLOSS_DIV_KL) t.div = lmloss_kl_fwd(c->p, c->q, c->delta, &t.pq);
   if (kind == LMLOSS_DIV_REVERSE_KL) {
     t.div = lmloss_kl_term(c->p, c->q, -c->delta);
     t.rev = rest ? c->p * (c->dg - r->dg_a) : 0.0f;
   }
   if (kind == LMLOSS_DIV_TVD) {
     const float pq = lmloss_div_p_minus_q(c->p, c->q, c->delta);
+    t.pq = pq;
     t.div = 0.5f * fabsf(pq);
     t.pos = pq > 0.0f ? c->p : 0.0f;
     t.neg = pq < 0.0f ? c->p : 0.0f;
@@ -288,11 +312,27 @@ LMLOSS_DIV_HD void lmloss_div_grad_sums(lmloss_div_grad *g, double rev, double m
   g->ceq = (float)(neg - pos);
 }
 
-/* Column j's entry of the student's gradient, from its column c and its
- * raw student logit xs. */
-LMLOSS_DIV_HD float lmloss_div_grad_entry(const lmloss_div_pair *pr, const lmloss_div_row *r,
-                                          const lmloss_div_grad *gc, int64_t j,
-                                          const lmloss_div_col *c, float xs, int capped, int kind) {
+/* A column's entry of the student's gradient from g, its kind's part
+ * (lmloss_div_grad_kind), and its raw student logit xs: the hard term,
+ * the softcap's chain rule and the scale; label: the column is the
+ * row's label. */
+LMLOSS_DIV_HD float lmloss_div_grad_tail(const lmloss_div_pair *pr, const lmloss_div_grad *gc,
+                                         int label, float p, float g, float xs, int capped) {
+  /* the hard term p - [j == y], with 1 - p_y = R / (1 + R) at the argmax */
+  const float ce = label ? (gc->one_minus_py < 0.0f ? p - 1.0f : -gc->one_minus_py) : p;
+  const lmloss_xform f = pr->fs;
+  float dzdx = f.k;
+  if (capped & LMLOSS_DIV_STUDENT_CAP) {
+    const float e = lmloss_div_exp(-2.0f * fabsf(f.s * xs * f.inv_cap));
+    dzdx = f.k * f.s * (4.0f * e / ((1.0f + e) * (1.0f + e)));
+  }
+  return gc->scale * (gc->soft * g + gc->hard * ce) * dzdx;
+}
+
+/* The kind's part of a column's gradient entry, from its column c. */
+LMLOSS_DIV_HD float lmloss_div_grad_kind(const lmloss_div_pair *pr, const lmloss_div_row *r,
+                                         const lmloss_div_grad *gc, const lmloss_div_col *c,
+                                         int kind) {
   const float p = c->p;
   float g = 0.0f;
   if (kind == LMLOSS_DIV_KL) g = lmloss_div_p_minus_q(p, c->q, c->delta);
@@ -304,15 +344,16 @@ LMLOSS_DIV_HD float lmloss_div_grad_entry(const lmloss_div_pair *pr, const lmlos
   if (kind == LMLOSS_DIV_JSD)
     g = p == 0.0f ? 0.0f
                   : -(1.0f - pr->beta) * p * (lmloss_div_jsd_dmu(r, c->dg - r->dg_a) - gc->mix);
-  /* the hard term p - [j == y], with 1 - p_y = R / (1 + R) at the argmax */
-  const float ce = j == gc->y ? (gc->one_minus_py < 0.0f ? p - 1.0f : -gc->one_minus_py) : p;
-  const lmloss_xform f = pr->fs;
-  float dzdx = f.k;
-  if (capped & LMLOSS_DIV_STUDENT_CAP) {
-    const float e = lmloss_div_exp(-2.0f * fabsf(f.s * xs * f.inv_cap));
-    dzdx = f.k * f.s * (4.0f * e / ((1.0f + e) * (1.0f + e)));
-  }
-  return gc->scale * (gc->soft * g + gc->hard * ce) * dzdx;
+  return g;
+}
+
+/* Column j's entry of the student's gradient, from its column c and its
+ * raw student logit xs. */
+LMLOSS_DIV_HD float lmloss_div_grad_entry(const lmloss_div_pair *pr, const lmloss_div_row *r,
+                                          const lmloss_div_grad *gc, int64_t j,
+                                          const lmloss_div_col *c, float xs, int capped, int kind) {
+  return lmloss_div_grad_tail(pr, gc, j == gc->y, c->p, lmloss_div_grad_kind(pr, r, gc, c, kind),
+                              xs, capped);
 }
 
 #endif
