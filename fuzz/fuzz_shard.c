@@ -4,7 +4,9 @@
  * (lmloss_row_state_merge, in place), sometimes states the input
  * corrupts, and every finish over each shard's columns, on the CPU
  * backend; REF, which has no row states, must refuse them and write
- * nothing.
+ * nothing. Some inputs go on to the divergences over the same cuts:
+ * states of a student and a teacher, their merge, the partials, the
+ * finishes, likewise.
  */
 #include "fuzz_common.h"
 
@@ -14,6 +16,79 @@ static lmloss_tensor cols_of(const lmloss_tensor *t, int64_t c0, int64_t n) {
   if (t->data && c0 > 0 && c0 < t->cols) v.data = (char *)t->data + (size_t)c0 * fz_elem(t->dtype);
   v.cols = n;
   return v;
+}
+
+/* The divergences' phases over the cuts: garbage states and partials are
+ * read as non-finite rows, never out of bounds. */
+static void divergence_shards(fz_in *in, fz_pool *pool, int64_t N, int64_t V, const int64_t *cut,
+                              int ns, const lmloss_shard *proto) {
+  lmloss_div_options opt = lmloss_div_options_default();
+  opt.kind = (lmloss_divergence_kind)fz_range(in, 0, 3);
+  opt.beta = (float)fz_range(in, 0, 4) / 4.0f;
+  opt.student = fz_transform(in);
+  opt.teacher = fz_chance(in, 128) ? opt.student : fz_transform(in);
+  opt.reduction = (lmloss_reduction)fz_range(in, 0, 3);
+  if (fz_chance(in, 48)) opt.hard_weight = fz_u8(in) / 64.0f;
+  lmloss_tensor s = fz_tensor(in, pool, fz_float_dtype(in), N, V, V, 0);
+  lmloss_tensor t = fz_tensor(in, pool, fz_float_dtype(in), N, V, V, 0);
+  lmloss_tensor y = fz_optional(in, pool, fz_dtype(in, LMLOSS_I64), N, 1, V, -100);
+  lmloss_context cpu = fz_context(in, LMLOSS_BACKEND_CPU), ref = cpu;
+  ref.backend = LMLOSS_BACKEND_REF;
+  const int64_t SC = LMLOSS_DIV_STATE_COLS, PC = LMLOSS_DIV_PARTIAL_COLS;
+  lmloss_tensor merged = fz_tensor(in, pool, LMLOSS_F32, N, SC, V, 0);
+  lmloss_tensor st = fz_tensor(in, pool, fz_dtype(in, LMLOSS_F32), N, SC, V, 0);
+  lmloss_tensor part = fz_tensor(in, pool, fz_dtype(in, LMLOSS_F64), N, PC, V, 0);
+  for (int r = 0; r < ns; r++) {
+    lmloss_shard sh = *proto;
+    sh.col0 = cut[r];
+    const int64_t n = cut[r + 1] - cut[r];
+    lmloss_div_inputs di = {cols_of(&s, cut[r], n), cols_of(&t, cut[r], n), y};
+    fz_outs w = {0};
+    lmloss_tensor sref = fz_clone(pool, &st);
+    fz_watch(&w, pool, &sref);
+    const lmloss_status sr = lmloss_divergence_state(&ref, &di, &opt, &sh, &sref);
+    if (sr == LMLOSS_OK) fz_fail("REF formed a divergence state", sr);
+    fz_check(sr, &w, "divergence state on REF");
+    const lmloss_status sc = lmloss_divergence_state(&cpu, &di, &opt, &sh, &st);
+    fz_check(sc, &(fz_outs){0}, "divergence state on CPU");
+    if (sc != LMLOSS_OK) continue;
+    if (r == 0 && fz_span(&st) && fz_span(&st) == fz_span(&merged))
+      memcpy(merged.data, st.data, fz_span(&st));
+    else
+      fz_check(lmloss_divergence_state_merge(&cpu, &merged, &st, &opt, &merged), &(fz_outs){0},
+               "divergence merge on CPU");
+  }
+  if (fz_chance(in, 32) && fz_span(&merged)) /* a corrupted exchange */
+    ((unsigned char *)merged.data)[fz_range(in, 0, (int64_t)fz_span(&merged) - 1)] ^= fz_u8(in);
+  const int64_t nl = opt.reduction == LMLOSS_REDUCE_NONE ? N : 1;
+  size_t wsb = lmloss_cross_entropy_workspace_size(N > 0 ? N : 0);
+  void *ws = fz_alloc(pool, wsb ? wsb : 1);
+  for (int r = 0; r < ns; r++) {
+    lmloss_shard sh = *proto;
+    sh.col0 = cut[r];
+    const int64_t n = cut[r + 1] - cut[r];
+    lmloss_div_inputs di = {cols_of(&s, cut[r], n), cols_of(&t, cut[r], n), y};
+    fz_outs wp = {0};
+    fz_watch(&wp, pool, &part);
+    fz_check(lmloss_divergence_partials(&cpu, &di, &opt, &sh, &merged, &part), &wp,
+             "divergence partials on CPU");
+    if (fz_chance(in, 16) && fz_span(&part)) /* a corrupted sum */
+      ((unsigned char *)part.data)[fz_range(in, 0, (int64_t)fz_span(&part) - 1)] ^= fz_u8(in);
+    lmloss_tensor g = fz_tensor(in, pool, fz_dtype(in, s.dtype), N, n, V, 0);
+    lmloss_tensor l = fz_tensor(in, pool, LMLOSS_F32, nl, 1, V, 0);
+    lmloss_tensor e = fz_optional(in, pool, LMLOSS_F32, N, 1, V, 0);
+    lmloss_tensor up = fz_tensor(in, pool, LMLOSS_F32, nl, 1, V, 0);
+    fz_outs w = {0};
+    fz_watch(&w, pool, &g), fz_watch(&w, pool, &l), fz_watch(&w, pool, &e);
+    lmloss_div_outputs out = {.loss = l, .entropy = e};
+    if (fz_chance(in, 128)) out.dstudent = g;
+    const lmloss_tensor *p = fz_chance(in, 32) ? NULL : &part;
+    fz_check(
+        fz_chance(in, 128)
+            ? lmloss_divergence_finish(&cpu, &di, &opt, &sh, &merged, &part, &out, ws, wsb)
+            : lmloss_divergence_backward_finish(&cpu, &di, &opt, &sh, &merged, p, &up, &g, ws, wsb),
+        &w, "divergence finish on CPU");
+  }
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -128,6 +203,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     fz_check(st2, &w, "finish on CPU");
   }
+  if (!fz_chance(&in, 160)) divergence_shards(&in, &pool, N, V, cut, ns, &proto);
   fz_release(&pool);
   return 0;
 }

@@ -128,13 +128,15 @@ LMLOSS_DIV_HD void lmloss_div_state_pack(const lmloss_div_state *s, float *o) {
   o[LMLOSS_DST_XS_A] = st->xs_a, o[LMLOSS_DST_XT_AT] = st->xt_a;
 }
 
-/* An argmax column back: *any its flag; 0 when not a column of this
- * vocabulary (not a state of these rows: the row reads non-finite). */
+/* An argmax column back: *any its flag; 0 (and *col 0) when not a column
+ * of this vocabulary (not a state of these rows: the row reads
+ * non-finite). The float is cast only once it is known to fit. */
 LMLOSS_DIV_HD int lmloss_div_unpack_col(float a, int64_t vocab, int64_t *col, int *any) {
   *any = a >= 0.0f;
   if (a < 0.0f) a = -2.0f - a;
-  *col = (int64_t)a;
-  return a >= 0.0f && a < (float)vocab && a == (float)*col;
+  const int ok = a >= 0.0f && a < (float)vocab && a == floorf(a);
+  *col = ok ? (int64_t)a : 0;
+  return ok;
 }
 
 /* A packed state back. Without a softcap on a side, the raw logit at its
