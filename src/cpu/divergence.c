@@ -143,7 +143,8 @@ DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, 
         lmloss_div_loss_terms(&jb->pr, rc, &c, j0 + i != rc->as && c.p != 0.0f, kind);
     div += t.div, rev += t.rev, mix += t.mix, pos += t.pos, neg += t.neg, eq += t.eq;
     ent += t.ent;
-    if (grad) out[i] = lmloss_div_grad_entry(&jb->pr, rc, gc, j0 + i, &c, b->xs[i], capped, kind);
+    if (grad) /* the forward KL's p - q, from the summand's series */
+      out[i] = lmloss_div_grad_tail(&jb->pr, gc, j0 + i == gc->y, c.p, t.pq, b->xs[i], capped);
   }
   r->div += div, r->rev += rev, r->mix += mix, r->pos += pos, r->neg += neg, r->eq += eq;
   r->ent += ent;

@@ -24,7 +24,7 @@
 #include <cooperative_groups.h>
 
 #include "common.cuh"
-#include "math/divergence.h"
+#include "math/divstate.h"
 
 namespace lmc {
 
@@ -383,7 +383,7 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_row
     cluster_sync(a); /* no CTA leaves while another reads its slot */
   };
   if (e.bad || !e.any_s || !e.any_t || bad_label) return fail();
-  const float ms = e.s.m, mt = e.t.m, ks = a.pr.fs.k, kt = a.pr.ft.k;
+  const float ms = e.s.m, mt = e.t.m, ks = a.pr.fs.k;
   const long long as = e.s.a, at = e.t.a;
   /* read before any CTA of the cluster writes a gradient over the student */
   const float xs_a = lmloss_load(rs, a.sdt, as), xt_at = lmloss_load(rt, a.tdt, at);
@@ -393,15 +393,12 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_row
   float b3[3] = {0.0f, 0.0f, 0.0f};
   for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
     for_each(left, in_vector(as, j) || in_vector(at, j), [&](int k, auto check) {
-      const float ws = w_of<CAPS>(&a.pr.fs, xs[k]), wt = w_of<CAPS>(&a.pr.ft, xt[k]);
-      const float ds = (ws - ms) * ks, dt = (wt - mt) * kt;
-      const float es = lmloss_div_exp(ds), et = lmloss_div_exp(dt);
-      const float dg = lmloss_pair_dg(lmloss_div_gap(&a.pr, mode, wt, xt[k], ws, xs[k]), G, ds, dt);
+      float es, et, d;
+      lmloss_div_stats_terms(&a.pr, mode, w_of<CAPS>(&a.pr.fs, xs[k]), w_of<CAPS>(&a.pr.ft, xt[k]),
+                             xs[k], xt[k], ms, mt, G, &es, &et, &d);
       b3[0] += check.on && j + k == as ? 0.0f : es;
       b3[1] += check.on && j + k == at ? 0.0f : et;
-      const bool near = fabsf(dg) <= 0.5f;
-      const float em = lmloss_vexpm1_small(near ? dg : 0.0f);
-      b3[2] += near ? es * em : et - es;
+      b3[2] += d;
     });
   });
   const Sums<3> st = cluster_sums<3>(a, b3, sh, sh.tot_b);

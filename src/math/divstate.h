@@ -32,9 +32,11 @@ LMLOSS_DIV_HD void lmloss_div_stats_terms(const lmloss_div_pair *pr, int capped,
                                           float xs, float xt, float ms, float mt, float G,
                                           float *es, float *et, float *d) {
   const float as = (ws - ms) * pr->fs.k, at = (wt - mt) * pr->ft.k;
-  *es = lmloss_vexp_neg(as, -0.0f), *et = lmloss_vexp_neg(at, -0.0f);
+  *es = lmloss_div_exp(as), *et = lmloss_div_exp(at);
   const float dg = lmloss_pair_dg(lmloss_div_gap(pr, capped, wt, xt, ws, xs), G, as, at);
-  *d = fabsf(dg) <= 0.5f ? *es * lmloss_vexpm1_small(dg) : *et - *es;
+  const int near = fabsf(dg) <= 0.5f; /* the series on 0 elsewhere: no branch a column */
+  const float em = lmloss_vexpm1_small(near ? dg : 0.0f);
+  *d = near ? *es * em : *et - *es;
 }
 
 /* Two parts of a row: each row's max-split merge (a tie keeps the lower
