@@ -27,6 +27,9 @@
 #include "rowpass.h"
 
 #define LMLOSS_DIV_BLOCK 2048
+/* The longest rows whose loss sweep keeps p and h a column for the
+ * gradient sweep (16 MB a thread). */
+#define LMLOSS_DIV_KEEP_MAX (1 << 21)
 /* every helper a loop calls is inlined into each ISA clone of the loop */
 #define DIV_INLINE static inline __attribute__((always_inline))
 
@@ -129,10 +132,12 @@ typedef struct {
  * (and the finish with r's sums) from the merged state. */
 enum { PAIR_WHOLE, PAIR_STATE, PAIR_PARTIALS, PAIR_FINISH };
 
-/* The loss sweep's block: its sums into r, and with grad (the forward
- * KL) the block's gradient into out. */
+/* The loss sweep's block: its sums into r; with grad (the forward KL)
+ * the block's gradient into out; with keep, each column's p and h
+ * (lmloss_div_grad_h) into kp and kh, for the gradient sweep. */
 DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, int64_t j0,
-                           const lmloss_div_grad *gc, float *out, int grad, int capped, int kind) {
+                           const lmloss_div_grad *gc, float *out, int grad, int keep,
+                           float *restrict kp, float *restrict kh, int capped, int kind) {
   float div = 0.0f, rev = 0.0f, mix = 0.0f, pos = 0.0f, neg = 0.0f, eq = 0.0f, ent = 0.0f;
   const lmloss_div_row *rc = &r->c;
 #pragma omp simd reduction(+ : div, rev, mix, pos, neg, eq, ent)
@@ -144,7 +149,8 @@ DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, 
     div += t.div, rev += t.rev, mix += t.mix, pos += t.pos, neg += t.neg, eq += t.eq;
     ent += t.ent;
     if (grad) /* the forward KL's p - q, from the summand's series */
-      out[i] = lmloss_div_grad_tail(&jb->pr, gc, j0 + i == gc->y, c.p, t.pq, b->xs[i], capped);
+      out[i] = lmloss_div_grad_tail(&jb->pr, gc, j0 + i == gc->y, c.p, t.h, b->xs[i], capped);
+    if (keep) kp[i] = c.p, kh[i] = t.h;
   }
   r->div += div, r->rev += rev, r->mix += mix, r->pos += pos, r->neg += neg, r->eq += eq;
   r->ent += ent;
@@ -160,6 +166,18 @@ DIV_INLINE void grad_block(const div_job *jb, const pair_row *r, const pair_bloc
   }
 }
 
+/* A block of the gradient from the loss sweep's kept p and h of its n
+ * columns (xs: the student's raw logits, read with a student softcap). */
+DIV_INLINE void kept_grad_block(const div_job *jb, const lmloss_div_grad *gc, const float *kp,
+                                const float *kh, const float *xs, int64_t j0, int n, float *out,
+                                int capped, int kind) {
+#pragma omp simd
+  for (int i = 0; i < n; i++)
+    out[i] =
+        lmloss_div_grad_tail(&jb->pr, gc, j0 + i == gc->y, kp[i],
+                             lmloss_div_grad_of(&jb->pr, gc, kp[i], kh[i], kind), xs[i], capped);
+}
+
 /* Where a row pair is read from and its gradient goes. */
 typedef struct {
   const void *s, *t;
@@ -167,7 +185,10 @@ typedef struct {
   void *grad; /* NULL: no gradient */
   lmloss_dtype gdt;
   float scale;
-  int64_t y; /* the label, -1 without */
+  int64_t y;   /* the label, -1 without */
+  float *keep; /* 2 V floats: the loss sweep keeps p and h there for the
+                  gradient sweep, which then reads neither row; NULL:
+                  the gradient sweep recomputes them */
 } pair_io;
 
 /* The sweeps after the statistics, for one kind: the loss sweep (not in
@@ -181,12 +202,16 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   gc.hard = y >= 0 ? jb->opt->hard_weight : 0.0f;
   gc.one_minus_py = y == r->c.as ? r->c.rs / (1.0f + r->c.rs) : -1.0f;
   const int fused = io->grad && kind == LMLOSS_DIV_KL && phase == PAIR_WHOLE;
+  float *const kp = io->grad && !fused && phase == PAIR_WHOLE ? io->keep : NULL;
+  float *const kh = kp ? kp + V : NULL;
   for (int64_t j0 = 0; phase != PAIR_FINISH && j0 < V; j0 += LMLOSS_DIV_BLOCK) {
     load(jb, io->s, io->sdt, io->t, io->tdt, j0, 0, b);
     if (fused)
-      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 1, capped, kind);
+      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 1, 0, NULL, NULL, capped, kind);
+    else if (kp)
+      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, 1, kp + j0, kh + j0, capped, kind);
     else
-      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, capped, kind);
+      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, 0, NULL, NULL, capped, kind);
     if (y >= c0 + j0 && y < c0 + j0 + b->n)
       r->es_y = y == r->c.as ? 0.0f : (b->ws[y - c0 - j0] - r->c.ms) * r->c.ks;
     if (fused) lmloss_cpu_store_block(io->grad, io->gdt, j0, b->n, gbuf);
@@ -194,9 +219,17 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   if (!io->grad || fused) return;
   lmloss_div_grad_sums(&gc, r->rev, r->mix, r->pos, r->neg, r->eq);
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_DIV_BLOCK) {
-    load(jb, io->s, io->sdt, io->t, io->tdt, j0, 0, b);
-    grad_block(jb, r, b, c0 + j0, &gc, gbuf, capped, kind);
-    lmloss_cpu_store_block(io->grad, io->gdt, j0, b->n, gbuf);
+    const int n = (int)(V - j0 < LMLOSS_DIV_BLOCK ? V - j0 : LMLOSS_DIV_BLOCK);
+    if (kp && !(capped & LMLOSS_DIV_STUDENT_CAP)) { /* xs unread: kp stands in */
+      kept_grad_block(jb, &gc, kp + j0, kh + j0, kp + j0, c0 + j0, n, gbuf, capped, kind);
+    } else {
+      load(jb, io->s, io->sdt, io->t, io->tdt, j0, 0, b);
+      if (kp)
+        kept_grad_block(jb, &gc, kp + j0, kh + j0, b->xs, c0 + j0, n, gbuf, capped, kind);
+      else
+        grad_block(jb, r, b, c0 + j0, &gc, gbuf, capped, kind);
+    }
+    lmloss_cpu_store_block(io->grad, io->gdt, j0, n, gbuf);
   }
 }
 
@@ -298,6 +331,11 @@ static lmloss_status div_rows(const lmloss_context *ctx, const lmloss_div_inputs
   {
     pair_block *b = (pair_block *)malloc(sizeof(pair_block));
     float *gbuf = (float *)malloc(LMLOSS_DIV_BLOCK * sizeof(float));
+    /* the loss sweep's p and h for a gradient sweep (none without one, or
+     * past LMLOSS_DIV_KEEP_MAX columns, or without the memory: recomputed) */
+    float *keep = dx && !si && opt->kind != LMLOSS_DIV_KL && V <= LMLOSS_DIV_KEEP_MAX
+                      ? (float *)malloc(2 * (size_t)V * sizeof(float))
+                      : NULL;
     if (!b || !gbuf) {
 #pragma omp atomic write
       oom = 1;
@@ -321,7 +359,8 @@ static lmloss_status div_rows(const lmloss_context *ctx, const lmloss_div_inputs
                             drow,
                             drow ? dx->dtype : LMLOSS_F32,
                             (float)(up * factor),
-                            y};
+                            y,
+                            keep};
         pair_row r;
         if (si) finish_row(jb, si, i, y, &r);
         if (!si || lmloss_pair_flags_ok(r.s.flags))
@@ -342,7 +381,7 @@ static lmloss_status div_rows(const lmloss_context *ctx, const lmloss_div_inputs
       if (out && lmloss_present(&out->entropy)) *lmloss_cpu_f32_at(&out->entropy, i) = (float)ent;
       if (out && !reduced) *lmloss_cpu_f32_at(&out->loss, i) = (float)row_loss[i];
     }
-    free(b), free(gbuf);
+    free(b), free(gbuf), free(keep);
   }
   if (oom) return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "CPU backend: no scratch for a row pair");
   if (out && reduced) {
@@ -382,7 +421,8 @@ static pair_io row_io(const lmloss_div_inputs *in, int64_t i, int64_t y) {
                       NULL,
                       LMLOSS_F32,
                       0.0f,
-                      y};
+                      y,
+                      NULL};
   return io;
 }
 

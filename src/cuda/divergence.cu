@@ -429,7 +429,7 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_row
       if (K == LMLOSS_DIV_TVD) c7[3] += t.pos, c7[4] += t.neg, c7[5] += t.eq;
       if (want_ent) c7[6] += t.ent;
       if (fused)
-        g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p, t.pq, xs[k], mode);
+        g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p, t.h, xs[k], mode);
     });
     if (fused) store8(rd, a.dxt, j, je, g);
   });

@@ -259,22 +259,32 @@ LMLOSS_DIV_HD lmloss_div_col lmloss_div_column(const lmloss_div_pair *pr, const 
  * student's argmax and has mass. */
 typedef struct {
   float div, rev, mix, pos, neg, eq, ent;
-  float pq; /* p - q (the forward KL's gradient and TVD's) */
+  float h; /* what the kind's gradient reads beside p (lmloss_div_grad_h) */
 } lmloss_div_terms;
+
+/* The quantity of a column that its kind's gradient entry reads beside p
+ * (lmloss_div_grad_of): p - q for the forward KL and TVD, dg - dg_a for
+ * the reverse KL, log(M / p) - log(M_a / p_a) for the JSD. */
+LMLOSS_DIV_HD float lmloss_div_grad_h(const lmloss_div_row *r, const lmloss_div_col *c, int kind) {
+  if (kind == LMLOSS_DIV_KL || kind == LMLOSS_DIV_TVD)
+    return lmloss_div_p_minus_q(c->p, c->q, c->delta);
+  if (kind == LMLOSS_DIV_REVERSE_KL) return c->dg - r->dg_a;
+  return lmloss_div_jsd_dmu(r, c->dg - r->dg_a);
+}
 
 LMLOSS_DIV_HD lmloss_div_terms lmloss_div_loss_terms(const lmloss_div_pair *pr,
                                                      const lmloss_div_row *r,
                                                      const lmloss_div_col *c, int rest, int kind) {
   lmloss_div_terms t = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   t.ent = c->p == 0.0f ? 0.0f : -c->p * c->lp;
-  if (kind == LMLOSS_DIV_KL) t.div = lmloss_kl_fwd(c->p, c->q, c->delta, &t.pq);
+  if (kind == LMLOSS_DIV_KL) t.div = lmloss_kl_fwd(c->p, c->q, c->delta, &t.h);
   if (kind == LMLOSS_DIV_REVERSE_KL) {
     t.div = lmloss_kl_term(c->p, c->q, -c->delta);
-    t.rev = rest ? c->p * (c->dg - r->dg_a) : 0.0f;
+    t.h = lmloss_div_grad_h(r, c, kind);
+    t.rev = rest ? c->p * t.h : 0.0f;
   }
   if (kind == LMLOSS_DIV_TVD) {
-    const float pq = lmloss_div_p_minus_q(c->p, c->q, c->delta);
-    t.pq = pq;
+    const float pq = t.h = lmloss_div_grad_h(r, c, kind);
     t.div = 0.5f * fabsf(pq);
     t.pos = pq > 0.0f ? c->p : 0.0f;
     t.neg = pq < 0.0f ? c->p : 0.0f;
@@ -286,7 +296,8 @@ LMLOSS_DIV_HD lmloss_div_terms lmloss_div_loss_terms(const lmloss_div_pair *pr,
     lmloss_div_jsd_logs(pr, c->delta, c->lp, c->lq, &mu, &nu);
     const float M = (1.0f - beta) * c->p + beta * c->q;
     t.div = beta * lmloss_kl_term(c->q, M, nu) + (1.0f - beta) * lmloss_kl_term(c->p, M, -mu);
-    t.mix = rest ? c->p * lmloss_div_jsd_dmu(r, c->dg - r->dg_a) : 0.0f;
+    t.h = lmloss_div_grad_h(r, c, kind);
+    t.mix = rest ? c->p * t.h : 0.0f;
   }
   return t;
 }
@@ -330,22 +341,22 @@ LMLOSS_DIV_HD float lmloss_div_grad_tail(const lmloss_div_pair *pr, const lmloss
   return gc->scale * (gc->soft * g + gc->hard * ce) * dzdx;
 }
 
+/* The kind's part of a column's gradient entry from its p and h
+ * (lmloss_div_grad_h), with the row's sums in gc. */
+LMLOSS_DIV_HD float lmloss_div_grad_of(const lmloss_div_pair *pr, const lmloss_div_grad *gc,
+                                       float p, float h, int kind) {
+  if (kind == LMLOSS_DIV_KL) return h;
+  if (kind == LMLOSS_DIV_REVERSE_KL) return p == 0.0f ? 0.0f : -p * (h - gc->rev);
+  if (kind == LMLOSS_DIV_TVD)
+    return 0.5f * p * (h > 0.0f ? gc->cpos : h < 0.0f ? gc->cneg : gc->ceq);
+  return p == 0.0f ? 0.0f : -(1.0f - pr->beta) * p * (h - gc->mix);
+}
+
 /* The kind's part of a column's gradient entry, from its column c. */
 LMLOSS_DIV_HD float lmloss_div_grad_kind(const lmloss_div_pair *pr, const lmloss_div_row *r,
                                          const lmloss_div_grad *gc, const lmloss_div_col *c,
                                          int kind) {
-  const float p = c->p;
-  float g = 0.0f;
-  if (kind == LMLOSS_DIV_KL) g = lmloss_div_p_minus_q(p, c->q, c->delta);
-  if (kind == LMLOSS_DIV_REVERSE_KL) g = p == 0.0f ? 0.0f : -p * ((c->dg - r->dg_a) - gc->rev);
-  if (kind == LMLOSS_DIV_TVD) {
-    const float pq = lmloss_div_p_minus_q(p, c->q, c->delta);
-    g = 0.5f * p * (pq > 0.0f ? gc->cpos : pq < 0.0f ? gc->cneg : gc->ceq);
-  }
-  if (kind == LMLOSS_DIV_JSD)
-    g = p == 0.0f ? 0.0f
-                  : -(1.0f - pr->beta) * p * (lmloss_div_jsd_dmu(r, c->dg - r->dg_a) - gc->mix);
-  return g;
+  return lmloss_div_grad_of(pr, gc, c->p, lmloss_div_grad_h(r, c, kind), kind);
 }
 
 /* Column j's entry of the student's gradient, from its column c and its
