@@ -91,7 +91,13 @@ LMLOSS_DIV_HD float lmloss_pair_d_term(float ds, float dg, float dt) {
 
 /* log1p(D / (1 + Rs)): log((1 + Rt) / (1 + Rs)), the part of
  * log q_j - log p_j that the rows' sums add to the columns' gaps. */
-LMLOSS_DIV_HD float lmloss_pair_ell(float d, float rs) { return log1pf(d / (1.0f + rs)); }
+LMLOSS_DIV_HD float lmloss_pair_ell(float d, float rs, float rt) {
+  const float x = d / (1.0f + rs);
+  /* near x = -1 (a flat student, a peaked teacher) 1 + x would cancel
+   * D's rounding up to 1e4-fold; there the two sums part, and their own
+   * logs lose nothing */
+  return x < -0.5f ? log1pf(rt) - log1pf(rs) : log1pf(x);
+}
 
 /* log(1 + e^x) without overflow, and to its own precision where small. */
 LMLOSS_DIV_HD float lmloss_softplus(float x) {
@@ -197,7 +203,7 @@ LMLOSS_DIV_HD lmloss_div_row lmloss_div_row_make(const lmloss_div_pair *pr, floa
   r.G = lmloss_div_gap(pr, pr->capped, mt, xt_at, ms, xs_a);
   r.is = 1.0f / (1.0f + rs), r.it = 1.0f / (1.0f + rt);
   r.l1s = log1pf(rs), r.l1t = log1pf(rt);
-  r.ell = lmloss_pair_ell(d, rs);
+  r.ell = lmloss_pair_ell(d, rs, rt);
   const float ws = lmloss_xform_w(&pr->fs, xs_a), wt = lmloss_xform_w(&pr->ft, xt_as);
   r.dg_a = lmloss_pair_dg(lmloss_div_gap(pr, pr->capped, wt, xt_as, ws, xs_a), r.G, 0.0f,
                           (wt - mt) * r.kt);

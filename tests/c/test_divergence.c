@@ -25,7 +25,7 @@ static const kind_case kinds[] = {{LMLOSS_DIV_KL, 0.5f},  {LMLOSS_DIV_REVERSE_KL
                                   {LMLOSS_DIV_JSD, 1.0f}, {LMLOSS_DIV_TVD, 0.5f}};
 #define NKINDS (int)(sizeof kinds / sizeof *kinds)
 
-enum { ROWS_RANDOM, ROWS_GAP, ROWS_PEAKED, ROWS_SAME, ROWS_SPECIAL };
+enum { ROWS_RANDOM, ROWS_GAP, ROWS_PEAKED, ROWS_SAME, ROWS_SPIKE, ROWS_SPECIAL };
 
 /* z of a logit under a transform, in double (refrow.h's form). */
 static double zof(const lmloss_transform *t, double x) {
@@ -127,11 +127,11 @@ static void fill_rows(const lmloss_tensor *s, const lmloss_tensor *t, int rows, 
   for (int64_t i = 0; i < N; i++) {
     int64_t a = rng_int(V);
     for (int64_t j = 0; j < V; j++) {
-      double x = 2.0 * rng_normal();
+      double x = rows == ROWS_SPIKE ? 6.0 * rng_uniform() - 3.0 : 2.0 * rng_normal();
       tset(s, i, j, x);
       if (rows == ROWS_GAP)
         tset(t, i, j, tget(s, i, j) + 1e-2 * rng_normal());
-      else if (rows == ROWS_SAME)
+      else if (rows == ROWS_SAME || rows == ROWS_SPIKE)
         tset(t, i, j, tget(s, i, j));
       else
         tset(t, i, j, 2.0 * rng_normal());
@@ -142,6 +142,9 @@ static void fill_rows(const lmloss_tensor *s, const lmloss_tensor *t, int rows, 
       /* the student's mass on two columns the teacher all but ignores */
       if (i % 3 == 2 && V > 3) tset(s, i, (a + 2) % V, 3.9 + margin);
     }
+    /* a flat student, the teacher it with a spike: (1 + Rt) / (1 + Rs)
+     * down to 1e-4, where log1p(D / (1 + Rs)) would cancel D's rounding */
+    if (rows == ROWS_SPIKE) tset(t, i, a, tget(s, i, a) + 20.0);
     if (rows == ROWS_SPECIAL) {
       if (i == 0) tset(s, i, a, NAN);
       if (i == 1) tset(t, i, a, INFINITY);
@@ -479,8 +482,12 @@ int main(void) {
   static const double margins[] = {0, 17, 50, 1000};
   static const lmloss_dtype dts[] = {LMLOSS_F32, LMLOSS_BF16, LMLOSS_F16};
   for (int rows = ROWS_RANDOM; rows <= ROWS_SPECIAL; rows++) {
-    static const char *names[] = {"random rows", "student + 1e-2 noise", "peaked rows",
-                                  "identical rows", "NaN/+inf/-inf rows, -inf columns, ties"};
+    static const char *names[] = {"random rows",
+                                  "student + 1e-2 noise",
+                                  "peaked rows",
+                                  "identical rows",
+                                  "a flat student, the teacher it with a spike",
+                                  "NaN/+inf/-inf rows, -inf columns, ties"};
     char name[96];
     snprintf(name, sizeof name, "every kind, %s", names[rows]);
     tg_begin(&g, name);

@@ -227,6 +227,19 @@ def test_small_student_teacher_gaps(kind, beta):
     check_rows(loss, g, ref, grad, what="gap 1e-2")
 
 
+@pytest.mark.parametrize("kind,beta", KINDS, ids=IDS)
+def test_flat_student_spiked_teacher(kind, beta):
+    """(1 + Rt) / (1 + Rs) near 1e-4: where log1p(D / (1 + Rs)) would cancel
+    D's rounding 1e4-fold (the JSD's gradient at the spike was 8e-5 off)."""
+    rng = np.random.default_rng(8)
+    s = rng.uniform(-3.0, 3.0, (4, 50257)).astype(np.float32)
+    t = s.copy()
+    t[np.arange(4), rng.integers(0, 50257, 4)] += 20.0
+    loss, g = lmloss.divergence(s, t, kind=kind, beta=beta, reduction="none", grad=True)
+    ref, grad = oracle(s, t, kind, beta)
+    check_rows(loss, g, ref, grad, what="spike")
+
+
 @pytest.mark.parametrize("v", [1, 3, 17, 1003])
 @pytest.mark.parametrize("kind,beta", KINDS, ids=IDS)
 def test_odd_vocab(kind, beta, v):
