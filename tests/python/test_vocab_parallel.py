@@ -4,8 +4,8 @@ against the single-process call on the whole rows, on peaked rows whose
 argmax sits on each rank in turn, ties at the max across ranks, a shard
 holding only -inf and ignored rows; GRPO's objective on the log-probs and
 entropies they give; the divergences (KL both ways, generalized JSD, TVD)
-with a teacher sharded alike; and the fused head with its weight's rows
-split over the ranks."""
+with a teacher sharded alike; and the fused head (and the divergences'
+two heads) with its weight's rows split over the ranks."""
 
 import os
 import tempfile
@@ -275,6 +275,41 @@ def _check_head_log_probs(world, rank, uneven, V):
         _close(got[4], ref[4][s:e], "head log-probs dbias", rtol=1e-4, atol=1e-5)
 
 
+def _check_heads_divergence(world, rank, uneven, V):
+    """Two fused heads with both weights' rows split (the teacher of its own
+    width): loss, the student's dhidden (summed over the ranks), the rank's
+    rows of its dW and db, against the whole heads; one chunk and chunks of
+    5 rows (the logits recomputed in each pass)."""
+    s, e, shard, g, h, w, b = _head_case(world, rank, uneven, V, 13)
+    ht = torch.randn(N, H + 3, generator=g)
+    wt = w @ torch.randn(H, H + 3, generator=g) / H ** 0.5
+    wt = wt + 0.1 * torch.randn(V, H + 3, generator=g)  # a teacher near the student
+    bt = b + 0.1 * torch.randn(V, generator=g)
+    _, y = _rows(V, _bounds(V, world, uneven), seed=world + 1)
+    cases = [
+        (LT.linear_generalized_jsd, dict(beta=0.5), None),
+        (LT.linear_kl_div, dict(reduction="none", temperature=0.7), 5 * (e - s) * 12),
+        (LT.linear_kl_div, dict(reverse=True, hard_weight=0.5, num_items_in_batch=9), None),
+        (LT.linear_tvd, dict(reduction="sum", softcap=8.0), 5 * (e - s) * 12),
+        (LT.linear_generalized_jsd, dict(beta=0.2, reduction="mean"), 5 * (e - s) * 12),
+    ]
+    for fn, kw, budget in cases:
+        out = []
+        for ww, bb, wtt, btt, extra in ((w, b, wt, bt, {}),
+                                        (w[s:e], b[s:e], wt[s:e], bt[s:e],
+                                         dict(shard, memory_budget=budget))):
+            hh, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (h, ww, bb))
+            loss = fn(hh, w2, ht, wtt, y, student_bias=b2, teacher_bias=btt, **kw, **extra)
+            (loss * torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)).sum().backward()
+            out.append((loss.detach(), hh.grad, w2.grad, b2.grad))
+        ref, got = out
+        what = "heads %s %s" % (fn.__name__, kw)
+        _close(got[0], ref[0], what, rtol=1e-4)
+        _close(got[1], ref[1], what + " dhidden", rtol=1e-4, atol=1e-5)
+        _close(got[2], ref[2][s:e], what + " dweight", rtol=1e-4, atol=1e-5)
+        _close(got[3], ref[3][s:e], what + " dbias", rtol=1e-4, atol=1e-5)
+
+
 def _check_bf16(world, rank, uneven, V):
     """bf16 logits: computed in fp32 like the one-shot call, so the loss,
     log-probs and entropy agree to fp32 rounding and the bf16 gradients to
@@ -309,6 +344,7 @@ def _worker(rank, world, init):
         _check_head(world, rank, True, 12 * world + 61)
         uneven = world % 2 == 1
         _check_head_log_probs(world, rank, uneven, 12 * world + 61 if uneven else 20 * world)
+        _check_heads_divergence(world, rank, not uneven, 20 * world if uneven else 12 * world + 61)
     finally:
         dist.destroy_process_group()
 

@@ -10,14 +10,22 @@ both heads run in float32 (16-bit inputs upcast, their gradients cast
 back by autograd); on CUDA in the heads' dtype (or autocast's), the
 logits in float32, a 16-bit weight's gradient rounded once per chunk of
 rows.
+
+process_group (torch.distributed), vocab_start, vocab_size: both heads'
+weights (and biases) are this rank's rows of the vocabulary, hidden
+replicated (Megatron's layout; uneven shards name their first row and the
+vocabulary's width); the loss is the whole rows' on every rank, dhidden is
+summed over the ranks, dweight and dbias are the rank's rows
+(_vocab_parallel.LinearDivergence: two exchanges of row states and sums).
 """
 
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 from torch import Tensor
 
 from .. import _lib
 from . import _linear_ops as L
+from . import _vocab_parallel as VP
 from ._divergence import Items, _distill
 from ._functional import _budget, _empty_logits, _grads_in_forward, _head, _same_device
 
@@ -62,6 +70,38 @@ class _Heads:
         return (loss, self.entropy.reshape(self.lead)) if return_entropy else loss
 
 
+class _ShardHeads(_Heads):
+    """_Heads whose weights (and biases) are this rank's rows of the
+    vocabulary (Megatron's layout), hidden replicated: the loss through the
+    vocab-parallel op, v the whole vocabulary's width."""
+
+    def __init__(self, *args, process_group, vocab_start, vocab_size):
+        super().__init__(*args)
+        self.shard = VP.Shard(process_group, self.v, vocab_start, vocab_size)
+        self.v = self.shard.vocab
+
+    def loss(self, label, fopts, iopts, per_row):
+        h, w, b = self.student
+        if h.shape[0] == 0:  # no rows: no exchange either, as on every rank
+            return super().loss(label, fopts, iopts, per_row)
+        return VP.LinearDivergence.apply(h, w, b, *self.teacher, label, fopts, iopts, self.shard,
+                                         self.budget, per_row)
+
+    def result(self, loss, return_entropy):
+        if return_entropy:
+            raise _lib.Error("LMLOSS_ERR_UNSUPPORTED", "return_entropy is not computed over a "
+                             "vocabulary shard (lmloss_divergence_finish's entropy output is)")
+        return loss
+
+
+def _heads(args, process_group, vocab_start, vocab_size):
+    """_Heads of the functions' head arguments, or _ShardHeads with a process group."""
+    if process_group is None:
+        return _Heads(*args)
+    return _ShardHeads(*args, process_group=process_group, vocab_start=vocab_start,
+                       vocab_size=vocab_size)
+
+
 def linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                            teacher_hidden: Tensor, teacher_weight: Tensor,
                            labels: Optional[Tensor] = None, beta: float = 0.5,
@@ -75,7 +115,10 @@ def linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
                            teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
                            hard_weight: float = 0.0, ignore_index: int = -100,
                            memory_budget: Optional[int] = None, backend: str = "auto",
-                           num_threads: int = 0, return_entropy: bool = False) -> Loss:
+                           num_threads: int = 0, return_entropy: bool = False,
+                           process_group: Optional[Any] = None,
+                           vocab_start: Optional[int] = None,
+                           vocab_size: Optional[int] = None) -> Loss:
     """generalized_jsd (TRL's generalized_jsd_loss, every keyword) of the
     logits student_hidden [..., Hs] student_weight[V, Hs]^T (+ student_bias
     [V]) and teacher_hidden [..., Ht] teacher_weight[V, Ht]^T (+
@@ -91,8 +134,8 @@ def linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     call (the backward scales it by the upstream gradient), so evaluate
     under torch.no_grad().
     """
-    heads = _Heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                   teacher_bias, labels, memory_budget)
+    heads = _heads((student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                    teacher_bias, labels, memory_budget), process_group, vocab_start, vocab_size)
     loss = _distill(heads, labels, "jsd", beta, temperature, reduction, num_items_in_batch,
                     teacher_temperature, logit_scale, teacher_logit_scale, softcap,
                     teacher_softcap, soft_weight, hard_weight, ignore_index, backend, num_threads)
@@ -109,11 +152,13 @@ def linear_kl_div(student_hidden: Tensor, student_weight: Tensor, teacher_hidden
                   teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
                   hard_weight: float = 0.0, ignore_index: int = -100,
                   memory_budget: Optional[int] = None, backend: str = "auto",
-                  num_threads: int = 0, return_entropy: bool = False) -> Loss:
+                  num_threads: int = 0, return_entropy: bool = False,
+                  process_group: Optional[Any] = None, vocab_start: Optional[int] = None,
+                  vocab_size: Optional[int] = None) -> Loss:
     """kl_div (KL(q || p), reverse=True: KL(p || q)) through the two heads;
     arguments and results as linear_generalized_jsd's."""
-    heads = _Heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                   teacher_bias, labels, memory_budget)
+    heads = _heads((student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                    teacher_bias, labels, memory_budget), process_group, vocab_start, vocab_size)
     loss = _distill(heads, labels, "reverse_kl" if reverse else "kl", 0.0, temperature, reduction,
                     num_items_in_batch, teacher_temperature, logit_scale, teacher_logit_scale,
                     softcap, teacher_softcap, soft_weight, hard_weight, ignore_index, backend,
@@ -131,11 +176,13 @@ def linear_tvd(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: T
                teacher_softcap: Optional[float] = None, soft_weight: float = 1.0,
                hard_weight: float = 0.0, ignore_index: int = -100,
                memory_budget: Optional[int] = None, backend: str = "auto",
-               num_threads: int = 0, return_entropy: bool = False) -> Loss:
+               num_threads: int = 0, return_entropy: bool = False,
+               process_group: Optional[Any] = None, vocab_start: Optional[int] = None,
+               vocab_size: Optional[int] = None) -> Loss:
     """tvd (0.5 sum_j |p_j - q_j| per row) through the two heads; arguments
     and results as linear_generalized_jsd's."""
-    heads = _Heads(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                   teacher_bias, labels, memory_budget)
+    heads = _heads((student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                    teacher_bias, labels, memory_budget), process_group, vocab_start, vocab_size)
     loss = _distill(heads, labels, "tvd", 0.0, temperature, reduction, num_items_in_batch,
                     teacher_temperature, logit_scale, teacher_logit_scale, softcap,
                     teacher_softcap, soft_weight, hard_weight, ignore_index, backend, num_threads)

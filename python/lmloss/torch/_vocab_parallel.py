@@ -340,6 +340,48 @@ def _div_inputs(x, t, label, keep):
     return _lib.DivInputs(B.view(x, keep), B.view(t, keep), B.view(label, keep))
 
 
+def div_state_into(x, t, label, opt, sh, state, run):
+    """lmloss_divergence_state of the rows x, t (this rank's columns) into state."""
+    keep = []
+    with B.context(x, *run) as c:
+        _lib.check(S.div_state(c, _div_inputs(x, t, label, keep), opt, sh, B.view(state, keep)))
+
+
+def div_partials_into(x, t, label, opt, sh, merged, partials, run):
+    """lmloss_divergence_partials of the rows from their merged states."""
+    keep = []
+    with B.context(x, *run) as c:
+        _lib.check(S.div_partials(c, _div_inputs(x, t, label, keep), opt, sh,
+                                  B.view(merged, keep), B.view(partials, keep)))
+
+
+def div_finish_into(x, t, label, opt, sh, merged, summed, loss, dx, run):
+    """lmloss_divergence_finish: the rows' loss into loss (1-D: a row's
+    each, or their sum) and, with dx, the student's gradient at an
+    upstream of 1."""
+    keep = []
+    with B.context(x, *run) as c:
+        out = _lib.DivOutputs(loss=B.view(loss, keep))
+        if dx is not None:
+            out.dstudent = B.view(dx, keep)
+        ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
+        _lib.check(S.div_finish(c, _div_inputs(x, t, label, keep), opt, sh, B.view(merged, keep),
+                                B.view(summed, keep), out, addr, nbytes))
+
+
+def div_backward(x, t, label, opt, sh, merged, summed, dloss, run):
+    """lmloss_divergence_backward_finish: the student's gradient from dloss."""
+    keep = []
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    with B.context(x, *run) as c:
+        ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
+        _lib.check(S.div_backward_finish(
+            c, _div_inputs(x, t, label, keep), opt, sh, B.view(merged, keep),
+            B.view(summed, keep), B.view(dloss.reshape(-1).to(F32).contiguous(), keep),
+            B.view(dx, keep), addr, nbytes))
+    return dx
+
+
 class Divergence(torch.autograd.Function):
     """lmloss_divergence of a vocabulary shard: student and teacher [N, V_r]
     this rank's columns, label [N] in the whole vocabulary; the whole rows'
@@ -352,28 +394,17 @@ class Divergence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, t, label, fopts, iopts, shard, fused):
-        opt, run = DO._div_opt(fopts, iopts), O.run_args(iopts)
-        n, sh, keep = x.shape[0], shard.struct(), []
+        opt, run, sh = DO._div_opt(fopts, iopts), O.run_args(iopts), shard.struct()
+        n = x.shape[0]
         state = x.new_empty((n, S.DIV_STATE_COLS), dtype=F32)
-        with B.context(x, *run) as c:
-            _lib.check(S.div_state(c, _div_inputs(x, t, label, keep), opt, sh,
-                                   B.view(state, keep)))
+        div_state_into(x, t, label, opt, sh, state, run)
         merged = div_exchange(state, opt, shard, run)
         partials = x.new_empty((n, S.DIV_PARTIAL_COLS), dtype=torch.float64)
-        with B.context(x, *run) as c:
-            _lib.check(S.div_partials(c, _div_inputs(x, t, label, keep), opt, sh,
-                                      B.view(merged, keep), B.view(partials, keep)))
+        div_partials_into(x, t, label, opt, sh, merged, partials, run)
         summed = div_partials_sum(partials, opt, shard)
         loss = O._loss(x, n, O._reduction_name(iopts))
         dx = torch.empty_like(x, memory_format=torch.contiguous_format) if fused else None
-        with B.context(x, *run) as c:
-            out = _lib.DivOutputs(loss=B.view(loss.reshape(-1), keep))
-            if fused:
-                out.dstudent = B.view(dx, keep)
-            ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(n), x.device)
-            _lib.check(S.div_finish(c, _div_inputs(x, t, label, keep), opt, sh,
-                                    B.view(merged, keep), B.view(summed, keep), out, addr,
-                                    nbytes))
+        div_finish_into(x, t, label, opt, sh, merged, summed, loss.reshape(-1), dx, run)
         ctx.save_for_backward(x, t, label, merged, summed)
         ctx.args, ctx.fwd_grad = (fopts, iopts, shard), dx
         return loss
@@ -385,14 +416,8 @@ class Divergence(torch.autograd.Function):
             return (dx,) + (None,) * 6
         x, t, label, merged, summed = ctx.saved_tensors
         fopts, iopts, shard = ctx.args
-        opt, run, keep = DO._div_opt(fopts, iopts), O.run_args(iopts), []
-        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-        with B.context(x, *run) as c:
-            ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
-            _lib.check(S.div_backward_finish(
-                c, _div_inputs(x, t, label, keep), opt, shard.struct(), B.view(merged, keep),
-                B.view(summed, keep), B.view(dloss.reshape(-1).to(F32).contiguous(), keep),
-                B.view(dx, keep), addr, nbytes))
+        dx = div_backward(x, t, label, DO._div_opt(fopts, iopts), shard.struct(), merged, summed,
+                          dloss, O.run_args(iopts))
         return (dx,) + (None,) * 6
 
 
@@ -567,6 +592,67 @@ class LinearLogProbs(torch.autograd.Function):
                              dent[i0:i1] if want_entropy else None, run)
             _accumulate(acc, dz, h, w, b, i0, i1)
         return _head_grads(acc, 1.0, shard, h, w, b) + (None,) * 7
+
+
+class LinearDivergence(torch.autograd.Function):
+    """A divergence through two fused heads whose weights (and biases) are
+    rank r's rows of the vocabulary, hidden replicated: the student's
+    logits hs [N, Hs] ws_r^T (+ bs_r), the teacher's from its own head
+    (not differentiated), a chunk of rows at a time within the budget.
+    Three passes over the chunks, Divergence's two exchanges between them:
+    the states; the partial sums; the finish and, for a summed loss, the
+    student's gradients (the logits recomputed in each pass when they took
+    more than one chunk). The backward sums dhidden over the ranks."""
+
+    @staticmethod
+    def forward(ctx, hs, ws, bs, ht, wt, bt, label, fopts, iopts, shard, budget, per_row):
+        opt, run, sh = DO._div_opt(fopts, iopts), O.run_args(iopts), shard.struct()
+        n = hs.shape[0]
+        chunks = _plan(hs, ws, (budget or DEFAULT_BUDGET) // 2)  # both heads' logits
+        kept = _pair_logits(hs, ws, bs, ht, wt, bt, 0, n) if len(chunks) == 1 else None
+        state = hs.new_empty((n, S.DIV_STATE_COLS), dtype=F32)
+        for i0, i1 in chunks:
+            zs, zt = kept or _pair_logits(hs, ws, bs, ht, wt, bt, i0, i1)
+            div_state_into(zs, zt, _rows_of(label, i0, i1), opt, sh, state[i0:i1], run)
+        merged = div_exchange(state, opt, shard, run)
+        partials = hs.new_empty((n, S.DIV_PARTIAL_COLS), dtype=torch.float64)
+        for i0, i1 in chunks:
+            zs, zt = kept or _pair_logits(hs, ws, bs, ht, wt, bt, i0, i1)
+            div_partials_into(zs, zt, _rows_of(label, i0, i1), opt, sh, merged[i0:i1],
+                              partials[i0:i1], run)
+        summed = div_partials_sum(partials, opt, shard)
+        acc = None if per_row or not any(ctx.needs_input_grad[:3]) else _new_acc(hs, ws, bs)
+        loss = hs.new_empty((n if per_row else len(chunks),), dtype=F32)
+        for k, (i0, i1) in enumerate(chunks):
+            zs, zt = kept or _pair_logits(hs, ws, bs, ht, wt, bt, i0, i1)
+            dz = None if acc is None else torch.empty_like(zs)
+            div_finish_into(zs, zt, _rows_of(label, i0, i1), opt, sh, merged[i0:i1],
+                            summed[i0:i1], loss[i0:i1] if per_row else loss[k:k + 1], dz, run)
+            if dz is not None:
+                _accumulate(acc, dz, hs, ws, bs, i0, i1)
+        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, label, merged, summed)
+        ctx.args = fopts, iopts, shard, chunks, kept, acc
+        return loss if per_row else loss.sum()
+
+    @staticmethod
+    def backward(ctx, dloss):
+        hs, ws, bs, ht, wt, bt, label, merged, summed = ctx.saved_tensors
+        fopts, iopts, shard, chunks, kept, acc = ctx.args
+        if acc is not None:  # formed in the forward at an upstream of 1
+            return _head_grads(acc, dloss.to(F32), shard, hs, ws, bs) + (None,) * 9
+        opt, run, sh = DO._div_opt(fopts, iopts), O.run_args(iopts), shard.struct()
+        acc, dl = _new_acc(hs, ws, bs), dloss.reshape(-1).to(F32)
+        for i0, i1 in chunks:
+            zs, zt = kept or _pair_logits(hs, ws, bs, ht, wt, bt, i0, i1)
+            dz = div_backward(zs, zt, _rows_of(label, i0, i1), opt, sh, merged[i0:i1],
+                              summed[i0:i1], dl[i0:i1], run)
+            _accumulate(acc, dz, hs, ws, bs, i0, i1)
+        return _head_grads(acc, 1.0, shard, hs, ws, bs) + (None,) * 9
+
+
+def _pair_logits(hs, ws, bs, ht, wt, bt, i0, i1):
+    """Rows [i0, i1) of both heads' logits over this rank's columns."""
+    return _logits(hs[i0:i1], ws, bs), _logits(ht[i0:i1], wt, bt)
 
 
 # ---------------------------------------------------------------- the functions lmloss.torch calls
