@@ -272,7 +272,7 @@ LMLOSS_CPU_DISPATCH
 void lmloss_cpu_div_pair(const div_job *jb, const pair_io *io, pair_block *b, float *gbuf,
                          pair_row *r, int phase) {
   const int shared = LMLOSS_DIV_SHARED_CAP, student = LMLOSS_DIV_STUDENT_CAP;
-  const int mode = (jb->pr.capped ? shared : 0) | (jb->pr.fs.cap > 0.0f ? student : 0);
+  const int mode = lmloss_div_pair_mode(&jb->pr);
   if (mode == (shared | student))
     div_pair(jb, io, b, gbuf, r, phase, shared | student);
   else if (mode == student)

@@ -513,8 +513,7 @@ static lmloss_status run_div(const lmloss_context *ctx, const lmloss_div_inputs 
   }
   a.ignore = opt->ignore_index;
   a.pr = lmloss_div_pair_make(opt);
-  a.mode =
-      (a.pr.capped ? LMLOSS_DIV_SHARED_CAP : 0) | (a.pr.fs.cap > 0.0f ? LMLOSS_DIV_STUDENT_CAP : 0);
+  a.mode = lmloss_div_pair_mode(&a.pr);
   a.soft = opt->soft_weight, a.hard = opt->hard_weight;
   a.reduction = opt->reduction;
   a.num_items = opt->num_items;

@@ -297,8 +297,7 @@ PairRows pair_rows(const lmloss_div_inputs *in, const lmloss_div_options *opt,
   }
   P.ignore = opt->ignore_index;
   P.pr = lmloss_div_pair_make(opt);
-  P.capped =
-      (P.pr.capped ? LMLOSS_DIV_SHARED_CAP : 0) | (P.pr.fs.cap > 0.0f ? LMLOSS_DIV_STUDENT_CAP : 0);
+  P.capped = lmloss_div_pair_mode(&P.pr);
   P.kind = opt->kind;
   return P;
 }

@@ -171,6 +171,12 @@ LMLOSS_DIV_HD lmloss_div_pair lmloss_div_pair_make(const lmloss_div_options *o) 
  * STUDENT_CAP, the student's softcap (its chain rule in the gradient). */
 enum { LMLOSS_DIV_SHARED_CAP = 1, LMLOSS_DIV_STUDENT_CAP = 2 };
 
+/* The pair's mode: which of the two its transforms make. */
+LMLOSS_DIV_HD int lmloss_div_pair_mode(const lmloss_div_pair *pr) {
+  return (pr->capped ? LMLOSS_DIV_SHARED_CAP : 0) |
+         (pr->fs.cap > 0.0f ? LMLOSS_DIV_STUDENT_CAP : 0);
+}
+
 /* g = zt - zs of columns of the teacher (w wt, raw xt) and the student. */
 LMLOSS_DIV_HD float lmloss_div_gap(const lmloss_div_pair *pr, int capped, float wt, float xt,
                                    float ws, float xs) {
