@@ -9,7 +9,8 @@
  * the losses and the row constants a gradient needs (with the forward
  * KL's gradient, which needs none), then the other kinds' gradient. The
  * loops are branch-free and vectorize in the AVX-512 and x86-64-v3 clones
- * (vmath.h); a block's sums run in floats, the row's in double.
+ * (vmath.h); the sums run in double (a block's 2048 terms in float lost
+ * up to 1e-5 where they repeat, as on rows of ties, in a scalar build).
  *
  * Over a sharded vocabulary (lmloss.h) the same sweeps run apart: the
  * statistics of the shard's columns (a state; states merge as blocks do),
@@ -105,7 +106,7 @@ DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, 
   const float ms = s.ms > -INFINITY ? s.ms : 0.0f, mt = s.mt > -INFINITY ? s.mt : 0.0f;
   const float *restrict ws = b->ws, *restrict wt = b->wt, *restrict xs = b->xs,
                         *restrict xt = b->xt;
-  float rs = 0.0f, rt = 0.0f, d = 0.0f;
+  double rs = 0.0, rt = 0.0, d = 0.0;
 #pragma omp simd reduction(+ : rs, rt, d)
   for (int i = 0; i < b->n; i++) {
     float es, et, di;
@@ -138,7 +139,7 @@ enum { PAIR_WHOLE, PAIR_STATE, PAIR_PARTIALS, PAIR_FINISH };
 DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, int64_t j0,
                            const lmloss_div_grad *gc, float *out, int grad, int keep,
                            float *restrict kp, float *restrict kh, int capped, int kind) {
-  float div = 0.0f, rev = 0.0f, mix = 0.0f, pos = 0.0f, neg = 0.0f, eq = 0.0f, ent = 0.0f;
+  double div = 0.0, rev = 0.0, mix = 0.0, pos = 0.0, neg = 0.0, eq = 0.0, ent = 0.0;
   const lmloss_div_row *rc = &r->c;
 #pragma omp simd reduction(+ : div, rev, mix, pos, neg, eq, ent)
   for (int i = 0; i < b->n; i++) {
