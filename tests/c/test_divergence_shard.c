@@ -25,41 +25,6 @@ enum { MERGE_L2R, MERGE_R2L, MERGE_TREE, MERGE_ORDERS };
 static const int shard_counts[] = {1, 2, 3, 4, 7};
 static const double margins[] = {0, 5, 17, 30, 100, 1000};
 
-typedef struct {
-  int k;
-  int64_t col0[8], n[8];
-} split;
-
-/* k uneven shards of V columns: distinct random cuts. */
-static split make_split(int64_t V, int k) {
-  split s;
-  int64_t cut[8];
-  s.k = k, cut[0] = 0;
-  for (int c = 1; c < k; c++) {
-    int again;
-    do {
-      cut[c] = 1 + rng_int(V - 1), again = 0;
-      for (int d = 1; d < c; d++)
-        again |= cut[d] == cut[c];
-    } while (again);
-  }
-  for (int a = 1; a < k; a++)
-    for (int b = a; b > 1 && cut[b] < cut[b - 1]; b--) {
-      const int64_t t = cut[b];
-      cut[b] = cut[b - 1], cut[b - 1] = t;
-    }
-  for (int c = 0; c < k; c++)
-    s.col0[c] = cut[c], s.n[c] = (c + 1 < k ? cut[c + 1] : V) - cut[c];
-  return s;
-}
-
-static lmloss_tensor cols_view(const lmloss_tensor *t, int64_t c0, int64_t n) {
-  lmloss_tensor v = *t;
-  v.data = (char *)t->data + (size_t)c0 * lmloss_dtype_size(t->dtype);
-  v.cols = n;
-  return v;
-}
-
 static lmloss_tensor f32(int64_t rows, int64_t cols) {
   lmloss_tensor t = host_new(LMLOSS_F32, rows, cols, cols);
   host_poison(&t);

@@ -29,51 +29,11 @@ static lmloss_context ctx(void) {
   return c;
 }
 
-typedef struct {
-  int k;
-  int64_t col0[8], n[8];
-} split;
-
-/* k uneven shards of V columns: distinct random cuts. */
-static split make_split(int64_t V, int k) {
-  split s;
-  s.k = k;
-  int64_t cut[8];
-  cut[0] = 0;
-  for (int c = 1; c < k; c++) {
-    int again;
-    do {
-      cut[c] = 1 + rng_int(V - 1);
-      again = 0;
-      for (int d = 1; d < c; d++)
-        again |= cut[d] == cut[c];
-    } while (again);
-  }
-  for (int a = 1; a < k; a++) /* sort */
-    for (int b = a; b > 1 && cut[b] < cut[b - 1]; b--) {
-      int64_t t = cut[b];
-      cut[b] = cut[b - 1], cut[b - 1] = t;
-    }
-  for (int c = 0; c < k; c++) {
-    s.col0[c] = cut[c];
-    s.n[c] = (c + 1 < k ? cut[c + 1] : V) - cut[c];
-  }
-  return s;
-}
-
 static int shard_of(const split *s, int64_t j) {
   int c = 0;
   while (c + 1 < s->k && j >= s->col0[c + 1])
     c++;
   return c;
-}
-
-/* Columns [c0, c0 + n) of a tensor, as a view. */
-static lmloss_tensor cols_view(const lmloss_tensor *t, int64_t c0, int64_t n) {
-  lmloss_tensor v = *t;
-  v.data = (char *)t->data + (size_t)c0 * lmloss_dtype_size(t->dtype);
-  v.cols = n;
-  return v;
 }
 
 static lmloss_tensor state_new(int64_t N) {

@@ -210,3 +210,36 @@ void fill_logits(const lmloss_tensor *x, double sigma, const int64_t *target, do
     tset(x, i, target[i], x->cols == 1 ? 0.0 : mx + margin);
   }
 }
+
+split make_split(int64_t V, int k) {
+  split s;
+  s.k = k;
+  int64_t cut[8];
+  cut[0] = 0;
+  for (int c = 1; c < k; c++) {
+    int again;
+    do {
+      cut[c] = 1 + rng_int(V - 1);
+      again = 0;
+      for (int d = 1; d < c; d++)
+        again |= cut[d] == cut[c];
+    } while (again);
+  }
+  for (int a = 1; a < k; a++) /* sort */
+    for (int b = a; b > 1 && cut[b] < cut[b - 1]; b--) {
+      int64_t t = cut[b];
+      cut[b] = cut[b - 1], cut[b - 1] = t;
+    }
+  for (int c = 0; c < k; c++) {
+    s.col0[c] = cut[c];
+    s.n[c] = (c + 1 < k ? cut[c + 1] : V) - cut[c];
+  }
+  return s;
+}
+
+lmloss_tensor cols_view(const lmloss_tensor *t, int64_t c0, int64_t n) {
+  lmloss_tensor v = *t;
+  v.data = (char *)t->data + (size_t)c0 * dsize(t->dtype);
+  v.cols = n;
+  return v;
+}

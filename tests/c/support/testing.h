@@ -105,4 +105,14 @@ void dev_free_bytes(void *p);
  * target logit becomes the max of the others plus margin. */
 void fill_logits(const lmloss_tensor *x, double sigma, const int64_t *target, double margin);
 
+/* Vocabulary shards for the tests of the row contract: k (<= 8) uneven
+ * shards of V columns at distinct random cuts, and columns [c0, c0 + n)
+ * of a tensor as a view. */
+typedef struct {
+  int k;
+  int64_t col0[8], n[8];
+} split;
+split make_split(int64_t V, int k);
+lmloss_tensor cols_view(const lmloss_tensor *t, int64_t c0, int64_t n);
+
 #endif
