@@ -153,18 +153,9 @@ lmloss_status lmloss_divergence_state_merge(const lmloss_context *ctx, const lml
                                             const lmloss_tensor *b, const lmloss_div_options *opt,
                                             const lmloss_tensor *out) {
   const lmloss_backend_ops *ops;
-  const unsigned f32 = LMLOSS_MASK(LMLOSS_F32);
   if (!opt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "options is NULL");
-  TRY(lmloss_check_tensor(a, "a", f32, -1, LMLOSS_DIV_STATE_COLS));
-  TRY(lmloss_check_tensor(b, "b", f32, a->rows, LMLOSS_DIV_STATE_COLS));
-  TRY(lmloss_check_tensor(out, "out", f32, a->rows, LMLOSS_DIV_STATE_COLS));
   TRY(lmloss_check_div_options(opt));
-  TRY(lmloss_check_alias(a, out, "out"));
-  TRY(lmloss_check_alias(b, out, "out"));
-  const lmloss_tensor *ts[] = {b, out};
-  TRY(lmloss_check_device(ts, 2, a->device));
-  TRY(lmloss_pick_backend(ctx, a->device, &ops));
-  TRY(lmloss_check_supports(ops, LMLOSS_CAN_ROW_STATES, "row states"));
+  TRY(lmloss_check_state_merge(ctx, a, b, out, LMLOSS_DIV_STATE_COLS, &ops));
   if (!ops->states->div_merge)
     return lmloss_fail(LMLOSS_ERR_UNSUPPORTED,
                        "this backend has no divergences over a sharded vocabulary");

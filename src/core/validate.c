@@ -234,3 +234,18 @@ lmloss_status lmloss_check_supports(const lmloss_backend_ops *ops, lmloss_capabi
   if (ops->supports(c)) return LMLOSS_OK;
   return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "this backend has no %s", what);
 }
+
+lmloss_status lmloss_check_state_merge(const lmloss_context *ctx, const lmloss_tensor *a,
+                                       const lmloss_tensor *b, const lmloss_tensor *out,
+                                       int64_t cols, const lmloss_backend_ops **ops) {
+  const unsigned f32 = LMLOSS_MASK(LMLOSS_F32);
+  TRY(lmloss_check_tensor(a, "a", f32, -1, cols));
+  TRY(lmloss_check_tensor(b, "b", f32, a->rows, cols));
+  TRY(lmloss_check_tensor(out, "out", f32, a->rows, cols));
+  TRY(lmloss_check_alias(a, out, "out"));
+  TRY(lmloss_check_alias(b, out, "out"));
+  const lmloss_tensor *ts[] = {b, out};
+  TRY(lmloss_check_device(ts, 2, a->device));
+  TRY(lmloss_pick_backend(ctx, a->device, ops));
+  return lmloss_check_supports(*ops, LMLOSS_CAN_ROW_STATES, "row states");
+}

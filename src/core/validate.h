@@ -105,6 +105,13 @@ lmloss_status lmloss_check_supports(const lmloss_backend_ops *ops, lmloss_capabi
 lmloss_status lmloss_pick_backend(const lmloss_context *ctx, lmloss_device device,
                                   const lmloss_backend_ops **ops);
 
+/* A merge of packed row states out = merge(a, b): F32 [N, cols] each on
+ * one device, out aliasing a or b only exactly; *ops the backend, which
+ * holds row states. */
+lmloss_status lmloss_check_state_merge(const lmloss_context *ctx, const lmloss_tensor *a,
+                                       const lmloss_tensor *b, const lmloss_tensor *out,
+                                       int64_t cols, const lmloss_backend_ops **ops);
+
 static inline int64_t lmloss_index_at(const lmloss_tensor *t, int64_t r, int64_t c) {
   const char *p =
       (const char *)t->data + (size_t)(r * t->row_stride + c) * lmloss_dtype_size(t->dtype);

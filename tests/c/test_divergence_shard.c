@@ -18,7 +18,6 @@
  * shards' sums are another order of the same terms, so the two are held
  * to each other within twice that.
  */
-#include "math/dtype.h"
 #include "support/testing.h"
 
 enum { MERGE_L2R, MERGE_R2L, MERGE_TREE, MERGE_ORDERS };
