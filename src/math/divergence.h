@@ -82,11 +82,15 @@ LMLOSS_DIV_HD float lmloss_pair_dg(float g, float G, float ds, float dt) {
   return fabsf(g) + fabsf(G) <= fabsf(dt) + fabsf(ds) ? g - G : dt - ds;
 }
 
-/* One column's term of D = Rt - Rs, e^dt - e^ds, from its exponents
- * below each row's max and dg = g_j - G (= dt - ds where both are finite). */
-LMLOSS_DIV_HD float lmloss_pair_d_term(float ds, float dg, float dt) {
-  if (fabsf(dg) <= 0.5f) return expf(ds) * expm1f(dg);
-  return expf(dt) - expf(ds); /* no cancellation left to fear; NaN-free for -inf */
+/* One column's term of D = Rt - Rs, e^dt - e^ds, from both exponentials
+ * (es = e^ds, et = e^dt) and dg = g_j - G (= dt - ds where both are
+ * finite): es expm1(dg) where the rows are close, else the difference,
+ * where nothing cancels (and -inf exponents give no NaN). The series runs
+ * on 0 elsewhere: no branch a column. */
+LMLOSS_DIV_HD float lmloss_pair_d_of(float es, float et, float dg) {
+  const int near = fabsf(dg) <= 0.5f;
+  const float em = lmloss_vexpm1_small(near ? dg : 0.0f);
+  return near ? es * em : et - es;
 }
 
 /* log1p(D / (1 + Rs)): log((1 + Rt) / (1 + Rs)), the part of

@@ -34,14 +34,12 @@ LMLOSS_DIV_HD void lmloss_div_stats_terms(const lmloss_div_pair *pr, int capped,
   const float as = (ws - ms) * pr->fs.k, at = (wt - mt) * pr->ft.k;
   *es = lmloss_div_exp(as), *et = lmloss_div_exp(at);
   const float dg = lmloss_pair_dg(lmloss_div_gap(pr, capped, wt, xt, ws, xs), G, as, at);
-  const int near = fabsf(dg) <= 0.5f; /* the series on 0 elsewhere: no branch a column */
-  const float em = lmloss_vexpm1_small(near ? dg : 0.0f);
-  *d = near ? *es * em : *et - *es;
+  *d = lmloss_pair_d_of(*es, *et, dg);
 }
 
 /* Two parts of a row: each row's max-split merge (a tie keeps the lower
  * column, so parts merge in any order), and D = sum over parts of
- * e^(As_P - As) (expm1(G_P - G) St_P + D_P), through lmloss_pair_d_term so
+ * e^(As_P - As) (expm1(G_P - G) St_P + D_P), through lmloss_pair_d_of so
  * neither factor overflows. A part of only -inf on a side (max -inf, no
  * softcap) counts no mass there. */
 LMLOSS_DIV_HD lmloss_div_stats lmloss_div_stats_merge(const lmloss_div_pair *pr,
@@ -66,7 +64,8 @@ LMLOSS_DIV_HD lmloss_div_stats lmloss_div_stats_merge(const lmloss_div_pair *pr,
     if (no_s || no_t) /* D = St - Ss with one of them 0 */
       o.d += et * (no_t ? 0.0 : 1.0 + p->rt) - es * (no_s ? 0.0 : 1.0 + p->rs);
     else
-      o.d += lmloss_pair_d_term(ds, lmloss_pair_dg(lmloss_div_stats_G(pr, p), G, ds, dt), dt) *
+      o.d += lmloss_pair_d_of((float)es, (float)et,
+                              lmloss_pair_dg(lmloss_div_stats_G(pr, p), G, ds, dt)) *
                  (1.0 + p->rt) +
              es * p->d;
   }
