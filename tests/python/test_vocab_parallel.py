@@ -52,6 +52,15 @@ def _rows(V, bounds, seed):
     return x, y
 
 
+def _shard_kw(start, V, uneven):
+    """The sharding keywords of a rank whose columns start at start: the
+    world group, and with uneven shards where they lie."""
+    kw = dict(process_group=dist.group.WORLD)
+    if uneven:
+        kw.update(vocab_start=start, vocab_size=V)
+    return kw
+
+
 def _close(got, ref, what, rtol=2e-5, atol=1e-6):
     torch.testing.assert_close(got, ref, rtol=rtol, atol=atol, equal_nan=True, msg=what)
 
@@ -68,9 +77,7 @@ def _grad_of(fn, x):
 def _check_rank(world, rank, uneven, V):
     bounds = _bounds(V, world, uneven)
     s, e = bounds[rank]
-    shard = dict(process_group=dist.group.WORLD)
-    if uneven:
-        shard.update(vocab_start=s, vocab_size=V)
+    shard = _shard_kw(s, V, uneven)
     x, y = _rows(V, bounds, seed=world * 10 + uneven)
     xs = x[:, s:e]
     cw = torch.rand(V, generator=torch.Generator().manual_seed(5)) + 0.5
@@ -136,9 +143,7 @@ def _check_grpo(world, rank, uneven, V):
     gradient reaches each rank's columns."""
     bounds = _bounds(V, world, uneven)
     s, e = bounds[rank]
-    shard = dict(process_group=dist.group.WORLD)
-    if uneven:
-        shard.update(vocab_start=s, vocab_size=V)
+    shard = _shard_kw(s, V, uneven)
     x, y = _rows(V, bounds, seed=world * 10 + uneven + 3)
     x[2] = torch.randn(V, generator=torch.Generator().manual_seed(7))  # no -inf shard here
     idx = y.clamp(min=0)
@@ -165,9 +170,7 @@ def _check_divergence(world, rank, uneven, V):
     a small gap, row 2's last shard only -inf in both."""
     bounds = _bounds(V, world, uneven)
     s, e = bounds[rank]
-    shard = dict(process_group=dist.group.WORLD)
-    if uneven:
-        shard.update(vocab_start=s, vocab_size=V)
+    shard = _shard_kw(s, V, uneven)
     x, y = _rows(V, bounds, seed=world * 10 + uneven + 5)
     t, _ = _rows(V, bounds[::-1], seed=world * 10 + uneven + 6)  # peaked elsewhere
     t[2] = x[2]
@@ -214,9 +217,7 @@ def _head_case(world, rank, uneven, V, seed):
     """This rank's [s, e), the sharding keywords, a generator, and hidden
     [N, H], the whole head [V, H] and bias [V]."""
     s, e = _bounds(V, world, uneven)[rank]
-    shard = dict(process_group=dist.group.WORLD)
-    if uneven:
-        shard.update(vocab_start=s, vocab_size=V)
+    shard = _shard_kw(s, V, uneven)
     g = torch.Generator().manual_seed(seed + world)
     h = torch.randn(N, H, generator=g)
     w = torch.randn(V, H, generator=g) / H ** 0.5
@@ -316,9 +317,7 @@ def _check_bf16(world, rank, uneven, V):
     one bf16 rounding."""
     bounds = _bounds(V, world, uneven)
     s, e = bounds[rank]
-    shard = dict(process_group=dist.group.WORLD)
-    if uneven:
-        shard.update(vocab_start=s, vocab_size=V)
+    shard = _shard_kw(s, V, uneven)
     x, y = _rows(V, bounds, seed=world * 10 + 7)
     x = x.bfloat16()
     for name, fn in (("CE", lambda t, **k: LT.cross_entropy(t, y, reduction="none", **k)),
