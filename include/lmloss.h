@@ -447,6 +447,14 @@ LMLOSS_API lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx,
                                                    const lmloss_head_grads *grads,
                                                    const lmloss_tensor *scale);
 
+/* t *= scale (F32 [1] on t's device) in place, on the context's stream,
+ * with no host synchronization: what lmloss_linear_scale_grads does for
+ * one tensor, such as the dlogits a fused forward and backward formed at
+ * grad_output 1. A scale of 1 leaves t untouched at the cost of a launch.
+ * t: F32, BF16 or F16. UNSUPPORTED on the REF backend. */
+LMLOSS_API lmloss_status lmloss_scale(const lmloss_context *ctx, const lmloss_tensor *t,
+                                      const lmloss_tensor *scale);
+
 /* Divergences through two fused heads (lmloss_divergence's every kind
  * and option): the student's logits student->hidden [N, Hs] x weight
  * [V, Hs]^T (+ bias) and the teacher's from its own [N, Ht] and [V, Ht],

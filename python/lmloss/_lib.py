@@ -278,6 +278,7 @@ linear_divergence_backward = _proto("lmloss_linear_divergence_backward", _status
                                     ctypes.c_size_t)
 linear_scale_grads = _proto("lmloss_linear_scale_grads", _status, _P(Context), _P(Head),
                             _P(HeadGrads), _P(Tensor))
+scale = _proto("lmloss_scale", _status, _P(Context), _P(Tensor), _P(Tensor))
 status_string = _proto("lmloss_status_string", ctypes.c_char_p, ctypes.c_int)
 last_error = _proto("lmloss_last_error", ctypes.c_char_p)
 has_cuda = _proto("lmloss_has_cuda", ctypes.c_int)

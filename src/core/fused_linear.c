@@ -778,6 +778,15 @@ lmloss_status lmloss_linear_log_probs_backward(
   return run(&j, ws, ws_bytes);
 }
 
+/* The backend of a scale call on tensors ts (scale last). */
+static lmloss_status scale_backend(const lmloss_context *ctx, const lmloss_tensor *const *ts, int n,
+                                   const lmloss_backend_ops **ops) {
+  TRY(lmloss_check_tensor(ts[n - 1], "scale", LMLOSS_MASK(LMLOSS_F32), 1, 1));
+  TRY(lmloss_check_device(ts, n, ts[0]->device));
+  TRY(lmloss_pick_backend(ctx, ts[0]->device, ops));
+  return lmloss_check_supports(*ops, LMLOSS_CAN_FUSED_HEAD, "scale");
+}
+
 lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx, const lmloss_head *head,
                                         const lmloss_head_grads *grads,
                                         const lmloss_tensor *scale) {
@@ -785,14 +794,21 @@ lmloss_status lmloss_linear_scale_grads(const lmloss_context *ctx, const lmloss_
   TRY(lmloss_check_head(head, &hopt));
   if (!grads) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "grads is NULL");
   TRY(lmloss_check_head_grads(head, grads));
-  TRY(lmloss_check_tensor(scale, "scale", LMLOSS_MASK(LMLOSS_F32), 1, 1));
-  const lmloss_tensor *gs[] = {&grads->dhidden, &grads->dweight, &grads->dbias};
-  const lmloss_tensor *ts[] = {gs[0], gs[1], gs[2], scale};
-  TRY(lmloss_check_device(ts, 4, head->hidden.device));
+  const lmloss_tensor *ts[] = {&head->hidden, &grads->dhidden, &grads->dweight, &grads->dbias,
+                               scale};
   const lmloss_backend_ops *ops;
-  TRY(lmloss_pick_backend(ctx, head->hidden.device, &ops));
-  TRY(lmloss_check_supports(ops, LMLOSS_CAN_FUSED_HEAD, "fused linear head"));
-  for (int i = 0; i < 3; i++)
-    if (wants(gs[i])) TRY(ops->linear->scale(ctx, gs[i], (const float *)scale->data));
+  TRY(scale_backend(ctx, ts, 5, &ops));
+  for (int i = 1; i < 4; i++)
+    if (wants(ts[i])) TRY(ops->linear->scale(ctx, ts[i], (const float *)scale->data));
   return LMLOSS_OK;
+}
+
+lmloss_status lmloss_scale(const lmloss_context *ctx, const lmloss_tensor *t,
+                           const lmloss_tensor *scale) {
+  if (!scale) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "scale is NULL");
+  TRY(lmloss_check_tensor(t, "t", LMLOSS_FLOATS, -1, -1));
+  const lmloss_tensor *ts[] = {t, scale};
+  const lmloss_backend_ops *ops;
+  TRY(scale_backend(ctx, ts, 2, &ops));
+  return ops->linear->scale(ctx, t, (const float *)scale->data);
 }

@@ -141,6 +141,7 @@ static lmloss_status cast(const lmloss_context *ctx, const lmloss_tensor *src,
 
 static lmloss_status scale(const lmloss_context *ctx, const lmloss_tensor *t, const float *s) {
   const float a = *s;
+  if (a == 1.0f) return LMLOSS_OK; /* x * 1 is x, NaN included */
 #pragma omp parallel for num_threads(lmloss_cpu_threads(ctx))
   for (int64_t r = 0; r < t->rows; r++) {
     void *row = lmloss_cpu_row_mut(t, r);

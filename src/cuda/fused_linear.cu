@@ -180,6 +180,7 @@ static lmloss_status scatter_rows(const lmloss_context *ctx, const lmloss_tensor
 __global__ void elementwise_kernel(int mode, const void *src, lmloss_dtype sdt, int64_t sstride,
                                    void *dst, lmloss_dtype ddt, int64_t dstride, int64_t rows,
                                    int64_t cols, double v) {
+  if (mode == 3 && *(const float *)src == 1.0f) return; /* scale by 1: nothing to do */
   const int64_t n = rows * cols;
   for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n;
        e += (int64_t)gridDim.x * blockDim.x) {
@@ -231,10 +232,12 @@ __device__ __forceinline__ bool first_in_row(const int64_t *cols, int64_t s) {
 /* t *= s[0] over n contiguous elements, 16 bytes per thread and step
  * (torch's in-place multiply by a 0-dim device tensor broadcasts it with
  * a zero stride, which keeps it element by element, far below memory
- * bandwidth on a dW). */
+ * bandwidth on a dW). A scale of 1, the upstream of a loss whose backward
+ * starts there, returns at once: the pass over t is the whole cost. */
 template <typename T> __global__ void scale_kernel(T *t, int64_t n, const float *s) {
   constexpr int NV = elt<T>::NV;
   const float a = *s;
+  if (a == 1.0f) return;
   const int64_t nv = n / NV, step = (int64_t)gridDim.x * blockDim.x;
   const int64_t first = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   for (int64_t v = first; v < nv; v += step) {
@@ -260,8 +263,10 @@ static lmloss_status scale(const lmloss_context *ctx, const lmloss_tensor *t, co
     by.data = (void *)s;
     return elementwise(ctx, 3, &by, t, 0.0);
   }
+  /* a few CTAs an SM stride over t: enough for bandwidth, and few to
+   * launch where a scale of 1 returns at once */
   const int64_t blocks = (n / 8 + 255) / 256 + 1;
-  const unsigned grid = (unsigned)(blocks < 65535 ? blocks : 65535);
+  const unsigned grid = (unsigned)(blocks < 2048 ? blocks : 2048);
   cudaStream_t st = stream_of(ctx);
   switch (t->dtype) {
   case LMLOSS_BF16: scale_kernel<bf16><<<grid, 256, 0, st>>>((bf16 *)t->data, n, s); break;

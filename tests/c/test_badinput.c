@@ -396,6 +396,9 @@ static void run_backend(int b) {
            "scale_grads scale [2]");
     expect(lmloss_linear_scale_grads(&ctx, &head, NULL, &sc), LMLOSS_ERR_NULL_POINTER,
            "scale_grads grads NULL");
+    expect(lmloss_scale(&ctx, &head.hidden, &sc), LMLOSS_ERR_BAD_SHAPE, "scale by [2]");
+    expect(lmloss_scale(&ctx, &head.hidden, NULL), LMLOSS_ERR_NULL_POINTER, "scale NULL");
+    expect(lmloss_scale(&ctx, &IDX, &head.hidden), LMLOSS_ERR_BAD_DTYPE, "scale an integer tensor");
     bo = ho, bo.memory_budget = 16;
     expect(lmloss_linear_workspace_size(&head, &bo, &gr, 1, &lwsb), LMLOSS_ERR_WORKSPACE_TOO_SMALL,
            "workspace_size budget 16");

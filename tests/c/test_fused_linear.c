@@ -978,6 +978,22 @@ static void scale_grads(tgroup *g, lmloss_dtype dt) {
     }
     dev_free(&h.hidden), dev_free(&h.weight), dev_free(&h.bias), dev_free(&dsc);
   }
+  /* lmloss_scale, one strided tensor: by s, and by 1 (returns early) */
+  for (int by_one = 0; by_one < 2; by_one++) {
+    lmloss_tensor want = host_clone(&gh[0]), one = host_clone(&sc);
+    if (by_one)
+      tset(&one, 0, 0, 1.0);
+    else
+      for (int64_t i = 0; i < N; i++)
+        for (int64_t j = 0; j < H; j++)
+          tset(&want, i, j, tget(&gh[0], i, j) * s);
+    lmloss_tensor d = dev_clone(&gh[0]), dsc = dev_clone(&one), got = host_clone(&gh[0]);
+    lmloss_status st = lmloss_scale(&ctx, &d, &dsc);
+    dev_fetch(&got, &d);
+    tg_true(g, st == LMLOSS_OK && same_bytes(&got, &want), "%s: lmloss_scale by %s: %s",
+            dt_name(dt), by_one ? "1" : "s", lmloss_status_string(st));
+    host_free(&want), host_free(&one), host_free(&got), dev_free(&d), dev_free(&dsc);
+  }
   lmloss_context cpu = lmloss_context_default();
   cpu.backend = LMLOSS_BACKEND_CPU;
   lmloss_tensor hf = host_new(LMLOSS_F32, N, H, H), wf = host_new(LMLOSS_F32, V, H, H);
