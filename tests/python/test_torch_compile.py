@@ -22,7 +22,7 @@ def make():
         h = emb(ids)
         logits = head(h)
         loss = lt.linear_cross_entropy(h, head.weight, labels, label_smoothing=0.1)
-        loss = loss + lt.cross_entropy(logits, labels, z_loss=1e-4)
+        loss = loss + 0.5 * lt.cross_entropy(logits, labels, z_loss=1e-4)
         lp, ent = lt.log_probs(logits, labels.clamp(min=0), entropy=True)
         loss = loss - 0.1 * lp.mean() + 0.01 * ent.mean() + 0.01 * lt.entropy(logits).mean()
         loss = loss + lt.log_softmax(logits)[..., 0].mean() + lt.softmax(logits)[..., 1].mean()
@@ -64,3 +64,18 @@ def test_training_step_compiles_without_graph_breaks_or_recompiles(backend):
     assert counters["stats"]["unique_graphs"] == 1  # the second batch size reused the graph
     ids, labels = batch(4, 3)
     assert torch._dynamo.explain(step)(ids, labels).graph_break_count == 0
+
+
+def test_inplace_backward_is_functional_when_compiled():
+    """A compiled graph forms the CE gradient in the forward into a new
+    tensor and multiplies it by the upstream: inplace_backward leaves the
+    logits alone there."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, V), torch.randint(0, V, (6,))
+    fn = torch.compile(lambda a, b: 0.37 * lt.cross_entropy(a, b, inplace_backward=True),
+                       fullgraph=True, backend="aot_eager")
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fn(xg, y).backward()
+    (0.37 * lt.cross_entropy(xr, y)).backward()
+    assert torch.equal(xg.detach(), x)
+    torch.testing.assert_close(xg.grad, xr.grad)

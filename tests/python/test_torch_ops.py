@@ -138,6 +138,63 @@ def test_extras_and_collapse_exactness():
     assert r.dlogits is None
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(reduction="sum", label_smoothing=0.1, z_loss=1e-3),
+                                dict(num_items=torch.tensor(7.0), weight="cw", dft=True),
+                                dict(softcap=4.0, temperature=0.7, return_lse=True)],
+                         ids=["mean", "sum", "num_items tensor", "softcap"])
+def test_cross_entropy_gradient_in_forward(kw, monkeypatch):
+    """A scalar loss forms its gradient in the forward's pass (no backward
+    call) and scales it by the upstream; a second backward through the
+    graph recomputes it (the first scaled the formed one in place)."""
+    x, y = data()
+    kw = {k: torch.rand(37) + 0.5 if v == "cw" else v for k, v in kw.items()}
+    rkw = {k: v for k, v in kw.items() if k != "return_lse"}
+    calls, real = [], _bridge.ce_backward
+    monkeypatch.setattr(_bridge, "ce_backward", lambda *a: calls.append(1) or real(*a))
+    xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+    got = lt.cross_entropy(xg, y, **kw)
+    got = got.loss if kw.get("return_lse") else got
+    ref = ref_ce(xr, y, **rkw)
+    (0.37 * got).backward(retain_graph=True)
+    (0.37 * ref).backward()
+    assert not calls
+    close(xg.grad, xr.grad)
+    (0.37 * got).backward()
+    assert len(calls) == 1
+    close(xg.grad, 2 * xr.grad)
+
+
+def test_cross_entropy_inplace_backward():
+    """inplace_backward=True (the module's too) writes the gradient over
+    the logits (strided rows included), bumps their version so that
+    another op that saved them raises, and refuses a second backward;
+    where the gradient is not formed in the forward it leaves them alone."""
+    x, y = data()
+    xr = x.to(F64).requires_grad_()
+    (0.37 * ref_ce(xr, y)).backward()
+    big = torch.cat([x, torch.ones(12, 5)], 1).requires_grad_()
+    loss = lt.cross_entropy(big[:, :37], y, inplace_backward=True)
+    (0.37 * loss).backward(retain_graph=True)
+    close(big.grad[:, :37], xr.grad)
+    assert torch.equal(big.detach()[:, :37], big.grad[:, :37]) and big.grad[:, 37:].eq(0).all()
+    assert big.detach()[:, 37:].eq(1).all()
+    with pytest.raises(RuntimeError, match="inplace_backward"):
+        loss.backward()
+    xg = x.clone().requires_grad_()
+    total = (xg * xg).sum() + lt.CrossEntropyLoss(inplace_backward=True)(xg, y)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        total.backward()
+    for kw in (dict(reduction="none"), dict(backend="ref")):
+        xg, xr = x.clone().requires_grad_(), x.to(F64).requires_grad_()
+        loss = lt.cross_entropy(xg, y, inplace_backward=True, **kw)
+        assert torch.equal(xg, x)
+        loss.sum().backward()
+        ref_ce(xr, y, reduction=kw.get("reduction", "mean")).sum().backward()
+        close(xg.grad, xr.grad)
+    lt.cross_entropy(x, y, inplace_backward=True)  # no gradient wanted
+    assert torch.equal(x, data()[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sixteen_bit_logits_accumulate_in_fp32(dtype):
     x, y = data(dtype=dtype)

@@ -30,6 +30,7 @@ from . import _linear_ops as L
 from . import _ops as O
 from . import _vocab_parallel as VP
 from ._bridge import backend_code
+from ._dispatch import _tracing
 
 
 def _bad(msg):
@@ -184,7 +185,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
                   return_entropy: bool = False, return_argmax: bool = False,
                   backend: str = "auto", num_threads: int = 0,
                   process_group: Optional[Any] = None, vocab_start: Optional[int] = None,
-                  vocab_size: Optional[int] = None) -> Union[Tensor, CrossEntropyResult]:
+                  vocab_size: Optional[int] = None,
+                  inplace_backward: bool = False) -> Union[Tensor, CrossEntropyResult]:
     """Cross-entropy of logits [..., V] against target [...]: the loss and
     keywords of lmloss.cross_entropy (and of F.cross_entropy with the
     classes last), differentiable w.r.t. logits.
@@ -211,6 +213,19 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     never read by the host. With return_lse / return_entropy /
     return_argmax, returns CrossEntropyResult(loss, None, lse, entropy,
     argmax), the extras detached. There is no grad= keyword: use autograd.
+
+    A scalar loss ("sum", "mean") of logits that autograd records forms
+    their gradient in the forward, in the same pass over them, at an
+    upstream gradient of 1; the backward scales it by the upstream on the
+    device. inplace_backward=True (Liger-Kernel's LigerCrossEntropyLoss
+    does it always) writes that gradient over the logits, so no second
+    [..., V] buffer exists: for callers that make no other use of the
+    logits. Their version is bumped, so another op's backward that saved
+    them raises autograd's in-place error, and a second backward through
+    this graph (retain_graph=True) raises too. It applies where the
+    gradient is formed in the forward and the call runs eagerly (not
+    under torch.compile, the REF backend, process_group or probability
+    targets); elsewhere it changes nothing.
 
     Vocab-parallel (VOCAB_PARALLEL below): with process_group, logits are
     this rank's columns of the vocabulary, target and class weights the
@@ -242,7 +257,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     s = _shift_of(shift, target.reshape(lead))
     extras = _extras_flags(return_lse, return_entropy, return_argmax)
     fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap,
-                             temperature, red, items, dft, backend_code(backend), num_threads)
+                             temperature, red, items, dft, backend_code(backend), num_threads,
+                             _grad_in_forward(red, x, backend, inplace_backward))
     if x.shape[0] == 0:  # no rows: what torch gives (the C call needs data)
         loss, pick = _empty_rows_ce(logits.float().sum(-1), red, items, divisor, extras, s)
     else:
@@ -250,8 +266,19 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
         token_weight = _shifted(token_weight, s, 0.0)
         out = O.cross_entropy(x, target, _f32(token_weight), _f32(class_weight), fopts, iopts,
                               extras)
-        loss, pick = _finish(*out, lead, red, divisor, extras, s)
+        loss, pick = _finish(*out[:4], lead, red, divisor, extras, s)
     return loss if pick is None else CrossEntropyResult(loss, None, *pick)
+
+
+def _grad_in_forward(reduction, x, backend, inplace):
+    """Where the CE op forms the gradient of rows x (O.GRAD_*): in the
+    forward when the loss is a scalar and autograd records the call (its
+    upstream then scales it: lmloss_scale, which the REF backend lacks),
+    over x when asked and eager (a traced op must not write its inputs)."""
+    if (reduction == "none" or backend == "ref" or not torch.is_grad_enabled()
+            or not x.requires_grad):
+        return O.GRAD_IN_BACKWARD
+    return O.GRAD_OVER_LOGITS if inplace and not _tracing(x) else O.GRAD_IN_FORWARD
 
 
 def _soft_cross_entropy(logits, target, class_weight, token_weight, label_smoothing, z_loss,

@@ -16,7 +16,9 @@ class CrossEntropyLoss(torch.nn.Module):
     fp16) and target [...] (class indices, or class probabilities of the
     logits' shape), weight = per-class weights [V] as torch's, plus the
     lmloss options z_loss, logit_scale, softcap, temperature, dft, shift,
-    num_items. forward(logits, target, token_weight=None, num_items=None) ->
+    num_items and inplace_backward (the gradient written over the logits,
+    as Liger-Kernel's LigerCrossEntropyLoss does: lmloss.torch.cross_entropy
+    says when). forward(logits, target, token_weight=None, num_items=None) ->
     float32 loss (0-d, or [...] for reduction="none"; token_weight [...]
     per-token weights); a num_items given to forward overrides the
     module's. The function is lmloss.torch.cross_entropy."""
@@ -25,13 +27,15 @@ class CrossEntropyLoss(torch.nn.Module):
                  reduction: str = "mean", label_smoothing: float = 0.0, *, z_loss: float = 0.0,
                  logit_scale: float = 1.0, softcap: Optional[float] = None,
                  temperature: float = 1.0, dft: bool = False, num_items: Items = None,
-                 shift: Union[bool, int] = 0, backend: str = "auto") -> None:
+                 shift: Union[bool, int] = 0, backend: str = "auto",
+                 inplace_backward: bool = False) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.options = dict(ignore_index=ignore_index, reduction=reduction,
                             label_smoothing=label_smoothing, z_loss=z_loss,
                             logit_scale=logit_scale, softcap=softcap, temperature=temperature,
-                            dft=dft, shift=shift, backend=backend)
+                            dft=dft, shift=shift, backend=backend,
+                            inplace_backward=inplace_backward)
         self.num_items = num_items
 
     def forward(self, logits: Tensor, target: Tensor, token_weight: Optional[Tensor] = None,

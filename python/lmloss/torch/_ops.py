@@ -11,6 +11,13 @@ lmloss_log_probs_backward, lmloss_softmax_backward). Outputs: per-row
 results float32; softmax outputs and every dlogits keep the logits' dtype.
 Absent outputs (extras not requested) are empty [0] tensors.
 
+A cross-entropy reduced to a scalar may form its gradient in the forward
+(iopts[GRAD], the caller's choice): lmloss_cross_entropy with dlogits at an
+upstream 1, one pass over the logits instead of two, then the backward
+scales it by the upstream (in place when eager, lmloss_scale: on the
+stream, nothing when it is 1), as _linear_ops does for the fused head.
+GRAD_OVER_LOGITS writes it over the logits themselves (eager only).
+
 Autocast: no autocast rule is registered, so under torch.autocast these
 ops take the logits in the dtype they arrive in (no fp32 upcast copy); the
 kernels accumulate in fp32 and return float32 losses.
@@ -28,6 +35,9 @@ from ._dispatch import Differentiable, call, custom_op
 
 EXTRA_LSE, EXTRA_ENTROPY, EXTRA_ARGMAX = 1, 2, 4
 F32 = torch.float32
+# Where a CE call forms the logits' gradient (iopts[GRAD]): in the backward
+# op, in its forward into a new buffer, or in its forward over the logits.
+GRAD, GRAD_IN_BACKWARD, GRAD_IN_FORWARD, GRAD_OVER_LOGITS = 6, 0, 1, 2
 
 
 def _extras(like, n, extras):
@@ -45,12 +55,13 @@ REDUCTION_NAMES = tuple(_lib.REDUCTIONS)  # "none", "sum", "mean": index = C cod
 
 
 def ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
-            reduction, num_items, dft, backend, num_threads):
+            reduction, num_items, dft, backend, num_threads, grad=GRAD_IN_BACKWARD):
     """The CE keywords as the ops' two option lists, (fopts, iopts). The ops
     take their scalar options as lists so that their schemas stay short:
     torch.library's autograd wrapper walks an op's schema once per argument
     on every call (fill_defaults; measured on the CPU machine: 38 us a call
-    at 16 arguments, 14 at 9, 3.4 at 4). reduction is checked by the caller."""
+    at 16 arguments, 14 at 9, 3.4 at 4). reduction is checked by the caller;
+    grad (GRAD_*) is read by the CE op alone."""
     f = _lib.float_option
     items = 0.0 if num_items is None else f("num_items", num_items)
     return ([f("label_smoothing", label_smoothing), f("z_loss", z_loss),
@@ -58,7 +69,7 @@ def ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap, tempera
              f("temperature", temperature), items],
             [_lib.int64_option("ignore_index", ignore_index), int(bool(dft)), int(backend),
              _lib.int_option("num_threads", num_threads), REDUCTION_NAMES.index(reduction),
-             int(num_items is not None)])
+             int(num_items is not None), int(grad)])
 
 
 def _ce_opt(fopts, iopts):
@@ -97,24 +108,41 @@ def ce_outputs(loss, lse, ent, amax, extras, keep):
 @custom_op("lmloss::cross_entropy")
 def cross_entropy(logits: Tensor, target: Tensor, token_weight: Optional[Tensor],
                   class_weight: Optional[Tensor], fopts: list[float], iopts: list[int],
-                  extras: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  extras: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """loss, lse, entropy, argmax, then dlogits at an upstream 1 where
+    iopts[GRAD] forms them in the forward ([0] otherwise): a new tensor, or
+    over the logits the C call read (those given, or their contiguous copy)."""
     opt = _ce_opt(fopts, iopts)
     n = logits.shape[0]
     loss = _loss(logits, n, _reduction_name(iopts))
     lse, ent, amax = _extras(logits, n, extras)
+    grad = iopts[GRAD]
+    dlogits = _dlogits(logits, grad == GRAD_IN_FORWARD)
     keep = []
     with B.context(logits, *run_args(iopts)) as ctx:
         inputs = ce_inputs(logits, target, token_weight, class_weight, keep)
         out = ce_outputs(loss, lse, ent, amax, extras, keep)
+        if grad:
+            dlogits = keep[0] if grad == GRAD_OVER_LOGITS else dlogits  # an exact alias
+            out.dlogits = B.view(dlogits, keep)
         ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(n), logits.device)
         _lib.check(_lib.cross_entropy(ctx, inputs, opt, out, addr, nbytes))
-    return loss, lse, ent, amax
+    if grad == GRAD_OVER_LOGITS:  # autograd's nodes that saved them must raise
+        torch.autograd.graph.increment_version(logits)
+    return loss, lse, ent, amax, dlogits
+
+
+def _dlogits(logits, formed):
+    """A new dlogits output: [N, V] when formed, else [0]."""
+    return torch.empty(logits.shape if formed else (0,), dtype=logits.dtype,
+                       device=logits.device)
 
 
 @cross_entropy.register_fake
 def _(logits, target, token_weight, class_weight, fopts, iopts, extras):
     n = logits.shape[0]
-    return (_loss(logits, n, _reduction_name(iopts)),) + _extras(logits, n, extras)
+    return ((_loss(logits, n, _reduction_name(iopts)),) + _extras(logits, n, extras)
+            + (_dlogits(logits, iopts[GRAD] != GRAD_IN_BACKWARD),))
 
 
 @custom_op("lmloss::cross_entropy_backward")
@@ -138,14 +166,43 @@ def _(dloss, logits, *rest):
 
 
 def _ce_setup(ctx, inputs, output):
-    logits, target, tw, cw = inputs[:4]
-    ctx.save_for_backward(logits, target, tw, cw)
+    logits, target, tw, cw, fopts, iopts = inputs[:6]
     ctx.opts = inputs[4:-1]  # every option but `extras`
+    ctx.grad = iopts[GRAD]
+    if ctx.grad == GRAD_IN_BACKWARD:
+        ctx.save_for_backward(logits, target, tw, cw)
+    elif getattr(ctx, "eager", False):
+        # The gradient held as an alias beside save_for_backward, for the
+        # backward to scale in place (a scaled copy would be a second N x V
+        # buffer), and no zeros materialized for the unused outputs. Logits
+        # it overwrote are not saved: their version moved on.
+        over = ctx.grad == GRAD_OVER_LOGITS
+        ctx.save_for_backward(None if over else logits, target, tw, cw)
+        ctx.dlogits = output[4].detach()
+        ctx.set_materialize_grads(False)
+    else:  # a traced graph: functional
+        ctx.save_for_backward(logits, target, tw, cw, output[4])
 
 
 def _ce_backward(ctx, dloss, *_):
-    logits, target, tw, cw = ctx.saved_tensors
-    dlogits = call(ctx, cross_entropy_backward, dloss, logits, target, tw, cw, *ctx.opts)
+    if dloss is None:  # eager, no materialized zeros: the loss itself was not used
+        return (None,) * 7
+    logits, target, tw, cw, *formed = ctx.saved_tensors
+    if formed:
+        dlogits = formed[0] * dloss
+    elif ctx.grad != GRAD_IN_BACKWARD and ctx.dlogits is not None:
+        dlogits, ctx.dlogits = ctx.dlogits, None  # used up, and unshared: autograd keeps it
+        keep = []
+        with B.context(dlogits, *run_args(ctx.opts[1])) as c:
+            _lib.check(_lib.scale(c, B.view(dlogits, keep),
+                                  B.view(dloss.reshape(1).to(F32), keep)))
+    elif ctx.grad == GRAD_OVER_LOGITS:
+        raise RuntimeError("lmloss.torch.cross_entropy(inplace_backward=True) wrote the "
+                           "gradient over the logits, which its first backward handed on: a "
+                           "second backward through the graph (retain_graph=True) has no "
+                           "logits to recompute it from; call it with inplace_backward=False")
+    else:  # formed at backward time, or used up by a first backward (retain_graph=True)
+        dlogits = call(ctx, cross_entropy_backward, dloss, logits, target, tw, cw, *ctx.opts)
     return (dlogits,) + (None,) * 6
 
 
