@@ -363,14 +363,20 @@ typedef struct {
 } lmloss_head;
 
 typedef struct {
-  /* Bytes of the whole workspace (lmloss_linear_workspace_size never asks
-   * for more): the logits slab of a chunk of rows, its gradient, the
-   * gathered hidden rows and their gradient, and per-row scalars. When the
-   * supervised rows need more than one chunk and dweight is wanted from a
-   * BF16/F16 head, dweight is computed in vocab tiles afterwards, each
-   * written once, in the same bytes (an F32 head sums it over the chunks
-   * in place). 0 = 256 MiB. A budget that cannot hold one row gives
-   * LMLOSS_ERR_WORKSPACE_TOO_SMALL. */
+  /* 0 (the default): the fastest schedule. When dweight is wanted from a
+   * BF16/F16 head, the chunks' rounded dlogits and hidden rows are kept (a
+   * store) for one dhidden and one dweight GEMM a group of rows: three
+   * GEMMs. The store may take what a V x H fp32 accumulator would (none
+   * when dweight is F32), beside 256 MiB of chunk buffers (the logits slab
+   * of a chunk of rows, per-row scalars); every other call takes 256 MiB.
+   * Any other value bounds the whole workspace (lmloss_linear_workspace_size
+   * never asks for more): three GEMMs when a store of all rows fits, or of
+   * groups of at least 512 rows with dweight summed over groups in fp32 (a
+   * V x H accumulator in the budget, or in an F32 dweight); else dweight
+   * is computed after the chunks in vocab tiles, each written once, at the
+   * price of the logits computed again (a fourth GEMM). An F32 head sums
+   * dweight over the chunks in place. lmloss_linear_plan tells which. A
+   * budget that cannot hold one row gives LMLOSS_ERR_WORKSPACE_TOO_SMALL. */
   size_t memory_budget;
   /* When dweight / dbias are BF16/F16, sum them in fp32 and round once: a
    * dbias buffer of V*4 bytes, and a dweight tile's fp32 sum when the vocab
@@ -381,14 +387,18 @@ typedef struct {
 
 LMLOSS_API lmloss_head_options lmloss_head_options_default(void);
 
-/* Gradients of a fused-head call; each one optional (absent = frozen). They
- * are overwritten, not accumulated into. dhidden: [N, H] in hidden's dtype
- * (rows the loss ignores read 0); dweight [V, H] and dbias [V]: F32 or the
- * weight's dtype. */
+/* Gradients of a fused-head call; each one optional (absent = frozen).
+ * dhidden: [N, H] in hidden's dtype (rows the loss ignores read 0);
+ * dweight [V, H] and dbias [V]: F32 or the weight's dtype. */
 typedef struct {
   lmloss_tensor dhidden;
   lmloss_tensor dweight;
   lmloss_tensor dbias;
+  /* 0: every gradient is overwritten. 1: dweight and dbias (F32 then) are
+   * added to, as to Megatron's main_grad: the training loop's own fp32
+   * gradient sums the steps, and a 16-bit head's three-GEMM schedule needs
+   * no accumulator of its own. dhidden is overwritten either way. */
+  int accumulate;
 } lmloss_head_grads;
 
 /* Workspace bytes for any fused-head call with these shapes, options and
@@ -397,6 +407,22 @@ LMLOSS_API lmloss_status lmloss_linear_workspace_size(const lmloss_head *head,
                                                       const lmloss_head_options *hopt,
                                                       const lmloss_head_grads *grads, int64_t k,
                                                       size_t *bytes);
+
+/* What a fused-head call with these shapes, options and gradients will do
+ * (lmloss_head_options' memory_budget says how it is chosen). */
+typedef struct {
+  size_t workspace_bytes;   /* lmloss_linear_workspace_size's answer */
+  int64_t chunk_rows;       /* rows of a logits GEMM and its row pass */
+  int64_t group_rows;       /* rows of a store's dhidden and dweight GEMMs (0: no store) */
+  size_t store_bytes;       /* the store's dlogits and hidden rows */
+  size_t accumulator_bytes; /* dweight's fp32 sum over the store's groups */
+  int logits_gemms;         /* 2 when dweight takes vocab tiles and the rows more than one chunk */
+} lmloss_head_plan;
+
+LMLOSS_API lmloss_status lmloss_linear_plan(const lmloss_head *head,
+                                            const lmloss_head_options *hopt,
+                                            const lmloss_head_grads *grads, int64_t k,
+                                            lmloss_head_plan *plan);
 
 /* Cross-entropy of the fused head, every option of lmloss_cross_entropy.
  * out->dlogits must be absent. With grads present, their gradients are

@@ -185,8 +185,15 @@ class HeadOptions(ctypes.Structure):
     _fields_ = [("memory_budget", ctypes.c_size_t), ("fp32_accumulate", ctypes.c_int)]
 
 
+class HeadPlan(ctypes.Structure):
+    _fields_ = [("workspace_bytes", ctypes.c_size_t), ("chunk_rows", ctypes.c_int64),
+                ("group_rows", ctypes.c_int64), ("store_bytes", ctypes.c_size_t),
+                ("accumulator_bytes", ctypes.c_size_t), ("logits_gemms", ctypes.c_int)]
+
+
 class HeadGrads(ctypes.Structure):
-    _fields_ = [("dhidden", Tensor), ("dweight", Tensor), ("dbias", Tensor)]
+    _fields_ = [("dhidden", Tensor), ("dweight", Tensor), ("dbias", Tensor),
+                ("accumulate", ctypes.c_int)]
 
 
 # The mirrored structs by their C names: checked against the library when it
@@ -278,6 +285,8 @@ linear_divergence_backward = _proto("lmloss_linear_divergence_backward", _status
                                     ctypes.c_size_t)
 linear_scale_grads = _proto("lmloss_linear_scale_grads", _status, _P(Context), _P(Head),
                             _P(HeadGrads), _P(Tensor))
+linear_plan = _proto("lmloss_linear_plan", _status, _P(Head), _P(HeadOptions), _P(HeadGrads),
+                     ctypes.c_int64, _P(HeadPlan))
 scale = _proto("lmloss_scale", _status, _P(Context), _P(Tensor), _P(Tensor))
 status_string = _proto("lmloss_status_string", ctypes.c_char_p, ctypes.c_int)
 last_error = _proto("lmloss_last_error", ctypes.c_char_p)

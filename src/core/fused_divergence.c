@@ -228,7 +228,9 @@ static lmloss_status run(const div_call *c, const lmloss_head_options *hopt, voi
       TRY(ops->divergence(ctx, &in, &co, NULL, &up, &zs, w + p.row_ws, rws));
     }
     if (!want_grad) continue;
-    const float beta = k == 0 ? 0.0f : 1.0f; /* the slab zs now holds the gradient */
+    /* the slab zs now holds the gradient; the first chunk overwrites dW
+     * and dbias unless they are added to (accumulate) */
+    const float beta = k == 0 && !g->accumulate ? 0.0f : 1.0f;
     if (lmloss_present(&g->dbias)) TRY(L->colsum(ctx, &zs, NULL, beta, &g->dbias));
     /* a 16-bit head's GEMMs take the gradient in its dtype, over the
      * teacher's slab (read by the row op, free now); an F32 dweight sums
@@ -245,7 +247,7 @@ static lmloss_status run(const div_call *c, const lmloss_head_options *hopt, voi
       TRY(L->scatter_rows(ctx, &dh, lc, &g->dhidden));
     }
   }
-  if (want_grad && nchunks == 0) {
+  if (want_grad && nchunks == 0 && !g->accumulate) {
     if (lmloss_present(&g->dweight)) TRY(L->fill(ctx, &g->dweight, 0.0));
     if (lmloss_present(&g->dbias)) TRY(L->fill(ctx, &g->dbias, 0.0));
   }

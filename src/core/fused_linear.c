@@ -37,7 +37,7 @@
 #include "workspace.h"
 
 lmloss_head_options lmloss_head_options_default(void) {
-  lmloss_head_options o = {LMLOSS_HEAD_DEFAULT_BUDGET, 1};
+  lmloss_head_options o = {0, 1};
   return o;
 }
 
@@ -72,6 +72,12 @@ typedef struct {
   int tiles;     /* dW may come from vocab tiles: wanted, of a 16-bit head */
   int acc_w_f32; /* a 16-bit dW tile sums over row blocks in fp32 */
   int tiled;     /* set per call: it does (more than one row chunk) */
+  /* The store (plan_store): the 16-bit dlogits and gathered hidden rows of
+   * `group` rows (whole chunks) are kept, for one dhidden and one dW GEMM
+   * a group; dW sums over groups in fp32 (acc_w, or an F32 dweight). */
+  int64_t group;
+  size_t store, ghid, acc_w;
+  int acc_w_alloc;
 } linear_plan;
 
 static int wants(const lmloss_tensor *t) { return lmloss_present(t); }
@@ -94,6 +100,63 @@ static size_t tile_bytes(const linear_plan *p, int64_t rows, int64_t cols, int64
          lmloss_ws_up((size_t)rows * cols * 4) +
          (inplace ? 0 : lmloss_ws_up((size_t)rows * cols * p->dls)) +
          (acc ? lmloss_ws_up((size_t)cols * H * 4) : 0);
+}
+
+/* What rounding the chunk buffers up to LMLOSS_WS_ALIGN can add. */
+static const size_t chunk_slack = 8 * LMLOSS_WS_ALIGN + LMLOSS_CE_WS_HEADER;
+
+/* The chunk buffers of a store plan from p->region on. */
+static void layout_store_chunks(linear_plan *p, int64_t V, int64_t H) {
+  size_t off = p->region;
+  p->slab = off, off += lmloss_ws_up((size_t)p->rows * V * 4);
+  p->aux = off, off += lmloss_ws_up((size_t)p->rows * aux_per_row(p->K));
+  p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(p->rows));
+  const size_t dh_row = p->region + lmloss_ws_up((size_t)H * 4); /* group_grads' fp32 block */
+  p->total = off > dh_row ? off : dh_row;
+}
+
+/* Three GEMMs for a 16-bit head's dW (p->tiles), when they fit: the chunks'
+ * rounded dlogits go to a store of `group` rows beside their hidden rows,
+ * and each group takes one dhidden GEMM (through fp32, exact entries put
+ * back) and one dW GEMM. All rows in one group need no fp32 sum of dW, and
+ * hold as many bytes as the V x H fp32 accumulator they stand for when
+ * N = 2H; groups sum dW in fp32, a V x H read-modify-write a group, which
+ * costs less than the fourth GEMM only when a group has more than about
+ * 4 x (tensor FLOP/s) / (bytes/s) rows (600 on an H200), hence
+ * LMLOSS_HEAD_MIN_GROUP. The default budget is the fastest schedule: 256
+ * MiB of chunk buffers beside what the accumulator would take. 1 when
+ * planned (p filled from `base`, the per-call buffers' end). */
+static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
+                      const lmloss_head_grads *g, linear_plan *p, size_t base) {
+  const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
+  const size_t acc = g->dweight.dtype == LMLOSS_F32 ? 0 : (size_t)V * H * 4;
+  const size_t E = hopt->memory_budget ? hopt->memory_budget : LMLOSS_HEAD_DEFAULT_BUDGET + acc;
+  const size_t per_group_row = (size_t)V * p->dls + (size_t)H * p->hs;
+  const size_t per_chunk_row = (size_t)V * 4 + aux_per_row(p->K) + 3 * sizeof(double);
+  const int64_t min_chunk = N < 128 ? N : 128;
+  int64_t G = N;
+  size_t A = 0, fixed = base + lmloss_ws_up((size_t)N * per_group_row) + chunk_slack;
+  int64_t rows = lmloss_chunk_rows(E, fixed, per_chunk_row, N);
+  if (rows < min_chunk) { /* groups of whole chunks of min_chunk rows */
+    if (acc && !hopt->fp32_accumulate) return 0;
+    A = lmloss_ws_up(acc);
+    rows = min_chunk;
+    fixed = base + A + chunk_slack + (size_t)rows * per_chunk_row;
+    G = E > fixed ? (int64_t)((E - fixed) / per_group_row) : 0;
+    G -= G % rows;
+    if (G < LMLOSS_HEAD_MIN_GROUP) return 0;
+  }
+  p->rows = rows;
+  p->group = G;
+  p->tiles = 0;
+  size_t off = base;
+  p->acc_w_alloc = A > 0;
+  p->acc_w = off, off += A;
+  p->store = off, off += lmloss_ws_up((size_t)p->group * V * p->dls);
+  p->ghid = off, off += lmloss_ws_up((size_t)p->group * H * p->hs);
+  p->region = off;
+  layout_store_chunks(p, V, H);
+  return 1;
 }
 
 static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_options *hopt,
@@ -125,19 +188,19 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
   if (wants(&head->bias) && head->bias.dtype != LMLOSS_F32) /* logits' bias: F32 */
     p->bias32 = off, off += lmloss_ws_up((size_t)V * 4);
   p->region = off;
+  if (p->tiles && plan_store(head, hopt, grads, p, off)) return LMLOSS_OK;
   /* A row of the chunk: fp32 logits, 16-bit dlogits, hidden and dhidden,
    * dhidden's fp32 sum when rounded, the small buffers and the CE
    * workspace's three doubles. */
   const size_t per_row = (size_t)V * (4 + p->dls) + 2 * (size_t)H * p->hs +
                          (p->round_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
-  const size_t slack = 8 * LMLOSS_WS_ALIGN + LMLOSS_CE_WS_HEADER; /* the buffers' rounding */
-  const int64_t rows = lmloss_chunk_rows(budget, off + slack, per_row, N);
+  const int64_t rows = lmloss_chunk_rows(budget, off + chunk_slack, per_row, N);
   const size_t tiles_min = p->tiles ? tile_bytes(p, 1, 1, H, p->acc_w_f32, 1, 0) : 0;
   if (rows < 1 || budget < off + tiles_min)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
                        "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
                        "and their buffers) beside %zu bytes of per-call buffers",
-                       budget, per_row + slack, (long long)V, off);
+                       budget, per_row + chunk_slack, (long long)V, off);
   p->rows = rows;
   p->slab = off, off += lmloss_ws_up((size_t)rows * V * 4);
   p->dl = off, off += lmloss_ws_up((size_t)rows * V * p->dls);
@@ -225,6 +288,12 @@ lmloss_status lmloss_check_head_grads(const lmloss_head *head, const lmloss_head
   if (wants(&g->dbias) && !wants(&head->bias))
     return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dbias given for a head without bias");
   if (wants(&g->dhidden)) TRY(lmloss_check_alias(&head->hidden, &g->dhidden, "dhidden"));
+  if (g->accumulate != 0 && g->accumulate != 1)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "accumulate must be 0 or 1");
+  if (g->accumulate && ((wants(&g->dweight) && g->dweight.dtype != LMLOSS_F32) ||
+                        (wants(&g->dbias) && g->dbias.dtype != LMLOSS_F32)))
+    return lmloss_fail(LMLOSS_ERR_BAD_DTYPE, "accumulate: dweight and dbias must be F32 (a "
+                                             "16-bit sum would round every step's gradient)");
   return LMLOSS_OK;
 }
 
@@ -238,6 +307,21 @@ lmloss_status lmloss_linear_workspace_size(const lmloss_head *head, const lmloss
   TRY(lmloss_check_head_grads(head, grads));
   TRY(make_plan(head, hopt, grads, k, &p));
   *bytes = p.total;
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_linear_plan(const lmloss_head *head, const lmloss_head_options *hopt,
+                                 const lmloss_head_grads *grads, int64_t k,
+                                 lmloss_head_plan *plan) {
+  linear_plan p;
+  if (!plan) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "plan is NULL");
+  TRY(lmloss_linear_workspace_size(head, hopt, grads, k, &plan->workspace_bytes));
+  TRY(make_plan(head, hopt, grads, k, &p));
+  plan->chunk_rows = p.rows;
+  plan->group_rows = p.group;
+  plan->store_bytes = p.group ? p.region - p.store : 0;
+  plan->accumulator_bytes = p.acc_w_alloc ? p.store - p.acc_w : 0;
+  plan->logits_gemms = p.tiles && head->hidden.rows > p.rows ? 2 : 1;
   return LMLOSS_OK;
 }
 
@@ -400,6 +484,39 @@ static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prim
   return L->scatter_rows(j->ctx, &dh, list, &j->grads->dhidden);
 }
 
+/* dhidden and dW of a store's group: its n compact rows from first on,
+ * whose dlogits and hidden rows the store holds. dhidden goes through fp32
+ * in blocks of the chunk region, the exact entries put back, rounded into
+ * the hidden rows' buffer once dW has read them, and scattered. beta: 0
+ * for the first group, unless dW is added to the caller's. */
+static lmloss_status group_grads(const linear_job *j, const lmloss_linear_prims *L,
+                                 const linear_plan *p, char *w, const int64_t *list, int64_t first,
+                                 int64_t n, float beta) {
+  const lmloss_head *h = j->head;
+  const lmloss_head_grads *g = j->grads;
+  const lmloss_device dev = h->hidden.device;
+  const int64_t H = h->hidden.cols, V = h->weight.rows;
+  const lmloss_tensor dl = lmloss_ws_view(w + p->store, h->weight.dtype, dev, n, V);
+  const lmloss_tensor hg = lmloss_ws_view(w + p->ghid, h->hidden.dtype, dev, n, H);
+  if (wants(&g->dweight)) {
+    const lmloss_tensor dw =
+        p->acc_w_alloc ? lmloss_ws_view(w + p->acc_w, LMLOSS_F32, dev, V, H) : g->dweight;
+    TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hg, beta, &dw));
+  }
+  if (!wants(&g->dhidden)) return LMLOSS_OK;
+  const int64_t B = (int64_t)((p->total - p->region) / ((size_t)H * 4));
+  for (int64_t b0 = 0; b0 < n; b0 += B) {
+    const int64_t bn = n - b0 < B ? n - b0 : B;
+    const lmloss_tensor acc = lmloss_ws_view(w + p->region, LMLOSS_F32, dev, bn, H);
+    const lmloss_tensor dlb = rows_of(&dl, b0, bn), hb = rows_of(&hg, b0, bn);
+    lmloss_grad_keep kept;
+    TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dlb, &h->weight, 0.0f, &acc));
+    TRY(L->restore_entries(j->ctx, keep_at(j, p, w, first + b0, &kept), &h->weight, &acc));
+    TRY(L->cast(j->ctx, &acc, &hb));
+  }
+  return L->scatter_rows(j->ctx, &hg, list + first, &g->dhidden);
+}
+
 /* Outputs of the rows that no chunk visits. */
 static lmloss_status fill_unvisited(const linear_job *j, const lmloss_linear_prims *L) {
   const lmloss_context *ctx = j->ctx;
@@ -544,7 +661,8 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
       } else {
         TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL, keep, &dl));
       }
-      TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hb, b == 0 ? 0.0f : 1.0f, &acc));
+      TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hb, b == 0 && !j->grads->accumulate ? 0.0f : 1.0f,
+                  &acc));
     }
     if (t.acc_f32) TRY(L->cast(j->ctx, &acc, &dwt));
   }
@@ -618,27 +736,39 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   int from_saved = 0;
   TRY(saved_start(j, L, &p, w, list, M, &sr, &from_saved));
   const saved_rows *saved = from_saved ? &sr : NULL;
+  const int store = want_grad && p.group > 0; /* dhidden and dW by groups (plan_store) */
+  const float beta0 = g && g->accumulate ? 1.0f : 0.0f;
   for (int64_t c = 0; !saved && c < nchunks; c++) {
     const int64_t first = c * p.rows, n = M - first < p.rows ? M - first : p.rows;
-    const int64_t *lc = list + first;
-    lmloss_tensor hc = lmloss_ws_view(w + p.hid, h->hidden.dtype, dev, n, H);
+    const int64_t *lc = list + first, in_group = store ? first % p.group : 0;
+    const size_t hid = store ? p.ghid + (size_t)(in_group * H) * p.hs : p.hid;
+    lmloss_tensor hc = lmloss_ws_view(w + hid, h->hidden.dtype, dev, n, H);
     lmloss_tensor slab = lmloss_ws_view(w + p.slab, LMLOSS_F32, dev, n, V);
     TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
     TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
-    lmloss_tensor dl = p.dl_separate ? lmloss_ws_view(w + p.dl, h->weight.dtype, dev, n, V) : slab;
+    const size_t dlo = store ? p.store + (size_t)(in_group * V) * p.dls : p.dl;
+    lmloss_tensor dl = p.dl_separate ? lmloss_ws_view(w + dlo, h->weight.dtype, dev, n, V) : slab;
     lmloss_grad_keep kept, *keep = want_grad ? keep_at(j, &p, w, first, &kept) : NULL;
     TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &dl : NULL, keep, scale));
     if (!want_grad) continue;
-    const float beta = c == 0 ? 0.0f : 1.0f;
+    const float beta = c == 0 ? beta0 : 1.0f;
     if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &dl, keep, beta, &accb));
+    if (store) {
+      const int64_t g0 = first - in_group, gn = first + n - g0;
+      if (gn == p.group || first + n == M)
+        TRY(group_grads(j, L, &p, w, list, g0, gn, g0 == 0 ? beta0 : 1.0f));
+      continue;
+    }
     if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, keep, &dl));
     if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &g->dweight));
   }
   if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M, &bias, saved));
   if (want_grad) {
-    if (want_dw && nchunks == 0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
+    const lmloss_tensor accw = lmloss_ws_view(w + p.acc_w, LMLOSS_F32, dev, V, H);
+    if (want_dw && nchunks == 0 && !beta0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
+    if (want_dw && nchunks > 0 && store && p.acc_w_alloc) TRY(L->cast(j->ctx, &accw, &g->dweight));
     if (wants(&g->dbias)) {
-      if (nchunks == 0) TRY(L->fill(j->ctx, &accb, 0.0));
+      if (nchunks == 0 && !beta0) TRY(L->fill(j->ctx, &accb, 0.0));
       if (p.acc_b_f32) TRY(L->cast(j->ctx, &accb, &g->dbias));
     }
   }

@@ -94,8 +94,12 @@ lmloss_div_options lmloss_div_resolve(const lmloss_div_options *opt);
 lmloss_status lmloss_check_head(const lmloss_head *head, const lmloss_head_options *hopt);
 lmloss_status lmloss_check_head_grads(const lmloss_head *head, const lmloss_head_grads *g);
 
-/* memory_budget 0 means this. */
+/* The chunk buffers' bytes at memory_budget 0 (the fastest schedule: the
+ * fused head's store may add what a V x H fp32 accumulator would take). */
 #define LMLOSS_HEAD_DEFAULT_BUDGET ((size_t)256 << 20)
+/* The fewest rows a group of the fused head's store may hold when dW sums
+ * over groups (plan_store in fused_linear.c says why). */
+#define LMLOSS_HEAD_MIN_GROUP 512
 
 /* UNSUPPORTED, saying so, when the backend cannot run `what`. */
 lmloss_status lmloss_check_supports(const lmloss_backend_ops *ops, lmloss_capability c,

@@ -307,11 +307,12 @@ static void outs_free(outs *o) {
     host_free(s[i]);
 }
 
-/* How a call is made: the memory budget (0 = default) and a workspace one
- * byte short of what lmloss_linear_workspace_size says. */
+/* How a call is made: the memory budget (0 = default), a workspace one
+ * byte short of what lmloss_linear_workspace_size says, and whether
+ * dweight and dbias are added to (lmloss_head_grads.accumulate). */
 typedef struct {
   size_t budget;
-  int ws_short;
+  int ws_short, accumulate;
 } how;
 
 typedef struct {
@@ -375,7 +376,7 @@ static lmloss_status call(const call_spec *s, how hw, outs *o) {
     *dst[i] = dev_clone(src[i]);
   lmloss_head_options ho = lmloss_head_options_default();
   ho.memory_budget = hw.budget;
-  lmloss_head_grads gr = {d.dh, d.dw, d.db};
+  lmloss_head_grads gr = {d.dh, d.dw, d.db, hw.accumulate};
   size_t wsb = 0;
   if (lmloss_linear_workspace_size(&h, &ho, &gr, s->k, &wsb) != LMLOSS_OK)
     wsb = 1 << 16; /* the call itself must then fail */
@@ -423,6 +424,47 @@ static size_t one_row_budget(const head_data *hd, const outs *o, int64_t k) {
   return lo;
 }
 
+/* The smallest memory budget whose plan keeps a store of groups of at
+ * least 512 rows (dW summed over them in fp32), or 0 if none does. */
+static size_t group_budget(const head_data *hd, const outs *o, int64_t k) {
+  lmloss_head h = {hd->hidden, hd->weight, hd->bias};
+  lmloss_head_grads gr = {o->dh, o->dw, o->db};
+  lmloss_head_options ho = lmloss_head_options_default();
+  lmloss_head_plan pl;
+  size_t lo = 1, hi = (size_t)1 << 32;
+  while (lo < hi) {
+    ho.memory_budget = lo + (hi - lo) / 2;
+    if (lmloss_linear_plan(&h, &ho, &gr, k, &pl) == LMLOSS_OK && pl.group_rows >= 512)
+      hi = ho.memory_budget;
+    else
+      lo = ho.memory_budget + 1;
+  }
+  ho.memory_budget = lo;
+  return lmloss_linear_plan(&h, &ho, &gr, k, &pl) == LMLOSS_OK && pl.group_rows >= 512 ? lo : 0;
+}
+
+/* dweight and dbias added to (accumulate) over a's own: twice a's, and
+ * dhidden overwritten. */
+static void accumulated(tgroup *g, const call_spec *s, how hw, const outs *a, int head16) {
+  outs b = outs_clone(a);
+  hw.accumulate = 1;
+  lmloss_status st = call(s, hw, &b);
+  if (tg_true(g, st == LMLOSS_OK, "accumulate: %s", lmloss_status_string(st))) {
+    const lmloss_tensor *got[] = {&b.dw, &b.db}, *base[] = {&a->dw, &a->db};
+    for (int q = 0; q < 2; q++) {
+      if (!got[q]->data) continue;
+      double *twice = to_f64(base[q]);
+      for (int64_t e = 0; e < got[q]->rows * got[q]->cols; e++)
+        twice[e] *= 2;
+      tensor_close(g, got[q], twice, head16 ? CHUNK_TOL16 : CHUNK_TOL, 0,
+                   q ? "accumulate: dbias" : "accumulate: dweight");
+      free(twice);
+    }
+    runs_agree(g, &b.dh, &a->dh, 0, head16, "accumulate: dhidden");
+  }
+  outs_free(&b);
+}
+
 /* ---- cross-entropy cases ---- */
 
 typedef struct {
@@ -430,6 +472,8 @@ typedef struct {
   lmloss_dtype dt, idt, gwdt; /* head; target; dweight/dbias */
   lmloss_ce_options opt;
   int bias, tw, cw, mode, grads, outs, all_ignored, chunks;
+  int groups;     /* a 4th run: the store in groups (group_budget), which must exist */
+  int accumulate; /* and dweight, dbias (F32) added to (accumulated) */
   double margin, ignore_frac, sigma;
 } lc_case;
 
@@ -531,15 +575,19 @@ static void lc_run(tgroup *g, const lc_case *c) {
   free(ws);
 
   /* the backend under test, at each budget */
-  outs o[3];
-  int nrun = c->chunks ? 3 : 1;
+  outs o[4];
+  int nrun = c->groups ? 4 : c->chunks ? 3 : 1;
   call_spec s = {c->mode, &hd, &tgt, &tw, &cw, NULL, &dloss, NULL, NULL, opt, NULL, 1};
-  size_t b1 = 0;
+  size_t b1 = 0, bg = 0;
   int before = (int)g->fails;
   for (int r = 0; r < nrun; r++) {
     o[r] = lc_outs(c, &hd);
     if (r == 0 && c->chunks) b1 = one_row_budget(&hd, &o[0], 1);
-    how hw = {c->chunks ? (r == 0 ? b1 : r == 1 ? 3 * b1 : 0) : 0, 0};
+    if (r == 3) {
+      bg = group_budget(&hd, &o[3], 1);
+      if (!tg_true(g, bg > 0, "no budget keeps a store of groups")) continue;
+    }
+    how hw = {c->chunks ? (r == 0 ? b1 : r == 1 ? 3 * b1 : r == 3 ? bg : 0) : 0, 0, 0};
     lmloss_status st = call(&s, hw, &o[r]);
     if (!tg_true(g, sr == LMLOSS_OK && st == LMLOSS_OK, "status ref %s got %s (%s)",
                  lmloss_status_string(sr), lmloss_status_string(st), lmloss_last_error()))
@@ -581,6 +629,8 @@ static void lc_run(tgroup *g, const lc_case *c) {
         tg_true(g, tget(&o[r].amax, i, 0) == -1.0, "all-ignored argmax[%lld] != -1", (long long)i);
     }
     if (r > 0) outs_agree(g, &o[r], &o[0], c->dt != LMLOSS_F32);
+    if (c->accumulate && (r == 2 || r == 3))
+      accumulated(g, &s, (how){r == 3 ? bg : 0, 0, 0}, &o[r], c->dt != LMLOSS_F32);
   }
   if (c->chunks) {
     const how bad[] = {{b1 - 1, 0}, {b1, 1}, {0, 1}};
@@ -910,27 +960,54 @@ static void bad_input(tgroup *g) {
 }
 
 /* The workspace is the call's whole transient memory and never exceeds
- * the budget: the issue's bf16 shape with every gradient in bf16 (which
- * once took a 2.5 GB fp32 dW accumulator beyond it), and the log-probs
- * path, at the default and a small budget. A size query reads no data. */
+ * the budget, and lmloss_linear_plan says the schedule: the issue's bf16
+ * shape with every gradient in bf16 and the log-probs path (k = 4). The
+ * default budget keeps the store of all rows (three GEMMs, no fp32 dW
+ * accumulator: it is no larger than one) beside 256 MiB; 256 and 48 MiB
+ * take vocab tiles (the logits twice); an F32 dweight added to (a caller's
+ * fp32 main_grad) at the default budget takes groups of 512 rows within
+ * 256 MiB, summed in it; twice the rows at a 4 GiB budget take groups and
+ * the accumulator. A size query reads no data. */
 static void workspace_in_budget(tgroup *g) {
   const int64_t N = 8192, H = 4096, V = 152064;
+  const size_t MiB = (size_t)1 << 20, acc = (size_t)V * H * 4;
   static char fake[1];
   const lmloss_tensor hid = {fake, LMLOSS_BF16, LMLOSS_CPU, N, H, H};
+  const lmloss_tensor hid2 = {fake, LMLOSS_BF16, LMLOSS_CPU, 2 * N, H, H};
   const lmloss_tensor w = {fake, LMLOSS_BF16, LMLOSS_CPU, V, H, H};
+  const lmloss_tensor w32 = {fake, LMLOSS_F32, LMLOSS_CPU, V, H, H};
   const lmloss_tensor b = {fake, LMLOSS_BF16, LMLOSS_CPU, V, 1, 1};
-  const lmloss_head head = {hid, w, b};
-  const lmloss_head_grads gr = {hid, w, b};
-  const size_t budgets[] = {0, (size_t)256 << 20, (size_t)48 << 20};
-  for (int i = 0; i < 3; i++)
+  const struct {
+    lmloss_tensor hid, dw;
+    int accumulate;
+    size_t budget, cap;
+    int64_t group;
+    int accumulator, logits;
+  } cases[] = {
+      {hid, w, 0, 0, 256 * MiB + acc, N, 0, 1},       {hid, w, 0, 256 * MiB, 256 * MiB, 0, 0, 2},
+      {hid, w, 0, 48 * MiB, 48 * MiB, 0, 0, 2},       {hid, w32, 1, 0, 256 * MiB, 512, 0, 1},
+      {hid2, w, 0, 4096 * MiB, 4096 * MiB, -1, 1, 1},
+  };
+  for (int i = 0; i < 5; i++)
     for (int64_t k = 1; k <= 4; k += 3) {
+      const lmloss_head head = {cases[i].hid, w, b};
+      const lmloss_head_grads gr = {cases[i].hid, cases[i].dw, {0}, cases[i].accumulate};
       lmloss_head_options ho = lmloss_head_options_default();
-      ho.memory_budget = budgets[i];
-      size_t bytes = 0, cap = budgets[i] ? budgets[i] : (size_t)256 << 20;
-      lmloss_status st = lmloss_linear_workspace_size(&head, &ho, &gr, k, &bytes);
-      tg_true(g, st == LMLOSS_OK && bytes <= cap && bytes > cap / 2,
-              "budget %zu, k %lld: %s, workspace %zu bytes", cap, (long long)k,
-              lmloss_status_string(st), bytes);
+      ho.memory_budget = cases[i].budget;
+      lmloss_head_plan pl;
+      lmloss_status st = lmloss_linear_plan(&head, &ho, &gr, k, &pl);
+      const int64_t gr_rows = pl.group_rows;
+      const int group_ok =
+          cases[i].group < 0 ? gr_rows >= 512 && gr_rows < 2 * N : gr_rows == cases[i].group;
+      tg_true(g,
+              st == LMLOSS_OK && pl.workspace_bytes <= cases[i].cap &&
+                  pl.workspace_bytes > cases[i].cap / 2 && group_ok &&
+                  (pl.accumulator_bytes == acc) == cases[i].accumulator &&
+                  pl.logits_gemms == cases[i].logits,
+              "case %d, k %lld: %s, workspace %zu of %zu bytes, group %lld, accumulator %zu, "
+              "logits %d times",
+              i, (long long)k, lmloss_status_string(st), pl.workspace_bytes, cases[i].cap,
+              (long long)gr_rows, pl.accumulator_bytes, pl.logits_gemms);
     }
 }
 
@@ -1091,6 +1168,21 @@ static void ce_suite(lmloss_dtype dt) {
       rng_seed(100 + 3 * r + md);
       lc_run(&g, &c);
     }
+  tg_end(&g);
+
+  /* More rows than a group of the store holds (16-bit heads; an F32 head
+   * has no store, and its runs check accumulate over chunks) */
+  snprintf(name, sizeof name, "linear ce store in groups; dW added to (%s)", dn);
+  tg_begin(&g, name);
+  for (int k = 0; k < 4; k++) {
+    lc_case c = lc_base(1300, k % 2 ? 601 : 257);
+    c.dt = dt, c.chunks = 1, c.groups = dt != LMLOSS_F32, c.mode = k < 2 ? FUSED : BWD;
+    c.bias = 1, c.ignore_frac = 0.1, c.opt.label_smoothing = k == 1 ? 0.1f : 0.0f;
+    c.opt.reduction = (lmloss_reduction)(k % 2 ? LMLOSS_REDUCE_MEAN : LMLOSS_REDUCE_NONE);
+    c.gwdt = dt != LMLOSS_F32 && k == 3 ? dt : LMLOSS_F32, c.accumulate = c.gwdt == LMLOSS_F32;
+    rng_seed(300 + k);
+    lc_run(&g, &c);
+  }
   tg_end(&g);
 
   snprintf(name, sizeof name, "linear ce chunks: 1-row, 3-row, default; workspace (%s)", dn);

@@ -358,6 +358,8 @@ def test_struct_layout():
     """lmloss_head, lmloss_head_options, lmloss_head_grads on LP64 (checked with gcc)."""
     assert ctypes.sizeof(_lib.Head) == 120 and _lib.Head.bias.offset == 80
     assert ctypes.sizeof(_lib.HeadOptions) == 16 and _lib.HeadOptions.fp32_accumulate.offset == 8
-    assert ctypes.sizeof(_lib.HeadGrads) == 120 and _lib.HeadGrads.dweight.offset == 40
+    assert ctypes.sizeof(_lib.HeadGrads) == 128 and _lib.HeadGrads.dweight.offset == 40
+    assert _lib.HeadGrads.accumulate.offset == 120
+    assert ctypes.sizeof(_lib.HeadPlan) == 48 and _lib.HeadPlan.logits_gemms.offset == 40
     d = _lib.head_options_default()
-    assert (d.memory_budget, d.fp32_accumulate) == (256 << 20, 1)
+    assert (d.memory_budget, d.fp32_accumulate) == (0, 1)
