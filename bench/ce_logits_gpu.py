@@ -10,6 +10,13 @@ target lifted 0-15 above its row's max), targets uniform in [0, V):
                     scales them by the upstream 1)
   lmloss inplace    the same with inplace_backward=True (dlogits written
                     over the logits)
+  lmloss num_items  reduction="sum", num_items=<a tensor> (transformers'
+                    num_items_in_batch): the sum is divided on the device,
+                    so the backward's upstream is 1 / num_items and
+                    lmloss_scale reads and writes dlogits once more
+  lmloss two-pass   the op with the gradient left to its backward (the path
+                    before the one-pass forward: the backward re-reads the
+                    logits)
   C one-pass        lmloss_cross_entropy with dlogits through the C API
                     (lmloss._lib), views and buffers made once: no autograd,
                     no allocation, the limit the target refers to
@@ -45,6 +52,7 @@ import lmloss.torch as lt
 from lmloss import _lib
 from lmloss._ce import ce_options
 from lmloss.torch import _bridge as B
+from lmloss.torch import _ops as O
 
 SHAPES = ["8192,152064", "4096,32768"]
 
@@ -90,9 +98,15 @@ def cases(work, y, device):
     """(name, run) of every case over the working logits `work` (a leaf)."""
     c_run, _ = c_one_pass(work.detach(), y)
     dst = torch.empty_like(work)
+    items = torch.tensor(float(y.numel()), device=y.device)
+    fopts, iopts = O.ce_args(-100, 0.0, 0.0, 1.0, None, 1.0, "mean", None, False, 0, 0)
     out = [("lmloss", backward_of(lt.cross_entropy, work, y)),
            ("lmloss inplace", backward_of(
                lambda a, b: lt.cross_entropy(a, b, inplace_backward=True), work, y)),
+           ("lmloss num_items", backward_of(
+               lambda a, b: lt.cross_entropy(a, b, reduction="sum", num_items=items), work, y)),
+           ("lmloss two-pass", backward_of(
+               lambda a, b: O.cross_entropy(a, b, None, None, fopts, iopts, 0)[0], work, y)),
            ("C one-pass", c_run),
            ("copy", lambda: dst.copy_(work.detach()))]
     if device == "cuda":

@@ -217,14 +217,15 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     A scalar loss ("sum", "mean") of logits that autograd records forms
     their gradient in the forward, in the same pass over them, at an
     upstream gradient of 1; the backward scales it by the upstream on the
-    device. inplace_backward=True (Liger-Kernel's LigerCrossEntropyLoss
-    does it always) writes that gradient over the logits, so no second
-    [..., V] buffer exists: for callers that make no other use of the
-    logits. Their version is bumped, so another op's backward that saved
-    them raises autograd's in-place error, and a second backward through
-    this graph (retain_graph=True) raises too. It applies where the
-    gradient is formed in the forward and the call runs eagerly (not
-    under torch.compile, the REF backend, process_group or probability
+    device (a pass over the gradient unless the upstream is 1, as it is for
+    a loss backpropagated unscaled). inplace_backward=True (Liger-Kernel's
+    LigerCrossEntropyLoss does it always) writes that gradient over the
+    logits, so no second [..., V] buffer exists: for callers that make no
+    other use of the logits. Their version is bumped, so another op's
+    backward that saved them raises autograd's in-place error, and a second
+    backward through this graph (retain_graph=True) raises too. It applies
+    where the gradient is formed in the forward and the call runs eagerly
+    (not under torch.compile, the REF backend, process_group or probability
     targets); elsewhere it changes nothing.
 
     Vocab-parallel (VOCAB_PARALLEL below): with process_group, logits are
