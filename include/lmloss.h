@@ -366,12 +366,12 @@ typedef struct {
   /* 0 (the default): the fastest schedule. When dweight is wanted from a
    * BF16/F16 head, the chunks' rounded dlogits and hidden rows are kept (a
    * store) for one dhidden and one dweight GEMM a group of rows: three
-   * GEMMs. The store may take what a V x H fp32 accumulator would (none
-   * when dweight is F32), beside 256 MiB of chunk buffers (the logits slab
-   * of a chunk of rows, per-row scalars); every other call takes 256 MiB.
+   * GEMMs. The store may take what a V x H fp32 accumulator would, beside
+   * 256 MiB of chunk buffers (the logits slab of a chunk of rows, per-row
+   * scalars); every other call takes 256 MiB.
    * Any other value bounds the whole workspace (lmloss_linear_workspace_size
    * never asks for more): three GEMMs when a store of all rows fits, or of
-   * groups of at least 512 rows with dweight summed over groups in fp32 (a
+   * groups of at least 1024 rows with dweight summed over groups in fp32 (a
    * V x H accumulator in the budget, or in an F32 dweight); else dweight
    * is computed after the chunks in vocab tiles, each written once, at the
    * price of the logits computed again (a fourth GEMM). An F32 head sums

@@ -118,19 +118,21 @@ static void layout_store_chunks(linear_plan *p, int64_t V, int64_t H) {
 /* Three GEMMs for a 16-bit head's dW (p->tiles), when they fit: the chunks'
  * rounded dlogits go to a store of `group` rows beside their hidden rows,
  * and each group takes one dhidden GEMM (through fp32, exact entries put
- * back) and one dW GEMM. All rows in one group need no fp32 sum of dW, and
- * hold as many bytes as the V x H fp32 accumulator they stand for when
- * N = 2H; groups sum dW in fp32, a V x H read-modify-write a group, which
- * costs less than the fourth GEMM only when a group has more than about
- * 4 x (tensor FLOP/s) / (bytes/s) rows (600 on an H200), hence
- * LMLOSS_HEAD_MIN_GROUP. The default budget is the fastest schedule: 256
- * MiB of chunk buffers beside what the accumulator would take. 1 when
- * planned (p filled from `base`, the per-call buffers' end). */
+ * back) and one dW GEMM. A store of all rows needs no fp32 sum of dW, and
+ * takes as many bytes as the V x H fp32 accumulator it stands for when
+ * N = 2H. Groups sum dW in fp32 (an accumulator, or an F32 dweight), a
+ * V x H read-modify-write a group, which costs less than the fourth GEMM
+ * only when a group has more than about 4 x (tensor FLOP/s) / (bytes/s)
+ * rows (800 on an H200), hence LMLOSS_HEAD_MIN_GROUP. The default budget
+ * is the fastest schedule: 256 MiB of chunk buffers beside the bytes of
+ * that accumulator, whoever holds dW's sum. 1 when planned (p filled from
+ * `base`, the per-call buffers' end). */
 static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
                       const lmloss_head_grads *g, linear_plan *p, size_t base) {
   const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
-  const size_t acc = g->dweight.dtype == LMLOSS_F32 ? 0 : (size_t)V * H * 4;
-  const size_t E = hopt->memory_budget ? hopt->memory_budget : LMLOSS_HEAD_DEFAULT_BUDGET + acc;
+  const size_t acc_size = (size_t)V * H * 4, acc = g->dweight.dtype == LMLOSS_F32 ? 0 : acc_size;
+  const size_t E =
+      hopt->memory_budget ? hopt->memory_budget : LMLOSS_HEAD_DEFAULT_BUDGET + acc_size;
   const size_t per_group_row = (size_t)V * p->dls + (size_t)H * p->hs;
   const size_t per_chunk_row = (size_t)V * 4 + aux_per_row(p->K) + 3 * sizeof(double);
   const int64_t min_chunk = N < 128 ? N : 128;

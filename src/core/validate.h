@@ -99,7 +99,7 @@ lmloss_status lmloss_check_head_grads(const lmloss_head *head, const lmloss_head
 #define LMLOSS_HEAD_DEFAULT_BUDGET ((size_t)256 << 20)
 /* The fewest rows a group of the fused head's store may hold when dW sums
  * over groups (plan_store in fused_linear.c says why). */
-#define LMLOSS_HEAD_MIN_GROUP 512
+#define LMLOSS_HEAD_MIN_GROUP 1024
 
 /* UNSUPPORTED, saying so, when the backend cannot run `what`. */
 lmloss_status lmloss_check_supports(const lmloss_backend_ops *ops, lmloss_capability c,

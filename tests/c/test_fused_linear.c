@@ -424,8 +424,9 @@ static size_t one_row_budget(const head_data *hd, const outs *o, int64_t k) {
   return lo;
 }
 
-/* The smallest memory budget whose plan keeps a store of groups of at
- * least 512 rows (dW summed over them in fp32), or 0 if none does. */
+/* The smallest memory budget whose plan keeps a store of groups (at least
+ * 1024 rows, LMLOSS_HEAD_MIN_GROUP; dW summed over them in fp32), or 0 if
+ * none does. */
 static size_t group_budget(const head_data *hd, const outs *o, int64_t k) {
   lmloss_head h = {hd->hidden, hd->weight, hd->bias};
   lmloss_head_grads gr = {o->dh, o->dw, o->db};
@@ -434,13 +435,13 @@ static size_t group_budget(const head_data *hd, const outs *o, int64_t k) {
   size_t lo = 1, hi = (size_t)1 << 32;
   while (lo < hi) {
     ho.memory_budget = lo + (hi - lo) / 2;
-    if (lmloss_linear_plan(&h, &ho, &gr, k, &pl) == LMLOSS_OK && pl.group_rows >= 512)
+    if (lmloss_linear_plan(&h, &ho, &gr, k, &pl) == LMLOSS_OK && pl.group_rows >= 1024)
       hi = ho.memory_budget;
     else
       lo = ho.memory_budget + 1;
   }
   ho.memory_budget = lo;
-  return lmloss_linear_plan(&h, &ho, &gr, k, &pl) == LMLOSS_OK && pl.group_rows >= 512 ? lo : 0;
+  return lmloss_linear_plan(&h, &ho, &gr, k, &pl) == LMLOSS_OK && pl.group_rows >= 1024 ? lo : 0;
 }
 
 /* dweight and dbias added to (accumulate) over a's own: twice a's, and
@@ -965,9 +966,9 @@ static void bad_input(tgroup *g) {
  * default budget keeps the store of all rows (three GEMMs, no fp32 dW
  * accumulator: it is no larger than one) beside 256 MiB; 256 and 48 MiB
  * take vocab tiles (the logits twice); an F32 dweight added to (a caller's
- * fp32 main_grad) at the default budget takes groups of 512 rows within
- * 256 MiB, summed in it; twice the rows at a 4 GiB budget take groups and
- * the accumulator. A size query reads no data. */
+ * fp32 main_grad) at the default budget keeps the store of all rows too;
+ * twice the rows at a 4 GiB budget take groups and the accumulator. A size
+ * query reads no data. */
 static void workspace_in_budget(tgroup *g) {
   const int64_t N = 8192, H = 4096, V = 152064;
   const size_t MiB = (size_t)1 << 20, acc = (size_t)V * H * 4;
@@ -985,7 +986,7 @@ static void workspace_in_budget(tgroup *g) {
     int accumulator, logits;
   } cases[] = {
       {hid, w, 0, 0, 256 * MiB + acc, N, 0, 1},       {hid, w, 0, 256 * MiB, 256 * MiB, 0, 0, 2},
-      {hid, w, 0, 48 * MiB, 48 * MiB, 0, 0, 2},       {hid, w32, 1, 0, 256 * MiB, 512, 0, 1},
+      {hid, w, 0, 48 * MiB, 48 * MiB, 0, 0, 2},       {hid, w32, 1, 0, 256 * MiB + acc, N, 0, 1},
       {hid2, w, 0, 4096 * MiB, 4096 * MiB, -1, 1, 1},
   };
   for (int i = 0; i < 5; i++)
@@ -998,7 +999,7 @@ static void workspace_in_budget(tgroup *g) {
       lmloss_status st = lmloss_linear_plan(&head, &ho, &gr, k, &pl);
       const int64_t gr_rows = pl.group_rows;
       const int group_ok =
-          cases[i].group < 0 ? gr_rows >= 512 && gr_rows < 2 * N : gr_rows == cases[i].group;
+          cases[i].group < 0 ? gr_rows >= 1024 && gr_rows < 2 * N : gr_rows == cases[i].group;
       tg_true(g,
               st == LMLOSS_OK && pl.workspace_bytes <= cases[i].cap &&
                   pl.workspace_bytes > cases[i].cap / 2 && group_ok &&
