@@ -145,7 +145,8 @@ def test_extras_and_collapse_exactness():
 def test_cross_entropy_gradient_in_forward(kw, monkeypatch):
     """A scalar loss forms its gradient in the forward's pass (no backward
     call) and scales it by the upstream; a second backward through the
-    graph recomputes it (the first scaled the formed one in place)."""
+    graph recomputes it (the first scaled the formed one in place). A
+    num_items tensor divides after the op: its backward kernel runs."""
     x, y = data()
     kw = {k: torch.rand(37) + 0.5 if v == "cw" else v for k, v in kw.items()}
     rkw = {k: v for k, v in kw.items() if k != "return_lse"}
@@ -157,10 +158,11 @@ def test_cross_entropy_gradient_in_forward(kw, monkeypatch):
     ref = ref_ce(xr, y, **rkw)
     (0.37 * got).backward(retain_graph=True)
     (0.37 * ref).backward()
-    assert not calls
+    first = int(torch.is_tensor(kw.get("num_items")))
+    assert len(calls) == first
     close(xg.grad, xr.grad)
     (0.37 * got).backward()
-    assert len(calls) == 1
+    assert len(calls) == first + 1
     close(xg.grad, 2 * xr.grad)
 
 

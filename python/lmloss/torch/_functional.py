@@ -259,7 +259,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     extras = _extras_flags(return_lse, return_entropy, return_argmax)
     fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap,
                              temperature, red, items, dft, backend_code(backend), num_threads,
-                             _grad_in_forward(red, x, backend, inplace_backward))
+                             _grad_in_forward(red, x, backend, inplace_backward, divisor))
     if x.shape[0] == 0:  # no rows: what torch gives (the C call needs data)
         loss, pick = _empty_rows_ce(logits.float().sum(-1), red, items, divisor, extras, s)
     else:
@@ -271,15 +271,21 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100,
     return loss if pick is None else CrossEntropyResult(loss, None, *pick)
 
 
-def _grad_in_forward(reduction, x, backend, inplace):
+def _grad_in_forward(reduction, x, backend, inplace, divisor):
     """Where the CE op forms the gradient of rows x (O.GRAD_*): in the
     forward when the loss is a scalar and autograd records the call (its
     upstream then scales it: lmloss_scale, which the REF backend lacks),
-    over x when asked and eager (a traced op must not write its inputs)."""
+    over x when asked and eager (a traced op must not write its inputs).
+    A num_items tensor divides on the device after the op, so the upstream
+    is never 1 and scaling is a second pass over the gradient: the backward
+    kernel's one pass is cheaper then (H200, bf16 8192 x 152064), unless the
+    gradient is to go over the logits."""
     if (reduction == "none" or backend == "ref" or not torch.is_grad_enabled()
             or not x.requires_grad):
         return O.GRAD_IN_BACKWARD
-    return O.GRAD_OVER_LOGITS if inplace and not _tracing(x) else O.GRAD_IN_FORWARD
+    if inplace and not _tracing(x):
+        return O.GRAD_OVER_LOGITS
+    return O.GRAD_IN_BACKWARD if divisor is not None else O.GRAD_IN_FORWARD
 
 
 def _soft_cross_entropy(logits, target, class_weight, token_weight, label_smoothing, z_loss,
