@@ -8,12 +8,14 @@
  *   gradient, in place or into 16-bit dlogits: below)
  *   dhidden_c = dlogits W -> scattered back                      (GEMM 2)
  *   dW += dlogits^T hidden_c, dbias += column sums               (GEMM 3)
- * so the numerics are exactly those of the logits ops. A 16-bit head with
- * more than one chunk takes dW after the chunks instead, in vocab tiles
- * (vocab_tiles): no V x H fp32 accumulator, no V x H read-modify-write per
- * chunk. Memory beyond inputs and outputs is the workspace, and the
- * workspace is at most the budget. This file holds no math: it sequences
- * the backend's primitives.
+ * so the numerics are exactly those of the logits ops. A 16-bit head
+ * keeps its chunks' rounded dlogits and hidden rows in a store, and takes
+ * GEMMs 2 and 3 once a group of rows (plan_store); where no store fits the
+ * budget, it takes dW after the chunks in vocab tiles (vocab_tiles): no
+ * V x H fp32 accumulator, no V x H read-modify-write per chunk, the
+ * logits computed twice. Memory beyond inputs and outputs is the
+ * workspace, and the workspace is at most the budget. This file holds no
+ * math: it sequences the backend's primitives.
  *
  * A 16-bit weight gets dlogits in its dtype, so that GEMMs 2 and 3 run on
  * tensor cores: the row op reads the fp32 slab and writes them. Rounded to
