@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import lmloss.torch as lt
+from fused_head_gpu import gemms, rows as head_rows
 
 DEV = "cuda"
 H = 4096
@@ -198,13 +199,8 @@ def linear_logprob_grad_impls(compiled=True):
 
 
 def gemm_ms(h, w, reps):
-    dl = torch.randn(h.shape[0], w.shape[0], device=DEV, dtype=h.dtype)
-
-    def run():
-        (h @ w.T).float()
-        dl @ w
-        dl.T @ h
-    return timed(run, reps)
+    """The fused head's limit: its three GEMMs alone (logits, dhidden, dW) in bf16."""
+    return timed(gemms(h, w), reps)
 
 
 def main():
@@ -219,6 +215,10 @@ def main():
                     choices=["logprob", "logprob-grad", "ce", "linear-ce",
                              "linear-logprob-grad"],
                     help="only this case (repeatable; default: all five)")
+    ap.add_argument("--rows", choices=["peers", "random", "peaked"], default="peers",
+                    help="the fused head's rows (fused_head_gpu.py's kinds; default: h standard "
+                         "normal, w times 0.02); other than peers, the files are named "
+                         "peers-ROWS.csv and peers_CASE-ROWS.png")
     ap.add_argument("--plot-only", metavar="CSV")
     ap.add_argument("--device-name", default="")
     args = ap.parse_args()
@@ -227,7 +227,8 @@ def main():
         with open(args.plot_only) as f:
             rows = [{k: (v if k in ("case", "sweep", "impl") else float(v)) for k, v in r.items()}
                     for r in csv.DictReader(f)]
-        return plot(rows, args.out, args.device_name)
+        tag = "" if args.rows == "peers" else "-" + args.rows
+        return plot(rows, args.out, args.device_name, tag)
     torch.manual_seed(0)
     reps = 5 if args.quick else 10
     bw = copy_gbs()
@@ -252,8 +253,9 @@ def main():
             if sweep == "25% supervised":  # every fourth row supervised, the rest ignored
                 y[torch.arange(N, device=DEV) % 4 != 3] = -100
             if head:
-                h = torch.randn(N, H, device=DEV, dtype=torch.bfloat16)
-                w = torch.randn(V, H, device=DEV, dtype=torch.bfloat16) * 0.02
+                gen = torch.Generator(device=DEV).manual_seed(0)
+                h, w, y = head_rows(args.rows, N, H, V, 0.25 if sweep == "25% supervised" else 1.0,
+                               gen)
                 limit = gemm_ms(h, w, 3 if args.issue else reps)
                 args_ = (h, w, y)
             else:
@@ -274,16 +276,17 @@ def main():
                       f"{mib:9.1f} MiB  (limit {limit:.3f} ms)", flush=True)
             del args_
             torch.cuda.empty_cache()
-    name = "peers-issue.csv" if args.issue else "peers.csv"
+    tag = "" if args.rows == "peers" else "-" + args.rows
+    name = "peers-issue.csv" if args.issue else f"peers{tag}.csv"
     with open(os.path.join(args.out, name), "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
         wr.writeheader()
         wr.writerows(rows_out)
     if not args.issue:
-        plot(rows_out, args.out, torch.cuda.get_device_name())
+        plot(rows_out, args.out, torch.cuda.get_device_name(), tag)
 
 
-def plot(rows, out, device_name):
+def plot(rows, out, device_name, tag=""):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -309,9 +312,9 @@ def plot(rows, out, device_name):
                 ax.set_ylabel(label)
                 ax.grid(True, which="both", alpha=0.3)
                 ax.legend(fontsize=7)
-        fig.suptitle(f"{case} on {device_name}, bf16")
+        fig.suptitle(f"{case} on {device_name}, bf16" + (f", {tag[1:]} rows" if tag else ""))
         fig.tight_layout()
-        fig.savefig(os.path.join(out, f"peers_{case}.png"), dpi=110)
+        fig.savefig(os.path.join(out, f"peers_{case}{tag}.png"), dpi=110)
         plt.close(fig)
 
 
