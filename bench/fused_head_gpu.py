@@ -29,12 +29,12 @@ included). dh err: dhidden's relative Frobenius distance from lmloss's
                                    [--kinds random,peaked] [--supervised 1.0] [--compile]
 """
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import lmloss.torch as lt
+from gpu_timing import peak_mib, timed
 
 
 def rows(kind, n, h, v, supervised, gen):
@@ -87,30 +87,6 @@ def step(fn, h, w, y):
     hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
     fn(hl, wl, y).backward()
     return hl.grad, wl.grad
-
-
-def timed(run, reps):
-    run()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        run()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts), min(ts), max(ts)
-
-
-def peak_mib(run):
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    run()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def gemms(h, w):

@@ -30,13 +30,13 @@ writes DIR/peers.csv and DIR/peers_<case>.png (time and memory vs V and vs N);
 import argparse
 import csv
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import lmloss.torch as lt
 from fused_head_gpu import gemms, rows as head_rows
+from gpu_timing import peak_mib, timed
 
 DEV = "cuda"
 H = 4096
@@ -44,38 +44,10 @@ VOCABS = [32768, 65536, 131072, 152064, 262144]
 ROWS = [1024, 2048, 4096, 8192, 16384, 32768]
 
 
-def timed(fn, reps, queued=5):
-    """Median over `reps` samples of the per-call time of `queued` calls queued
-    back to back between two CUDA events: as in a training step, each call's
-    host work (Python, launches) overlaps the device work of the one before,
-    so what is timed is the device, not a synchronize per call."""
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(queued):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / queued)
-    return statistics.median(ts)
-
-
-def peak_mib(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 def copy_gbs():
     a = torch.empty(2**31, dtype=torch.uint8, device=DEV)
     b = torch.empty_like(a)
-    ms = timed(lambda: b.copy_(a), 20)
+    ms = timed(lambda: b.copy_(a), 20, queued=5)[0]
     return 2 * a.numel() / (ms * 1e6)
 
 
@@ -200,7 +172,7 @@ def linear_logprob_grad_impls(compiled=True):
 
 def gemm_ms(h, w, reps):
     """The fused head's limit: its three GEMMs alone (logits, dhidden, dW) in bf16."""
-    return timed(gemms(h, w), reps)
+    return timed(gemms(h, w), reps, queued=5)[0]
 
 
 def main():
@@ -265,7 +237,7 @@ def main():
             for name, make in impls.items():
                 try:
                     fn = make(*args_)
-                    ms = timed(fn, 3 if head and args.issue else reps)
+                    ms = timed(fn, 3 if head and args.issue else reps, queued=5)[0]
                     mib = peak_mib(fn)
                 except Exception as e:  # a peer that cannot run this shape
                     print(f"  {case} {name} V={V} N={N}: {type(e).__name__}: {str(e)[:80]}")
