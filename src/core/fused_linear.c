@@ -488,6 +488,26 @@ static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prim
   return L->scatter_rows(j->ctx, &dh, list, &j->grads->dhidden);
 }
 
+/* The chunk from compact row `first` of M: its rows, and where its fp32
+ * logits go (*slab_at). A store's chunk is as wide as the store's free
+ * rows past it hold twice over (a row of fp32 logits takes two rows of
+ * 16-bit dlogits), so a group's first chunks run wide GEMMs and row passes
+ * inside the store, then the rest takes the chunk region (wide chunks only
+ * shrink); no chunk crosses a group's end. */
+static int64_t chunk_at(const linear_plan *p, int64_t V, int64_t M, int64_t first, int store,
+                        size_t *slab_at) {
+  int64_t n = M - first < p->rows ? M - first : p->rows;
+  *slab_at = p->slab;
+  if (!store) return n;
+  const int64_t in_group = first % p->group;
+  const int64_t left =
+      (p->group < M - first + in_group ? p->group : M - first + in_group) - in_group;
+  const int64_t wide = left / 3 - left / 3 % 128; /* whole tiles keep the slab 16-byte aligned */
+  if (wide < 128 || wide <= n) return n < left ? n : left;
+  *slab_at = p->store + (size_t)((in_group + wide) * V) * p->dls;
+  return wide;
+}
+
 /* dhidden and dW of a store's group: its n compact rows from first on,
  * whose dlogits and hidden rows the store holds. dhidden goes through fp32
  * in blocks of the chunk region, the exact entries put back, rounded into
@@ -742,12 +762,14 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   const saved_rows *saved = from_saved ? &sr : NULL;
   const int store = want_grad && p.group > 0; /* dhidden and dW by groups (plan_store) */
   const float beta0 = g && g->accumulate ? 1.0f : 0.0f;
-  for (int64_t c = 0; !saved && c < nchunks; c++) {
-    const int64_t first = c * p.rows, n = M - first < p.rows ? M - first : p.rows;
+  int64_t c = 0, n;
+  for (int64_t first = 0; !saved && first < M; first += n, c++) {
+    size_t slab_at;
+    n = chunk_at(&p, V, M, first, store, &slab_at);
     const int64_t *lc = list + first, in_group = store ? first % p.group : 0;
     const size_t hid = store ? p.ghid + (size_t)(in_group * H) * p.hs : p.hid;
     lmloss_tensor hc = lmloss_ws_view(w + hid, h->hidden.dtype, dev, n, H);
-    lmloss_tensor slab = lmloss_ws_view(w + p.slab, LMLOSS_F32, dev, n, V);
+    lmloss_tensor slab = lmloss_ws_view(w + slab_at, LMLOSS_F32, dev, n, V);
     TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
     TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
     const size_t dlo = store ? p.store + (size_t)(in_group * V) * p.dls : p.dl;
@@ -769,16 +791,16 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M, &bias, saved));
   if (want_grad) {
     const lmloss_tensor accw = lmloss_ws_view(w + p.acc_w, LMLOSS_F32, dev, V, H);
-    if (want_dw && nchunks == 0 && !beta0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
-    if (want_dw && nchunks > 0 && store && p.acc_w_alloc) TRY(L->cast(j->ctx, &accw, &g->dweight));
+    if (want_dw && M == 0 && !beta0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
+    if (want_dw && M > 0 && store && p.acc_w_alloc) TRY(L->cast(j->ctx, &accw, &g->dweight));
     if (wants(&g->dbias)) {
-      if (nchunks == 0 && !beta0) TRY(L->fill(j->ctx, &accb, 0.0));
+      if (M == 0 && !beta0) TRY(L->fill(j->ctx, &accb, 0.0));
       if (p.acc_b_f32) TRY(L->cast(j->ctx, &accb, &g->dbias));
     }
   }
   if (j->kind == CE_FORWARD && j->opt->reduction != LMLOSS_REDUCE_NONE) {
-    if (nchunks == 0) return L->fill(j->ctx, &j->out->loss, 0.0);
-    lmloss_tensor sums = lmloss_ws_view(w + p.sums, LMLOSS_F32, dev, nchunks, 1);
+    if (M == 0) return L->fill(j->ctx, &j->out->loss, 0.0);
+    lmloss_tensor sums = lmloss_ws_view(w + p.sums, LMLOSS_F32, dev, c, 1);
     TRY(L->sum(j->ctx, &sums, &j->out->loss));
   }
   return LMLOSS_OK;
