@@ -13,7 +13,8 @@ for bf16/fp16 (float32 otherwise); per-row results are float32.
 
 The fused linear head (linear_cross_entropy, linear_log_probs and its
 backward) takes hidden states [..., H] and the head weight [V, H] (+ bias)
-instead of logits and never materializes the [N, V] logits. divergence
+instead of logits and never materializes the [N, V] logits; linear_plan
+says its schedule and memory for given shapes. divergence
 takes a student's and a teacher's logits [..., V] (KL either way, TRL's
 generalized JSD, TVD) and differentiates the student; linear_divergence
 the same through two fused heads.
@@ -27,8 +28,9 @@ from ._divergence import DivergenceResult, divergence
 from ._grpo import GRPOResult, grpo_loss
 from ._lib import Error
 from ._lib import path as library_path
-from ._linear import (LinearCrossEntropyResult, LinearDivergenceResult, linear_cross_entropy,
-                      linear_divergence, linear_log_probs, linear_log_probs_backward)
+from ._linear import (LinearCrossEntropyResult, LinearDivergenceResult, LinearPlan,
+                      linear_cross_entropy, linear_divergence, linear_log_probs,
+                      linear_log_probs_backward, linear_plan)
 from ._logprob import entropy, log_probs, log_probs_backward, selective_log_softmax
 from ._preference import DPOResult, KTOResult, dpo_loss, kto_loss
 from ._softmax import log_softmax, softmax, softmax_backward
@@ -49,8 +51,9 @@ def cpu_isa() -> str:
 
 
 __all__ = ["CrossEntropyResult", "DivergenceResult", "DPOResult", "Error", "GRPOResult",
-           "KTOResult", "LinearCrossEntropyResult", "LinearDivergenceResult", "cpu_isa",
-           "cross_entropy", "divergence", "dpo_loss", "entropy", "grpo_loss", "has_cuda",
-           "kto_loss", "library_path", "linear_cross_entropy", "linear_divergence",
-           "linear_log_probs", "linear_log_probs_backward", "log_probs", "log_probs_backward",
-           "log_softmax", "selective_log_softmax", "softmax", "softmax_backward", "__version__"]
+           "KTOResult", "LinearCrossEntropyResult", "LinearDivergenceResult", "LinearPlan",
+           "cpu_isa", "cross_entropy", "divergence", "dpo_loss", "entropy", "grpo_loss",
+           "has_cuda", "kto_loss", "library_path", "linear_cross_entropy", "linear_divergence",
+           "linear_log_probs", "linear_log_probs_backward", "linear_plan", "log_probs",
+           "log_probs_backward", "log_softmax", "selective_log_softmax", "softmax",
+           "softmax_backward", "__version__"]

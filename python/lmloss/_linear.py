@@ -23,7 +23,7 @@ from ._ce import ce_options, ce_outputs
 from ._divergence import div_options, div_outputs, sides
 from ._logprob import backward_args, stats_in, stats_out
 from ._tensor import (Rows, absent, as_array, index_shape, matrix, native, optional_vector,
-                      out_matrix, out_vector, shape_error, vector)
+                      out_matrix, out_vector, shape_error, vector, view)
 
 LinearCrossEntropyResult = collections.namedtuple(
     "LinearCrossEntropyResult", "loss dhidden dweight dbias lse entropy argmax")
@@ -37,6 +37,18 @@ LinearDivergenceResult = collections.namedtuple(
 LinearDivergenceResult.__doc__ = """Returned by linear_divergence(return_parts=True): loss
 as in the plain form; the student's dhidden, dweight, dbias (None without grad=True; dbias
 None without student_bias); divergence D_i, ce and entropy as in lmloss.DivergenceResult."""
+
+LinearPlan = collections.namedtuple(
+    "LinearPlan", "workspace_bytes chunk_rows group_rows store_bytes accumulator_bytes "
+    "logits_gemms")
+LinearPlan.__doc__ = """Returned by linear_plan (lmloss_linear_plan's answer): workspace_bytes,
+the call's whole transient memory; chunk_rows, the rows of a logits GEMM and its row pass;
+group_rows, the rows of the store's dhidden and dweight GEMMs (0: no store); store_bytes and
+accumulator_bytes (dweight's fp32 sum over groups), parts of the workspace; logits_gemms, 2
+where dweight takes vocab tiles after the chunks (four GEMMs, not three), else 1."""
+
+_HEAD_DTYPES = {"float32": _lib.F32, "bfloat16": _lib.BF16, "float16": _lib.F16}
+_NO_DATA = ctypes.create_string_buffer(1)  # what linear_plan's views point at: it reads no data
 
 
 class _Head:
@@ -59,16 +71,42 @@ class _Head:
             self.b, bias_t = vector(b, self.v, (self.v,), who + "bias", "same")
         self.t = _lib.Head(self.x.t, self.w.t, bias_t)
 
-    def grads(self, dhidden=True, dweight=True, dbias=True):
-        """New gradient arrays (dbias only with a bias) and their lmloss_head_grads."""
+    def grads(self, dhidden=True, dweight=True, dbias=True, main_grad=None):
+        """New gradient arrays (dbias only with a bias) and their
+        lmloss_head_grads. With main_grad (accumulate), dweight is added to
+        it (None here) and dbias is a float32 sum from 0."""
         dh, dh_t = self.x.empty(self.x.out_dtype()) if dhidden else (None, absent())
-        dw, dw_t = self.w.empty(self.w.out_dtype()) if dweight else (None, absent())
+        if main_grad is not None:
+            dw, dw_t = None, self.main_grad(main_grad)
+        else:
+            dw, dw_t = self.w.empty(self.w.out_dtype()) if dweight else (None, absent())
         db, db_t = None, absent()
         if dbias and self.b is not None:
-            db, db_t = out_vector(self.v, self.w.out_dtype())
+            db, db_t = out_vector(self.v, self.w.out_dtype()) if main_grad is None else \
+                view(np.zeros(self.v, np.float32), vector=True)
         if dh is not None:
             dh = dh.reshape(self.x.lead + (self.h,))
-        return (dh, dw, db), _lib.HeadGrads(dh_t, dw_t, db_t)
+        return (dh, dw, db), _lib.HeadGrads(dh_t, dw_t, db_t, int(main_grad is not None))
+
+    def main_grad(self, main_grad):
+        """main_grad's tensor: a writable float32 [V, H] array (or host
+        tensor) whose rows the call adds to in place, never in a copy."""
+        if not isinstance(main_grad, np.ndarray) and not hasattr(main_grad, "__dlpack__"):
+            raise TypeError("main_grad must be a float32 [V, H] array, got %s"
+                            % type(main_grad).__name__)
+        m = as_array(main_grad)
+        if m.dtype != np.float32:
+            raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "main_grad must be float32 (native byte "
+                             "order), got %s" % m.dtype)
+        if m.shape != (self.v, self.h):
+            raise shape_error("main_grad has shape %s, the weight %s" % (m.shape,
+                                                                         (self.v, self.h)))
+        arr, t = view(m, name="main_grad")
+        if arr is not m or not m.flags.writeable:
+            raise _lib.Error("LMLOSS_ERR_BAD_STRIDE", "main_grad must be writable with evenly "
+                             "spaced rows and a contiguous last axis: the gradient is added "
+                             "to it in place")
+        return t
 
 
 def _options(memory_budget):
@@ -101,7 +139,8 @@ def linear_cross_entropy(hidden: ArrayLike, weight: ArrayLike, target: ArrayLike
                          num_items: Optional[float] = None, dft: bool = False,
                          grad: bool = False, return_lse: bool = False,
                          return_entropy: bool = False, return_argmax: bool = False,
-                         backend: str = "auto", num_threads: int = 0
+                         backend: str = "auto", num_threads: int = 0,
+                         main_grad: Optional[np.ndarray] = None
                          ) -> Union[float, np.ndarray, tuple, "LinearCrossEntropyResult"]:
     """Cross-entropy of logits = hidden [..., H] weight[V, H]^T (+ bias [V])
     against target [...], never holding the logits whole.
@@ -114,7 +153,15 @@ def linear_cross_entropy(hidden: ArrayLike, weight: ArrayLike, target: ArrayLike
     flag set, returns LinearCrossEntropyResult instead. memory_budget: bytes
     for the per-chunk buffers (None = 256 MiB); too small for one row raises
     LMLOSS_ERR_WORKSPACE_TOO_SMALL. Raises lmloss.Error.
+
+    main_grad (with grad=True): a float32 [V, H] array, writable, with
+    evenly spaced rows (C-contiguous, say), to which dweight is added in
+    place (lmloss_head_grads.accumulate: a training loop's running fp32
+    sum, Megatron's main_grad); the returned dweight is then None, so that
+    nothing adds it twice. dbias is returned as usual (float32).
     """
+    if main_grad is not None and not grad:
+        raise _lib.Error("LMLOSS_ERR_BAD_OPTION", "main_grad needs grad=True")
     opt = ce_options(ignore_index, label_smoothing, z_loss, logit_scale, softcap, temperature,
                      reduction, num_items, dft)
     ctx = _lib.make_context(backend, num_threads)
@@ -124,7 +171,8 @@ def linear_cross_entropy(hidden: ArrayLike, weight: ArrayLike, target: ArrayLike
     tw_t = optional_vector(token_weight, n, lead, "token_weight", "f32", keep)
     cw_t = optional_vector(class_weight, head.v, (head.v,), "class_weight", "f32", keep)
     loss, outputs, extra = ce_outputs(n, reduction, return_lse, return_entropy, return_argmax)
-    (dh, dw, db), grads = head.grads() if grad else ((None, None, None), None)
+    (dh, dw, db), grads = head.grads(main_grad=main_grad) if grad else \
+        ((None, None, None), None)
     ws, ws_ptr, ws_bytes = _workspace(_lib.linear_workspace_size, head.t, hopt, grads, 1)
     _lib.check(_lib.linear_cross_entropy(ctx, head.t, target_t, tw_t, cw_t, opt, hopt, outputs,
                                          grads, ws_ptr, ws_bytes))
@@ -134,6 +182,43 @@ def linear_cross_entropy(hidden: ArrayLike, weight: ArrayLike, target: ArrayLike
         return LinearCrossEntropyResult(loss, dh, dw, db, extra.get("lse"),
                                         extra.get("entropy"), extra.get("argmax"))
     return (loss, dh, dw, db) if grad else loss
+
+
+def linear_plan(rows: int, hidden_size: int, vocab_size: int, *,
+                dtype: Union[str, np.dtype, type] = "float32", bias: bool = False,
+                memory_budget: Optional[int] = None, grad: bool = True, main_grad: bool = False,
+                k: int = 1) -> LinearPlan:
+    """What a fused-head call over hidden [rows, hidden_size] and weight
+    [vocab_size, hidden_size] will do and take: lmloss_linear_plan's
+    schedule and bytes as a LinearPlan, from the shapes alone (no data;
+    docs/design.md section 4, item 4, tabulates them for a large head).
+
+    dtype: the head's, "float32", "bfloat16" or "float16" (or the NumPy
+    dtype); 16-bit heads run on CUDA only, but their plan is asked here
+    too. grad: the call computes dhidden, dweight and dbias (with bias) in
+    the head's dtype, as a training step does; main_grad: dweight is a
+    float32 main_grad added to (and dbias float32), as linear_cross_entropy's
+    main_grad= asks. k: indices a row (linear_log_probs; 1 for
+    cross-entropy). memory_budget as in linear_cross_entropy.
+    """
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in _HEAD_DTYPES:
+        raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "dtype must be one of %s, got %r"
+                         % (sorted(_HEAD_DTYPES), dtype))
+    code, f32, data = _HEAD_DTYPES[name], _lib.F32, ctypes.addressof(_NO_DATA)
+    n, h, v = int(rows), int(hidden_size), int(vocab_size)
+
+    def t(r, c, dt=code):
+        return _lib.Tensor(data, dt, _lib.CPU_DEVICE, r, c, c)
+    head = _lib.Head(t(n, h), t(v, h), t(v, 1) if bias else absent())
+    grads = None
+    if grad:
+        grads = _lib.HeadGrads(t(n, h), t(v, h, f32 if main_grad else code),
+                               t(v, 1, f32 if main_grad else code) if bias else absent(),
+                               int(bool(main_grad)))
+    p = _lib.HeadPlan()
+    _lib.check(_lib.linear_plan(head, _options(memory_budget), grads, int(k), ctypes.byref(p)))
+    return LinearPlan(*(getattr(p, f) for f in LinearPlan._fields))
 
 
 def linear_log_probs(hidden: ArrayLike, weight: ArrayLike, index: ArrayLike, *,

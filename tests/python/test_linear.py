@@ -205,6 +205,88 @@ def test_ce_all_ignored():
         assert not dh.any() and not dw.any() and not db.any()
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_ce_main_grad(reduction):
+    """main_grad (float32 [V, H], prefilled) gets prefill + dweight, in one
+    chunk and in several (an F32 head sums over the chunks in place); the
+    returned dweight is None, the other results the plain call's."""
+    rng = np.random.default_rng(12)
+    n, v = 13, 1003
+    y = targets(rng, n, v, 0.2)
+    hid, w, b = make_head(rng, n, v)
+    prefill = rng.standard_normal(w.shape).astype(np.float32)
+    b1 = one_row_budget(lambda m: lmloss.linear_cross_entropy(
+        hid, w, y, bias=b, grad=True, main_grad=prefill.copy(), memory_budget=m))
+    for budget in (None, 3 * b1):
+        loss, dh, dw, db = lmloss.linear_cross_entropy(hid, w, y, bias=b, grad=True,
+                                                       reduction=reduction,
+                                                       memory_budget=budget)
+        main_grad = prefill.copy()
+        got = lmloss.linear_cross_entropy(hid, w, y, bias=b, grad=True, reduction=reduction,
+                                          memory_budget=budget, main_grad=main_grad)
+        assert got[2] is None
+        np.testing.assert_allclose(main_grad, prefill + dw, rtol=1e-6, atol=1e-6)
+        for a, want in zip((got[0], got[1], got[3]), (loss, dh, db)):
+            np.testing.assert_array_equal(a, want)
+
+
+def test_ce_main_grad_errors():
+    """main_grad must be float32 [V, H], writable, its rows added to in
+    place (never a copy), and comes with grad=True."""
+    rng = np.random.default_rng(13)
+    y = targets(rng, 6, 50)
+    hid, w, b = make_head(rng, 6, 50)
+
+    def status(main_grad, grad=True):
+        with pytest.raises(lmloss.Error) as e:
+            lmloss.linear_cross_entropy(hid, w, y, grad=grad, main_grad=main_grad)
+        return e.value.status.replace("LMLOSS_ERR_", "")
+
+    ok = np.zeros(w.shape, np.float32)
+    ro = ok.copy()
+    ro.flags.writeable = False
+    assert status(ok.astype(np.float64)) == "BAD_DTYPE"
+    assert status(ok.astype(">f4")) == "BAD_DTYPE"
+    assert status(ok.T) == "BAD_SHAPE"
+    assert status(np.zeros((50, 2 * w.shape[1]), np.float32)[:, ::2]) == "BAD_STRIDE"
+    assert status(ro) == "BAD_STRIDE"
+    assert status(ok, grad=False) == "BAD_OPTION"
+    with pytest.raises(TypeError, match="main_grad"):
+        lmloss.linear_cross_entropy(hid, w, y, grad=True, main_grad=ok.tolist())
+    assert not ok.any()
+
+
+def test_linear_plan():
+    """lmloss_linear_plan from shapes alone: the issue's bf16 head (the
+    table of docs/design.md section 4) keeps a store of all rows at the
+    default budget, with a float32 main_grad too and no accumulator of its
+    own; 256 MiB takes vocab tiles (the logits twice); twice the rows at 4
+    GiB take groups and dweight's fp32 accumulator. A float32 head's plan
+    is the workspace its call asks."""
+    n, h, v, mib = 8192, 4096, 152064, 1 << 20
+    default = lmloss.linear_plan(n, h, v, dtype="bfloat16")
+    added = lmloss.linear_plan(n, h, v, dtype=ml_dtypes.bfloat16, main_grad=True)
+    for p in (default, added):
+        assert (p.group_rows, p.logits_gemms, p.accumulator_bytes) == (n, 1, 0)
+        assert p.store_bytes < p.workspace_bytes <= 256 * mib + 4 * v * h
+    tiles = lmloss.linear_plan(n, h, v, dtype="bfloat16", memory_budget=256 * mib)
+    assert (tiles.group_rows, tiles.logits_gemms) == (0, 2)
+    assert tiles.workspace_bytes <= 256 * mib
+    groups = lmloss.linear_plan(2 * n, h, v, dtype="bfloat16", memory_budget=4096 * mib)
+    assert 1024 <= groups.group_rows < 2 * n and groups.accumulator_bytes == 4 * v * h
+    rng = np.random.default_rng(14)
+    hid, w, b = make_head(rng, 6, 50)
+    head = lmloss._linear._Head(hid, w, b)
+    size = ctypes.c_size_t()
+    for k, grads in ((1, head.grads()[1]), (3, None)):
+        _lib.check(_lib.linear_workspace_size(head.t, _lib.head_options_default(), grads, k,
+                                              ctypes.byref(size)))
+        plan = lmloss.linear_plan(6, hid.shape[1], 50, bias=True, grad=grads is not None, k=k)
+        assert plan.workspace_bytes == size.value
+    with pytest.raises(lmloss.Error, match="dtype"):
+        lmloss.linear_plan(6, 8, 50, dtype="int8")
+
+
 def check_lp(hid, w, b, idx, budget=None, mask=None, **tr):
     logp, ent = lmloss.linear_log_probs(hid, w, idx, bias=b, mask=mask, entropy=True,
                                         memory_budget=budget, **tr)
