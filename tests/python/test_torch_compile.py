@@ -8,6 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import lmloss  # noqa: E402
 import lmloss.torch as lt  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
@@ -79,3 +80,18 @@ def test_inplace_backward_is_functional_when_compiled():
     (0.37 * lt.cross_entropy(xr, y)).backward()
     assert torch.equal(xg.detach(), x)
     torch.testing.assert_close(xg.grad, xr.grad)
+
+
+def test_main_grad_is_refused_when_compiled():
+    """main_grad is eager only (a traced op may not write its inputs): a
+    compiled call raises (fullgraph: as dynamo's Unsupported) rather than
+    dropping the weight's gradient."""
+    h, w, y = torch.randn(6, H), torch.randn(V, H, requires_grad=True), torch.randint(0, V, (6,))
+    main_grad = torch.zeros(V, H)
+    for fullgraph in (False, True):
+        fn = torch.compile(lambda a, b: lt.linear_cross_entropy(a, b, y, main_grad=main_grad),
+                           fullgraph=fullgraph, backend="aot_eager")
+        with pytest.raises((lmloss.Error, torch._dynamo.exc.Unsupported),
+                           match="main_grad is eager only"):
+            fn(h, w)
+    assert not main_grad.any()

@@ -166,6 +166,51 @@ def test_fused_head_log_probs_backward_from_saved_stats_cuda():
     assert not hg.grad[~mask.cuda()].any()
 
 
+MAIN_GRAD_BUDGETS = [(None, "store of all rows"), (16 << 20, "store in groups"),
+                     (8 << 20, "vocab tiles")]
+
+
+@pytest.mark.parametrize("budget,schedule", MAIN_GRAD_BUDGETS,
+                         ids=[c[1] for c in MAIN_GRAD_BUDGETS])
+def test_fused_head_main_grad_cuda(budget, schedule):
+    """A bf16 head adding its fp32 dW to main_grad on each schedule, which
+    lt.linear_plan names: the default budget's store of all rows, 16 MiB's
+    store in groups summed in main_grad itself (no accumulator of the
+    call's own), 8 MiB's vocab tiles. main_grad, prefilled, gets prefill +
+    dW for an upstream of 1 and of 0.37 (the backward's correction), dW
+    within bf16 rounding of the CPU's fp32 gradient on the same values;
+    weight.grad stays None; hidden's and bias's gradients match the CPU."""
+    g = torch.Generator().manual_seed(4)
+    n, h, v = 3000, 64, 5000
+    hid = torch.randn(n, h, generator=g).bfloat16()
+    w = (torch.randn(v, h, generator=g) * 0.2).bfloat16()
+    b = (torch.randn(v, generator=g) * 0.1).bfloat16()
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::9] = -100
+    prefill = torch.randn(v, h, generator=g) * 1e-3
+    plan = lt.linear_plan(hid.cuda(), w.cuda(), b.cuda(), memory_budget=budget,
+                          main_grad=prefill.cuda())
+    assert plan.accumulator_bytes == 0
+    assert (plan.group_rows, plan.logits_gemms) == {"store of all rows": (n, 1),
+                                                    "store in groups": (1280, 1),
+                                                    "vocab tiles": (0, 2)}[schedule]
+
+    def rel(a, ref):
+        return ((a.double().cpu() - ref.double()).norm() / ref.double().norm()).item()
+
+    for up in (1.0, 0.37):
+        hc, wc, bc = (t.float().requires_grad_() for t in (hid, w, b))
+        (up * lt.linear_cross_entropy(hc, wc, y, bias=bc)).backward()
+        main_grad = prefill.cuda()
+        hg, wg, bg = (t.cuda().requires_grad_() for t in (hid, w, b))
+        loss = lt.linear_cross_entropy(hg, wg, y.cuda(), bias=bg, memory_budget=budget,
+                                       main_grad=main_grad)
+        (loss if up == 1.0 else up * loss).backward()
+        assert wg.grad is None and bg.grad.dtype == torch.bfloat16
+        assert rel(main_grad.cpu() - prefill, wc.grad) < 1e-2
+        assert rel(hg.grad, hc.grad) < 1e-2 and rel(bg.grad, bc.grad) < 1e-2
+
+
 def test_compile_on_cuda_without_graph_breaks():
     from torch._dynamo.utils import counters
     torch._dynamo.reset()

@@ -532,6 +532,156 @@ def test_linear_cross_entropy_weight_grad_is_not_copied():
     assert wg.grad.untyped_storage().data_ptr() == ptr
 
 
+MAIN_GRAD_CASES = [
+    ("mean, upstream 1", dict(), None),
+    ("mean, upstream 0.37", dict(), 0.37),
+    ("sum, smoothing, chunks, upstream 0.37", dict(reduction="sum", label_smoothing=0.1,
+                                                   memory_budget=4096), 0.37),
+    ("num_items number, upstream 1", dict(reduction="sum", num_items=7.0), None),
+    ("num_items tensor", dict(num_items=torch.tensor(7.0)), None),
+    ("none, weighted sum", dict(reduction="none"), torch.linspace(0.5, 2.0, 10)),
+]
+
+
+def _backward(loss, up):
+    (loss if up is None else (loss * up).sum()).backward()
+
+
+@pytest.mark.parametrize("case", MAIN_GRAD_CASES, ids=[c[0] for c in MAIN_GRAD_CASES])
+def test_linear_cross_entropy_main_grad(case, monkeypatch):
+    """main_grad (float32, prefilled) gets prefill + dW, dW being what the
+    ordinary path leaves in weight.grad, for any upstream, while
+    weight.grad stays None; hidden's and bias's gradients are the ordinary
+    ones. A scalar loss backpropagated as it is (an upstream of 1) runs no
+    backward pass: the forward added dW; any other upstream runs one, the
+    (upstream - 1) x dW correction; a num_items tensor's upstream (never 1)
+    is met in the backward alone."""
+    from lmloss.torch import _linear_ops
+    _, kw, up = case
+    hs, w, b, y = head()
+    params = [t.clone().requires_grad_() for t in (hs, w, b)]
+    _backward(lt.linear_cross_entropy(params[0], params[1], y, bias=params[2], **kw), up)
+    prefill = torch.randn(w.shape, generator=torch.Generator().manual_seed(3))
+    main_grad = prefill.clone()
+    calls = []
+    real = _linear_ops._ce_backward
+    monkeypatch.setattr(_linear_ops, "_ce_backward",  # records `need`
+                        lambda *a: calls.append(a[-2]) or real(*a))
+    hg, wg, bg = (t.clone().requires_grad_() for t in (hs, w, b))
+    loss = lt.linear_cross_entropy(hg, wg, y, bias=bg, main_grad=main_grad, **kw)
+    _backward(loss, up)
+    assert wg.grad is None
+    close(main_grad, prefill + params[1].grad, rtol=1e-5, atol=1e-6)
+    close(hg.grad, params[0].grad, rtol=1e-5, atol=1e-7)
+    close(bg.grad, params[2].grad, rtol=1e-5, atol=1e-7)
+    every = _linear_ops.NEED_DH | _linear_ops.NEED_DW | _linear_ops.NEED_DB
+    if kw.get("reduction") == "none" or isinstance(kw.get("num_items"), torch.Tensor):
+        assert calls == [every]
+    else:
+        assert calls == ([] if up is None else [_linear_ops.NEED_DW])
+
+
+def test_linear_cross_entropy_main_grad_second_backward_and_cast_weight():
+    """A second backward through the graph adds the weight's gradient
+    again, scaled by its upstream, as it would accumulate weight.grad; a
+    bf16 weight (run in fp32 on the CPU: the op's weight is its cast)
+    keeps no .grad either. A frozen weight, grad mode off and no rows leave
+    main_grad as it was."""
+    hs, w, b, y = head()
+    wr = w.clone().requires_grad_()
+    lt.linear_cross_entropy(hs, wr, y, bias=b).backward()
+    main_grad = torch.zeros_like(w)
+    wg = w.clone().requires_grad_()
+    loss = lt.linear_cross_entropy(hs, wg, y, bias=b, main_grad=main_grad)
+    (0.37 * loss).backward(retain_graph=True)
+    (2.0 * loss).backward()
+    close(main_grad, 2.37 * wr.grad, rtol=1e-5, atol=1e-6)
+    assert wg.grad is None
+    wb = w.bfloat16().requires_grad_()
+    main_grad.zero_()
+    lt.linear_cross_entropy(hs, wb, y, bias=b, main_grad=main_grad).backward()
+    wr = wb.detach().float().requires_grad_()
+    lt.linear_cross_entropy(hs, wr, y, bias=b).backward()
+    assert wb.grad is None
+    close(main_grad, wr.grad, rtol=1e-5, atol=1e-6)
+    main_grad.zero_()
+    lt.linear_cross_entropy(hs.requires_grad_(), w, y, main_grad=main_grad).backward()
+    with torch.no_grad():
+        lt.linear_cross_entropy(hs, wg, y, main_grad=main_grad)
+    h0 = torch.empty(0, 16, requires_grad=True)
+    lt.linear_cross_entropy(h0, wg, y[:0], reduction="sum", main_grad=main_grad).backward()
+    assert not main_grad.any() and wg.grad is None
+
+
+def test_linear_cross_entropy_main_grad_megatron_flags():
+    """A weight that Megatron-core's DDP tracks (grad_added_to_main_grad)
+    has the flag set, and gets a placeholder gradient, as Megatron's own
+    layers return (its hook asserts that one arrived, then drops it):
+    zeros with zero_out_wgrad."""
+    hs, w, b, y = head()
+    main_grad = torch.zeros_like(w)
+    for zero_out in (False, True):
+        wp = torch.nn.Parameter(w.clone())
+        wp.main_grad, wp.grad_added_to_main_grad, wp.zero_out_wgrad = main_grad, False, zero_out
+        lt.linear_cross_entropy(hs, wp, y, main_grad=wp.main_grad).backward()
+        assert wp.grad_added_to_main_grad and wp.grad.shape == w.shape
+        assert not zero_out or not wp.grad.any()
+    wr = w.clone().requires_grad_()
+    lt.linear_cross_entropy(hs, wr, y).backward()
+    close(main_grad, 2 * wr.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_cross_entropy_main_grad_errors():
+    """main_grad must be a float32 tensor of the weight's shape, on its
+    device, with rows the call can add to in place; not while tracing, and
+    not vocab-parallel yet."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    hs, w, b, y = head()
+    w = w.requires_grad_()
+
+    def status(main_grad, **kw):
+        with pytest.raises(lmloss.Error) as e:
+            lt.linear_cross_entropy(hs, w, y, main_grad=main_grad, **kw)
+        return e.value.status.replace("LMLOSS_ERR_", "")
+
+    assert status(torch.zeros(37, 16, dtype=F64)) == "BAD_DTYPE"
+    assert status(torch.zeros(37, 16, dtype=torch.bfloat16)) == "BAD_DTYPE"
+    assert status(torch.zeros(16, 37)) == "BAD_SHAPE"
+    assert status(torch.zeros(37, 16, device="meta")) == "BAD_DEVICE"
+    assert status(torch.zeros(37, 32)[:, ::2]) == "BAD_STRIDE"
+    assert status(torch.zeros(37, 16), process_group=object()) == "BAD_OPTION"
+    with pytest.raises(TypeError, match="main_grad"):
+        lt.linear_cross_entropy(hs, w, y, main_grad=np.zeros((37, 16), np.float32))
+    main_grad = torch.zeros(37, 16)
+    with pytest.raises(lmloss.Error, match="eager only"):
+        make_fx(lambda a, c: lt.linear_cross_entropy(a, c, y, main_grad=main_grad))(hs, w)
+    assert not main_grad.any()
+
+
+def test_linear_plan_reads_shapes_only():
+    """lt.linear_plan is lmloss.linear_plan for the call's head dtype: meta
+    tensors describe the issue's bf16 head (docs/design.md section 4's
+    table) without its memory. The default budget keeps a store of all rows
+    (three GEMMs), with a float32 main_grad too and no accumulator of its
+    own; 256 MiB takes vocab tiles (the logits twice). CPU tensors run in
+    float32, whose head has no store."""
+    n, h, v = 8192, 4096, 152064
+    hid = torch.empty(n, h, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(v, h, dtype=torch.bfloat16, device="meta")
+    main_grad = torch.empty(v, h, device="meta")
+    plans = [lt.linear_plan(hid, w), lt.linear_plan(hid, w, main_grad=main_grad),
+             lt.linear_plan(hid, w, memory_budget=256 << 20)]
+    assert plans[0] == lmloss.linear_plan(n, h, v, dtype="bfloat16")
+    for p in plans[:2]:
+        assert (p.group_rows, p.logits_gemms, p.accumulator_bytes) == (n, 1, 0)
+        assert p.store_bytes < p.workspace_bytes <= (256 << 20) + 4 * v * h
+    assert (plans[2].group_rows, plans[2].logits_gemms) == (0, 2)
+    assert plans[2].workspace_bytes <= 256 << 20
+    hs, wc, b, y = head()
+    p = lt.linear_plan(hs.bfloat16().reshape(2, 5, 16), wc.bfloat16(), b)
+    assert p == lmloss.linear_plan(10, 16, 37, bias=True) and p.group_rows == 0
+
+
 def test_linear_log_probs_matches_reference_and_frozen_head():
     hs, w, b, y = head()
     idx = torch.stack([y.clamp(min=0), (y + 1).clamp(0, 36)], -1)

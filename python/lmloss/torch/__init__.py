@@ -42,8 +42,8 @@ from ._divergence import generalized_jsd, kl_div, tvd
 from ._grpo import grpo_loss
 from ._preference import dpo_loss, kto_loss
 from ._functional import (cross_entropy, entropy, entropy_from_logits, linear_cross_entropy,
-                          linear_log_probs, log_probs, log_softmax, selective_log_softmax,
-                          softmax)
+                          linear_log_probs, linear_plan, log_probs, log_softmax,
+                          selective_log_softmax, softmax)
 from ._linear_divergence import linear_generalized_jsd, linear_kl_div, linear_tvd
 from ._modules import (CrossEntropyLoss, LinearCrossEntropyLoss, LinearGeneralizedJSD,
                        LinearLogProbs)
@@ -53,4 +53,4 @@ __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "LinearGeneralizedJSD",
            "grpo_loss", "kto_loss",
            "kl_div",
            "linear_cross_entropy", "linear_generalized_jsd", "linear_kl_div", "linear_log_probs",
-           "linear_tvd", "log_probs", "log_softmax", "selective_log_softmax", "softmax", "tvd"]
+           "linear_plan", "linear_tvd", "log_probs", "log_softmax", "selective_log_softmax", "softmax", "tvd"]

@@ -23,9 +23,10 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from .. import _lib
+from .. import _dlpack, _lib
 from .._ce import CrossEntropyResult, class_weights
-from .._linear import LinearCrossEntropyResult
+from .._linear import LinearCrossEntropyResult, LinearPlan
+from .._linear import linear_plan as _linear_plan
 from . import _linear_ops as L
 from . import _ops as O
 from . import _vocab_parallel as VP
@@ -466,9 +467,10 @@ def log_softmax(logits: Tensor, dim: int = -1, *, backend: str = "auto",
 
 def _head_dtype(hidden, weight):
     """The dtype the head runs in: float32 on the CPU (its only head dtype);
-    on CUDA the autocast dtype when autocast is on (as the lm_head matmul
-    would), else the lower precision of hidden's and weight's."""
-    if hidden.device.type != "cuda":
+    on CUDA (and for meta tensors, which describe a call: linear_plan) the
+    autocast dtype when autocast is on (as the lm_head matmul would), else
+    the lower precision of hidden's and weight's."""
+    if hidden.device.type == "cpu":
         return torch.float32
     if torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
@@ -532,14 +534,43 @@ def _budget(memory_budget):
     return int(memory_budget)
 
 
-def _grads_in_forward(reduction, h, w, b):
+def _grads_in_forward(reduction, h, w, b, main_grad=None, divisor=None):
     """The NEED_* flags of the gradients the fused head computes in its
     forward: those autograd will want, when the loss is a scalar (its
-    upstream gradient then scales them; per-row losses are recomputed)."""
-    if reduction == "none" or not torch.is_grad_enabled():
+    upstream gradient then scales them; per-row losses are recomputed).
+    None with main_grad and a num_items tensor: that upstream is never 1,
+    and dW added at 1 would cost the backward's correction, a pass over the
+    head more than computing every gradient there."""
+    if (reduction == "none" or not torch.is_grad_enabled()
+            or (main_grad is not None and divisor is not None)):
         return 0
     return ((L.NEED_DH if h.requires_grad else 0) | (L.NEED_DW if w.requires_grad else 0)
             | (L.NEED_DB if b is not None and b.requires_grad else 0))
+
+
+def _main_grad(main_grad, weight, h):
+    """main_grad checked (float32, the weight's shape and device, rows the
+    C call adds to in place, never a copy; h, the head's rows, not being
+    traced), or None where the weight takes no gradient."""
+    if main_grad is None:
+        return None
+    if _tracing(h):
+        raise _lib.Error("LMLOSS_ERR_UNSUPPORTED", "main_grad is eager only: a traced op "
+                         "(torch.compile, torch.export, make_fx) may not write an input")
+    if not isinstance(main_grad, torch.Tensor):
+        raise TypeError("main_grad must be a float32 tensor shaped like the weight, got %s"
+                        % type(main_grad).__name__)
+    if main_grad.dtype != torch.float32:
+        raise _lib.Error("LMLOSS_ERR_BAD_DTYPE", "main_grad must be float32 (the gradient's "
+                         "running sum), got %s" % main_grad.dtype)
+    if main_grad.shape != weight.shape:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "main_grad has shape %s, the weight %s"
+                         % (tuple(main_grad.shape), tuple(weight.shape)))
+    _same_device(main_grad, weight, "main_grad", "the weight")
+    if _dlpack.torch_view(main_grad) is None:
+        raise _lib.Error("LMLOSS_ERR_BAD_STRIDE", "main_grad's rows must be evenly spaced with "
+                         "a contiguous last axis: the gradient is added to it in place")
+    return main_grad if weight.requires_grad else None
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
@@ -554,7 +585,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
                          return_entropy: bool = False, return_argmax: bool = False,
                          backend: str = "auto", num_threads: int = 0,
                          process_group: Optional[Any] = None, vocab_start: Optional[int] = None,
-                         vocab_size: Optional[int] = None
+                         vocab_size: Optional[int] = None, main_grad: Optional[Tensor] = None
                          ) -> Union[Tensor, LinearCrossEntropyResult]:
     """Cross-entropy of logits = hidden [..., H] weight[V, H]^T (+ bias [V])
     against target [...], never materializing the logits: the keywords of
@@ -574,6 +605,28 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     weight requiring them, computes its gradients in this call (the
     backward only scales them), so evaluate under torch.no_grad().
 
+    main_grad (Megatron's fused weight-gradient accumulation): a float32
+    tensor shaped like weight, on its device, with contiguous rows. The
+    weight's gradient of this loss is added to it (in fp32, never rounded
+    to the weight's dtype) instead of reaching autograd: weight.grad is left
+    as it is, unless the weight carries Megatron-core DDP's
+    grad_added_to_main_grad, which is then set True with a placeholder
+    gradient returned, as Megatron's own layers do. The bias's gradient
+    takes autograd's path (summed in fp32, rounded once). A scalar loss
+    adds dW in its forward at an upstream gradient of 1; the backward
+    reads the upstream to the host, and unless it is exactly 1 adds the
+    rest, (upstream - 1) x dW, with a second pass over the head (its logits
+    computed again). So results are right for any upstream, and
+    loss.backward() on the loss as returned costs nothing more: fold a
+    scale into num_items as a number (sum / num_items, computed in the
+    call) rather than multiplying the loss. A num_items tensor divides
+    after the call (its upstream is never 1): there the gradients are all
+    computed in the backward, at the upstream, as for reduction "none".
+    A scalar loss made with gradients enabled must be backpropagated: its
+    forward's addition stays in main_grad otherwise (evaluate under
+    torch.no_grad()). Eager only (a traced op may not write an input), and
+    not with process_group yet.
+
     process_group (VOCAB_PARALLEL): weight [V_r, H] and bias [V_r] are this
     rank's rows of the head, hidden the same on every rank; its gradient
     is summed over the ranks.
@@ -581,6 +634,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     if process_group is not None:
         if shift or return_lse or return_entropy or return_argmax:
             raise _bad("shift and return_* are not vocab-parallel in the fused head")
+        if main_grad is not None:
+            raise _bad("main_grad is not supported with process_group yet")
         return VP.linear_cross_entropy(
             hidden, weight, target, process_group=process_group, bias=bias,
             vocab_start=vocab_start, vocab_size=vocab_size, memory_budget=memory_budget,
@@ -590,6 +645,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
             num_items=num_items, dft=dft, backend=backend, num_threads=num_threads)
     red, items, divisor = _reduction(reduction, num_items)
     h, w, b = _head(hidden, weight, bias, target)
+    main_grad = _main_grad(main_grad, weight, h)
     lead = hidden.shape[:-1]
     target = _target(target, lead, hidden, "hidden")
     s = _shift_of(shift, target.reshape(lead))
@@ -597,16 +653,37 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *,
     fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale, softcap,
                              temperature, red, items, dft, backend_code(backend), num_threads)
     if h.shape[0] == 0:  # no rows: what torch gives, in the graph of hidden, weight, bias
-        loss, pick = _empty_rows_ce(_empty_logits(h, w, b).sum(-1).reshape(lead), red, items,
+        wz = w if main_grad is None else w.detach()  # dW = 0: main_grad is as it was
+        loss, pick = _empty_rows_ce(_empty_logits(h, wz, b).sum(-1).reshape(lead), red, items,
                                     divisor, extras, s)
     else:
         target = _shifted(target.reshape(lead), s, ignore_index).reshape(-1)
         token_weight = _shifted(token_weight, s, 0.0)
-        out = L.linear_cross_entropy(h, w, b, target, _f32(token_weight), _f32(class_weight),
-                                     fopts, iopts, _budget(memory_budget), extras,
-                                     _grads_in_forward(red, h, w, b))
+        op = L.linear_cross_entropy if main_grad is None else L.MainGrad(main_grad, weight)
+        out = op(h, w, b, target, _f32(token_weight), _f32(class_weight), fopts, iopts,
+                 _budget(memory_budget), extras, _grads_in_forward(red, h, w, b, main_grad,
+                                                                   divisor))
         loss, pick = _finish(*out[:4], lead, red, divisor, extras, s)
     return loss if pick is None else LinearCrossEntropyResult(loss, None, None, None, *pick)
+
+
+def linear_plan(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *,
+                memory_budget: Optional[int] = None, main_grad: Optional[Tensor] = None,
+                grad: bool = True, k: int = 1) -> LinearPlan:
+    """What linear_cross_entropy (k = 1) or linear_log_probs (k indices a
+    row) on these tensors will do and take: lmloss.linear_plan for their
+    shapes and the head's dtype, which reads no data, so meta tensors
+    (torch.empty(shape, dtype=..., device="meta")) describe a CUDA call
+    without its memory. The dtype is the call's: float32 on the CPU, the
+    autocast dtype under torch.autocast, else the lower precision of
+    hidden's and weight's. grad: the gradients a training step asks
+    (hidden's, weight's, bias's); main_grad: the call's main_grad, if any.
+    """
+    _check_head(hidden, weight, None)
+    return _linear_plan(hidden.shape[:-1].numel(), weight.shape[1], weight.shape[0],
+                        dtype=str(_head_dtype(hidden, weight)).replace("torch.", ""),
+                        bias=bias is not None, memory_budget=memory_budget, grad=grad,
+                        main_grad=main_grad is not None, k=k)
 
 
 def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *,

@@ -18,16 +18,22 @@ run once per step, not twice; a second backward through the same graph
 for the student's gradients; the teacher is never differentiated.
 On CUDA each call reads the supervised-row count to the host once (the
 C library's one synchronization of the fused head).
+
+MainGrad is linear_cross_entropy's eager path that adds the weight's
+gradient to a caller's float32 main_grad (lmloss_head_grads.accumulate,
+Megatron's fused weight-gradient accumulation); docs/design.md section 7
+says how it treats the upstream gradient.
 """
 
 import ctypes
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from .. import _lib
 from . import _bridge as B
-from ._dispatch import Differentiable, call, custom_op
+from ._dispatch import Differentiable, _Eager, _needs_graph, call, custom_op
 from ._div_ops import _div_opt
 from ._ops import F32, _ce_opt, _extras, _loss, _reduction_name, _stats_shape, run_args
 
@@ -45,19 +51,30 @@ def _hopt(memory_budget):
     return hopt
 
 
-def _grads(hidden, weight, bias, need):
-    """New gradient tensors ([0] when not needed) as (tensors, shapes only)."""
+def _grads(hidden, weight, bias, need, main_grad=None):
+    """New gradient tensors ([0] when not needed) as (tensors, shapes only).
+    With main_grad, dweight goes into it ([0] here) and dbias is a zeroed
+    float32 sum (accumulate adds to both, and takes them F32 only)."""
     def new(t, flag, like):
         ok = t is not None and need & flag
         return like.new_empty(t.shape if ok else (0,), dtype=like.dtype)
-    return (new(hidden, NEED_DH, hidden), new(weight, NEED_DW, weight),
-            new(bias, NEED_DB, weight))
+    dh = new(hidden, NEED_DH, hidden)
+    if main_grad is None:
+        return dh, new(weight, NEED_DW, weight), new(bias, NEED_DB, weight)
+    db_shape = bias.shape if bias is not None and need & NEED_DB else (0,)
+    return dh, weight.new_empty(0), weight.new_zeros(db_shape, dtype=F32)
 
 
-def _grads_struct(grads, keep):
+def _grads_struct(grads, keep, main_grad=None):
+    """lmloss_head_grads of grads ([0] = absent); with main_grad, dweight
+    is main_grad, added to (accumulate: MainGrad's calls, which all want
+    the weight's gradient)."""
     def v(t):
         return B.view(t, keep) if t.numel() else _lib.Tensor()
-    return _lib.HeadGrads(*(v(t) for t in grads))
+    gs = _lib.HeadGrads(*(v(t) for t in grads))
+    if main_grad is not None:
+        gs.dweight, gs.accumulate = B.view(main_grad, keep), 1
+    return gs
 
 
 def _workspace(device, size_fn, *args):
@@ -81,6 +98,32 @@ def _back(grads, need, n_opts):
 
 # ---------------------------------------------------------------- cross-entropy
 
+def _ce_forward(hidden, weight, bias, target, token_weight, class_weight, fopts, iopts,
+                memory_budget, extras, need, main_grad=None):
+    """The body of the linear_cross_entropy op; with main_grad (MainGrad),
+    dweight is added to it."""
+    opt = _ce_opt(fopts, iopts)
+    n = hidden.shape[0]
+    loss = _loss(hidden, n, _reduction_name(iopts))
+    lse, ent, amax = _extras(hidden, n, extras)
+    grads = _grads(hidden, weight, bias, need, main_grad)
+    keep, hopt = [], _hopt(memory_budget)
+    with B.context(hidden, *run_args(iopts)) as ctx:
+        head = _head(hidden, weight, bias, keep)
+        out = _lib.CEOutputs(loss=B.view(loss.reshape(-1), keep))
+        for name, t in (("lse", lse), ("entropy", ent), ("argmax", amax)):
+            if t.numel():
+                setattr(out, name, B.view(t, keep))
+        gs = _grads_struct(grads, keep, main_grad) if need else None
+        ws, addr, nbytes = _workspace(hidden.device, _lib.linear_workspace_size, head, hopt,
+                                      B.ptr(gs), 1)
+        _lib.check(_lib.linear_cross_entropy(ctx, head, B.view(target, keep),
+                                             B.ptr(B.view(token_weight, keep)),
+                                             B.ptr(B.view(class_weight, keep)), opt, hopt, out,
+                                             B.ptr(gs), addr, nbytes))
+    return (loss, lse, ent, amax) + grads
+
+
 @custom_op("lmloss::linear_cross_entropy")
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                          token_weight: Optional[Tensor], class_weight: Optional[Tensor],
@@ -89,26 +132,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Optional[Tensor],
                                              Tensor]:
     """loss, lse, entropy, argmax, then the gradients in `need` (NEED_*
     flags; a scalar reduction only) at an upstream gradient of 1."""
-    opt = _ce_opt(fopts, iopts)
-    n = hidden.shape[0]
-    loss = _loss(hidden, n, _reduction_name(iopts))
-    lse, ent, amax = _extras(hidden, n, extras)
-    grads = _grads(hidden, weight, bias, need)
-    keep, hopt = [], _hopt(memory_budget)
-    with B.context(hidden, *run_args(iopts)) as ctx:
-        head = _head(hidden, weight, bias, keep)
-        out = _lib.CEOutputs(loss=B.view(loss.reshape(-1), keep))
-        for name, t in (("lse", lse), ("entropy", ent), ("argmax", amax)):
-            if t.numel():
-                setattr(out, name, B.view(t, keep))
-        gs = _grads_struct(grads, keep) if need else None
-        ws, addr, nbytes = _workspace(hidden.device, _lib.linear_workspace_size, head, hopt,
-                                      B.ptr(gs), 1)
-        _lib.check(_lib.linear_cross_entropy(ctx, head, B.view(target, keep),
-                                             B.ptr(B.view(token_weight, keep)),
-                                             B.ptr(B.view(class_weight, keep)), opt, hopt, out,
-                                             B.ptr(gs), addr, nbytes))
-    return (loss, lse, ent, amax) + grads
+    return _ce_forward(hidden, weight, bias, target, token_weight, class_weight, fopts, iopts,
+                       memory_budget, extras, need)
 
 
 @linear_cross_entropy.register_fake
@@ -119,22 +144,31 @@ def _(hidden, weight, bias, target, token_weight, class_weight, fopts, iopts, me
             + _grads(hidden, weight, bias, need))
 
 
-@custom_op("lmloss::linear_cross_entropy_backward")
-def linear_cross_entropy_backward(
-        dloss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-        token_weight: Optional[Tensor], class_weight: Optional[Tensor], fopts: list[float],
-        iopts: list[int], memory_budget: int, need: int) -> tuple[Tensor, Tensor, Tensor]:
+def _ce_backward(dloss, hidden, weight, bias, target, token_weight, class_weight, fopts, iopts,
+                 memory_budget, need, main_grad=None):
+    """The body of the linear_cross_entropy_backward op; with main_grad
+    (MainGrad), dweight is added to it."""
     opt = _ce_opt(fopts, iopts)
-    grads = _grads(hidden, weight, bias, need)
+    grads = _grads(hidden, weight, bias, need, main_grad)
     keep, hopt = [], _hopt(memory_budget)
     with B.context(hidden, *run_args(iopts)) as ctx:
-        head, gs = _head(hidden, weight, bias, keep), _grads_struct(grads, keep)
+        head = _head(hidden, weight, bias, keep)
+        gs = _grads_struct(grads, keep, main_grad)
         ws, addr, nbytes = _workspace(hidden.device, _lib.linear_workspace_size, head, hopt, gs, 1)
         _lib.check(_lib.linear_cross_entropy_backward(
             ctx, head, B.view(target, keep), B.ptr(B.view(token_weight, keep)),
             B.ptr(B.view(class_weight, keep)), opt, hopt,
             B.view(dloss.reshape(-1).to(F32), keep), gs, addr, nbytes))
     return grads
+
+
+@custom_op("lmloss::linear_cross_entropy_backward")
+def linear_cross_entropy_backward(
+        dloss: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+        token_weight: Optional[Tensor], class_weight: Optional[Tensor], fopts: list[float],
+        iopts: list[int], memory_budget: int, need: int) -> tuple[Tensor, Tensor, Tensor]:
+    return _ce_backward(dloss, hidden, weight, bias, target, token_weight, class_weight, fopts,
+                        iopts, memory_budget, need)
 
 
 @linear_cross_entropy_backward.register_fake
@@ -196,8 +230,67 @@ def _fused_formula(tensors, first_grad, backward_op):
     return setup, backward
 
 
-linear_cross_entropy = Differentiable(linear_cross_entropy,
-                                      *_fused_formula(6, 4, linear_cross_entropy_backward))
+_ce_setup, _ce_formula = _fused_formula(6, 4, linear_cross_entropy_backward)
+linear_cross_entropy = Differentiable(linear_cross_entropy, _ce_setup, _ce_formula)
+
+
+class MainGrad:
+    """linear_cross_entropy (called with its arguments, as the
+    Differentiable) adding the weight's gradient to main_grad, float32
+    shaped like the weight, instead of handing it to autograd. Eager only
+    (a traced op may not write its inputs: the caller refuses tracing).
+    param: the caller's weight (the op's may be a cast of it), which
+    carries Megatron-core's DDP flags.
+
+    A scalar loss's forward adds dW at an upstream gradient of 1, as the
+    other path computes its gradients, but main_grad cannot be scaled
+    afterwards (it holds earlier sums): the backward reads the upstream to
+    the host and, unless it is exactly 1, adds (upstream - 1) x dW through
+    the recomputing backward. Per-row losses and a second backward through
+    the graph add upstream x dW in the backward."""
+
+    def __init__(self, main_grad, param):
+        self.main_grad, self.param = main_grad, param
+
+    def __call__(self, *args):
+        if not _needs_graph(args):
+            return _ce_forward(*args)
+        return _Eager.apply(*args, self)
+
+    def body(self, *args):
+        return _ce_forward(*args, main_grad=self.main_grad)
+
+    setup = staticmethod(_ce_setup)
+
+    def backward(self, ctx, dloss, *_):
+        saved = ctx.saved_tensors
+        need = _need(ctx, saved[2])
+        if (need & ctx.computed) == need and need & NEED_DW:  # dW is in main_grad at upstream 1
+            ctx.computed = 0  # used up: another backward through this graph recomputes
+            grads, ctx.fwd_grads = ctx.fwd_grads, None
+            up = saved[0].new_zeros((), dtype=F32) if dloss is None else dloss.to(F32)
+            if float(up) != 1.0:  # this mode's one host read
+                _ce_backward(up - 1.0, *saved, *ctx.opts, NEED_DW, self.main_grad)
+            if dloss is not None and need & ~NEED_DW:
+                _scale_grads(ctx, grads, need & ~NEED_DW, dloss)
+        elif dloss is not None:
+            grads = _ce_backward(dloss, *saved, *ctx.opts, need, self.main_grad)
+        if dloss is None:  # eager, no materialized zeros: the loss itself was not used
+            return _back((None, None, None), 0, ctx.n_opts)
+        dh, _, db = grads
+        return _back((dh, self._weight_grad(saved[1]), db.to(saved[1].dtype)), need, ctx.n_opts)
+
+    def _weight_grad(self, weight):
+        """None, or, for a weight Megatron-core's DDP tracks, its flag set
+        and a placeholder gradient as Megatron's own layers return: the
+        DDP's hook asserts that one arrived (overlap_grad_reduce), then
+        drops it."""
+        if not hasattr(self.param, "grad_added_to_main_grad"):
+            return None
+        self.param.grad_added_to_main_grad = True
+        if getattr(self.param, "zero_out_wgrad", False):
+            return torch.zeros_like(weight)
+        return torch.empty_like(weight)
 
 
 # ---------------------------------------------------------------- divergences
