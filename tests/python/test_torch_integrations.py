@@ -138,6 +138,28 @@ def test_patch_respects_softcap_tied_weights_and_logits_to_keep():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_patch_adds_the_head_gradient_to_main_grad():
+    """A head weight with a main_grad attribute (Megatron- and NeMo-style
+    training) gets its gradient added there, not in .grad; every other
+    gradient, and the loss, are the unpatched model's."""
+    base = tiny_llama(vocab=512, tie=False)
+    patched = ltf.patch_causal_lm(copy.deepcopy(base))
+    head = patched.get_output_embeddings().weight
+    prefill = torch.randn(head.shape)
+    head.main_grad = prefill.clone()
+    ids, labels = batch(512)
+    losses = [m(input_ids=ids, labels=labels).loss for m in (base, patched)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    assert head.grad is None
+    want = base.get_output_embeddings().weight.grad
+    torch.testing.assert_close(head.main_grad - prefill, want, rtol=1e-4, atol=1e-6)
+    for (name, p0), p1 in zip(base.named_parameters(), patched.parameters()):
+        if p1 is not head:
+            torch.testing.assert_close(p1.grad, p0.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 # ------------------------------------------------------------------ TRL
 
 def trl_reference_module():

@@ -12,7 +12,11 @@ never building the [B, T, V] logits. It respects logits_to_keep (the loss
 covers the kept positions), final_logit_softcapping (Gemma-style softcap
 c * tanh(x / c)), logit_scale / logits_scaling, tied embeddings (the head
 weight is whatever get_output_embeddings() holds, so a tied weight gets
-both gradients), ignore_index and num_items_in_batch. The returned logits
+both gradients), ignore_index and num_items_in_batch. A head weight with a
+main_grad attribute (the fp32 gradient buffer Megatron- and NeMo-style
+frameworks keep beside it) gets its gradient added there, through
+linear_cross_entropy's main_grad= (eagerly; under torch.compile it takes
+autograd's path). The returned logits
 are None in training mode; in eval mode they are computed (for metrics).
 Without labels, and for TRL's fused_lm_head=True calls, the original
 forward runs unchanged.
@@ -121,11 +125,13 @@ def patch_causal_lm(model: torch.nn.Module, *,
             target = _keep(target, keep)
         head = self.get_output_embeddings()
         items = opt["num_items_in_batch"]
+        main_grad = None if torch.compiler.is_compiling() else \
+            getattr(head.weight, "main_grad", None)
         loss = linear_cross_entropy(hidden, head.weight, target.to(hidden.device),
                                     bias=getattr(head, "bias", None), ignore_index=ignore_index,
                                     logit_scale=scale, softcap=softcap,
                                     reduction=_reduction(items), num_items=items,
-                                    memory_budget=memory_budget)
+                                    memory_budget=memory_budget, main_grad=main_grad)
         logits = None
         if not self.training:
             logits = head(hidden) * scale
