@@ -65,6 +65,7 @@ typedef struct {
  * the chunks, the vocab tiles' buffers (tile_plan) share the same bytes. */
 typedef struct {
   int64_t rows, K, S; /* S: exact entries kept per row (keep_entries) */
+  int64_t slot_rows;  /* rows the per-row buffers hold: rows, or a store's widest chunk */
   size_t hs, dls;     /* bytes of a hidden element; of a dlogits one (0: in place, F32) */
   size_t list, coef, cols, vals, sums, acc_b, bias32, region;
   size_t slab, dl, hid, dh, dh_acc, aux, ce_ws, total;
@@ -111,8 +112,8 @@ static const size_t chunk_slack = 8 * LMLOSS_WS_ALIGN + LMLOSS_CE_WS_HEADER;
 static void layout_store_chunks(linear_plan *p, int64_t V, int64_t H) {
   size_t off = p->region;
   p->slab = off, off += lmloss_ws_up((size_t)p->rows * V * 4);
-  p->aux = off, off += lmloss_ws_up((size_t)p->rows * aux_per_row(p->K));
-  p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(p->rows));
+  p->aux = off, off += lmloss_ws_up((size_t)p->slot_rows * aux_per_row(p->K));
+  p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(p->slot_rows));
   const size_t dh_row = p->region + lmloss_ws_up((size_t)H * 4); /* group_grads' fp32 block */
   p->total = off > dh_row ? off : dh_row;
 }
@@ -136,22 +137,25 @@ static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
   const size_t E =
       hopt->memory_budget ? hopt->memory_budget : LMLOSS_HEAD_DEFAULT_BUDGET + acc_size;
   const size_t per_group_row = (size_t)V * p->dls + (size_t)H * p->hs;
-  const size_t per_chunk_row = (size_t)V * 4 + aux_per_row(p->K) + 3 * sizeof(double);
+  const size_t per_slot_row = aux_per_row(p->K) + 3 * sizeof(double);
+  const size_t per_chunk_row = (size_t)V * 4 + per_slot_row;
   const int64_t min_chunk = N < 128 ? N : 128;
+  const size_t wide_slots = (size_t)(N / 3) * per_slot_row; /* chunk_at's widest chunk's */
   int64_t G = N;
-  size_t A = 0, fixed = base + lmloss_ws_up((size_t)N * per_group_row) + chunk_slack;
+  size_t A = 0, fixed = base + lmloss_ws_up((size_t)N * per_group_row) + chunk_slack + wide_slots;
   int64_t rows = lmloss_chunk_rows(E, fixed, per_chunk_row, N);
   if (rows < min_chunk) { /* groups of whole chunks of min_chunk rows */
     if (acc && !hopt->fp32_accumulate) return 0;
     A = lmloss_ws_up(acc);
     rows = min_chunk;
-    fixed = base + A + chunk_slack + (size_t)rows * per_chunk_row;
+    fixed = base + A + chunk_slack + wide_slots + (size_t)rows * per_chunk_row;
     G = E > fixed ? (int64_t)((E - fixed) / per_group_row) : 0;
     G -= G % rows;
     if (G < LMLOSS_HEAD_MIN_GROUP) return 0;
   }
   p->rows = rows;
   p->group = G;
+  p->slot_rows = G / 3 - G / 3 % 128 > rows ? G / 3 - G / 3 % 128 : rows;
   p->tiles = 0;
   size_t off = base;
   p->acc_w_alloc = A > 0;
@@ -205,7 +209,7 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
                        "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
                        "and their buffers) beside %zu bytes of per-call buffers",
                        budget, per_row + chunk_slack, (long long)V, off);
-  p->rows = rows;
+  p->rows = p->slot_rows = rows;
   p->slab = off, off += lmloss_ws_up((size_t)rows * V * 4);
   p->dl = off, off += lmloss_ws_up((size_t)rows * V * p->dls);
   p->hid = off, off += lmloss_ws_up((size_t)rows * H * p->hs);
@@ -329,7 +333,7 @@ lmloss_status lmloss_linear_plan(const lmloss_head *head, const lmloss_head_opti
   return LMLOSS_OK;
 }
 
-/* The per-row compact buffers of a chunk (n <= p->rows rows), each in a
+/* The per-row compact buffers of a chunk (n <= p->slot_rows rows), each in a
  * slot of the aux area: labels [rows, K] x 8 bytes, five scalar slots of
  * 8 bytes a row, then [rows, K] floats; aux_per_row covers it. */
 typedef struct {
@@ -345,7 +349,7 @@ typedef struct {
 
 static chunk_slots slots(const linear_plan *p, char *aux, lmloss_device dev, int64_t n) {
   const int64_t K = p->K > 0 ? p->K : 1;
-  const size_t R = (size_t)p->rows, scalars = R * (size_t)K * 8;
+  const size_t R = (size_t)p->slot_rows, scalars = R * (size_t)K * 8;
   chunk_slots s;
   s.labels = lmloss_ws_view(aux, LMLOSS_I64, dev, n, K);
   s.row = lmloss_ws_view(aux + scalars, LMLOSS_F32, dev, n, 1);
