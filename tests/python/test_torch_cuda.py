@@ -66,7 +66,8 @@ def test_logits_ops_replay_in_a_cuda_graph():
     """The logits ops are capturable in a CUDA graph: a forward+backward
     recorded once and replayed on new values gives what eager calls on those
     values give, bit for bit (the row kernels merge in a fixed order); the
-    plain cross-entropy's backward takes the held plan."""
+    plain cross-entropy's one pass (its gradient formed in the forward,
+    scaled on the device in the backward) takes the held plan."""
     g = torch.Generator().manual_seed(2)
     n, v = 96, 4099
 

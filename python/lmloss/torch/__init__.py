@@ -8,7 +8,9 @@ targets, softmax(x, dim), TRL's selective_log_softmax and
 entropy_from_logits, Liger-Kernel's and cut-cross-entropy's softcap=None,
 ignore_index and shift=. It returns torch tensors on the
 input's device, and is differentiable: the backward calls the C backward
-functions. Tensors are passed to the C library by data_ptr() (row strides
+functions, or, for a loss reduced to a scalar whose gradient the forward
+formed (cross_entropy, the fused heads), scales that gradient by the
+upstream on the device. Tensors are passed to the C library by data_ptr() (row strides
 for non-contiguous rows with a contiguous last axis, no copies); CUDA calls
 run on torch.cuda.current_stream() and never synchronize the host, except
 the fused head's one read of its supervised-row count. Workspaces come from
