@@ -75,8 +75,9 @@ typedef struct {
   int acc_w_f32; /* a 16-bit dW tile sums over row blocks in fp32 */
   int tiled;     /* set per call: it does (more than one row chunk) */
   /* The store (plan_store): the 16-bit dlogits and gathered hidden rows of
-   * `group` rows (whole chunks) are kept, for one dhidden and one dW GEMM
-   * a group; dW sums over groups in fp32 (acc_w, or an F32 dweight). */
+   * `group` rows (all N, or whole chunks) are kept, for one dhidden and one
+   * dW GEMM a group; dW sums over groups in fp32 (acc_w, or an F32
+   * dweight). 0: no store. */
   int64_t group;
   size_t store, ghid, acc_w;
   int acc_w_alloc;

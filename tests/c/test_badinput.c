@@ -340,6 +340,13 @@ static void run_backend(int b) {
     bg.dweight.dtype = LMLOSS_I32;
     expect(lmloss_linear_cross_entropy(&ctx, &head, &T, NULL, NULL, &o, &ho, &lo, &bg, lws, lwsb),
            LMLOSS_ERR_BAD_DTYPE, "dweight I32");
+    bg = gr, bg.accumulate = 2;
+    expect(lmloss_linear_cross_entropy(&ctx, &head, &T, NULL, NULL, &o, &ho, &lo, &bg, lws, lwsb),
+           LMLOSS_ERR_BAD_OPTION, "accumulate 2");
+    bh = head, bh.hidden.dtype = bh.weight.dtype = bh.bias.dtype = LMLOSS_BF16;
+    bg = gr, bg.dhidden.dtype = bg.dweight.dtype = LMLOSS_BF16, bg.accumulate = 1;
+    expect(lmloss_linear_cross_entropy(&ctx, &bh, &T, NULL, NULL, &o, &ho, &lo, &bg, lws, lwsb),
+           LMLOSS_ERR_BAD_DTYPE, "accumulate into a BF16 dweight");
     lmloss_head_options bo = ho;
     bo.fp32_accumulate = 2;
     expect(lmloss_linear_cross_entropy(&ctx, &head, &T, NULL, NULL, &o, &bo, &lo, &gr, lws, lwsb),
