@@ -60,6 +60,7 @@ DIV_STATE_EXCHANGE_COLS = 8  # LMLOSS_DIV_STATE_EXCHANGE_COLS: ms, rs, as, mt, r
 DIV_COL_WS_Y, DIV_COL_XS_A, DIV_COL_XT_AT = 8, 9, 10
 DIV_PARTIAL_COLS = 8  # LMLOSS_DIV_PARTIAL_COLS (F64): div, rev, mix, pos, neg, eq, ent, 0
 _DIV_PARTIALS = {0: (0,), 1: (0, 1), 2: (0, 2), 3: (0, 3, 4, 5)}  # by lmloss_divergence_kind
+DIV_PARTIAL_ENT = 6
 
 
 def div_exchange_columns(opt):
@@ -73,13 +74,14 @@ def div_exchange_columns(opt):
             + ((DIV_COL_XT_AT,) if opt.teacher.softcap > 0 else ()))
 
 
-def div_partial_columns(opt):
+def div_partial_columns(opt, entropy=False):
     """The partials' columns opt's kind reads (a JSD with beta 0 or 1 is the
-    KL or reverse KL, as the C call resolves it)."""
+    KL or reverse KL, as the C call resolves it), and the entropy's when
+    the finish is to output it."""
     kind = opt.kind
     if kind == _lib.DIV_KINDS["jsd"] and opt.beta in (0.0, 1.0):
         kind = _lib.DIV_KINDS["kl"] if opt.beta == 0.0 else _lib.DIV_KINDS["reverse_kl"]
-    return _DIV_PARTIALS[kind]
+    return _DIV_PARTIALS[kind] + ((DIV_PARTIAL_ENT,) if entropy else ())
 
 
 div_state = _proto("lmloss_divergence_state", _Ctx, _DI, _DO, _S, _T)

@@ -288,8 +288,9 @@ def _check_heads_divergence(world, rank, uneven, V):
     bt = b + 0.1 * torch.randn(V, generator=g)
     _, y = _rows(V, _bounds(V, world, uneven), seed=world + 1)
     cases = [
-        (LT.linear_generalized_jsd, dict(beta=0.5), None),
-        (LT.linear_kl_div, dict(reduction="none", temperature=0.7), 5 * (e - s) * 12),
+        (LT.linear_generalized_jsd, dict(beta=0.5, return_entropy=True), None),
+        (LT.linear_kl_div, dict(reduction="none", temperature=0.7, return_entropy=True),
+         5 * (e - s) * 12),
         (LT.linear_kl_div, dict(reverse=True, hard_weight=0.5, num_items_in_batch=9), None),
         (LT.linear_tvd, dict(reduction="sum", softcap=8.0), 5 * (e - s) * 12),
         (LT.linear_generalized_jsd, dict(beta=0.2, reduction="mean"), 5 * (e - s) * 12),
@@ -301,10 +302,13 @@ def _check_heads_divergence(world, rank, uneven, V):
                                          dict(shard, memory_budget=budget))):
             hh, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (h, ww, bb))
             loss = fn(hh, w2, ht, wtt, y, student_bias=b2, teacher_bias=btt, **kw, **extra)
+            loss, ent = loss if kw.get("return_entropy") else (loss, None)
             (loss * torch.linspace(0.5, 1.5, loss.numel()).reshape(loss.shape)).sum().backward()
-            out.append((loss.detach(), hh.grad, w2.grad, b2.grad))
+            out.append((loss.detach(), hh.grad, w2.grad, b2.grad, ent))
         ref, got = out
         what = "heads %s %s" % (fn.__name__, kw)
+        if ref[4] is not None:
+            _close(got[4], ref[4], what + " entropy", rtol=1e-4, atol=1e-6)
         _close(got[0], ref[0], what, rtol=1e-4)
         _close(got[1], ref[1], what + " dhidden", rtol=1e-4, atol=1e-5)
         _close(got[2], ref[2][s:e], what + " dweight", rtol=1e-4, atol=1e-5)

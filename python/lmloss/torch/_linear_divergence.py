@@ -75,31 +75,28 @@ class _ShardHeads(_Heads):
     vocabulary (Megatron's layout), hidden replicated: the loss through the
     vocab-parallel op, v the whole vocabulary's width."""
 
-    def __init__(self, *args, process_group, vocab_start, vocab_size):
+    def __init__(self, *args, process_group, vocab_start, vocab_size, entropy):
         super().__init__(*args)
         self.shard = VP.Shard(process_group, self.v, vocab_start, vocab_size)
-        self.v = self.shard.vocab
+        self.v, self.want_entropy = self.shard.vocab, entropy
 
     def loss(self, label, fopts, iopts, per_row):
         h, w, b = self.student
         if h.shape[0] == 0:  # no rows: no exchange either, as on every rank
             return super().loss(label, fopts, iopts, per_row)
-        return VP.LinearDivergence.apply(h, w, b, *self.teacher, label, fopts, iopts, self.shard,
-                                         self.budget, per_row)
-
-    def result(self, loss, return_entropy):
-        if return_entropy:
-            raise _lib.Error("LMLOSS_ERR_UNSUPPORTED", "return_entropy is not computed over a "
-                             "vocabulary shard (lmloss_divergence_finish's entropy output is)")
+        loss, self.entropy = VP.LinearDivergence.apply(h, w, b, *self.teacher, label, fopts,
+                                                       iopts, self.shard, self.budget, per_row,
+                                                       self.want_entropy)
         return loss
 
 
-def _heads(args, process_group, vocab_start, vocab_size):
-    """_Heads of the functions' head arguments, or _ShardHeads with a process group."""
+def _heads(args, process_group, vocab_start, vocab_size, entropy):
+    """_Heads of the functions' head arguments, or _ShardHeads with a
+    process group (entropy: whose exchange then carries the entropy)."""
     if process_group is None:
         return _Heads(*args)
     return _ShardHeads(*args, process_group=process_group, vocab_start=vocab_start,
-                       vocab_size=vocab_size)
+                       vocab_size=vocab_size, entropy=entropy)
 
 
 def linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
@@ -135,7 +132,8 @@ def linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     under torch.no_grad().
     """
     heads = _heads((student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                    teacher_bias, labels, memory_budget), process_group, vocab_start, vocab_size)
+                    teacher_bias, labels, memory_budget), process_group, vocab_start, vocab_size,
+                   return_entropy)
     loss = _distill(heads, labels, "jsd", beta, temperature, reduction, num_items_in_batch,
                     teacher_temperature, logit_scale, teacher_logit_scale, softcap,
                     teacher_softcap, soft_weight, hard_weight, ignore_index, backend, num_threads)
@@ -158,7 +156,8 @@ def linear_kl_div(student_hidden: Tensor, student_weight: Tensor, teacher_hidden
     """kl_div (KL(q || p), reverse=True: KL(p || q)) through the two heads;
     arguments and results as linear_generalized_jsd's."""
     heads = _heads((student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                    teacher_bias, labels, memory_budget), process_group, vocab_start, vocab_size)
+                    teacher_bias, labels, memory_budget), process_group, vocab_start, vocab_size,
+                   return_entropy)
     loss = _distill(heads, labels, "reverse_kl" if reverse else "kl", 0.0, temperature, reduction,
                     num_items_in_batch, teacher_temperature, logit_scale, teacher_logit_scale,
                     softcap, teacher_softcap, soft_weight, hard_weight, ignore_index, backend,
@@ -182,7 +181,8 @@ def linear_tvd(student_hidden: Tensor, student_weight: Tensor, teacher_hidden: T
     """tvd (0.5 sum_j |p_j - q_j| per row) through the two heads; arguments
     and results as linear_generalized_jsd's."""
     heads = _heads((student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                    teacher_bias, labels, memory_budget), process_group, vocab_start, vocab_size)
+                    teacher_bias, labels, memory_budget), process_group, vocab_start, vocab_size,
+                   return_entropy)
     loss = _distill(heads, labels, "tvd", 0.0, temperature, reduction, num_items_in_batch,
                     teacher_temperature, logit_scale, teacher_logit_scale, softcap,
                     teacher_softcap, soft_weight, hard_weight, ignore_index, backend, num_threads)

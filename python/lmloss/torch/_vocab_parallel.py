@@ -323,14 +323,15 @@ def div_exchange(state, opt, shard, run):
     return merged
 
 
-def div_partials_sum(partials, opt, shard):
+def div_partials_sum(partials, opt, shard, entropy=False):
     """The partials summed over the ranks: the columns opt's kind reads
-    gathered (8 to 32 bytes a row) and summed in rank order, so every rank
-    holds the same bits (an all-reduce's order is its own). Every summand
-    of the loss is >= 0: a plain sum, no collapse."""
+    (and the entropy's, with entropy) gathered (8 to 40 bytes a row) and
+    summed in rank order, so every rank holds the same bits (an
+    all-reduce's order is its own). Every summand of the loss and of the
+    entropy is >= 0: a plain sum, no collapse."""
     if shard.world == 1:
         return partials
-    cols = list(S.div_partial_columns(opt))
+    cols = list(S.div_partial_columns(opt, entropy))
     summed = torch.zeros_like(partials)
     summed[:, cols] = _gather(partials, cols, shard).sum(0)
     return summed
@@ -355,15 +356,17 @@ def div_partials_into(x, t, label, opt, sh, merged, partials, run):
                                   B.view(merged, keep), B.view(partials, keep)))
 
 
-def div_finish_into(x, t, label, opt, sh, merged, summed, loss, dx, run):
+def div_finish_into(x, t, label, opt, sh, merged, summed, loss, dx, run, entropy=None):
     """lmloss_divergence_finish: the rows' loss into loss (1-D: a row's
-    each, or their sum) and, with dx, the student's gradient at an
-    upstream of 1."""
+    each, or their sum), with dx the student's gradient at an upstream of
+    1, with entropy [N] the student's entropy of each row."""
     keep = []
     with B.context(x, *run) as c:
         out = _lib.DivOutputs(loss=B.view(loss, keep))
         if dx is not None:
             out.dstudent = B.view(dx, keep)
+        if entropy is not None:
+            out.entropy = B.view(entropy, keep)
         ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
         _lib.check(S.div_finish(c, _div_inputs(x, t, label, keep), opt, sh, B.view(merged, keep),
                                 B.view(summed, keep), out, addr, nbytes))
@@ -602,10 +605,13 @@ class LinearDivergence(torch.autograd.Function):
     Three passes over the chunks, Divergence's two exchanges between them:
     the states; the partial sums; the finish and, for a summed loss, the
     student's gradients (the logits recomputed in each pass when they took
-    more than one chunk). The backward sums dhidden over the ranks."""
+    more than one chunk). The backward sums dhidden over the ranks. Returns
+    the loss and, with want_entropy, the student's entropy of each row (not
+    differentiable; else an empty tensor)."""
 
     @staticmethod
-    def forward(ctx, hs, ws, bs, ht, wt, bt, label, fopts, iopts, shard, budget, per_row):
+    def forward(ctx, hs, ws, bs, ht, wt, bt, label, fopts, iopts, shard, budget, per_row,
+                want_entropy):
         opt, run, sh = DO._div_opt(fopts, iopts), O.run_args(iopts), shard.struct()
         n = hs.shape[0]
         chunks = _plan(hs, ws, (budget or DEFAULT_BUDGET) // 2)  # both heads' logits
@@ -620,26 +626,29 @@ class LinearDivergence(torch.autograd.Function):
             zs, zt = kept or _pair_logits(hs, ws, bs, ht, wt, bt, i0, i1)
             div_partials_into(zs, zt, _rows_of(label, i0, i1), opt, sh, merged[i0:i1],
                               partials[i0:i1], run)
-        summed = div_partials_sum(partials, opt, shard)
+        summed = div_partials_sum(partials, opt, shard, want_entropy)
         acc = None if per_row or not any(ctx.needs_input_grad[:3]) else _new_acc(hs, ws, bs)
         loss = hs.new_empty((n if per_row else len(chunks),), dtype=F32)
+        entropy = hs.new_empty((n if want_entropy else 0,), dtype=F32)
         for k, (i0, i1) in enumerate(chunks):
             zs, zt = kept or _pair_logits(hs, ws, bs, ht, wt, bt, i0, i1)
             dz = None if acc is None else torch.empty_like(zs)
             div_finish_into(zs, zt, _rows_of(label, i0, i1), opt, sh, merged[i0:i1],
-                            summed[i0:i1], loss[i0:i1] if per_row else loss[k:k + 1], dz, run)
+                            summed[i0:i1], loss[i0:i1] if per_row else loss[k:k + 1], dz, run,
+                            entropy[i0:i1] if want_entropy else None)
             if dz is not None:
                 _accumulate(acc, dz, hs, ws, bs, i0, i1)
         ctx.save_for_backward(hs, ws, bs, ht, wt, bt, label, merged, summed)
         ctx.args = fopts, iopts, shard, chunks, kept, acc
-        return loss if per_row else loss.sum()
+        ctx.mark_non_differentiable(entropy)
+        return loss if per_row else loss.sum(), entropy
 
     @staticmethod
-    def backward(ctx, dloss):
+    def backward(ctx, dloss, _dentropy):
         hs, ws, bs, ht, wt, bt, label, merged, summed = ctx.saved_tensors
         fopts, iopts, shard, chunks, kept, acc = ctx.args
         if acc is not None:  # formed in the forward at an upstream of 1
-            return _head_grads(acc, dloss.to(F32), shard, hs, ws, bs) + (None,) * 9
+            return _head_grads(acc, dloss.to(F32), shard, hs, ws, bs) + (None,) * 10
         opt, run, sh = DO._div_opt(fopts, iopts), O.run_args(iopts), shard.struct()
         acc, dl = _new_acc(hs, ws, bs), dloss.reshape(-1).to(F32)
         for i0, i1 in chunks:
@@ -647,7 +656,7 @@ class LinearDivergence(torch.autograd.Function):
             dz = div_backward(zs, zt, _rows_of(label, i0, i1), opt, sh, merged[i0:i1],
                               summed[i0:i1], dl[i0:i1], run)
             _accumulate(acc, dz, hs, ws, bs, i0, i1)
-        return _head_grads(acc, 1.0, shard, hs, ws, bs) + (None,) * 9
+        return _head_grads(acc, 1.0, shard, hs, ws, bs) + (None,) * 10
 
 
 def _pair_logits(hs, ws, bs, ht, wt, bt, i0, i1):
