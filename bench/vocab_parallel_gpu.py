@@ -13,7 +13,6 @@
 """
 
 import os
-import statistics
 import sys
 import tempfile
 
@@ -21,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import lmloss.torch as LT
+from gpu_timing import timed
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
 V = int(sys.argv[2]) if len(sys.argv) > 2 else 152064
@@ -82,20 +82,6 @@ def two_rank_worker(rank, init):
     dist.destroy_process_group()
 
 
-def timed(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 def capture():
     pg = dist.new_group([0], backend="nccl")
     x, y = peaked(1024, 32000, torch.bfloat16)
@@ -130,9 +116,9 @@ def bench():
             LT.cross_entropy(tt, y, **kw).backward()
         return run
 
-    t1 = timed(step(x))
-    th = timed(step(half, process_group=pg, vocab_start=0, vocab_size=V))
-    tho = timed(step(half))
+    t1 = timed(step(x), 10)[0]
+    th = timed(step(half, process_group=pg, vocab_start=0, vocab_size=V), 10)[0]
+    tho = timed(step(half), 10)[0]
     print("CE fwd+bwd bf16 %dx%d: one GPU %.2f ms; a rank's half through process_group %.2f ms "
           "(%.2fx of one GPU); the one-shot call on the half %.2f ms" % (N, V, t1, th, th / t1, tho))
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -146,14 +132,14 @@ def bench():
             LT.linear_cross_entropy(hh, w2, yy, **kw).backward()
         return run
 
-    f1 = timed(head(w), reps=5)
+    f1 = timed(head(w), 5)[0]
     wh = w[: V // 2].contiguous()
     for budget in (None, 4 << 30):
         fh = timed(head(wh, process_group=pg, vocab_start=0, vocab_size=V,
-                        memory_budget=budget), reps=5)
+                        memory_budget=budget), 5)[0]
         print("fused head bf16 %dx%dx%d: one GPU %.2f ms; a rank's half of W through "
               "process_group, budget %s: %.2f ms (%.2fx)" % (N, H, V, f1, budget, fh, fh / f1))
-    gemm = timed(lambda: (h @ wh.t(), ), reps=5)
+    gemm = timed(lambda: (h @ wh.t(), ), 5)[0]
     print("one logits GEMM of the half: %.2f ms" % gemm)
 
 
