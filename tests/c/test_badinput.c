@@ -340,6 +340,7 @@ static void run_backend(int b) {
     bg.dweight.dtype = LMLOSS_I32;
     expect(lmloss_linear_cross_entropy(&ctx, &head, &T, NULL, NULL, &o, &ho, &lo, &bg, lws, lwsb),
            LMLOSS_ERR_BAD_DTYPE, "dweight I32");
+    expect(lmloss_linear_plan(&head, &ho, &gr, 3, NULL), LMLOSS_ERR_NULL_POINTER, "plan NULL");
     bg = gr, bg.accumulate = 2;
     expect(lmloss_linear_cross_entropy(&ctx, &head, &T, NULL, NULL, &o, &ho, &lo, &bg, lws, lwsb),
            LMLOSS_ERR_BAD_OPTION, "accumulate 2");
