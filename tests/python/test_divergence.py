@@ -411,13 +411,14 @@ TORCH_FNS = {"kl": (lambda s, t, **k: lt.kl_div(s, t, **k), 0.5),
              "jsd": (lambda s, t, **k: lt.generalized_jsd(s, t, beta=0.9, **k), 0.9)}
 
 
+@pytest.mark.parametrize("backend", ["cpu", "ref"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", list(TORCH_FNS))
-def test_torch_gradients_against_the_oracle(kind, dtype):
+def test_torch_gradients_against_the_oracle(kind, dtype, backend):
     """The fused path (a scalar loss: the gradient formed in the forward,
-    scaled by the upstream), the per-row path (lmloss_divergence_backward
-    from a per-row upstream), and a second backward through one graph; the
-    teacher gets no gradient."""
+    scaled by the upstream: lmloss_scale, or torch on the REF backend), the
+    per-row path (lmloss_divergence_backward from a per-row upstream), and
+    a second backward through one graph; the teacher gets no gradient."""
     fn, beta = TORCH_FNS[kind]
     rng = np.random.default_rng(14)
     s, t = tensors(rng, (2, 4), 503, dtype)
@@ -427,7 +428,7 @@ def test_torch_gradients_against_the_oracle(kind, dtype):
     ref, grad = oracle(s, t, kind, beta, labels=y, hard=0.25)
     w = torch.rand(2, 4, generator=torch.Generator().manual_seed(0))
     for red, upstream in (("sum", torch.tensor(3.0)), ("none", w)):
-        loss = fn(s, t, labels=y, hard_weight=0.25, reduction=red)
+        loss = fn(s, t, labels=y, hard_weight=0.25, reduction=red, backend=backend)
         want_loss = ref.sum() if red == "sum" else ref.reshape(2, 4)
         util.check(loss.detach().numpy(), want_loss.detach().numpy(), what=red)
         want = grad((upstream.double() * want_loss).sum())

@@ -99,6 +99,20 @@ class context:
             self.switch.__exit__(*exc)
 
 
+def scale_(t, dloss, backend, num_threads):
+    """t *= dloss (a scalar tensor) in place: a gradient a forward formed at
+    an upstream of 1, scaled by the upstream that reached its backward.
+    lmloss_scale on the stream, which returns at once for an upstream of 1
+    (torch's multiply by a 0-d device tensor is a pass over t every time);
+    the REF backend, which has no lmloss_scale, multiplies with torch."""
+    if backend == BACKENDS["ref"]:
+        return t.mul_(dloss.to(t.dtype))
+    keep = []
+    with context(t, backend, num_threads) as c:
+        _lib.check(_lib.scale(c, view(t, keep), view(dloss.reshape(1).to(torch.float32), keep)))
+    return t
+
+
 def workspace(nbytes, device):
     """(tensor, 256-byte aligned address, bytes) from the caching allocator."""
     buf = torch.empty(int(nbytes) + 256, dtype=torch.uint8, device=device)

@@ -123,7 +123,7 @@ def _div_backward(ctx, dloss, _ddstudent):
     saved = ctx.saved_tensors
     if ctx.fused and getattr(ctx, "eager", False):
         ctx.fused = False  # used up: another backward through this graph recomputes
-        dstudent, ctx.fwd_grad = ctx.fwd_grad.mul_(dloss), None
+        dstudent, ctx.fwd_grad = B.scale_(ctx.fwd_grad, dloss, *run_args(ctx.opts[1])), None
     elif ctx.fused:
         dstudent = saved[3] * dloss
     else:

@@ -192,10 +192,7 @@ def _ce_backward(ctx, dloss, *_):
         dlogits = formed[0] * dloss
     elif ctx.grad != GRAD_IN_BACKWARD and ctx.dlogits is not None:
         dlogits, ctx.dlogits = ctx.dlogits, None  # used up, and unshared: autograd keeps it
-        keep = []
-        with B.context(dlogits, *run_args(ctx.opts[1])) as c:
-            _lib.check(_lib.scale(c, B.view(dlogits, keep),
-                                  B.view(dloss.reshape(1).to(F32), keep)))
+        B.scale_(dlogits, dloss, *run_args(ctx.opts[1]))
     elif ctx.grad == GRAD_OVER_LOGITS:
         raise RuntimeError("lmloss.torch.cross_entropy(inplace_backward=True) wrote the "
                            "gradient over the logits, which its first backward handed on: a "

@@ -415,7 +415,7 @@ class Divergence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         if ctx.fwd_grad is not None:  # used once: another backward recomputes
-            dx, ctx.fwd_grad = ctx.fwd_grad.mul_(dloss.to(F32)), None
+            dx, ctx.fwd_grad = B.scale_(ctx.fwd_grad, dloss, *O.run_args(ctx.args[1])), None
             return (dx,) + (None,) * 6
         x, t, label, merged, summed = ctx.saved_tensors
         fopts, iopts, shard = ctx.args
