@@ -12,8 +12,9 @@ target lifted 0-15 above its row's max), targets uniform in [0, V):
                     over the logits)
   lmloss num_items  reduction="sum", num_items=<a tensor> (transformers'
                     num_items_in_batch): the sum is divided on the device,
-                    so the backward's upstream is 1 / num_items and
-                    lmloss_scale reads and writes dlogits once more
+                    so the upstream is never 1 and the op leaves the
+                    gradient to its backward (scaling a formed one measured
+                    slower)
   lmloss two-pass   the op with the gradient left to its backward (the path
                     before the one-pass forward: the backward re-reads the
                     logits)

@@ -4,7 +4,8 @@ logits.
 
 logits = hidden [..., H] x weight[V, H]^T (+ bias [V]) are formed in row
 chunks whose transient buffers fit `memory_budget` bytes (None = the C
-default, 256 MiB); rows the loss ignores (ignore_index, mask 0) never reach
+default: the fastest schedule, lmloss.h's lmloss_head_options; the
+divergences' 256 MiB); rows the loss ignores (ignore_index, mask 0) never reach
 a GEMM. hidden, weight and bias share one dtype: float32 (float64 is
 computed in float32) on the CPU; bf16/fp16 heads need the CUDA backend
 (LMLOSS_ERR_UNSUPPORTED here). Gradients come back as float32 for fp32
@@ -150,8 +151,9 @@ def linear_cross_entropy(hidden: ArrayLike, weight: ArrayLike, target: ArrayLike
     `weight` is the head here. grad=True returns (loss, dhidden, dweight,
     dbias): the gradients of the returned loss (for "none", of its sum),
     computed in the same pass; dbias is None without bias. With any return_*
-    flag set, returns LinearCrossEntropyResult instead. memory_budget: bytes
-    for the per-chunk buffers (None = 256 MiB); too small for one row raises
+    flag set, returns LinearCrossEntropyResult instead. memory_budget: a bound
+    on the call's workspace in bytes (None = the fastest schedule:
+    linear_plan says which and how many bytes); too small for one row raises
     LMLOSS_ERR_WORKSPACE_TOO_SMALL. Raises lmloss.Error.
 
     main_grad (with grad=True): a float32 [V, H] array, writable, with

@@ -302,15 +302,21 @@ lmloss_status lmloss_check_head_grads(const lmloss_head *head, const lmloss_head
   return LMLOSS_OK;
 }
 
+/* The plan of a size or plan query, its arguments checked. */
+static lmloss_status query_plan(const lmloss_head *head, const lmloss_head_options *hopt,
+                                const lmloss_head_grads *grads, int64_t k, linear_plan *p) {
+  if (k < 0) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "k must be >= 0");
+  TRY(lmloss_check_head(head, hopt));
+  TRY(lmloss_check_head_grads(head, grads));
+  return make_plan(head, hopt, grads, k, p);
+}
+
 lmloss_status lmloss_linear_workspace_size(const lmloss_head *head, const lmloss_head_options *hopt,
                                            const lmloss_head_grads *grads, int64_t k,
                                            size_t *bytes) {
   linear_plan p;
   if (!bytes) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "bytes is NULL");
-  if (k < 0) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "k must be >= 0");
-  TRY(lmloss_check_head(head, hopt));
-  TRY(lmloss_check_head_grads(head, grads));
-  TRY(make_plan(head, hopt, grads, k, &p));
+  TRY(query_plan(head, hopt, grads, k, &p));
   *bytes = p.total;
   return LMLOSS_OK;
 }
@@ -320,8 +326,8 @@ lmloss_status lmloss_linear_plan(const lmloss_head *head, const lmloss_head_opti
                                  lmloss_head_plan *plan) {
   linear_plan p;
   if (!plan) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "plan is NULL");
-  TRY(lmloss_linear_workspace_size(head, hopt, grads, k, &plan->workspace_bytes));
-  TRY(make_plan(head, hopt, grads, k, &p));
+  TRY(query_plan(head, hopt, grads, k, &p));
+  plan->workspace_bytes = p.total;
   plan->chunk_rows = p.rows;
   plan->group_rows = p.group;
   plan->store_bytes = p.group ? p.region - p.store : 0;

@@ -407,41 +407,30 @@ static lmloss_status call(const call_spec *s, how hw, outs *o) {
   return st;
 }
 
-/* The smallest memory budget that holds one row (so that chunks have
- * exactly 1 row; 3x that: 3 rows), found from lmloss_linear_workspace_size. */
-static size_t one_row_budget(const head_data *hd, const outs *o, int64_t k) {
-  lmloss_head h = {hd->hidden, hd->weight, hd->bias};
-  lmloss_head_grads gr = {o->dh, o->dw, o->db};
-  lmloss_head_options ho = lmloss_head_options_default();
-  size_t lo = 1, hi = (size_t)1 << 32, b;
-  while (lo < hi) {
-    ho.memory_budget = lo + (hi - lo) / 2;
-    if (lmloss_linear_workspace_size(&h, &ho, &gr, k, &b) == LMLOSS_OK)
-      hi = ho.memory_budget;
-    else
-      lo = ho.memory_budget + 1;
-  }
-  return lo;
-}
-
-/* The smallest memory budget whose plan keeps a store of groups (at least
- * 1024 rows, LMLOSS_HEAD_MIN_GROUP; dW summed over them in fp32), or 0 if
- * none does. */
-static size_t group_budget(const head_data *hd, const outs *o, int64_t k) {
-  lmloss_head h = {hd->hidden, hd->weight, hd->bias};
-  lmloss_head_grads gr = {o->dh, o->dw, o->db};
+/* Whether a call has a plan at this budget, with a store of groups of at
+ * least min_group rows. */
+static int plans(const head_data *hd, const outs *o, int64_t k, size_t budget, int64_t min_group) {
+  const lmloss_head h = {hd->hidden, hd->weight, hd->bias};
+  const lmloss_head_grads gr = {o->dh, o->dw, o->db};
   lmloss_head_options ho = lmloss_head_options_default();
   lmloss_head_plan pl;
+  ho.memory_budget = budget;
+  return lmloss_linear_plan(&h, &ho, &gr, k, &pl) == LMLOSS_OK && pl.group_rows >= min_group;
+}
+
+/* The smallest memory budget that plans(min_group), 0 if none does:
+ * min_group 0, any plan (chunks of exactly 1 row; 3x that: 3 rows);
+ * 1024 (LMLOSS_HEAD_MIN_GROUP), a store of groups. */
+static size_t least_budget(const head_data *hd, const outs *o, int64_t k, int64_t min_group) {
   size_t lo = 1, hi = (size_t)1 << 32;
   while (lo < hi) {
-    ho.memory_budget = lo + (hi - lo) / 2;
-    if (lmloss_linear_plan(&h, &ho, &gr, k, &pl) == LMLOSS_OK && pl.group_rows >= 1024)
-      hi = ho.memory_budget;
+    const size_t mid = lo + (hi - lo) / 2;
+    if (plans(hd, o, k, mid, min_group))
+      hi = mid;
     else
-      lo = ho.memory_budget + 1;
+      lo = mid + 1;
   }
-  ho.memory_budget = lo;
-  return lmloss_linear_plan(&h, &ho, &gr, k, &pl) == LMLOSS_OK && pl.group_rows >= 1024 ? lo : 0;
+  return plans(hd, o, k, lo, min_group) ? lo : 0;
 }
 
 /* dweight and dbias added to (accumulate) over a's own: twice a's, and
@@ -473,7 +462,7 @@ typedef struct {
   lmloss_dtype dt, idt, gwdt; /* head; target; dweight/dbias */
   lmloss_ce_options opt;
   int bias, tw, cw, mode, grads, outs, all_ignored, chunks;
-  int groups;     /* a 4th run: the store in groups (group_budget), which must exist */
+  int groups;     /* a 4th run: the store in groups (least_budget), which must exist */
   int accumulate; /* and dweight, dbias (F32) added to (accumulated) */
   double margin, ignore_frac, sigma;
 } lc_case;
@@ -583,9 +572,9 @@ static void lc_run(tgroup *g, const lc_case *c) {
   int before = (int)g->fails;
   for (int r = 0; r < nrun; r++) {
     o[r] = lc_outs(c, &hd);
-    if (r == 0 && c->chunks) b1 = one_row_budget(&hd, &o[0], 1);
+    if (r == 0 && c->chunks) b1 = least_budget(&hd, &o[0], 1, 0);
     if (r == 3) {
-      bg = group_budget(&hd, &o[3], 1);
+      bg = least_budget(&hd, &o[3], 1, 1024);
       if (!tg_true(g, bg > 0, "no budget keeps a store of groups")) continue;
     }
     how hw = {c->chunks ? (r == 0 ? b1 : r == 1 ? 3 * b1 : r == 3 ? bg : 0) : 0, 0, 0};
@@ -788,7 +777,7 @@ static void lp_run(tgroup *g, const lp_case *c) {
   size_t b1 = 0;
   for (int r = 0; r < nrun; r++) {
     o[r] = lp_outs(c, &hd);
-    if (r == 0 && c->chunks) b1 = one_row_budget(&hd, &o[0], k);
+    if (r == 0 && c->chunks) b1 = least_budget(&hd, &o[0], k, 0);
     how hw = {c->chunks ? (r == 0 ? b1 : r == 1 ? 3 * b1 : 0) : 0, 0};
     lmloss_status st = call(&s, hw, &o[r]);
     if (!tg_true(g, sr == LMLOSS_OK && st == LMLOSS_OK, "status ref %s got %s (%s)",
