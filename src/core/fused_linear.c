@@ -65,6 +65,7 @@ typedef struct {
  * the chunks, the vocab tiles' buffers (tile_plan) share the same bytes. */
 typedef struct {
   int64_t rows, K, S; /* S: exact entries kept per row (keep_entries) */
+  int64_t slot_rows;  /* rows the per-row buffers hold: rows, or a store's widest chunk */
   size_t hs, dls;     /* bytes of a hidden element; of a dlogits one (0: in place, F32) */
   size_t list, coef, cols, vals, sums, acc_b, bias32, region;
   size_t slab, dl, hid, dh, dh_acc, aux, ce_ws, total;
@@ -112,8 +113,8 @@ static const size_t chunk_slack = 8 * LMLOSS_WS_ALIGN + LMLOSS_CE_WS_HEADER;
 static void layout_store_chunks(linear_plan *p, int64_t V, int64_t H) {
   size_t off = p->region;
   p->slab = off, off += lmloss_ws_up((size_t)p->rows * V * 4);
-  p->aux = off, off += lmloss_ws_up((size_t)p->rows * aux_per_row(p->K));
-  p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(p->rows));
+  p->aux = off, off += lmloss_ws_up((size_t)p->slot_rows * aux_per_row(p->K));
+  p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(p->slot_rows));
   const size_t dh_row = p->region + lmloss_ws_up((size_t)H * 4); /* group_grads' fp32 block */
   p->total = off > dh_row ? off : dh_row;
 }
@@ -137,22 +138,25 @@ static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
   const size_t E =
       hopt->memory_budget ? hopt->memory_budget : LMLOSS_HEAD_DEFAULT_BUDGET + acc_size;
   const size_t per_group_row = (size_t)V * p->dls + (size_t)H * p->hs;
-  const size_t per_chunk_row = (size_t)V * 4 + aux_per_row(p->K) + 3 * sizeof(double);
+  const size_t per_slot_row = aux_per_row(p->K) + 3 * sizeof(double);
+  const size_t per_chunk_row = (size_t)V * 4 + per_slot_row;
   const int64_t min_chunk = N < 128 ? N : 128;
+  const size_t wide_slots = (size_t)(N / 3) * per_slot_row; /* chunk_at's widest chunk's */
   int64_t G = N;
-  size_t A = 0, fixed = base + lmloss_ws_up((size_t)N * per_group_row) + chunk_slack;
+  size_t A = 0, fixed = base + lmloss_ws_up((size_t)N * per_group_row) + chunk_slack + wide_slots;
   int64_t rows = lmloss_chunk_rows(E, fixed, per_chunk_row, N);
   if (rows < min_chunk) { /* groups of whole chunks of min_chunk rows */
     if (acc && !hopt->fp32_accumulate) return 0;
     A = lmloss_ws_up(acc);
     rows = min_chunk;
-    fixed = base + A + chunk_slack + (size_t)rows * per_chunk_row;
+    fixed = base + A + chunk_slack + wide_slots + (size_t)rows * per_chunk_row;
     G = E > fixed ? (int64_t)((E - fixed) / per_group_row) : 0;
     G -= G % rows;
     if (G < LMLOSS_HEAD_MIN_GROUP) return 0;
   }
   p->rows = rows;
   p->group = G;
+  p->slot_rows = G / 3 - G / 3 % 128 > rows ? G / 3 - G / 3 % 128 : rows;
   p->tiles = 0;
   size_t off = base;
   p->acc_w_alloc = A > 0;
@@ -206,7 +210,7 @@ static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_option
                        "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
                        "and their buffers) beside %zu bytes of per-call buffers",
                        budget, per_row + chunk_slack, (long long)V, off);
-  p->rows = rows;
+  p->rows = p->slot_rows = rows;
   p->slab = off, off += lmloss_ws_up((size_t)rows * V * 4);
   p->dl = off, off += lmloss_ws_up((size_t)rows * V * p->dls);
   p->hid = off, off += lmloss_ws_up((size_t)rows * H * p->hs);
@@ -336,7 +340,7 @@ lmloss_status lmloss_linear_plan(const lmloss_head *head, const lmloss_head_opti
   return LMLOSS_OK;
 }
 
-/* The per-row compact buffers of a chunk (n <= p->rows rows), each in a
+/* The per-row compact buffers of a chunk (n <= p->slot_rows rows), each in a
  * slot of the aux area: labels [rows, K] x 8 bytes, five scalar slots of
  * 8 bytes a row, then [rows, K] floats; aux_per_row covers it. */
 typedef struct {
@@ -352,7 +356,7 @@ typedef struct {
 
 static chunk_slots slots(const linear_plan *p, char *aux, lmloss_device dev, int64_t n) {
   const int64_t K = p->K > 0 ? p->K : 1;
-  const size_t R = (size_t)p->rows, scalars = R * (size_t)K * 8;
+  const size_t R = (size_t)p->slot_rows, scalars = R * (size_t)K * 8;
   chunk_slots s;
   s.labels = lmloss_ws_view(aux, LMLOSS_I64, dev, n, K);
   s.row = lmloss_ws_view(aux + scalars, LMLOSS_F32, dev, n, 1);
@@ -493,6 +497,26 @@ static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prim
     TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &dh));
   }
   return L->scatter_rows(j->ctx, &dh, list, &j->grads->dhidden);
+}
+
+/* The chunk from compact row `first` of M: its rows, and where its fp32
+ * logits go (*slab_at). A store's chunk is as wide as the store's free
+ * rows past it hold twice over (a row of fp32 logits takes two rows of
+ * 16-bit dlogits), so a group's first chunks run wide GEMMs and row passes
+ * inside the store, then the rest takes the chunk region (wide chunks only
+ * shrink); no chunk crosses a group's end. */
+static int64_t chunk_at(const linear_plan *p, int64_t V, int64_t M, int64_t first, int store,
+                        size_t *slab_at) {
+  int64_t n = M - first < p->rows ? M - first : p->rows;
+  *slab_at = p->slab;
+  if (!store) return n;
+  const int64_t in_group = first % p->group;
+  const int64_t left =
+      (p->group < M - first + in_group ? p->group : M - first + in_group) - in_group;
+  const int64_t wide = left / 3 - left / 3 % 128; /* whole tiles keep the slab 16-byte aligned */
+  if (wide < 128 || wide <= n) return n < left ? n : left;
+  *slab_at = p->store + (size_t)((in_group + wide) * V) * p->dls;
+  return wide;
 }
 
 /* dhidden and dW of a store's group: its n compact rows from first on,
@@ -749,12 +773,14 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   const saved_rows *saved = from_saved ? &sr : NULL;
   const int store = want_grad && p.group > 0; /* dhidden and dW by groups (plan_store) */
   const float beta0 = g && g->accumulate ? 1.0f : 0.0f;
-  for (int64_t c = 0; !saved && c < nchunks; c++) {
-    const int64_t first = c * p.rows, n = M - first < p.rows ? M - first : p.rows;
+  int64_t c = 0, n;
+  for (int64_t first = 0; !saved && first < M; first += n, c++) {
+    size_t slab_at;
+    n = chunk_at(&p, V, M, first, store, &slab_at);
     const int64_t *lc = list + first, in_group = store ? first % p.group : 0;
     const size_t hid = store ? p.ghid + (size_t)(in_group * H) * p.hs : p.hid;
     lmloss_tensor hc = lmloss_ws_view(w + hid, h->hidden.dtype, dev, n, H);
-    lmloss_tensor slab = lmloss_ws_view(w + p.slab, LMLOSS_F32, dev, n, V);
+    lmloss_tensor slab = lmloss_ws_view(w + slab_at, LMLOSS_F32, dev, n, V);
     TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
     TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
     const size_t dlo = store ? p.store + (size_t)(in_group * V) * p.dls : p.dl;
@@ -776,16 +802,16 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M, &bias, saved));
   if (want_grad) {
     const lmloss_tensor accw = lmloss_ws_view(w + p.acc_w, LMLOSS_F32, dev, V, H);
-    if (want_dw && nchunks == 0 && !beta0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
-    if (want_dw && nchunks > 0 && store && p.acc_w_alloc) TRY(L->cast(j->ctx, &accw, &g->dweight));
+    if (want_dw && M == 0 && !beta0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
+    if (want_dw && M > 0 && store && p.acc_w_alloc) TRY(L->cast(j->ctx, &accw, &g->dweight));
     if (wants(&g->dbias)) {
-      if (nchunks == 0 && !beta0) TRY(L->fill(j->ctx, &accb, 0.0));
+      if (M == 0 && !beta0) TRY(L->fill(j->ctx, &accb, 0.0));
       if (p.acc_b_f32) TRY(L->cast(j->ctx, &accb, &g->dbias));
     }
   }
   if (j->kind == CE_FORWARD && j->opt->reduction != LMLOSS_REDUCE_NONE) {
-    if (nchunks == 0) return L->fill(j->ctx, &j->out->loss, 0.0);
-    lmloss_tensor sums = lmloss_ws_view(w + p.sums, LMLOSS_F32, dev, nchunks, 1);
+    if (M == 0) return L->fill(j->ctx, &j->out->loss, 0.0);
+    lmloss_tensor sums = lmloss_ws_view(w + p.sums, LMLOSS_F32, dev, c, 1);
     TRY(L->sum(j->ctx, &sums, &j->out->loss));
   }
   return LMLOSS_OK;
