@@ -12,6 +12,9 @@ point its users call, in one process on the same tensors:
   cce, cce-exact    cut-cross-entropy's linear_cross_entropy, its default
                     gradient filter and filter_eps=None
   liger             Liger-Kernel's LigerFusedLinearCrossEntropyLoss
+  quack             QuACK's chunked_linear_cross_entropy (its defaults: on
+                    an H100/H200 with bf16 and V a multiple of 128, the
+                    scaled-exp pipeline)
 
 on two kinds of rows: *random* (h and w standard normal / sqrt(H): a flat
 softmax) and *peaked* like a trained model's (each row's target lifted
@@ -60,7 +63,9 @@ def rows(kind, n, h, v, supervised, gen):
     return x.bfloat16(), w.bfloat16(), y
 
 
-def impls(compile_, main_grad):
+def impls(compile_, main_grad, dynamic=False):
+    """name -> loss(h, w, y) of every implementation that imports here;
+    "lmloss main_grad" only with a main_grad buffer."""
     eager = lambda h, w, y: F.cross_entropy((h @ w.T).float(), y)
     out = {"lmloss": lambda h, w, y: lt.linear_cross_entropy(h, w, y),
            "lmloss main_grad": lambda h, w, y: lt.linear_cross_entropy(h, w, y,
@@ -68,8 +73,10 @@ def impls(compile_, main_grad):
            "lmloss 256 MiB": lambda h, w, y: lt.linear_cross_entropy(h, w, y,
                                                                      memory_budget=256 << 20),
            "torch": eager}
+    if main_grad is None:
+        del out["lmloss main_grad"]
     if compile_:
-        out["torch.compile"] = torch.compile(eager)
+        out["torch.compile"] = torch.compile(eager, dynamic=dynamic)
     try:
         from cut_cross_entropy import linear_cross_entropy as cce
         out["cce"] = lambda h, w, y: cce(h, w, y)
@@ -82,6 +89,11 @@ def impls(compile_, main_grad):
         out["liger"] = lambda h, w, y: flce(w, h, y)
     except ImportError:
         pass
+    try:
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+        out["quack"] = lambda h, w, y: chunked_linear_cross_entropy(h, w, y)
+    except Exception as e:  # absent, or its CuTe DSL fails at import
+        print(f"quack: {type(e).__name__}: {str(e)[:100]}")
     return out
 
 

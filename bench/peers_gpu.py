@@ -1,7 +1,7 @@
 """Peer benchmarks on one GPU, side by side in one run.
 
 lmloss against PyTorch eager, torch.compile (of the same fp32 formulas),
-Liger-Kernel and cut-cross-entropy, on four cases:
+Liger-Kernel and cut-cross-entropy (and QuACK for the fused head), on five cases:
 
   logprob    log-probs forward, K = 1 (TRL's selective_log_softmax), bf16 logits
   logprob-grad  log-probs forward + backward (dlogits produced) of GRPO's token
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import lmloss.torch as lt
-from fused_head_gpu import gemms, rows as head_rows
+from fused_head_gpu import gemms, impls as head_impls, rows as head_rows
 from gpu_timing import peak_mib, timed
 
 DEV = "cuda"
@@ -141,23 +141,10 @@ def ce_impls():
 
 
 def linear_impls(compiled=True):
-    eager = lambda h, w, y: F.cross_entropy((h @ w.T).float(), y)
-    impls = {"lmloss": with_backward(lambda h, w, y: lt.linear_cross_entropy(h, w, y)),
-             "torch": with_backward(eager)}
-    if compiled:
-        impls["torch.compile"] = with_backward(torch.compile(eager, dynamic=True))
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-        flce = LigerFusedLinearCrossEntropyLoss()
-        impls["liger"] = with_backward(lambda h, w, y: flce(w, h, y))
-    except ImportError:
-        pass
-    try:
-        from cut_cross_entropy import linear_cross_entropy
-        impls["cut-cross-entropy"] = with_backward(lambda h, w, y: linear_cross_entropy(h, w, y))
-    except ImportError:
-        pass
-    return impls
+    """fused_head_gpu.py's implementations but the slowest (cut-cross-entropy's
+    exact form) and main_grad's."""
+    return {name: with_backward(fn) for name, fn in head_impls(compiled, None, True).items()
+            if name != "cce-exact"}
 
 
 def linear_logprob_grad_impls(compiled=True):
