@@ -23,7 +23,8 @@ on request *peers* (bench/peers_gpu.py's: h standard normal, w times 0.02:
 logits of std 1.3), and
 with --supervised F a fraction F of the rows supervised (the rest
 ignore_index). The limit is the same three GEMMs alone (torch.matmul in
-bf16: the logits, dhidden, dW), timed in the same run. Time: median of
+bf16: the logits, dhidden, dW), timed in the same run, and for "lmloss
+main_grad" the same with dW added to an fp32 buffer. Time: median of
 --reps CUDA-event samples of one forward + backward after a warm-up;
 memory: the peak allocated during one, beyond the inputs (gradients
 included). dh err: dhidden's relative Frobenius distance from lmloss's
@@ -104,13 +105,18 @@ def step(fn, h, w, y):
     return hl.grad, wl.grad
 
 
-def gemms(h, w):
+def gemms(h, w, main_grad=None):
+    """The three GEMMs alone; with main_grad, dW added to it in fp32
+    (addmm's out_dtype: the limit of a call that adds to a main_grad)."""
     dl = torch.randn(h.shape[0], w.shape[0], device="cuda", dtype=h.dtype)
 
     def run():
         h @ w.T
         dl @ w
-        dl.T @ h
+        if main_grad is None:
+            dl.T @ h
+        else:
+            torch.addmm(main_grad, dl.T, h, out_dtype=torch.float32)
     return run
 
 
@@ -135,9 +141,14 @@ def main():
             p = z[ok].softmax(-1).gather(1, y[ok, None]).mean().item()
             del z
         limit = timed(gemms(h, w), a.reps)[0]
-        print(f"\n{kind} rows (mean target probability {p:.3g}); three GEMMs {limit:.2f} ms")
-        ref = None
         main_grad = torch.zeros(w.shape, device="cuda")  # a training loop's fp32 dW sum
+        try:
+            mg_limit = f"{timed(gemms(h, w, main_grad), a.reps)[0]:.2f} ms"
+        except (RuntimeError, TypeError) as e:  # a torch without addmm's out_dtype
+            mg_limit = f"not measured ({type(e).__name__})"
+        print(f"\n{kind} rows (mean target probability {p:.3g}); three GEMMs {limit:.2f} ms; "
+              f"with dW added to an fp32 main_grad {mg_limit}")
+        ref = None
         for name, fn in impls(a.compile, main_grad).items():
             try:
                 run = lambda: step(fn, h, w, y)
