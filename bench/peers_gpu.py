@@ -193,6 +193,8 @@ def main():
     bw = copy_gbs()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw:.0f} GB/s", flush=True)
     rows_out = []
+    tag = "" if args.rows == "peers" else "-" + args.rows
+    csv_path = os.path.join(args.out, "peers-issue.csv" if args.issue else f"peers{tag}.csv")
     cases = [("logprob", logprob_impls(), 1), ("logprob-grad", logprob_grad_impls(), 2),
              ("ce", ce_impls(), 2),
              ("linear-ce", linear_impls(compiled=not args.issue), 0),
@@ -235,14 +237,16 @@ def main():
                       f"{mib:9.1f} MiB  (limit {limit:.3f} ms)", flush=True)
             del args_
             torch.cuda.empty_cache()
-    tag = "" if args.rows == "peers" else "-" + args.rows
-    name = "peers-issue.csv" if args.issue else f"peers{tag}.csv"
-    with open(os.path.join(args.out, name), "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
-        wr.writeheader()
-        wr.writerows(rows_out)
+            write_csv(rows_out, csv_path)  # after each shape: a cut-short run keeps what it took
     if not args.issue:
         plot(rows_out, args.out, torch.cuda.get_device_name(), tag)
+
+
+def write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
 
 
 def plot(rows, out, device_name, tag=""):
