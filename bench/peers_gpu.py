@@ -178,6 +178,8 @@ def main():
                     help="the fused head's rows (fused_head_gpu.py's kinds; default: h standard "
                          "normal, w times 0.02); other than peers, the files are named "
                          "peers-ROWS.csv and peers_CASE-ROWS.png")
+    ap.add_argument("--only-n", type=int, metavar="N",
+                    help="only the shapes with N rows (a point re-measured; no plots)")
     ap.add_argument("--plot-only", metavar="CSV")
     ap.add_argument("--device-name", default="")
     args = ap.parse_args()
@@ -194,7 +196,8 @@ def main():
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {bw:.0f} GB/s", flush=True)
     rows_out = []
     tag = "" if args.rows == "peers" else "-" + args.rows
-    csv_path = os.path.join(args.out, "peers-issue.csv" if args.issue else f"peers{tag}.csv")
+    csv_path = os.path.join(args.out, "peers-issue.csv" if args.issue else
+                            f"peers{tag}-n{args.only_n}.csv" if args.only_n else f"peers{tag}.csv")
     cases = [("logprob", logprob_impls(), 1), ("logprob-grad", logprob_grad_impls(), 2),
              ("ce", ce_impls(), 2),
              ("linear-ce", linear_impls(compiled=not args.issue), 0),
@@ -208,7 +211,7 @@ def main():
                       else [("N", 152064, 8192)] if head
                       else [("N", 152064, 8192), ("V", 32768, 4096)])
         for sweep, V, N in sweeps:
-            if head and N > 16384:
+            if (head and N > 16384) or args.only_n not in (None, N):
                 continue
             y = torch.randint(0, V, (N,), device=DEV)
             if sweep == "25% supervised":  # every fourth row supervised, the rest ignored
@@ -238,7 +241,7 @@ def main():
             del args_
             torch.cuda.empty_cache()
             write_csv(rows_out, csv_path)  # after each shape: a cut-short run keeps what it took
-    if not args.issue:
+    if not args.issue and args.only_n is None:
         plot(rows_out, args.out, torch.cuda.get_device_name(), tag)
 
 

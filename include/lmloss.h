@@ -417,6 +417,8 @@ typedef struct {
   size_t store_bytes;       /* the store's dlogits and hidden rows */
   size_t accumulator_bytes; /* dweight's fp32 sum over the store's groups */
   int logits_gemms;         /* 2 when dweight takes vocab tiles and the rows more than one chunk */
+  int store_in_dweight;     /* 1: the store lies in a 16-bit dweight's own bytes (it is written
+                               last, from the accumulator), not in the workspace */
 } lmloss_head_plan;
 
 LMLOSS_API lmloss_status lmloss_linear_plan(const lmloss_head *head,

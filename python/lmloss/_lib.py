@@ -188,7 +188,8 @@ class HeadOptions(ctypes.Structure):
 class HeadPlan(ctypes.Structure):
     _fields_ = [("workspace_bytes", ctypes.c_size_t), ("chunk_rows", ctypes.c_int64),
                 ("group_rows", ctypes.c_int64), ("store_bytes", ctypes.c_size_t),
-                ("accumulator_bytes", ctypes.c_size_t), ("logits_gemms", ctypes.c_int)]
+                ("accumulator_bytes", ctypes.c_size_t), ("logits_gemms", ctypes.c_int),
+                ("store_in_dweight", ctypes.c_int)]
 
 
 class HeadGrads(ctypes.Structure):

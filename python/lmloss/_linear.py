@@ -41,12 +41,14 @@ None without student_bias); divergence D_i, ce and entropy as in lmloss.Divergen
 
 LinearPlan = collections.namedtuple(
     "LinearPlan", "workspace_bytes chunk_rows group_rows store_bytes accumulator_bytes "
-    "logits_gemms")
+    "logits_gemms store_in_dweight")
 LinearPlan.__doc__ = """Returned by linear_plan (lmloss_linear_plan's answer): workspace_bytes,
 the call's whole transient memory; chunk_rows, the rows of a logits GEMM and its row pass;
 group_rows, the rows of the store's dhidden and dweight GEMMs (0: no store); store_bytes and
-accumulator_bytes (dweight's fp32 sum over groups), parts of the workspace; logits_gemms, 2
-where dweight takes vocab tiles after the chunks (four GEMMs, not three), else 1."""
+accumulator_bytes (dweight's fp32 sum over groups), parts of the workspace unless
+store_in_dweight (1: the store lies in the 16-bit dweight's own bytes, which are written last,
+from the accumulator); logits_gemms, 2 where dweight takes vocab tiles after the chunks (four
+GEMMs, not three), else 1."""
 
 _HEAD_DTYPES = {"float32": _lib.F32, "bfloat16": _lib.BF16, "float16": _lib.F16}
 _NO_DATA = ctypes.create_string_buffer(1)  # what linear_plan's views point at: it reads no data

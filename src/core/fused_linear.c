@@ -78,10 +78,11 @@ typedef struct {
   /* The store (plan_store): the 16-bit dlogits and gathered hidden rows of
    * `group` rows (all N, or whole chunks) are kept, for one dhidden and one
    * dW GEMM a group; dW sums over groups in fp32 (acc_w, or an F32
-   * dweight). 0: no store. */
+   * dweight). 0: no store. store_in_dw: the store lies in dweight's own
+   * bytes (dw_store_rows), not in the workspace. */
   int64_t group;
-  size_t store, ghid, acc_w;
-  int acc_w_alloc;
+  size_t store, ghid, acc_w, store_size;
+  int acc_w_alloc, store_in_dw;
 } linear_plan;
 
 static int wants(const lmloss_tensor *t) { return lmloss_present(t); }
@@ -119,6 +120,20 @@ static void layout_store_chunks(linear_plan *p, int64_t V, int64_t H) {
   p->total = off > dh_row ? off : dh_row;
 }
 
+/* Rows of a store that dweight's own bytes hold: a 16-bit dW is written
+ * only by the cast of its fp32 accumulator after the last group, so until
+ * then its V x H elements can hold a store of groups (an output, outside
+ * the budget). 0 where dweight cannot: absent, F32 (it is the sum itself),
+ * added to, or with rows apart. */
+static int64_t dw_store_rows(const lmloss_head_grads *g, const linear_plan *p, int64_t V,
+                             int64_t H) {
+  const lmloss_tensor *dw = &g->dweight;
+  if (!wants(dw) || dw->dtype == LMLOSS_F32 || g->accumulate || dw->row_stride != H) return 0;
+  const size_t bytes = (size_t)V * H * lmloss_dtype_size(dw->dtype);
+  const size_t per_row = (size_t)V * p->dls + (size_t)H * p->hs;
+  return bytes > 2 * LMLOSS_WS_ALIGN ? (int64_t)((bytes - 2 * LMLOSS_WS_ALIGN) / per_row) : 0;
+}
+
 /* Three GEMMs for a 16-bit head's dW (p->tiles), when they fit: the chunks'
  * rounded dlogits go to a store of `group` rows beside their hidden rows,
  * and each group takes one dhidden GEMM (through fp32, exact entries put
@@ -129,8 +144,9 @@ static void layout_store_chunks(linear_plan *p, int64_t V, int64_t H) {
  * only when a group has more than about 4 x (tensor FLOP/s) / (bytes/s)
  * rows (800 on an H200), hence LMLOSS_HEAD_MIN_GROUP. The default budget
  * is the fastest schedule: 256 MiB of chunk buffers beside the bytes of
- * that accumulator, whoever holds dW's sum. 1 when planned (p filled from
- * `base`, the per-call buffers' end). */
+ * that accumulator, whoever holds dW's sum. Groups take the larger of the
+ * store the budget leaves room for and the one dW's own bytes hold. 1 when
+ * planned (p filled from `base`, the per-call buffers' end). */
 static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
                       const lmloss_head_grads *g, linear_plan *p, size_t base) {
   const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
@@ -143,6 +159,7 @@ static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
   const int64_t min_chunk = N < 128 ? N : 128;
   const size_t wide_slots = (size_t)(N / 3) * per_slot_row; /* chunk_at's widest chunk's */
   int64_t G = N;
+  int in_dw = 0;
   size_t A = 0, fixed = base + lmloss_ws_up((size_t)N * per_group_row) + chunk_slack + wide_slots;
   int64_t rows = lmloss_chunk_rows(E, fixed, per_chunk_row, N);
   if (rows < min_chunk) { /* groups of whole chunks of min_chunk rows */
@@ -150,10 +167,15 @@ static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
     A = lmloss_ws_up(acc);
     rows = min_chunk;
     fixed = base + A + chunk_slack + wide_slots + (size_t)rows * per_chunk_row;
-    G = E > fixed ? (int64_t)((E - fixed) / per_group_row) : 0;
+    if (E < fixed) return 0;
+    G = (int64_t)((E - fixed) / per_group_row);
+    const int64_t G_dw = dw_store_rows(g, p, V, H);
+    in_dw = G_dw > G;
+    if (in_dw) G = G_dw < N ? G_dw : N;
     G -= G % rows;
     if (G < LMLOSS_HEAD_MIN_GROUP) return 0;
   }
+  p->store_in_dw = in_dw;
   p->rows = rows;
   p->group = G;
   p->slot_rows = G / 3 - G / 3 % 128 > rows ? G / 3 - G / 3 % 128 : rows;
@@ -161,8 +183,11 @@ static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
   size_t off = base;
   p->acc_w_alloc = A > 0;
   p->acc_w = off, off += A;
-  p->store = off, off += lmloss_ws_up((size_t)p->group * V * p->dls);
-  p->ghid = off, off += lmloss_ws_up((size_t)p->group * H * p->hs);
+  p->store_size =
+      lmloss_ws_up((size_t)p->group * V * p->dls) + lmloss_ws_up((size_t)p->group * H * p->hs);
+  p->store = p->store_in_dw ? 0 : off;
+  p->ghid = p->store + lmloss_ws_up((size_t)p->group * V * p->dls);
+  if (!p->store_in_dw) off += p->store_size;
   p->region = off;
   layout_store_chunks(p, V, H);
   return 1;
@@ -334,8 +359,10 @@ lmloss_status lmloss_linear_plan(const lmloss_head *head, const lmloss_head_opti
   plan->workspace_bytes = p.total;
   plan->chunk_rows = p.rows;
   plan->group_rows = p.group;
-  plan->store_bytes = p.group ? p.region - p.store : 0;
-  plan->accumulator_bytes = p.acc_w_alloc ? p.store - p.acc_w : 0;
+  plan->store_bytes = p.group ? p.store_size : 0;
+  plan->store_in_dweight = p.group ? p.store_in_dw : 0;
+  plan->accumulator_bytes =
+      p.acc_w_alloc ? lmloss_ws_up((size_t)head->weight.rows * head->hidden.cols * 4) : 0;
   plan->logits_gemms = p.tiles && head->hidden.rows > p.rows ? 2 : 1;
   return LMLOSS_OK;
 }
@@ -506,17 +533,22 @@ static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prim
  * inside the store, then the rest takes the chunk region (wide chunks only
  * shrink); no chunk crosses a group's end. */
 static int64_t chunk_at(const linear_plan *p, int64_t V, int64_t M, int64_t first, int store,
-                        size_t *slab_at) {
+                        char *w, char *sb, char **slab_at) {
   int64_t n = M - first < p->rows ? M - first : p->rows;
-  *slab_at = p->slab;
+  *slab_at = w + p->slab;
   if (!store) return n;
   const int64_t in_group = first % p->group;
   const int64_t left =
       (p->group < M - first + in_group ? p->group : M - first + in_group) - in_group;
   const int64_t wide = left / 3 - left / 3 % 128; /* whole tiles keep the slab 16-byte aligned */
   if (wide < 128 || wide <= n) return n < left ? n : left;
-  *slab_at = p->store + (size_t)((in_group + wide) * V) * p->dls;
+  *slab_at = sb + p->store + (size_t)((in_group + wide) * V) * p->dls;
   return wide;
+}
+
+/* Where the store's offsets count from: the workspace, or dweight's bytes. */
+static char *store_base(const linear_job *j, const linear_plan *p, char *w) {
+  return p->store_in_dw ? (char *)j->grads->dweight.data : w;
 }
 
 /* dhidden and dW of a store's group: its n compact rows from first on,
@@ -531,8 +563,9 @@ static lmloss_status group_grads(const linear_job *j, const lmloss_linear_prims 
   const lmloss_head_grads *g = j->grads;
   const lmloss_device dev = h->hidden.device;
   const int64_t H = h->hidden.cols, V = h->weight.rows;
-  const lmloss_tensor dl = lmloss_ws_view(w + p->store, h->weight.dtype, dev, n, V);
-  const lmloss_tensor hg = lmloss_ws_view(w + p->ghid, h->hidden.dtype, dev, n, H);
+  char *sb = store_base(j, p, w);
+  const lmloss_tensor dl = lmloss_ws_view(sb + p->store, h->weight.dtype, dev, n, V);
+  const lmloss_tensor hg = lmloss_ws_view(sb + p->ghid, h->hidden.dtype, dev, n, H);
   if (wants(&g->dweight)) {
     const lmloss_tensor dw =
         p->acc_w_alloc ? lmloss_ws_view(w + p->acc_w, LMLOSS_F32, dev, V, H) : g->dweight;
@@ -773,18 +806,19 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   const saved_rows *saved = from_saved ? &sr : NULL;
   const int store = want_grad && p.group > 0; /* dhidden and dW by groups (plan_store) */
   const float beta0 = g && g->accumulate ? 1.0f : 0.0f;
+  char *sb = store ? store_base(j, &p, w) : NULL;
   int64_t c = 0, n;
   for (int64_t first = 0; !saved && first < M; first += n, c++) {
-    size_t slab_at;
-    n = chunk_at(&p, V, M, first, store, &slab_at);
+    char *slab_at;
+    n = chunk_at(&p, V, M, first, store, w, sb, &slab_at);
     const int64_t *lc = list + first, in_group = store ? first % p.group : 0;
-    const size_t hid = store ? p.ghid + (size_t)(in_group * H) * p.hs : p.hid;
-    lmloss_tensor hc = lmloss_ws_view(w + hid, h->hidden.dtype, dev, n, H);
-    lmloss_tensor slab = lmloss_ws_view(w + slab_at, LMLOSS_F32, dev, n, V);
+    char *hid = store ? sb + p.ghid + (size_t)(in_group * H) * p.hs : w + p.hid;
+    lmloss_tensor hc = lmloss_ws_view(hid, h->hidden.dtype, dev, n, H);
+    lmloss_tensor slab = lmloss_ws_view(slab_at, LMLOSS_F32, dev, n, V);
     TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
     TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
-    const size_t dlo = store ? p.store + (size_t)(in_group * V) * p.dls : p.dl;
-    lmloss_tensor dl = p.dl_separate ? lmloss_ws_view(w + dlo, h->weight.dtype, dev, n, V) : slab;
+    char *dlo = store ? sb + p.store + (size_t)(in_group * V) * p.dls : w + p.dl;
+    lmloss_tensor dl = p.dl_separate ? lmloss_ws_view(dlo, h->weight.dtype, dev, n, V) : slab;
     lmloss_grad_keep kept, *keep = want_grad ? keep_at(j, &p, w, first, &kept) : NULL;
     TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &dl : NULL, keep, scale));
     if (!want_grad) continue;

@@ -956,8 +956,9 @@ static void bad_input(tgroup *g) {
  * accumulator: it is no larger than one) beside 256 MiB; 256 and 48 MiB
  * take vocab tiles (the logits twice); an F32 dweight added to (a caller's
  * fp32 main_grad) at the default budget keeps the store of all rows too;
- * twice the rows at a 4 GiB budget take groups and the accumulator. A size
- * query reads no data. */
+ * twice the rows at a 4 GiB budget take groups and the accumulator; at the
+ * default budget, groups in dweight's own bytes (3968 rows) beside it. A
+ * size query reads no data. */
 static void workspace_in_budget(tgroup *g) {
   const int64_t N = 8192, H = 4096, V = 152064;
   const size_t MiB = (size_t)1 << 20, acc = (size_t)V * H * 4;
@@ -972,13 +973,16 @@ static void workspace_in_budget(tgroup *g) {
     int accumulate;
     size_t budget, cap;
     int64_t group;
-    int accumulator, logits;
+    int accumulator, logits, in_dw;
   } cases[] = {
-      {hid, w, 0, 0, 256 * MiB + acc, N, 0, 1},       {hid, w, 0, 256 * MiB, 256 * MiB, 0, 0, 2},
-      {hid, w, 0, 48 * MiB, 48 * MiB, 0, 0, 2},       {hid, w32, 1, 0, 256 * MiB + acc, N, 0, 1},
-      {hid2, w, 0, 4096 * MiB, 4096 * MiB, -1, 1, 1},
+      {hid, w, 0, 0, 256 * MiB + acc, N, 0, 1, 0},
+      {hid, w, 0, 256 * MiB, 256 * MiB, 0, 0, 2, 0},
+      {hid, w, 0, 48 * MiB, 48 * MiB, 0, 0, 2, 0},
+      {hid, w32, 1, 0, 256 * MiB + acc, N, 0, 1, 0},
+      {hid2, w, 0, 4096 * MiB, 4096 * MiB, -1, 1, 1, 0},
+      {hid2, w, 0, 0, 256 * MiB + acc, 3968, 1, 1, 1},
   };
-  for (int i = 0; i < 5; i++)
+  for (int i = 0; i < 6; i++)
     for (int64_t k = 1; k <= 4; k += 3) {
       const lmloss_head head = {cases[i].hid, w, b};
       const lmloss_head_grads gr = {cases[i].hid, cases[i].dw, {0}, cases[i].accumulate};
@@ -993,12 +997,64 @@ static void workspace_in_budget(tgroup *g) {
               st == LMLOSS_OK && pl.workspace_bytes <= cases[i].cap &&
                   pl.workspace_bytes > cases[i].cap / 2 && group_ok &&
                   (pl.accumulator_bytes == acc) == cases[i].accumulator &&
-                  pl.logits_gemms == cases[i].logits,
+                  pl.logits_gemms == cases[i].logits && pl.store_in_dweight == cases[i].in_dw,
               "case %d, k %lld: %s, workspace %zu of %zu bytes, group %lld, accumulator %zu, "
-              "logits %d times",
+              "logits %d times, store in dweight %d",
               i, (long long)k, lmloss_status_string(st), pl.workspace_bytes, cases[i].cap,
-              (long long)gr_rows, pl.accumulator_bytes, pl.logits_gemms);
+              (long long)gr_rows, pl.accumulator_bytes, pl.logits_gemms, pl.store_in_dweight);
     }
+}
+
+/* A 16-bit dweight's own bytes hold the store of groups where the budget
+ * leaves it no room (no accumulator in them: dW is written last, cast from
+ * it): at a budget that plans so, the results agree with the store of all
+ * rows (the default budget here). The smallest shape whose dW holds a
+ * group of LMLOSS_HEAD_MIN_GROUP rows (V H / (V + H) >= 1024) and whose
+ * rows take more than one group, so that no store in the workspace fits
+ * beside the accumulator. */
+static void store_in_dweight(tgroup *g) {
+  const int64_t N = 2304, V = 2112, H = 2112;
+  head_data hd;
+  memset(&hd, 0, sizeof hd);
+  hd.N = N, hd.V = V, hd.H = H, hd.dt = LMLOSS_BF16;
+  hd.hidden = host_new(LMLOSS_BF16, N, H, H), hd.weight = host_new(LMLOSS_BF16, V, H, H);
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t k = 0; k < H; k++)
+      tset(&hd.hidden, i, k, rng_normal() * 0.1);
+  for (int64_t j = 0; j < V; j++)
+    for (int64_t k = 0; k < H; k++)
+      tset(&hd.weight, j, k, rng_normal() * 0.1);
+  lmloss_tensor tgt = host_new(LMLOSS_I64, N, 1, 1);
+  for (int64_t i = 0; i < N; i++)
+    tset(&tgt, i, 0, (double)rng_int(V));
+  const lmloss_ce_options opt = lmloss_ce_options_default();
+  const call_spec s = {FUSED, &hd, &tgt, NULL, NULL, NULL, NULL, NULL, NULL, &opt, NULL, 1};
+  outs o[2];
+  for (int r = 0; r < 2; r++) {
+    memset(&o[r], 0, sizeof o[r]);
+    o[r].loss = host_new(LMLOSS_F32, 1, 1, 1);
+    o[r].dh = host_new(LMLOSS_BF16, N, H, H), o[r].dw = host_new(LMLOSS_BF16, V, H, H);
+    outs_poison(&o[r]);
+  }
+  const lmloss_head h = {hd.hidden, hd.weight, {0}};
+  const lmloss_head_grads gr = {o[0].dh, o[0].dw, {0}, 0};
+  lmloss_head_options ho = lmloss_head_options_default();
+  lmloss_head_plan pl = {0};
+  const size_t acc = (size_t)V * H * 4, step = (size_t)1 << 16;
+  for (ho.memory_budget = acc; ho.memory_budget < acc + ((size_t)64 << 20); ho.memory_budget += step)
+    if (lmloss_linear_plan(&h, &ho, &gr, 1, &pl) == LMLOSS_OK && pl.store_in_dweight) break;
+  if (tg_true(g, pl.store_in_dweight && pl.group_rows == 1024 && pl.accumulator_bytes >= acc &&
+                     pl.workspace_bytes <= ho.memory_budget,
+              "no budget stores in dweight: group %lld, accumulator %zu, workspace %zu",
+              (long long)pl.group_rows, pl.accumulator_bytes, pl.workspace_bytes)) {
+    const how in_dw = {ho.memory_budget, 0, 0}, all_rows = {0, 0, 0};
+    lmloss_status st0 = call(&s, in_dw, &o[0]), st1 = call(&s, all_rows, &o[1]);
+    if (tg_true(g, st0 == LMLOSS_OK && st1 == LMLOSS_OK, "status %s, %s (%s)",
+                lmloss_status_string(st0), lmloss_status_string(st1), lmloss_last_error()))
+      outs_agree(g, &o[0], &o[1], 1);
+  }
+  outs_free(&o[0]), outs_free(&o[1]);
+  host_free(&tgt), host_free(&hd.hidden), host_free(&hd.weight);
 }
 
 /* lmloss_linear_scale_grads on the backend under test: each present
@@ -1282,7 +1338,10 @@ int main(void) {
   tg_end(&g);
   ce_suite(LMLOSS_F32);
   lp_suite(LMLOSS_F32);
-  if (tb_is_cuda()) {
+  if (tb_is_cuda()) { /* the store is a 16-bit head's, and those run on CUDA only */
+    tg_begin(&g, "linear store of groups in a 16-bit dweight");
+    store_in_dweight(&g);
+    tg_end(&g);
     ce_suite(LMLOSS_BF16);
     lp_suite(LMLOSS_BF16);
     printf("bf16 gradients, worst err / bf16 rounding (bound %g): dhidden %.3g dweight %.3g "

@@ -261,7 +261,8 @@ def test_linear_plan():
     table of docs/design.md section 4) keeps a store of all rows at the
     default budget, with a float32 main_grad too and no accumulator of its
     own; 256 MiB takes vocab tiles (the logits twice); twice the rows at 4
-    GiB take groups and dweight's fp32 accumulator. A float32 head's plan
+    GiB take groups and dweight's fp32 accumulator, and at the default
+    budget groups stored in dweight's own bytes. A float32 head's plan
     is the workspace its call asks."""
     n, h, v, mib = 8192, 4096, 152064, 1 << 20
     default = lmloss.linear_plan(n, h, v, dtype="bfloat16")
@@ -274,6 +275,11 @@ def test_linear_plan():
     assert tiles.workspace_bytes <= 256 * mib
     groups = lmloss.linear_plan(2 * n, h, v, dtype="bfloat16", memory_budget=4096 * mib)
     assert 1024 <= groups.group_rows < 2 * n and groups.accumulator_bytes == 4 * v * h
+    in_dw = lmloss.linear_plan(2 * n, h, v, dtype="bfloat16")
+    assert (in_dw.group_rows, in_dw.logits_gemms, in_dw.store_in_dweight) == (3968, 1, 1)
+    assert in_dw.store_bytes <= 2 * v * h and in_dw.accumulator_bytes == 4 * v * h
+    assert in_dw.workspace_bytes <= 256 * mib + 4 * v * h
+    assert not any(p.store_in_dweight for p in (default, added, tiles, groups))
     rng = np.random.default_rng(14)
     hid, w, b = make_head(rng, 6, 50)
     head = lmloss._linear._Head(hid, w, b)
