@@ -16,7 +16,9 @@ Liger-Kernel and cut-cross-entropy (and QuACK for the fused head), on five cases
 over vocabulary sizes 32k-262k (N = 4096) and N from 1k to 32k (V = 152064).
 Time: median of 10 CUDA-event samples after a warm-up, each over 5 calls queued
 back to back (per call); memory: peak allocated
-during one forward+backward beyond what was allocated before it (inputs).
+during one forward+backward beyond what was allocated before it: the
+inputs and, with a backward, the previous call's gradients, which the call
+frees before it makes its own (fused_head_gpu.py counts the gradients).
 The hardware limit drawn with them: the copy time of the bytes the op must
 move (logits ops; device-to-device copy bandwidth measured in this run) or
 the time of the three GEMMs alone (fused head; torch.matmul in bf16).
