@@ -123,15 +123,17 @@ static void layout_store_chunks(linear_plan *p, int64_t V, int64_t H) {
 /* Rows of a store that dweight's own bytes hold: a 16-bit dW is written
  * only by the cast of its fp32 accumulator after the last group, so until
  * then its V x H elements can hold a store of groups (an output, outside
- * the budget). 0 where dweight cannot: absent, F32 (it is the sum itself),
- * added to, or with rows apart. */
+ * the budget), from its first LMLOSS_WS_ALIGN-aligned byte (store_base).
+ * 0 where dweight cannot: absent, F32 (it is the sum itself), added to, or
+ * with rows apart. */
 static int64_t dw_store_rows(const lmloss_head_grads *g, const linear_plan *p, int64_t V,
                              int64_t H) {
   const lmloss_tensor *dw = &g->dweight;
   if (!wants(dw) || dw->dtype == LMLOSS_F32 || g->accumulate || dw->row_stride != H) return 0;
   const size_t bytes = (size_t)V * H * lmloss_dtype_size(dw->dtype);
   const size_t per_row = (size_t)V * p->dls + (size_t)H * p->hs;
-  return bytes > 2 * LMLOSS_WS_ALIGN ? (int64_t)((bytes - 2 * LMLOSS_WS_ALIGN) / per_row) : 0;
+  const size_t slack = 3 * LMLOSS_WS_ALIGN; /* the base's alignment, two parts rounded up */
+  return bytes > slack ? (int64_t)((bytes - slack) / per_row) : 0;
 }
 
 /* Three GEMMs for a 16-bit head's dW (p->tiles), when they fit: the chunks'
@@ -546,9 +548,12 @@ static int64_t chunk_at(const linear_plan *p, int64_t V, int64_t M, int64_t firs
   return wide;
 }
 
-/* Where the store's offsets count from: the workspace, or dweight's bytes. */
+/* Where the store's offsets count from: the workspace, or dweight's first
+ * aligned byte (a caller's dweight need not start at an aligned one). */
 static char *store_base(const linear_job *j, const linear_plan *p, char *w) {
-  return p->store_in_dw ? (char *)j->grads->dweight.data : w;
+  if (!p->store_in_dw) return w;
+  char *d = (char *)j->grads->dweight.data;
+  return d + (LMLOSS_WS_ALIGN - (uintptr_t)d % LMLOSS_WS_ALIGN) % LMLOSS_WS_ALIGN;
 }
 
 /* dhidden and dW of a store's group: its n compact rows from first on,

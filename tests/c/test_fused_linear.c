@@ -1041,10 +1041,12 @@ static void store_in_dweight(tgroup *g) {
   lmloss_head_options ho = lmloss_head_options_default();
   lmloss_head_plan pl = {0};
   const size_t acc = (size_t)V * H * 4, step = (size_t)1 << 16;
-  for (ho.memory_budget = acc; ho.memory_budget < acc + ((size_t)64 << 20); ho.memory_budget += step)
+  for (ho.memory_budget = acc; ho.memory_budget < acc + ((size_t)64 << 20);
+       ho.memory_budget += step)
     if (lmloss_linear_plan(&h, &ho, &gr, 1, &pl) == LMLOSS_OK && pl.store_in_dweight) break;
-  if (tg_true(g, pl.store_in_dweight && pl.group_rows == 1024 && pl.accumulator_bytes >= acc &&
-                     pl.workspace_bytes <= ho.memory_budget,
+  if (tg_true(g,
+              pl.store_in_dweight && pl.group_rows == 1024 && pl.accumulator_bytes >= acc &&
+                  pl.workspace_bytes <= ho.memory_budget,
               "no budget stores in dweight: group %lld, accumulator %zu, workspace %zu",
               (long long)pl.group_rows, pl.accumulator_bytes, pl.workspace_bytes)) {
     const how in_dw = {ho.memory_budget, 0, 0}, all_rows = {0, 0, 0};
