@@ -333,6 +333,21 @@ lmloss_status lmloss_check_head_grads(const lmloss_head *head, const lmloss_head
   return LMLOSS_OK;
 }
 
+/* A call's dweight and dbias share no byte with what it reads or with
+ * each other: dweight may hold the store (dw_store_rows) while the inputs
+ * are read. Not asked of a size or plan query, whose tensors point at no
+ * data. */
+static lmloss_status grads_apart(const lmloss_head *head, const lmloss_head_grads *g) {
+  if (!g) return LMLOSS_OK;
+  const lmloss_tensor *read[] = {&head->hidden, &head->weight, &head->bias, &g->dhidden};
+  const char *read_name[] = {"hidden", "weight", "bias", "dhidden"};
+  for (int r = 0; r < 4; r++) {
+    TRY(lmloss_check_disjoint(&g->dweight, "dweight", read[r], read_name[r]));
+    TRY(lmloss_check_disjoint(&g->dbias, "dbias", read[r], read_name[r]));
+  }
+  return lmloss_check_disjoint(&g->dweight, "dweight", &g->dbias, "dbias");
+}
+
 /* The plan of a size or plan query, its arguments checked. */
 static lmloss_status query_plan(const lmloss_head *head, const lmloss_head_options *hopt,
                                 const lmloss_head_grads *grads, int64_t k, linear_plan *p) {
@@ -767,6 +782,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
               : j->labels                                       ? j->labels->cols
                                                                 : 0;
   TRY(make_plan(h, j->hopt, j->grads, K, &p));
+  TRY(grads_apart(h, j->grads));
   if (!ws) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
   if (ws_bytes < p.total)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",

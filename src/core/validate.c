@@ -78,17 +78,28 @@ static const char *last_byte(const lmloss_tensor *t) {
          (size_t)((t->rows - 1) * t->row_stride + t->cols) * lmloss_dtype_size(t->dtype);
 }
 
+static int overlap(const lmloss_tensor *a, const lmloss_tensor *b) {
+  const char *a0 = (const char *)a->data, *a1 = last_byte(a);
+  const char *b0 = (const char *)b->data, *b1 = last_byte(b);
+  return a0 < b1 && b0 < a1;
+}
+
 lmloss_status lmloss_check_alias(const lmloss_tensor *in, const lmloss_tensor *out,
                                  const char *name) {
   if (in->data == out->data && in->dtype == out->dtype && in->row_stride == out->row_stride)
     return LMLOSS_OK;
-  const char *a0 = (const char *)in->data, *a1 = last_byte(in);
-  const char *b0 = (const char *)out->data, *b1 = last_byte(out);
-  if (a0 < b1 && b0 < a1)
+  if (overlap(in, out))
     return lmloss_fail(LMLOSS_ERR_BAD_SHAPE,
                        "%s overlaps its input without aliasing it exactly (same data, dtype, "
                        "row_stride)",
                        name);
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_check_disjoint(const lmloss_tensor *a, const char *a_name,
+                                    const lmloss_tensor *b, const char *b_name) {
+  if (lmloss_present(a) && lmloss_present(b) && overlap(a, b))
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "%s overlaps %s", a_name, b_name);
   return LMLOSS_OK;
 }
 

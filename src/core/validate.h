@@ -75,6 +75,10 @@ lmloss_status lmloss_check_indices(const lmloss_tensor *idx, const lmloss_tensor
 lmloss_status lmloss_check_alias(const lmloss_tensor *in, const lmloss_tensor *out,
                                  const char *name);
 
+/* No byte in common (either absent: none). */
+lmloss_status lmloss_check_disjoint(const lmloss_tensor *a, const char *a_name,
+                                    const lmloss_tensor *b, const char *b_name);
+
 /* A shard of a vocabulary (lmloss.h) for logits [N, cols] on `device`:
  * *out is the shard with its vocabulary resolved (0: cols), and state
  * must be F32 [N, state_cols] there (LMLOSS_ROW_STATE_COLS, or

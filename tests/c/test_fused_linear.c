@@ -915,6 +915,20 @@ static void bad_input(tgroup *g) {
     tg_true(g, same_bytes(&dh16, &dh16p), "BF16 head on the CPU: dhidden was written");
     host_free(&dh16), host_free(&dh16p);
   }
+  { /* gradients that share bytes with what the call reads, or with each other */
+    lmloss_head_grads over[3] = {grb, grb, grb};
+    over[0].dweight = w, over[1].dbias = b, over[2].dbias = o.dw;
+    over[2].dbias.rows = V, over[2].dbias.cols = over[2].dbias.row_stride = 1;
+    const char *what[3] = {"dweight is the weight", "dbias is the bias", "dbias in dweight"};
+    char msg[64];
+    for (int q = 0; q < 3; q++) {
+      snprintf(msg, sizeof msg, "CE: %s", what[q]);
+      expect(g,
+             lmloss_linear_cross_entropy(&ctx, &hb, &t, NULL, NULL, &opt, &ho, &out, &over[q], ws,
+                                         wsb),
+             LMLOSS_ERR_BAD_SHAPE, &o, &p, msg);
+    }
+  }
   {
     lmloss_head_options h2 = ho;
     h2.memory_budget = 16;
