@@ -389,7 +389,10 @@ LMLOSS_API lmloss_head_options lmloss_head_options_default(void);
 
 /* Gradients of a fused-head call; each one optional (absent = frozen).
  * dhidden: [N, H] in hidden's dtype (rows the loss ignores read 0);
- * dweight [V, H] and dbias [V]: F32 or the weight's dtype. */
+ * dweight [V, H] and dbias [V]: F32 or the weight's dtype, sharing no
+ * byte with the head, dhidden or each other (a 16-bit dweight's bytes
+ * may serve the call as scratch before its values are written:
+ * lmloss_head_plan.store_in_dweight). */
 typedef struct {
   lmloss_tensor dhidden;
   lmloss_tensor dweight;
