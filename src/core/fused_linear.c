@@ -35,8 +35,7 @@
  */
 #include <string.h>
 
-#include "validate.h"
-#include "workspace.h"
+#include "linear_plan.h"
 
 lmloss_head_options lmloss_head_options_default(void) {
   lmloss_head_options o = {0, 1};
@@ -60,279 +59,6 @@ typedef struct {
   const lmloss_head_grads *grads;
 } linear_job;
 
-/* Where everything lives in the workspace. The whole-call buffers come
- * first; from `region` on, the chunk buffers (rows per chunk) and, after
- * the chunks, the vocab tiles' buffers (tile_plan) share the same bytes. */
-typedef struct {
-  int64_t rows, K, S; /* S: exact entries kept per row (keep_entries) */
-  int64_t slot_rows;  /* rows the per-row buffers hold: rows, or a store's widest chunk */
-  size_t hs, dls;     /* bytes of a hidden element; of a dlogits one (0: in place, F32) */
-  size_t list, coef, cols, vals, sums, acc_b, bias32, region;
-  size_t slab, dl, hid, dh, dh_acc, aux, ce_ws, total;
-  int dl_separate; /* dlogits in the weight's 16-bit dtype, beside the fp32 slab */
-  int round_dl;    /* dhidden from them, summed in fp32 at dh_acc with the exact entries */
-  int acc_b_f32;
-  int tiles;     /* dW may come from vocab tiles: wanted, of a 16-bit head */
-  int acc_w_f32; /* a 16-bit dW tile sums over row blocks in fp32 */
-  int tiled;     /* set per call: it does (more than one row chunk) */
-  /* The store (plan_store): the 16-bit dlogits and gathered hidden rows of
-   * `group` rows (all N, or whole chunks) are kept, for one dhidden and one
-   * dW GEMM a group; dW sums over groups in fp32 (acc_w, or an F32
-   * dweight). 0: no store. store_in_dw: the store lies in dweight's own
-   * bytes (dw_store_rows), not in the workspace. */
-  int64_t group;
-  size_t store, ghid, acc_w, store_size;
-  int acc_w_alloc, store_in_dw;
-} linear_plan;
-
-static int wants(const lmloss_tensor *t) { return lmloss_present(t); }
-
-static int has_grads(const lmloss_head_grads *g) {
-  return g && (wants(&g->dhidden) || wants(&g->dweight) || wants(&g->dbias));
-}
-
-/* Bytes of small per-row buffers (chunk_slots): K * 8 + 5 * 8 + K * 4 +
- * LMLOSS_ROW_STATS * 4. */
-static size_t aux_per_row(int64_t K) { return 64 + (size_t)K * 16; }
-
-/* Bytes of the vocab tiles' buffers: a block of `rows` hidden rows
- * (when gathered), their logits slab for `cols` columns, its 16-bit
- * gradient (unless written over the slab: inplace), and (acc) the fp32
- * sum of the dW tile over the row blocks. */
-static size_t tile_bytes(const linear_plan *p, int64_t rows, int64_t cols, int64_t H, int acc,
-                         int gathered, int inplace) {
-  return (gathered ? lmloss_ws_up((size_t)rows * H * p->hs) : 0) +
-         lmloss_ws_up((size_t)rows * cols * 4) +
-         (inplace ? 0 : lmloss_ws_up((size_t)rows * cols * p->dls)) +
-         (acc ? lmloss_ws_up((size_t)cols * H * 4) : 0);
-}
-
-/* What rounding the chunk buffers up to LMLOSS_WS_ALIGN can add. */
-static const size_t chunk_slack = 8 * LMLOSS_WS_ALIGN + LMLOSS_CE_WS_HEADER;
-
-/* The chunk buffers of a store plan from p->region on. */
-static void layout_store_chunks(linear_plan *p, int64_t V, int64_t H) {
-  size_t off = p->region;
-  p->slab = off, off += lmloss_ws_up((size_t)p->rows * V * 4);
-  p->aux = off, off += lmloss_ws_up((size_t)p->slot_rows * aux_per_row(p->K));
-  p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(p->slot_rows));
-  const size_t dh_row = p->region + lmloss_ws_up((size_t)H * 4); /* group_grads' fp32 block */
-  p->total = off > dh_row ? off : dh_row;
-}
-
-/* Rows of a store that dweight's own bytes hold: a 16-bit dW is written
- * only by the cast of its fp32 accumulator after the last group, so until
- * then its V x H elements can hold a store of groups (an output, outside
- * the budget), from its first LMLOSS_WS_ALIGN-aligned byte (store_base).
- * 0 where dweight cannot: absent, F32 (it is the sum itself), added to, or
- * with rows apart. */
-static int64_t dw_store_rows(const lmloss_head_grads *g, const linear_plan *p, int64_t V,
-                             int64_t H) {
-  const lmloss_tensor *dw = &g->dweight;
-  if (!wants(dw) || dw->dtype == LMLOSS_F32 || g->accumulate || dw->row_stride != H) return 0;
-  const size_t bytes = (size_t)V * H * lmloss_dtype_size(dw->dtype);
-  const size_t per_row = (size_t)V * p->dls + (size_t)H * p->hs;
-  const size_t slack = 3 * LMLOSS_WS_ALIGN; /* the base's alignment, two parts rounded up */
-  return bytes > slack ? (int64_t)((bytes - slack) / per_row) : 0;
-}
-
-/* Three GEMMs for a 16-bit head's dW (p->tiles), when they fit: the chunks'
- * rounded dlogits go to a store of `group` rows beside their hidden rows,
- * and each group takes one dhidden GEMM (through fp32, exact entries put
- * back) and one dW GEMM. A store of all rows needs no fp32 sum of dW, and
- * takes as many bytes as the V x H fp32 accumulator it stands for when
- * N = 2H. Groups sum dW in fp32 (an accumulator, or an F32 dweight), a
- * V x H read-modify-write a group, which costs less than the fourth GEMM
- * only when a group has more than about 4 x (tensor FLOP/s) / (bytes/s)
- * rows (800 on an H200), hence LMLOSS_HEAD_MIN_GROUP. The default budget
- * is the fastest schedule: 256 MiB of chunk buffers beside the bytes of
- * that accumulator, whoever holds dW's sum. Groups take the larger of the
- * store the budget leaves room for and the one dW's own bytes hold. 1 when
- * planned (p filled from `base`, the per-call buffers' end). */
-static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
-                      const lmloss_head_grads *g, linear_plan *p, size_t base) {
-  const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
-  const size_t acc_size = (size_t)V * H * 4, acc = g->dweight.dtype == LMLOSS_F32 ? 0 : acc_size;
-  const size_t E =
-      hopt->memory_budget ? hopt->memory_budget : LMLOSS_HEAD_DEFAULT_BUDGET + acc_size;
-  const size_t per_group_row = (size_t)V * p->dls + (size_t)H * p->hs;
-  const size_t per_slot_row = aux_per_row(p->K) + 3 * sizeof(double);
-  const size_t per_chunk_row = (size_t)V * 4 + per_slot_row;
-  const int64_t min_chunk = N < 128 ? N : 128;
-  const size_t wide_slots = (size_t)(N / 3) * per_slot_row; /* chunk_at's widest chunk's */
-  int64_t G = N;
-  int in_dw = 0;
-  size_t A = 0, fixed = base + lmloss_ws_up((size_t)N * per_group_row) + chunk_slack + wide_slots;
-  int64_t rows = lmloss_chunk_rows(E, fixed, per_chunk_row, N);
-  if (rows < min_chunk) { /* groups of whole chunks of min_chunk rows */
-    if (acc && !hopt->fp32_accumulate) return 0;
-    A = lmloss_ws_up(acc);
-    rows = min_chunk;
-    fixed = base + A + chunk_slack + wide_slots + (size_t)rows * per_chunk_row;
-    if (E < fixed) return 0;
-    G = (int64_t)((E - fixed) / per_group_row);
-    const int64_t G_dw = dw_store_rows(g, p, V, H);
-    in_dw = G_dw > G;
-    if (in_dw) G = G_dw < N ? G_dw : N;
-    G -= G % rows;
-    if (G < LMLOSS_HEAD_MIN_GROUP) return 0;
-  }
-  p->store_in_dw = in_dw;
-  p->rows = rows;
-  p->group = G;
-  p->slot_rows = G / 3 - G / 3 % 128 > rows ? G / 3 - G / 3 % 128 : rows;
-  p->tiles = 0;
-  size_t off = base;
-  p->acc_w_alloc = A > 0;
-  p->acc_w = off, off += A;
-  p->store_size =
-      lmloss_ws_up((size_t)p->group * V * p->dls) + lmloss_ws_up((size_t)p->group * H * p->hs);
-  p->store = p->store_in_dw ? 0 : off;
-  p->ghid = p->store + lmloss_ws_up((size_t)p->group * V * p->dls);
-  if (!p->store_in_dw) off += p->store_size;
-  p->region = off;
-  layout_store_chunks(p, V, H);
-  return 1;
-}
-
-static lmloss_status make_plan(const lmloss_head *head, const lmloss_head_options *hopt,
-                               const lmloss_head_grads *grads, int64_t K, linear_plan *p) {
-  const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
-  const size_t budget = hopt->memory_budget ? hopt->memory_budget : LMLOSS_HEAD_DEFAULT_BUDGET;
-  memset(p, 0, sizeof *p);
-  p->K = K;
-  p->S = K + 1; /* the target or the K indices, and the argmax */
-  p->hs = lmloss_dtype_size(head->hidden.dtype);
-  p->dl_separate = has_grads(grads) && head->weight.dtype != LMLOSS_F32;
-  p->dls = p->dl_separate ? p->hs : 0;
-  p->round_dl = p->dl_separate && wants(&grads->dhidden);
-  p->tiles = p->dl_separate && wants(&grads->dweight);
-  p->acc_w_f32 = p->tiles && grads->dweight.dtype != LMLOSS_F32 && hopt->fp32_accumulate;
-  size_t off = 0;
-  p->list = off, off += lmloss_ws_up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
-  /* what the row op keeps for a 16-bit head (lmloss_grad_keep) */
-  if (p->dl_separate) {
-    p->coef = off, off += lmloss_ws_up((size_t)N * sizeof(lmloss_grad_coef));
-    p->cols = off, off += lmloss_ws_up((size_t)N * p->S * 8);
-    p->vals = off, off += lmloss_ws_up((size_t)N * p->S * 4);
-  }
-  p->sums = off, off += lmloss_ws_up((size_t)(N + 2) * 4);
-  if (grads && wants(&grads->dbias) && grads->dbias.dtype != LMLOSS_F32 && hopt->fp32_accumulate) {
-    p->acc_b_f32 = 1;
-    p->acc_b = off, off += lmloss_ws_up((size_t)V * 4);
-  }
-  if (wants(&head->bias) && head->bias.dtype != LMLOSS_F32) /* logits' bias: F32 */
-    p->bias32 = off, off += lmloss_ws_up((size_t)V * 4);
-  p->region = off;
-  if (p->tiles && plan_store(head, hopt, grads, p, off)) return LMLOSS_OK;
-  /* A row of the chunk: fp32 logits, 16-bit dlogits, hidden and dhidden,
-   * dhidden's fp32 sum when rounded, the small buffers and the CE
-   * workspace's three doubles. */
-  const size_t per_row = (size_t)V * (4 + p->dls) + 2 * (size_t)H * p->hs +
-                         (p->round_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
-  const int64_t rows = lmloss_chunk_rows(budget, off + chunk_slack, per_row, N);
-  const size_t tiles_min = p->tiles ? tile_bytes(p, 1, 1, H, p->acc_w_f32, 1, 0) : 0;
-  if (rows < 1 || budget < off + tiles_min)
-    return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
-                       "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "
-                       "and their buffers) beside %zu bytes of per-call buffers",
-                       budget, per_row + chunk_slack, (long long)V, off);
-  p->rows = p->slot_rows = rows;
-  p->slab = off, off += lmloss_ws_up((size_t)rows * V * 4);
-  p->dl = off, off += lmloss_ws_up((size_t)rows * V * p->dls);
-  p->hid = off, off += lmloss_ws_up((size_t)rows * H * p->hs);
-  p->dh = off, off += lmloss_ws_up((size_t)rows * H * p->hs);
-  p->dh_acc = off, off += p->round_dl ? lmloss_ws_up((size_t)rows * H * 4) : 0;
-  p->aux = off, off += lmloss_ws_up((size_t)rows * aux_per_row(K));
-  p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(rows));
-  p->total = off > p->region + tiles_min ? off : p->region + tiles_min;
-  return LMLOSS_OK;
-}
-
-/* The vocab tiles' shape in the workspace from `base` on: blocks of
- * `rows` supervised rows (all M when their hidden rows take at most half
- * of it, or from saved statistics), tiles of `cols` columns filling the
- * rest. Hidden rows are gathered, or (only when every row is supervised:
- * the list is then 0..N-1) read in place. From saved statistics the
- * gradient may be written over the slab (lp_tile_grad, at most
- * LMLOSS_TILE_INPLACE_COLS columns): 4 bytes a logit rather than 6, where
- * that makes the tiles wider. */
-typedef struct {
-  int64_t rows, cols;
-  size_t hid, slab, dl, acc;
-  int acc_f32, gathered, inplace;
-} tile_plan;
-
-static tile_plan plan_tiles(const linear_plan *p, size_t base, int gathered, int saved, int64_t M,
-                            int64_t H, int64_t V) {
-  const int all_rows = saved;
-  const size_t R = p->total - base;
-  const int64_t few = V < 128 ? V : 128;
-  tile_plan t;
-  int64_t B = gathered && !all_rows ? (int64_t)(R / 2 / ((size_t)H * p->hs)) : M;
-  B = B < M ? B : M;
-  B = B > 1 ? B : 1;
-  while (!all_rows && B > 1 && tile_bytes(p, B, few, H, p->acc_w_f32 && B < M, gathered, 0) > R)
-    B /= 2;
-  if (B > 128 && B < M) B -= B % 128;
-  t.rows = B;
-  t.acc_f32 = p->acc_w_f32 && B < M;
-  t.gathered = gathered;
-  const size_t fixed = tile_bytes(p, B, 0, H, 0, gathered, 0) + 3 * LMLOSS_WS_ALIGN;
-  const size_t per_col = (size_t)B * (4 + p->dls) + (t.acc_f32 ? (size_t)H * 4 : 0);
-  int64_t c = R > fixed ? (int64_t)((R - fixed) / per_col) : 1;
-  c = c < V ? c : V;
-  t.inplace = 0;
-  if (saved) { /* B = M, no dW accumulator */
-    int64_t ci = R > fixed ? (int64_t)((R - fixed) / ((size_t)B * 4)) : 1;
-    ci = ci < V ? ci : V;
-    ci = ci < LMLOSS_TILE_INPLACE_COLS ? ci : LMLOSS_TILE_INPLACE_COLS;
-    if (ci > c) c = ci, t.inplace = 1;
-  }
-  if (c > 128 && c < V) c -= c % 128;
-  while (c > 1 && tile_bytes(p, B, c, H, t.acc_f32, gathered, t.inplace) > R) /* the minimum fits */
-    c--;
-  t.cols = c > 1 ? c : 1;
-  t.hid = base;
-  t.slab = t.hid + (gathered ? lmloss_ws_up((size_t)B * H * p->hs) : 0);
-  t.dl = t.inplace ? t.slab : t.slab + lmloss_ws_up((size_t)B * t.cols * 4);
-  t.acc = t.dl + lmloss_ws_up((size_t)B * t.cols * p->dls);
-  return t;
-}
-
-lmloss_status lmloss_check_head(const lmloss_head *head, const lmloss_head_options *hopt) {
-  if (!head || !hopt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "head or options is NULL");
-  TRY(lmloss_check_tensor(&head->hidden, "hidden", LMLOSS_FLOATS, -1, -1));
-  TRY(lmloss_check_tensor(&head->weight, "weight", LMLOSS_MASK(head->hidden.dtype), -1,
-                          head->hidden.cols));
-  if (head->weight.rows < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "weight: V must be >= 1");
-  if (head->hidden.cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "hidden: H must be >= 1");
-  TRY(lmloss_check_optional(&head->bias, "bias", LMLOSS_MASK(head->hidden.dtype), head->weight.rows,
-                            1));
-  if (hopt->fp32_accumulate != 0 && hopt->fp32_accumulate != 1)
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "fp32_accumulate must be 0 or 1");
-  return LMLOSS_OK;
-}
-
-lmloss_status lmloss_check_head_grads(const lmloss_head *head, const lmloss_head_grads *g) {
-  if (!g) return LMLOSS_OK;
-  const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows;
-  const unsigned wdt = LMLOSS_MASK(LMLOSS_F32) | LMLOSS_MASK(head->weight.dtype);
-  TRY(lmloss_check_optional(&g->dhidden, "dhidden", LMLOSS_MASK(head->hidden.dtype), N, H));
-  TRY(lmloss_check_optional(&g->dweight, "dweight", wdt, V, H));
-  TRY(lmloss_check_optional(&g->dbias, "dbias", wdt, V, 1));
-  if (wants(&g->dbias) && !wants(&head->bias))
-    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dbias given for a head without bias");
-  if (wants(&g->dhidden)) TRY(lmloss_check_alias(&head->hidden, &g->dhidden, "dhidden"));
-  if (g->accumulate != 0 && g->accumulate != 1)
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "accumulate must be 0 or 1");
-  if (g->accumulate && ((wants(&g->dweight) && g->dweight.dtype != LMLOSS_F32) ||
-                        (wants(&g->dbias) && g->dbias.dtype != LMLOSS_F32)))
-    return lmloss_fail(LMLOSS_ERR_BAD_DTYPE, "accumulate: dweight and dbias must be F32 (a "
-                                             "16-bit sum would round every step's gradient)");
-  return LMLOSS_OK;
-}
-
 /* A call's dweight and dbias share no byte with what it reads or with
  * each other: dweight may hold the store (dw_store_rows) while the inputs
  * are read. Not asked of a size or plan query, whose tensors point at no
@@ -346,42 +72,6 @@ static lmloss_status grads_apart(const lmloss_head *head, const lmloss_head_grad
     TRY(lmloss_check_disjoint(&g->dbias, "dbias", read[r], read_name[r]));
   }
   return lmloss_check_disjoint(&g->dweight, "dweight", &g->dbias, "dbias");
-}
-
-/* The plan of a size or plan query, its arguments checked. */
-static lmloss_status query_plan(const lmloss_head *head, const lmloss_head_options *hopt,
-                                const lmloss_head_grads *grads, int64_t k, linear_plan *p) {
-  if (k < 0) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "k must be >= 0");
-  TRY(lmloss_check_head(head, hopt));
-  TRY(lmloss_check_head_grads(head, grads));
-  return make_plan(head, hopt, grads, k, p);
-}
-
-lmloss_status lmloss_linear_workspace_size(const lmloss_head *head, const lmloss_head_options *hopt,
-                                           const lmloss_head_grads *grads, int64_t k,
-                                           size_t *bytes) {
-  linear_plan p;
-  if (!bytes) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "bytes is NULL");
-  TRY(query_plan(head, hopt, grads, k, &p));
-  *bytes = p.total;
-  return LMLOSS_OK;
-}
-
-lmloss_status lmloss_linear_plan(const lmloss_head *head, const lmloss_head_options *hopt,
-                                 const lmloss_head_grads *grads, int64_t k,
-                                 lmloss_head_plan *plan) {
-  linear_plan p;
-  if (!plan) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "plan is NULL");
-  TRY(query_plan(head, hopt, grads, k, &p));
-  plan->workspace_bytes = p.total;
-  plan->chunk_rows = p.rows;
-  plan->group_rows = p.group;
-  plan->store_bytes = p.group ? p.store_size : 0;
-  plan->store_in_dweight = p.group ? p.store_in_dw : 0;
-  plan->accumulator_bytes =
-      p.acc_w_alloc ? lmloss_ws_up((size_t)head->weight.rows * head->hidden.cols * 4) : 0;
-  plan->logits_gemms = p.tiles && head->hidden.rows > p.rows ? 2 : 1;
-  return LMLOSS_OK;
 }
 
 /* The per-row compact buffers of a chunk (n <= p->slot_rows rows), each in a
@@ -715,7 +405,8 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
    * sum narrows; the CE tiles so widened took the fused CE 1.3 ms longer
    * (H200, bf16 8192 x 152064 x 4096: 70.7-70.9 against 69.2-69.7 ms). */
   const int gathered = M < h->hidden.rows || !saved;
-  const tile_plan t = plan_tiles(p, saved ? saved->end : p->region, gathered, !!saved, M, H, V);
+  const tile_plan t =
+      lmloss_linear_plan_tiles(p, saved ? saved->end : p->region, gathered, !!saved, M, H, V);
   const int64_t nb = (M + t.rows - 1) / t.rows;
   for (int64_t j0 = 0; j0 < V; j0 += t.cols) {
     const int64_t tc = V - j0 < t.cols ? V - j0 : t.cols;
@@ -781,7 +472,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   int64_t K = (j->kind == CE_FORWARD || j->kind == CE_BACKWARD) ? 1
               : j->labels                                       ? j->labels->cols
                                                                 : 0;
-  TRY(make_plan(h, j->hopt, j->grads, K, &p));
+  TRY(lmloss_linear_make_plan(h, j->hopt, j->grads, K, &p));
   TRY(grads_apart(h, j->grads));
   if (!ws) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
   if (ws_bytes < p.total)

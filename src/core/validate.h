@@ -102,7 +102,7 @@ lmloss_status lmloss_check_head_grads(const lmloss_head *head, const lmloss_head
  * fused head's store may add what a V x H fp32 accumulator would take). */
 #define LMLOSS_HEAD_DEFAULT_BUDGET ((size_t)256 << 20)
 /* The fewest rows a group of the fused head's store may hold when dW sums
- * over groups (plan_store in fused_linear.c says why). */
+ * over groups (plan_store in linear_plan.c says why). */
 #define LMLOSS_HEAD_MIN_GROUP 1024
 
 /* UNSUPPORTED, saying so, when the backend cannot run `what`. */
