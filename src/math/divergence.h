@@ -79,7 +79,10 @@ LMLOSS_DIV_HD float lmloss_capped_gap(const lmloss_xform *f, float xt, float xs)
  * precision, identical rows give 0), the exponents' where the rows sit
  * far apart (a teacher offset by 1e30 leaves g - G nothing). */
 LMLOSS_DIV_HD float lmloss_pair_dg(float g, float G, float ds, float dt) {
-  return fabsf(g) + fabsf(G) <= fabsf(dt) + fabsf(ds) ? g - G : dt - ds;
+  const float near = g - G;
+  /* near - near == 0: near is finite (g and G overflow where k x w does:
+   * a temperature near FLT_MIN; the exponents' difference is right there) */
+  return fabsf(g) + fabsf(G) <= fabsf(dt) + fabsf(ds) && near - near == 0.0f ? near : dt - ds;
 }
 
 /* One column's term of D = Rt - Rs, e^dt - e^ds, from both exponentials
