@@ -12,6 +12,8 @@
  * |dt_j| + |ds_j|) + |ell|) from its terms; a gradient entry gets that times its
  * derivative in delta, a row's divergence the sum over columns.
  */
+#include <float.h>
+
 #include "support/testing.h"
 
 typedef struct {
@@ -475,6 +477,49 @@ static void fused_case(tgroup *g, const lmloss_div_options *o, int labels, size_
   host_free(&gr.dhidden), host_free(&gr.dweight), host_free(&gr.dbias);
 }
 
+/* A temperature near FLT_MIN takes k x w past FLT_MAX, so the gaps of far
+ * rows overflow: each row's divergence reads what REF's reads (inf for
+ * the KLs, a finite one for the bounded kinds), never NaN. fuzz_divergence
+ * found the CPU's NaN. */
+static void overflowing_temperature(tgroup *g) {
+  const int64_t N = 4, V = 22;
+  for (int k = 0; k < NKINDS; k++) {
+    lmloss_div_options o = lmloss_div_options_default();
+    o.kind = kinds[k].kind, o.beta = kinds[k].beta;
+    o.reduction = LMLOSS_REDUCE_NONE;
+    o.student.temperature = o.teacher.temperature = FLT_MIN;
+    o.student.softcap = o.teacher.softcap = 44.5f;
+    rng_seed(9950 + k);
+    lmloss_tensor s = host_new(LMLOSS_F32, N, V, V), t = host_new(LMLOSS_BF16, N, V, V);
+    for (int64_t i = 0; i < N; i++)
+      for (int64_t j = 0; j < V; j++)
+        tset(&s, i, j, 32 * rng_uniform() - 16), tset(&t, i, j, 32 * rng_uniform() - 16);
+    lmloss_tensor d[2] = {host_new(LMLOSS_F32, N, 1, 1), host_new(LMLOSS_F32, N, 1, 1)};
+    lmloss_tensor loss = host_new(LMLOSS_F32, N, 1, 1);
+    size_t wsb = lmloss_cross_entropy_workspace_size(N);
+    void *hws = malloc(wsb), *dws = dev_alloc_bytes(wsb);
+    const lmloss_div_inputs hin = {s, t, {0}};
+    const lmloss_div_outputs rout = {loss, d[0], {0}, {0}, {0}};
+    lmloss_context rc = ref_ctx(), tc = tb_ctx();
+    const lmloss_status sr = lmloss_divergence(&rc, &hin, &o, &rout, hws, wsb);
+    lmloss_div_inputs din = {dev_clone(&s), dev_clone(&t), {0}};
+    lmloss_div_outputs dout = {dev_clone(&loss), dev_clone(&d[1]), {0}, {0}, {0}};
+    const lmloss_status sg = lmloss_divergence(&tc, &din, &o, &dout, dws, wsb);
+    dev_fetch(&d[1], &dout.divergence);
+    if (tg_true(g, sr == LMLOSS_OK && sg == LMLOSS_OK, "kind %d: status %s %s", k,
+                lmloss_status_string(sr), lmloss_status_string(sg)))
+      for (int64_t i = 0; i < N; i++) {
+        const double got = tget(&d[1], i, 0), ref = tget(&d[0], i, 0);
+        const int agree =
+            isinf(ref) ? got == ref : isfinite(got) && fabs(got - ref) <= 1e-3 * fabs(ref) + 1e-6;
+        tg_true(g, agree, "kind %d, row %lld: divergence %g, REF %g", k, (long long)i, got, ref);
+      }
+    dev_free(&din.student), dev_free(&din.teacher), dev_free(&dout.loss);
+    dev_free(&dout.divergence), dev_free_bytes(dws), free(hws);
+    host_free(&s), host_free(&t), host_free(&d[0]), host_free(&d[1]), host_free(&loss);
+  }
+}
+
 int main(void) {
   tb_init();
   tgroup g;
@@ -545,6 +590,9 @@ int main(void) {
   tg_end(&g);
   tg_begin(&g, "bad arguments leave every output untouched");
   bad_input(&g);
+  tg_end(&g);
+  tg_begin(&g, "a temperature near FLT_MIN: what REF reads, never NaN");
+  overflowing_temperature(&g);
   tg_end(&g);
   tg_begin(&g, "1 and 2 threads: the same bits");
   threads(&g);
