@@ -234,11 +234,10 @@ static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prim
 }
 
 /* The chunk from compact row `first` of M: its rows, and where its fp32
- * logits go (*slab_at). A store's chunk is as wide as the store's free
- * rows past it hold twice over (a row of fp32 logits takes two rows of
- * 16-bit dlogits), so a group's first chunks run wide GEMMs and row passes
- * inside the store, then the rest takes the chunk region (wide chunks only
- * shrink); no chunk crosses a group's end. */
+ * logits go (*slab_at). A store's chunk is wide (wide_chunk_rows), its
+ * logits in the store's rows not yet written, so a group's first chunks
+ * run wide GEMMs and row passes; then the rest takes the chunk region
+ * (wide chunks only shrink); no chunk crosses a group's end. */
 static int64_t chunk_at(const linear_plan *p, int64_t V, int64_t M, int64_t first, int store,
                         char *w, char *sb, char **slab_at) {
   int64_t n = M - first < p->rows ? M - first : p->rows;
@@ -247,7 +246,7 @@ static int64_t chunk_at(const linear_plan *p, int64_t V, int64_t M, int64_t firs
   const int64_t in_group = first % p->group;
   const int64_t left =
       (p->group < M - first + in_group ? p->group : M - first + in_group) - in_group;
-  const int64_t wide = left / 3 - left / 3 % 128; /* whole tiles keep the slab 16-byte aligned */
+  const int64_t wide = wide_chunk_rows(left);
   if (wide < 128 || wide <= n) return n < left ? n : left;
   *slab_at = sb + p->store + (size_t)((in_group + wide) * V) * p->dls;
   return wide;
@@ -278,7 +277,7 @@ static lmloss_status group_grads(const linear_job *j, const lmloss_linear_prims 
   const lmloss_tensor hg = lmloss_ws_view(sb + p->ghid, h->hidden.dtype, dev, n, H);
   if (wants(&g->dweight)) {
     const lmloss_tensor dw =
-        p->acc_w_alloc ? lmloss_ws_view(w + p->acc_w, LMLOSS_F32, dev, V, H) : g->dweight;
+        p->acc_w_size ? lmloss_ws_view(w + p->acc_w, LMLOSS_F32, dev, V, H) : g->dweight;
     TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hg, beta, &dw));
   }
   if (!wants(&g->dhidden)) return LMLOSS_OK;
@@ -549,7 +548,7 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   if (want_grad) {
     const lmloss_tensor accw = lmloss_ws_view(w + p.acc_w, LMLOSS_F32, dev, V, H);
     if (want_dw && M == 0 && !beta0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
-    if (want_dw && M > 0 && store && p.acc_w_alloc) TRY(L->cast(j->ctx, &accw, &g->dweight));
+    if (want_dw && M > 0 && store && p.acc_w_size) TRY(L->cast(j->ctx, &accw, &g->dweight));
     if (wants(&g->dbias)) {
       if (M == 0 && !beta0) TRY(L->fill(j->ctx, &accb, 0.0));
       if (p.acc_b_f32) TRY(L->cast(j->ctx, &accb, &g->dbias));

@@ -60,7 +60,8 @@ static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
   const size_t per_slot_row = aux_per_row(p->K) + 3 * sizeof(double);
   const size_t per_chunk_row = (size_t)V * 4 + per_slot_row;
   const int64_t min_chunk = N < 128 ? N : 128;
-  const size_t wide_slots = (size_t)(N / 3) * per_slot_row; /* chunk_at's widest chunk's */
+  /* per-row buffers of the widest chunk: N / 3 bounds wide_chunk_rows(G) */
+  const size_t wide_slots = (size_t)(N / 3) * per_slot_row;
   int64_t G = N;
   int in_dw = 0;
   size_t A = 0, fixed = base + lmloss_ws_up((size_t)N * per_group_row) + chunk_slack + wide_slots;
@@ -81,10 +82,10 @@ static int plan_store(const lmloss_head *head, const lmloss_head_options *hopt,
   p->store_in_dw = in_dw;
   p->rows = rows;
   p->group = G;
-  p->slot_rows = G / 3 - G / 3 % 128 > rows ? G / 3 - G / 3 % 128 : rows;
+  p->slot_rows = wide_chunk_rows(G) > rows ? wide_chunk_rows(G) : rows;
   p->tiles = 0;
   size_t off = base;
-  p->acc_w_alloc = A > 0;
+  p->acc_w_size = A;
   p->acc_w = off, off += A;
   p->store_size =
       lmloss_ws_up((size_t)p->group * V * p->dls) + lmloss_ws_up((size_t)p->group * H * p->hs);
@@ -238,10 +239,9 @@ lmloss_status lmloss_linear_plan(const lmloss_head *head, const lmloss_head_opti
   plan->workspace_bytes = p.total;
   plan->chunk_rows = p.rows;
   plan->group_rows = p.group;
-  plan->store_bytes = p.group ? p.store_size : 0;
-  plan->store_in_dweight = p.group ? p.store_in_dw : 0;
-  plan->accumulator_bytes =
-      p.acc_w_alloc ? lmloss_ws_up((size_t)head->weight.rows * head->hidden.cols * 4) : 0;
+  plan->store_bytes = p.store_size; /* 0 without a store: the plan starts zeroed */
+  plan->store_in_dweight = p.store_in_dw;
+  plan->accumulator_bytes = p.acc_w_size;
   plan->logits_gemms = p.tiles && head->hidden.rows > p.rows ? 2 : 1;
   return LMLOSS_OK;
 }

@@ -32,7 +32,8 @@ typedef struct {
    * bytes (dw_store_rows), not in the workspace. */
   int64_t group;
   size_t store, ghid, acc_w, store_size;
-  int acc_w_alloc, store_in_dw;
+  size_t acc_w_size; /* bytes of the fp32 accumulator at acc_w (0: none) */
+  int store_in_dw;
 } linear_plan;
 
 static inline int wants(const lmloss_tensor *t) { return lmloss_present(t); }
@@ -40,6 +41,13 @@ static inline int wants(const lmloss_tensor *t) { return lmloss_present(t); }
 static inline int has_grads(const lmloss_head_grads *g) {
   return g && (wants(&g->dhidden) || wants(&g->dweight) || wants(&g->dbias));
 }
+
+/* Rows of a store's wide chunk with `left` rows of its group to go: as
+ * many as the store's free rows past it hold twice over (fp32 logits in
+ * 16-bit rows), in whole tiles of 128 (the slab stays 16-byte aligned).
+ * The plan sizes the per-row buffers by it and the chunk loop cuts by it:
+ * one formula, or the buffers overrun. */
+static inline int64_t wide_chunk_rows(int64_t left) { return left / 3 - left / 3 % 128; }
 
 /* Bytes of small per-row buffers (chunk_slots): K * 8 + 5 * 8 + K * 4 +
  * LMLOSS_ROW_STATS * 4. */
