@@ -469,6 +469,41 @@ LMLOSS_API lmloss_status lmloss_linear_log_probs_backward(
     const lmloss_tensor *dlogp, const lmloss_tensor *dentropy, const lmloss_tensor *stats,
     const lmloss_head_grads *grads, void *workspace, size_t workspace_bytes);
 
+/* Log-probs whose backward runs two GEMMs and no logits: any objective of
+ * the log-probs (GRPO, DPO, ...) then costs the head three GEMMs, as the
+ * fused cross-entropy does. The forward keeps, in its workspace, each
+ * supervised row's gradient of its log-prob (onehot - p, in the weight's
+ * dtype, with its exact entries) beside its hidden row: a store of all N
+ * rows, 2V + 2H bytes a row. lmloss_linear_log_probs_keep_size answers
+ * its workspace bytes, or 0 where the store of all rows does not fit the
+ * budget (memory_budget as in lmloss_head_options; the default's room is
+ * that of the three-GEMM cross-entropy) or the head is not BF16/F16 (the
+ * backends that take 16-bit heads: CUDA). */
+LMLOSS_API lmloss_status lmloss_linear_log_probs_keep_size(const lmloss_head *head,
+                                                           const lmloss_head_options *hopt,
+                                                           size_t *bytes);
+
+/* The forward: as lmloss_linear_log_probs with K = 1 (index [N, 1]), logp
+ * F32, no stats. The workspace (keep_size's bytes) must reach
+ * lmloss_linear_log_probs_backward_kept unchanged. UNSUPPORTED where
+ * keep_size answers 0. */
+LMLOSS_API lmloss_status lmloss_linear_log_probs_keep(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_head_options *hopt,
+    const lmloss_tensor *logp, const lmloss_tensor *entropy, void *workspace,
+    size_t workspace_bytes);
+
+/* The backward from the kept workspace, for dlogp (F32 [N, 1]): with the
+ * same head, index, mask, transform and options as the forward.
+ * dhidden = dlogp_i (U W)_i, dweight = U^T (dlogp_i h_i): the entropy's
+ * gradient and dbias are not kept (lmloss_linear_log_probs_backward has
+ * them). The workspace's contents are spent. */
+LMLOSS_API lmloss_status lmloss_linear_log_probs_backward_kept(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_head_options *hopt,
+    const lmloss_tensor *dlogp, const lmloss_head_grads *grads, void *workspace,
+    size_t workspace_bytes);
+
 /* Multiplies the gradients present in grads, in place, by scale (F32 [1]
  * on the head's device), on the context's stream, with no host
  * synchronization: the upstream gradient of a loss whose gradients a

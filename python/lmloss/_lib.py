@@ -274,6 +274,15 @@ linear_log_probs_backward = _proto("lmloss_linear_log_probs_backward", _status, 
                                    _P(Head), _P(Tensor), _P(Tensor), _P(Transform),
                                    _P(HeadOptions), _P(Tensor), _P(Tensor), _P(Tensor),
                                    _P(HeadGrads), ctypes.c_void_p, ctypes.c_size_t)
+linear_log_probs_keep_size = _proto("lmloss_linear_log_probs_keep_size", _status, _P(Head),
+                                    _P(HeadOptions), _P(ctypes.c_size_t))
+linear_log_probs_keep = _proto("lmloss_linear_log_probs_keep", _status, _P(Context), _P(Head),
+                               _P(Tensor), _P(Tensor), _P(Transform), _P(HeadOptions),
+                               _P(Tensor), _P(Tensor), ctypes.c_void_p, ctypes.c_size_t)
+linear_log_probs_backward_kept = _proto("lmloss_linear_log_probs_backward_kept", _status,
+                                        _P(Context), _P(Head), _P(Tensor), _P(Tensor),
+                                        _P(Transform), _P(HeadOptions), _P(Tensor),
+                                        _P(HeadGrads), ctypes.c_void_p, ctypes.c_size_t)
 linear_divergence_workspace_size = _proto("lmloss_linear_divergence_workspace_size", _status,
                                           _P(Head), _P(Head), _P(HeadOptions),
                                           _P(ctypes.c_size_t))

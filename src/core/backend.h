@@ -84,6 +84,9 @@ typedef struct {
                                 const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
                                 const lmloss_tensor *stats, const lmloss_grad_keep *keep,
                                 const lmloss_tensor *dl);
+  /* t [n, cols] (F32/BF16/F16): row r *= s[r] (s: F32 [n, 1]) */
+  lmloss_status (*scale_rows)(const lmloss_context *, const lmloss_tensor *t,
+                              const lmloss_tensor *s);
 } lmloss_linear_prims;
 
 /* The most indices a row of a backward from saved statistics forms on

@@ -57,6 +57,7 @@ typedef struct {
   const lmloss_tensor *dloss, *logp, *entropy, *dlogp, *dentropy;
   const lmloss_tensor *stats; /* log-probs: saved (forward) or given (backward) */
   const lmloss_head_grads *grads;
+  int keep_grad; /* log-probs: the forward keeps its rows' gradients, the backward reads them */
 } linear_job;
 
 /* A call's dweight and dbias share no byte with what it reads or with
@@ -135,6 +136,38 @@ static lmloss_grad_keep *keep_at(const linear_job *j, const linear_plan *p, char
   return k;
 }
 
+/* The kept log-probs forward's row op (K = 1): the cross-entropy against
+ * the index at upstream -1, whose loss is -logp and whose gradient is
+ * logp's, onehot - p, written to dl (the store) with its exact entries. */
+static lmloss_status unit_grads(const linear_job *j, const lmloss_backend_ops *ops,
+                                const linear_plan *p, char *ws, const int64_t *list,
+                                const chunk_slots *sl, const lmloss_tensor *lab,
+                                const lmloss_tensor *slab, const lmloss_tensor *dl,
+                                lmloss_grad_keep *keep) {
+  const lmloss_linear_prims *L = ops->linear;
+  const lmloss_context *ctx = j->ctx;
+  lmloss_ce_options o = lmloss_ce_options_default();
+  o.ignore_index = -1; /* never an index: they lie in [0, V) */
+  o.transform = *j->tr;
+  o.reduction = LMLOSS_REDUCE_NONE;
+  o.grad_output = -1.0f;
+  const lmloss_ce_inputs in = {*slab, *lab, {0}, {0}};
+  lmloss_ce_outputs co;
+  memset(&co, 0, sizeof co);
+  co.loss = sl->row;
+  if (j->entropy) co.entropy = sl->entropy;
+  co.dlogits = *dl;
+  TRY(ops->cross_entropy(ctx, &in, &o, &co, ws + p->ce_ws,
+                         lmloss_cross_entropy_workspace_size(slab->rows), keep));
+  /* logp = -loss, by a -1 past the sums' N rows (unused by log-probs) */
+  const lmloss_tensor minus = lmloss_ws_view(ws + p->sums + (size_t)j->head->hidden.rows * 4,
+                                             LMLOSS_F32, j->head->hidden.device, 1, 1);
+  TRY(L->fill(ctx, &minus, -1.0));
+  TRY(L->scale(ctx, &sl->row, (const float *)minus.data));
+  TRY(L->scatter_rows(ctx, &sl->row, list, j->logp));
+  return j->entropy ? L->scatter_rows(ctx, &sl->entropy, list, j->entropy) : LMLOSS_OK;
+}
+
 /* The row op of one chunk on the slab; dl = where its gradient goes,
  * keep = what the row op keeps of it (keep_at). */
 static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *ops,
@@ -194,6 +227,8 @@ static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *o
     return LMLOSS_OK;
   }
   const lmloss_tensor *idx = K > 0 ? &lab : NULL;
+  if (j->kind == LP_FORWARD && j->keep_grad)
+    return unit_grads(j, ops, p, ws, list, &sl, &lab, slab, dl, keep);
   if (j->kind == LP_FORWARD) {
     lmloss_tensor lp = sl.per_k, ent_t = sl.row, *ent = wants(j->entropy) ? &ent_t : NULL;
     const lmloss_tensor *st = j->stats ? &sl.stats : NULL;
@@ -260,11 +295,36 @@ static char *store_base(const linear_job *j, const linear_plan *p, char *w) {
   return d + (LMLOSS_WS_ALIGN - (uintptr_t)d % LMLOSS_WS_ALIGN) % LMLOSS_WS_ALIGN;
 }
 
+/* dhidden of a store's n compact rows from first on (dl, their rounded
+ * gradient rows; hg, their hidden rows): through fp32 in blocks of the
+ * chunk region, the exact entries put back, each row scaled by its s
+ * (optional [n, 1]), rounded into hg once dW has read it, and scattered. */
+static lmloss_status store_dhidden(const linear_job *j, const lmloss_linear_prims *L,
+                                   const linear_plan *p, char *w, const int64_t *list,
+                                   int64_t first, const lmloss_tensor *dl, const lmloss_tensor *hg,
+                                   const lmloss_tensor *s) {
+  const lmloss_head *h = j->head;
+  const int64_t n = dl->rows, H = h->hidden.cols;
+  const int64_t B = (int64_t)((p->total - p->region) / ((size_t)H * 4));
+  for (int64_t b0 = 0; b0 < n; b0 += B) {
+    const int64_t bn = n - b0 < B ? n - b0 : B;
+    const lmloss_tensor acc = lmloss_ws_view(w + p->region, LMLOSS_F32, h->hidden.device, bn, H);
+    const lmloss_tensor dlb = rows_of(dl, b0, bn), hb = rows_of(hg, b0, bn);
+    lmloss_grad_keep kept;
+    TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dlb, &h->weight, 0.0f, &acc));
+    TRY(L->restore_entries(j->ctx, keep_at(j, p, w, first + b0, &kept), &h->weight, &acc));
+    if (s) {
+      const lmloss_tensor sb = rows_of(s, b0, bn);
+      TRY(L->scale_rows(j->ctx, &acc, &sb));
+    }
+    TRY(L->cast(j->ctx, &acc, &hb));
+  }
+  return L->scatter_rows(j->ctx, hg, list + first, &j->grads->dhidden);
+}
+
 /* dhidden and dW of a store's group: its n compact rows from first on,
- * whose dlogits and hidden rows the store holds. dhidden goes through fp32
- * in blocks of the chunk region, the exact entries put back, rounded into
- * the hidden rows' buffer once dW has read them, and scattered. beta: 0
- * for the first group, unless dW is added to the caller's. */
+ * whose dlogits and hidden rows the store holds (dhidden: store_dhidden).
+ * beta: 0 for the first group, unless dW is added to the caller's. */
 static lmloss_status group_grads(const linear_job *j, const lmloss_linear_prims *L,
                                  const linear_plan *p, char *w, const int64_t *list, int64_t first,
                                  int64_t n, float beta) {
@@ -281,17 +341,29 @@ static lmloss_status group_grads(const linear_job *j, const lmloss_linear_prims 
     TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hg, beta, &dw));
   }
   if (!wants(&g->dhidden)) return LMLOSS_OK;
-  const int64_t B = (int64_t)((p->total - p->region) / ((size_t)H * 4));
-  for (int64_t b0 = 0; b0 < n; b0 += B) {
-    const int64_t bn = n - b0 < B ? n - b0 : B;
-    const lmloss_tensor acc = lmloss_ws_view(w + p->region, LMLOSS_F32, dev, bn, H);
-    const lmloss_tensor dlb = rows_of(&dl, b0, bn), hb = rows_of(&hg, b0, bn);
-    lmloss_grad_keep kept;
-    TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dlb, &h->weight, 0.0f, &acc));
-    TRY(L->restore_entries(j->ctx, keep_at(j, p, w, first + b0, &kept), &h->weight, &acc));
-    TRY(L->cast(j->ctx, &acc, &hb));
+  return store_dhidden(j, L, p, w, list, first, &dl, &hg, NULL);
+}
+
+/* The kept log-probs backward (lmloss_linear_log_probs_keep): the store
+ * holds every supervised row's gradient of its log-prob u_i and its
+ * hidden row h_i, so dW = U^T (dlogp_i h_i) and dhidden_i = dlogp_i (U W)_i:
+ * two GEMMs. */
+static lmloss_status kept_grads(const linear_job *j, const lmloss_linear_prims *L,
+                                const linear_plan *p, char *w, const int64_t *list, int64_t M) {
+  const lmloss_head *h = j->head;
+  const lmloss_head_grads *g = j->grads;
+  const lmloss_device dev = h->hidden.device;
+  const int64_t H = h->hidden.cols, V = h->weight.rows;
+  const lmloss_tensor s = lmloss_ws_view(w + p->sums, LMLOSS_F32, dev, M, 1);
+  const lmloss_tensor dl = lmloss_ws_view(w + p->store, h->weight.dtype, dev, M, V);
+  const lmloss_tensor hg = lmloss_ws_view(w + p->ghid, h->hidden.dtype, dev, M, H);
+  TRY(L->gather_rows(j->ctx, j->dlogp, list, &s));
+  if (wants(&g->dweight)) {
+    TRY(L->scale_rows(j->ctx, &hg, &s));
+    TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hg, g->accumulate ? 1.0f : 0.0f, &g->dweight));
   }
-  return L->scatter_rows(j->ctx, &hg, list + first, &g->dhidden);
+  if (!wants(&g->dhidden)) return LMLOSS_OK;
+  return store_dhidden(j, L, p, w, list, 0, &dl, &hg, &s);
 }
 
 /* Outputs of the rows that no chunk visits. */
@@ -471,7 +543,17 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   int64_t K = (j->kind == CE_FORWARD || j->kind == CE_BACKWARD) ? 1
               : j->labels                                       ? j->labels->cols
                                                                 : 0;
-  TRY(lmloss_linear_make_plan(h, j->hopt, j->grads, K, &p));
+  if (j->keep_grad) {
+    int fits;
+    TRY(lmloss_linear_keep_plan(h, j->hopt, &p, &fits));
+    if (!fits)
+      return lmloss_fail(LMLOSS_ERR_UNSUPPORTED,
+                         "kept log-probs: no store of all %lld rows in this budget and dtype "
+                         "(lmloss_linear_log_probs_keep_size answers 0)",
+                         (long long)h->hidden.rows);
+  } else {
+    TRY(lmloss_linear_make_plan(h, j->hopt, j->grads, K, &p));
+  }
   TRY(grads_apart(h, j->grads));
   if (!ws) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
   if (ws_bytes < p.total)
@@ -515,11 +597,15 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
   int from_saved = 0;
   TRY(saved_start(j, L, &p, w, list, M, &sr, &from_saved));
   const saved_rows *saved = from_saved ? &sr : NULL;
-  const int store = want_grad && p.group > 0; /* dhidden and dW by groups (plan_store) */
+  /* the row op writes a gradient: a training call's, or the kept log-probs' */
+  const int row_grad = want_grad || (j->keep_grad && j->kind == LP_FORWARD);
+  const int store = row_grad && p.group > 0; /* dhidden and dW by groups (plan_store) */
+  const int kept = j->keep_grad && j->kind == LP_BACKWARD;
   const float beta0 = g && g->accumulate ? 1.0f : 0.0f;
   char *sb = store ? store_base(j, &p, w) : NULL;
+  if (kept && M > 0) TRY(kept_grads(j, L, &p, w, list, M));
   int64_t c = 0, n;
-  for (int64_t first = 0; !saved && first < M; first += n, c++) {
+  for (int64_t first = 0; !saved && !kept && first < M; first += n, c++) {
     char *slab_at;
     n = chunk_at(&p, V, M, first, store, w, sb, &slab_at);
     const int64_t *lc = list + first, in_group = store ? first % p.group : 0;
@@ -530,8 +616,8 @@ static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
     TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
     char *dlo = store ? sb + p.store + (size_t)(in_group * V) * p.dls : w + p.dl;
     lmloss_tensor dl = p.dl_separate ? lmloss_ws_view(dlo, h->weight.dtype, dev, n, V) : slab;
-    lmloss_grad_keep kept, *keep = want_grad ? keep_at(j, &p, w, first, &kept) : NULL;
-    TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, want_grad ? &dl : NULL, keep, scale));
+    lmloss_grad_keep kept_at, *keep = row_grad ? keep_at(j, &p, w, first, &kept_at) : NULL;
+    TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, row_grad ? &dl : NULL, keep, scale));
     if (!want_grad) continue;
     const float beta = c == 0 ? beta0 : 1.0f;
     if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &dl, keep, beta, &accb));
@@ -687,6 +773,58 @@ lmloss_status lmloss_linear_log_probs_backward(
                   .dentropy = wants(dentropy) ? dentropy : NULL,
                   .stats = wants(stats) ? stats : NULL,
                   .grads = grads};
+  return run(&j, ws, ws_bytes);
+}
+
+lmloss_status lmloss_linear_log_probs_keep(const lmloss_context *ctx, const lmloss_head *head,
+                                           const lmloss_tensor *index, const lmloss_tensor *mask,
+                                           const lmloss_transform *tr,
+                                           const lmloss_head_options *hopt,
+                                           const lmloss_tensor *logp, const lmloss_tensor *entropy,
+                                           void *ws, size_t ws_bytes) {
+  TRY(lmloss_check_head(head, hopt));
+  if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
+  if (index->cols != 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: kept log-probs take K = 1");
+  TRY(check_lp(head, index, mask, tr));
+  TRY(lmloss_check_tensor(logp, "logp", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
+  TRY(lmloss_check_optional(entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
+  linear_job j = {.kind = LP_FORWARD,
+                  .ctx = ctx,
+                  .head = head,
+                  .labels = index,
+                  .mask = wants(mask) ? mask : NULL,
+                  .tr = tr,
+                  .hopt = hopt,
+                  .logp = logp,
+                  .entropy = wants(entropy) ? entropy : NULL,
+                  .keep_grad = 1};
+  return run(&j, ws, ws_bytes);
+}
+
+lmloss_status lmloss_linear_log_probs_backward_kept(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *tr, const lmloss_head_options *hopt,
+    const lmloss_tensor *dlogp, const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
+  TRY(lmloss_check_head(head, hopt));
+  TRY(lmloss_check_head_grads(head, grads));
+  if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
+  if (index->cols != 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: kept log-probs take K = 1");
+  TRY(check_lp(head, index, mask, tr));
+  if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
+  if (wants(&grads->dbias))
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "dbias: the kept log-probs keep no column sums "
+                                               "(lmloss_linear_log_probs_backward has them)");
+  TRY(lmloss_check_tensor(dlogp, "dlogp", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
+  linear_job j = {.kind = LP_BACKWARD,
+                  .ctx = ctx,
+                  .head = head,
+                  .labels = index,
+                  .mask = wants(mask) ? mask : NULL,
+                  .tr = tr,
+                  .hopt = hopt,
+                  .dlogp = dlogp,
+                  .grads = grads,
+                  .keep_grad = 1};
   return run(&j, ws, ws_bytes);
 }
 

@@ -151,6 +151,30 @@ lmloss_status lmloss_linear_make_plan(const lmloss_head *head, const lmloss_head
   return LMLOSS_OK;
 }
 
+lmloss_status lmloss_linear_keep_plan(const lmloss_head *head, const lmloss_head_options *hopt,
+                                      linear_plan *p, int *fits) {
+  static char phantom; /* a plan reads no data, but a gradient is wanted only with some */
+  const lmloss_tensor *x = &head->hidden, *w = &head->weight;
+  lmloss_head_grads g;
+  memset(&g, 0, sizeof g);
+  g.dhidden = (lmloss_tensor){&phantom, x->dtype, x->device, x->rows, x->cols, x->cols};
+  g.dweight = (lmloss_tensor){&phantom, w->dtype, w->device, w->rows, w->cols, w->cols};
+  TRY(lmloss_linear_make_plan(head, hopt, &g, 1, p));
+  *fits = p->dl_separate && p->group == x->rows && !p->store_in_dw;
+  return LMLOSS_OK;
+}
+
+lmloss_status lmloss_linear_log_probs_keep_size(const lmloss_head *head,
+                                                const lmloss_head_options *hopt, size_t *bytes) {
+  linear_plan p;
+  int fits;
+  if (!bytes) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "bytes is NULL");
+  TRY(lmloss_check_head(head, hopt));
+  TRY(lmloss_linear_keep_plan(head, hopt, &p, &fits));
+  *bytes = fits ? p.total : 0;
+  return LMLOSS_OK;
+}
+
 tile_plan lmloss_linear_plan_tiles(const linear_plan *p, size_t base, int gathered, int saved,
                                    int64_t M, int64_t H, int64_t V) {
   const int all_rows = saved;

@@ -84,6 +84,13 @@ typedef struct {
 lmloss_status lmloss_linear_make_plan(const lmloss_head *head, const lmloss_head_options *hopt,
                                       const lmloss_head_grads *grads, int64_t K, linear_plan *p);
 
+/* The plan of the kept log-probs (lmloss_linear_log_probs_keep) and of
+ * their backward: the three-GEMM plan of a call that wants dhidden and a
+ * dweight in the head's 16-bit dtype, whose store must hold all N rows in
+ * the workspace (*fits 0 where it does not, or for an F32 head). */
+lmloss_status lmloss_linear_keep_plan(const lmloss_head *head, const lmloss_head_options *hopt,
+                                      linear_plan *p, int *fits);
+
 /* The vocab tiles' shape in the workspace from `base` on (tile_plan). */
 tile_plan lmloss_linear_plan_tiles(const linear_plan *p, size_t base, int gathered, int saved,
                                    int64_t M, int64_t H, int64_t V);

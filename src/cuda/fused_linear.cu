@@ -176,7 +176,7 @@ static lmloss_status scatter_rows(const lmloss_context *ctx, const lmloss_tensor
 }
 
 /* Element-wise kernels over a [rows, cols] view: fill, cast, broadcast,
- * scale by the F32 at src. */
+ * scale by the F32 at src, scale each row by its F32 in src [rows, 1]. */
 __global__ void elementwise_kernel(int mode, const void *src, lmloss_dtype sdt, int64_t sstride,
                                    void *dst, lmloss_dtype ddt, int64_t dstride, int64_t rows,
                                    int64_t cols, double v) {
@@ -197,6 +197,8 @@ __global__ void elementwise_kernel(int mode, const void *src, lmloss_dtype sdt, 
       x = lmloss_load(src, sdt, j * sstride);
     if (mode == 3) /* scale */
       x = lmloss_load(row, ddt, j) * *(const float *)src;
+    if (mode == 4) /* scale rows */
+      x = lmloss_load(row, ddt, j) * ((const float *)src)[i * sstride];
     lmloss_store(row, ddt, j, x);
   }
 }
@@ -274,6 +276,11 @@ static lmloss_status scale(const lmloss_context *ctx, const lmloss_tensor *t, co
   default: scale_kernel<float><<<grid, 256, 0, st>>>((float *)t->data, n, s); break;
   }
   return check_launch("scale");
+}
+
+static lmloss_status scale_rows(const lmloss_context *ctx, const lmloss_tensor *t,
+                                const lmloss_tensor *s) {
+  return elementwise(ctx, 4, s, t, 0.0);
 }
 
 /* c = h w^T + bias through cuBLASLt's bias epilogue: the bias is added as
@@ -653,4 +660,5 @@ extern "C" const lmloss_linear_prims lmloss_cuda_linear = {
     lmc::restore_entries,
     lmc::tile_grad,
     lmloss_cuda_lp_tile_grad,
+    lmc::scale_rows,
 };

@@ -814,6 +814,141 @@ static void lp_run(tgroup *g, const lp_case *c) {
   free(tv);
 }
 
+/* ---- kept log-probs (lmloss_linear_log_probs_keep) ---- */
+
+static const double margins[] = {-1, 0, 5, 17, 30, 50};
+
+/* The kept forward and its backward against REF on the head's logits:
+ * logp and entropy per row, dhidden and dweight from dlogp (gwdt; with
+ * accumulate, added to an F32 dweight holding 0.5), masked rows 0. An F32
+ * head keeps nothing: keep_size answers 0 and the call UNSUPPORTED. */
+static void kept_case(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, lmloss_transform tr,
+                      int mask_on, double margin, lmloss_dtype gwdt, int accumulate) {
+  int64_t *tv = xcalloc((size_t)N, sizeof(int64_t));
+  targets(N, V, 0.0, -1, tv);
+  head_data hd;
+  head_new(&hd, N, V, 24, dt, 0, 0, tv, margin, 2.0);
+  const int64_t H = hd.H;
+  lmloss_tensor idx = host_new(LMLOSS_I64, N, 1, 1), mask = {0};
+  lmloss_tensor dlogp = host_new(LMLOSS_F32, N, 1, 1);
+  for (int64_t i = 0; i < N; i++)
+    tset(&idx, i, 0, (double)tv[i]), tset(&dlogp, i, 0, rng_normal());
+  if (mask_on) {
+    mask = host_new(LMLOSS_BOOL, N, 1, 1);
+    for (int64_t i = 0; i < N; i++)
+      tset(&mask, i, 0, rng_uniform() < 0.7);
+  }
+  lmloss_context rctx = ref_ctx(), ctx = tb_ctx();
+  lmloss_tensor rlogp = host_new(LMLOSS_F32, N, 1, 1), rent = host_new(LMLOSS_F32, N, 1, 1);
+  lmloss_tensor rdl = host_new(LMLOSS_F32, N, V, V);
+  lmloss_status sr = lmloss_log_probs(&rctx, &hd.logits, &idx, &mask, &tr, &rlogp, &rent, NULL);
+  if (sr == LMLOSS_OK)
+    sr = lmloss_log_probs_backward(&rctx, &hd.logits, &idx, &mask, &tr, &dlogp, NULL, &rdl, NULL);
+  outs o;
+  memset(&o, 0, sizeof o);
+  o.logp = host_new(LMLOSS_F32, N, 1, 1), o.ent = host_new(LMLOSS_F32, N, 1, 1);
+  o.dh = host_new(dt, N, H, H), o.dw = host_new(gwdt, V, H, H);
+  outs_poison(&o);
+  if (accumulate)
+    for (int64_t j = 0; j < V; j++)
+      for (int64_t k = 0; k < H; k++)
+        tset(&o.dw, j, k, 0.5);
+  lmloss_head h = {dev_clone(&hd.hidden), dev_clone(&hd.weight), {0}};
+  lmloss_tensor didx = dev_clone(&idx), dmask = dev_clone(&mask), ddlogp = dev_clone(&dlogp);
+  lmloss_tensor dlp = dev_clone(&o.logp), dent = dev_clone(&o.ent);
+  lmloss_head_grads gr = {dev_clone(&o.dh), dev_clone(&o.dw), {0}, accumulate};
+  const lmloss_head_options ho = lmloss_head_options_default();
+  size_t wsb = 1;
+  lmloss_status sz = lmloss_linear_log_probs_keep_size(&h, &ho, &wsb);
+  void *ws = dev_alloc_bytes(wsb ? wsb : 1);
+  lmloss_status sf =
+      lmloss_linear_log_probs_keep(&ctx, &h, &didx, &dmask, &tr, &ho, &dlp, &dent, ws, wsb);
+  if (dt == LMLOSS_F32) {
+    tg_true(g, sz == LMLOSS_OK && wsb == 0 && sf == LMLOSS_ERR_UNSUPPORTED && lmloss_last_error()[0],
+            "an F32 head: keep_size %s %zu bytes, the call %s", lmloss_status_string(sz), wsb,
+            lmloss_status_string(sf));
+  } else if (tg_true(g, sz == LMLOSS_OK && wsb > 0 && sf == LMLOSS_OK && sr == LMLOSS_OK,
+                     "keep_size %s (%zu bytes), forward %s (%s), ref %s",
+                     lmloss_status_string(sz), wsb, lmloss_status_string(sf), lmloss_last_error(),
+                     lmloss_status_string(sr))) {
+    lmloss_status sb = lmloss_linear_log_probs_backward_kept(&ctx, &h, &didx, &dmask, &tr, &ho,
+                                                             &ddlogp, &gr, ws, wsb);
+    tg_true(g, sb == LMLOSS_OK, "backward: %s (%s)", lmloss_status_string(sb), lmloss_last_error());
+    dev_fetch(&o.logp, &dlp), dev_fetch(&o.ent, &dent);
+    dev_fetch(&o.dh, &gr.dhidden), dev_fetch(&o.dw, &gr.dweight);
+    if (accumulate)
+      for (int64_t j = 0; j < V; j++)
+        for (int64_t k = 0; k < H; k++)
+          tset(&o.dw, j, k, tget(&o.dw, j, k) - 0.5);
+    double *a = to_f64(&rlogp), *b = to_f64(&rent);
+    rows_close(g, &o.logp, a, FL_TOL, "kept logp");
+    rows_close(g, &o.ent, b, FL_TOL, "kept entropy");
+    free(a), free(b);
+    const lmloss_tensor none = {0};
+    grads_close(g, &hd, &o.dh, &o.dw, &none, &rdl);
+  }
+  if (g->fails)
+    printf("  kept case: N=%lld V=%lld head=%s dW=%s accumulate=%d mask=%d margin=%g cap=%g T=%g\n",
+           (long long)N, (long long)V, dt_name(dt), dt_name(gwdt), accumulate, mask_on, margin,
+           tr.softcap, tr.temperature);
+  dev_free_bytes(ws);
+  dev_free(&h.hidden), dev_free(&h.weight), dev_free(&didx), dev_free(&dmask), dev_free(&ddlogp);
+  dev_free(&dlp), dev_free(&dent), dev_free(&gr.dhidden), dev_free(&gr.dweight);
+  outs_free(&o);
+  host_free(&idx), host_free(&mask), host_free(&dlogp), host_free(&rlogp), host_free(&rent);
+  host_free(&rdl);
+  head_free(&hd);
+  free(tv);
+}
+
+/* Bad input of the kept log-probs: K = 2, a dbias asked of the backward. */
+static void kept_bad(tgroup *g) {
+  head_data hd;
+  head_new(&hd, 4, 17, 8, LMLOSS_F32, 1, 0, NULL, -1, 1.0);
+  lmloss_context ctx = tb_ctx();
+  const lmloss_transform tr = lmloss_transform_default();
+  const lmloss_head_options ho = lmloss_head_options_default();
+  lmloss_tensor idx2 = host_new(LMLOSS_I64, 4, 2, 2), idx = host_new(LMLOSS_I64, 4, 1, 1);
+  lmloss_tensor logp = host_new(LMLOSS_F32, 4, 2, 2), dlogp = host_new(LMLOSS_F32, 4, 1, 1);
+  lmloss_tensor db = host_new(LMLOSS_F32, 17, 1, 1), dh = host_new(LMLOSS_F32, 4, hd.H, hd.H);
+  lmloss_head h = {dev_clone(&hd.hidden), dev_clone(&hd.weight), dev_clone(&hd.bias)};
+  lmloss_tensor d2 = dev_clone(&idx2), d1 = dev_clone(&idx), dl = dev_clone(&logp);
+  lmloss_tensor ddl = dev_clone(&dlogp);
+  lmloss_head_grads gr = {dev_clone(&dh), {0}, dev_clone(&db), 0};
+  char ws[64];
+  lmloss_status s = lmloss_linear_log_probs_keep(&ctx, &h, &d2, NULL, &tr, &ho, &dl, NULL, ws, 64);
+  tg_true(g, s == LMLOSS_ERR_BAD_SHAPE && lmloss_last_error()[0], "K = 2: %s",
+          lmloss_status_string(s));
+  s = lmloss_linear_log_probs_backward_kept(&ctx, &h, &d1, NULL, &tr, &ho, &ddl, &gr, ws, 64);
+  tg_true(g, s == LMLOSS_ERR_UNSUPPORTED && strstr(lmloss_last_error(), "dbias"), "dbias: %s (%s)",
+          lmloss_status_string(s), lmloss_last_error());
+  dev_free(&h.hidden), dev_free(&h.weight), dev_free(&h.bias), dev_free(&d2), dev_free(&d1);
+  dev_free(&dl), dev_free(&ddl), dev_free(&gr.dhidden), dev_free(&gr.dbias);
+  host_free(&idx2), host_free(&idx), host_free(&logp), host_free(&dlogp), host_free(&db);
+  host_free(&dh);
+  head_free(&hd);
+}
+
+static void kept_suite(void) {
+  tgroup g;
+  tg_begin(&g, "linear kept log-probs: bad input, an F32 head");
+  kept_bad(&g);
+  rng_seed(7000);
+  kept_case(&g, 12, 1003, LMLOSS_F32, lmloss_transform_default(), 0, -1, LMLOSS_F32, 0);
+  tg_end(&g);
+  if (!tb_is_cuda()) return;
+  static const lmloss_transform trs[] = {{1, 0, 1}, {1, 30, 1}, {1, 0, 0.7f}, {0.8f, 25, 1.3f}};
+  tg_begin(&g, "linear kept log-probs against REF (bf16 head)");
+  for (int k = 0; k < 8; k++) {
+    rng_seed(7100 + k);
+    const lmloss_transform tr = trs[k % 4];
+    const double margin = tr.temperature < 1 || tr.softcap > 0 ? (k % 2 ? 17 : -1) : margins[k % 6];
+    kept_case(&g, k == 7 ? 300 : 12, k % 2 ? 4099 : 1003, LMLOSS_BF16, tr, k % 3 == 1, margin,
+              k % 4 == 3 ? LMLOSS_F32 : LMLOSS_BF16, k % 4 == 3);
+  }
+  tg_end(&g);
+}
+
 /* ---- bad input ---- */
 
 static void expect(tgroup *g, lmloss_status got, lmloss_status want, const outs *o, const outs *p,
@@ -1164,7 +1299,6 @@ static void scale_grads(tgroup *g, lmloss_dtype dt) {
 
 /* ---- the suite ---- */
 
-static const double margins[] = {-1, 0, 5, 17, 30, 50};
 
 static void ce_suite(lmloss_dtype dt) {
   tgroup g;
@@ -1354,6 +1488,7 @@ int main(void) {
   tg_end(&g);
   ce_suite(LMLOSS_F32);
   lp_suite(LMLOSS_F32);
+  kept_suite();
   if (tb_is_cuda()) { /* the store is a 16-bit head's, and those run on CUDA only */
     tg_begin(&g, "linear store of groups in a 16-bit dweight");
     store_in_dweight(&g);

@@ -167,6 +167,47 @@ def test_fused_head_log_probs_backward_from_saved_stats_cuda():
     assert not hg.grad[~mask.cuda()].any()
 
 
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["kept", "entropy-gradient"])
+def test_fused_head_kept_log_probs_cuda(entropy_grad, monkeypatch):
+    """A bf16 head whose store of all rows fits: the forward keeps each
+    row's gradient of its log-prob and the backward runs two GEMMs from it
+    (KeptLogProbs); a GRPO-like loss of the log-probs matches the CPU's
+    fp32 gradients, masked rows read 0, and an entropy gradient (not kept)
+    takes the recomputing backward, right too."""
+    from lmloss.torch import _linear_ops as L
+    calls = []
+    apply = L.KeptLogProbs.apply
+    monkeypatch.setattr(L.KeptLogProbs, "apply", lambda *a: calls.append(1) or apply(*a))
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(300, 64, generator=g)
+    w = torch.randn(5000, 64, generator=g) * 0.2
+    y = torch.randint(0, 5000, (300,), generator=g)
+    mask = torch.rand(300, generator=g) < 0.8
+    adv = torch.randn(300, generator=g)
+
+    def run(hh, ww):
+        dev = hh.device
+        lp, ent = lt.linear_log_probs(hh, ww, y.to(dev), mask=mask.to(dev), entropy=True,
+                                      temperature=0.9)
+        ratio = torch.exp(lp - lp.detach())
+        loss = -(ratio * adv.to(dev)).sum() + 0.1 * lp.sum()
+        if entropy_grad:
+            loss = loss - 0.05 * ent.sum()
+        loss.backward()
+        return lp, ent
+
+    hc, wc = h.clone().requires_grad_(), w.clone().requires_grad_()
+    lpc, entc = run(hc, wc)
+    hg, wg = h.cuda().bfloat16().requires_grad_(), w.cuda().bfloat16().requires_grad_()
+    lpg, entg = run(hg, wg)
+    assert calls == [1]
+    close(lpg, lpc, rtol=2e-2, atol=2e-2)
+    close(entg, entc, rtol=2e-2, atol=2e-2)
+    close(hg.grad, hc.grad, rtol=2e-2, atol=2e-2)
+    close(wg.grad, wc.grad, rtol=2e-2, atol=2e-2)
+    assert not hg.grad[~mask.cuda()].any() and not lpg[~mask.cuda()].any()
+
+
 MAIN_GRAD_BUDGETS = [(None, "store of all rows"), (16 << 20, "store in groups"),
                      (8 << 20, "vocab tiles")]
 

@@ -686,6 +686,18 @@ def linear_plan(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *
                         main_grad=main_grad is not None, k=k)
 
 
+def _kept_bytes(h, w, b, idx, backend, memory_budget):
+    """The workspace of the kept log-probs (L.KeptLogProbs) where they
+    apply, else 0: an eager training call (the weight's gradient wanted,
+    not the bias's) of a 16-bit head on CUDA with one index a row, whose
+    store of all rows fits the budget."""
+    if (_tracing(h) or not torch.is_grad_enabled() or not w.requires_grad or not h.is_cuda
+            or (b is not None and b.requires_grad) or idx.shape[1] != 1
+            or h.dtype not in (torch.bfloat16, torch.float16) or backend not in ("auto", "cuda")):
+        return 0
+    return L.kept_bytes(h, w, _budget(memory_budget))
+
+
 def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *,
                      bias: Optional[Tensor] = None, temperature: float = 1.0,
                      logit_scale: float = 1.0, softcap: Optional[float] = None,
@@ -713,9 +725,16 @@ def linear_log_probs(hidden: Tensor, weight: Tensor, index: Tensor, *,
         z = _empty_logits(h, w, b).sum(-1).reshape(lead)
         logp = z if shape == lead else z[..., None].expand(shape)
         return (logp, z) if entropy else logp
+    transform = (float(logit_scale), _lib.softcap_value(softcap), float(temperature))
+    kept = _kept_bytes(h, w, b, idx, backend, memory_budget)
+    if kept:  # the backward runs two GEMMs from what the forward kept
+        logp, ent = L.KeptLogProbs.apply(h, w, b, idx, _mask(mask), transform, bool(entropy),
+                                         _budget(memory_budget), backend_code(backend),
+                                         int(num_threads), kept)
+        logp = logp.reshape(shape)
+        return (logp, ent.reshape(lead)) if entropy else logp
     # the backward then computes the logits once (lmloss_linear_log_probs' stats)
-    logp, ent, _ = L.linear_log_probs(h, w, b, idx, _mask(mask), float(logit_scale),
-                                      _lib.softcap_value(softcap), float(temperature),
+    logp, ent, _ = L.linear_log_probs(h, w, b, idx, _mask(mask), *transform,
                                       bool(entropy), _save_stats(w.shape[0], h, w, b),
                                       _budget(memory_budget), backend_code(backend),
                                       int(num_threads))

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .. import _lib
 from . import _bridge as B
-from ._dispatch import Differentiable, _Eager, _needs_graph, call, custom_op
+from ._dispatch import _BODIES, Differentiable, _Eager, _needs_graph, call, custom_op
 from ._div_ops import _div_opt
 from ._ops import F32, _ce_opt, _extras, _loss, _reduction_name, _stats_shape, run_args
 
@@ -436,3 +436,68 @@ def _llp_backward(ctx, dlogp, dent, _dstats):
 
 
 linear_log_probs = Differentiable(linear_log_probs, _llp_setup, _llp_backward)
+
+
+def kept_bytes(hidden, weight, memory_budget):
+    """lmloss_linear_log_probs_keep_size of this head (shapes and dtype
+    only): its workspace, or 0 where it keeps nothing."""
+    size = ctypes.c_size_t(0)
+    _lib.check(_lib.linear_log_probs_keep_size(_head(hidden, weight, None, []),
+                                               _hopt(memory_budget), ctypes.byref(size)))
+    return size.value
+
+
+class KeptLogProbs(torch.autograd.Function):
+    """Eager linear_log_probs with one index a row whose forward keeps
+    every row's gradient of its log-prob (lmloss_linear_log_probs_keep), so
+    the backward runs two GEMMs and a loss of the log-probs costs the head
+    three. The entropy's gradient is not kept: an upstream one takes the
+    recomputing backward instead. No bias gradient (the caller's choice).
+    args: hidden, weight, bias, index [N, 1], mask, (logit_scale, softcap,
+    temperature), want_entropy, memory_budget, backend, num_threads, and
+    kept_bytes' answer."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index, mask, transform, want_entropy, memory_budget,
+                backend, num_threads, nbytes):
+        n = hidden.shape[0]
+        logp = hidden.new_empty((n, 1), dtype=F32)
+        ent = hidden.new_empty((n,) if want_entropy else (0,), dtype=F32)
+        keep, hopt = [], _hopt(memory_budget)
+        ws, addr, nbytes = B.workspace(nbytes, hidden.device)
+        with B.context(hidden, backend, num_threads) as c:
+            _lib.check(_lib.linear_log_probs_keep(
+                c, _head(hidden, weight, bias, keep), B.view(index, keep),
+                B.ptr(B.view(mask, keep)), B.transform(*transform), hopt, B.view(logp, keep),
+                B.ptr(B.view(ent, keep) if want_entropy else None), addr, nbytes))
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, index, mask)
+        ctx.kept = ws, addr, nbytes
+        ctx.args = transform, memory_budget, backend, num_threads
+        return logp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dlogp, dent):
+        hidden, weight, bias, index, mask = ctx.saved_tensors
+        kept, ctx.kept = ctx.kept, None  # spent either way
+        transform, memory_budget, backend, num_threads = ctx.args
+        need = _need(ctx, bias)
+        if dlogp is None:
+            dlogp = hidden.new_zeros((hidden.shape[0], 1), dtype=F32)
+        if dent is not None:  # not kept: the backward that recomputes the logits
+            del kept
+            grads = _BODIES[linear_log_probs_backward](
+                hidden, weight, bias, index, mask, *transform, dlogp, dent, None,
+                memory_budget, backend, num_threads, need)
+            return _back(grads, need, 8)
+        grads = _grads(hidden, weight, bias, need)
+        ws, addr, nbytes = kept
+        keep = [ws]
+        with B.context(hidden, backend, num_threads) as c:
+            _lib.check(_lib.linear_log_probs_backward_kept(
+                c, _head(hidden, weight, bias, keep), B.view(index, keep),
+                B.ptr(B.view(mask, keep)), B.transform(*transform), _hopt(memory_budget),
+                B.view(dlogp.contiguous().to(F32), keep), _grads_struct(grads, keep), addr,
+                nbytes))
+        return _back(grads, need, 8)
