@@ -14,7 +14,8 @@ point its users call, in one process on the same tensors:
   liger             Liger-Kernel's LigerFusedLinearCrossEntropyLoss
   quack             QuACK's chunked_linear_cross_entropy (its defaults: on
                     an H100/H200 with bf16 and V a multiple of 128, the
-                    scaled-exp pipeline)
+                    scaled-exp pipeline), and with chunks of 2048 and 8192
+                    rows (its default 4096 fails where H = 4096)
 
 on two kinds of rows: *random* (h and w standard normal / sqrt(H): a flat
 softmax) and *peaked* like a trained model's (each row's target lifted
@@ -91,8 +92,12 @@ def impls(compile_, main_grad, dynamic=False):
     except ImportError:
         pass
     try:
-        from quack.linear_cross_entropy import chunked_linear_cross_entropy
-        out["quack"] = lambda h, w, y: chunked_linear_cross_entropy(h, w, y)
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy as qce
+        out["quack"] = lambda h, w, y: qce(h, w, y)
+        # its default chunk of 4096 rows fails where H is 4096 too (its
+        # epilogue cannot tell a row vector from a column one): two others
+        out["quack 2048"] = lambda h, w, y: qce(h, w, y, chunk_size=2048)
+        out["quack 8192"] = lambda h, w, y: qce(h, w, y, chunk_size=8192)
     except Exception as e:  # absent, or its CuTe DSL fails at import
         print(f"quack: {type(e).__name__}: {str(e)[:100]}")
     return out
