@@ -971,6 +971,29 @@ LMLOSS_API lmloss_status lmloss_grpo_backward(
     const lmloss_tensor *dloss, const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
     void *workspace, size_t workspace_bytes);
 
+/* GRPO on logits [B T, V] (row b T + t holds sequence b's token t): the
+ * policy's log-probs of index [B T] (I64/I32 [N], or [N, 1]) under
+ * transform, written to in->logp (F32 [B, T], row stride T), then
+ * lmloss_grpo's loss and metrics on them (out->dlogp and dentropy absent),
+ * and, with dlogits (optional [B T, V], F32/BF16/F16, may alias logits
+ * exactly), the gradient at upstream 1. in->entropy, where given, is an
+ * input no gradient flows through, so entropy_coef must be 0 (compose
+ * lmloss_log_probs, lmloss_grpo and lmloss_log_probs_backward, which takes
+ * the bonus' dentropy). Where a token's gradient needs only its own
+ * log-prob (token level; no off-policy or entropy mask, VESPO or sequence
+ * IS ratio) the CUDA backend forms it in the log-probs' own pass: the
+ * logits are read once and dlogits written once. Otherwise, and on the
+ * CPU, two passes: the log-probs, then their backward. */
+LMLOSS_API size_t lmloss_grpo_logits_workspace_size(int64_t sequences, int64_t tokens);
+LMLOSS_API lmloss_status lmloss_grpo_logits(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                            const lmloss_tensor *index,
+                                            const lmloss_transform *transform,
+                                            const lmloss_grpo_inputs *in,
+                                            const lmloss_grpo_options *opt,
+                                            const lmloss_grpo_outputs *out,
+                                            const lmloss_tensor *dlogits, void *workspace,
+                                            size_t workspace_bytes);
+
 /* ------------------------------------------------------------------ */
 /* Preference objectives on sequence log-probs: the DPO family         */
 /* ------------------------------------------------------------------ */

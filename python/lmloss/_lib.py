@@ -248,6 +248,11 @@ grpo_options_default = _proto("lmloss_grpo_options_default", GRPOOptions)
 grpo_workspace_size = _proto("lmloss_grpo_workspace_size", ctypes.c_size_t, _c_int64)
 grpo = _proto("lmloss_grpo", _status, _P(Context), _P(GRPOInputs), _P(GRPOOptions),
               _P(GRPOOutputs), ctypes.c_void_p, ctypes.c_size_t)
+grpo_logits_workspace_size = _proto("lmloss_grpo_logits_workspace_size", ctypes.c_size_t,
+                                    _c_int64, _c_int64)
+grpo_logits = _proto("lmloss_grpo_logits", _status, _P(Context), _P(Tensor), _P(Tensor),
+                     _P(Transform), _P(GRPOInputs), _P(GRPOOptions), _P(GRPOOutputs),
+                     _P(Tensor), ctypes.c_void_p, ctypes.c_size_t)
 grpo_backward = _proto("lmloss_grpo_backward", _status, _P(Context), _P(GRPOInputs),
                        _P(GRPOOptions), _P(Tensor), _P(Tensor), _P(Tensor), ctypes.c_void_p,
                        ctypes.c_size_t)

@@ -208,6 +208,15 @@ typedef struct {
   lmloss_status (*kto)(const lmloss_context *, const lmloss_kto_inputs *,
                        const lmloss_kto_options *, const lmloss_kto_outputs *out,
                        const lmloss_tensor *dloss, const lmloss_tensor *dlogps);
+  /* GRPO on logits in one pass (NULL: the core's two): the log-probs of
+   * index [N, 1] into in->logp (rows of T, N = B T) and dlogits at
+   * upstream 1, for options lmloss_grpo_one_pass takes; the loss and
+   * metrics are then grpo's. ws: the sequences' scales (B doubles), then
+   * the cross-entropy row op's workspace from lmloss_grpo_pass_ce_ws(B). */
+  lmloss_status (*grpo_logits)(const lmloss_context *, const lmloss_tensor *logits,
+                               const lmloss_tensor *index, const lmloss_transform *,
+                               const lmloss_grpo_inputs *, const lmloss_grpo_options *,
+                               const lmloss_tensor *dlogits, void *, size_t);
 } lmloss_backend_ops;
 
 extern const lmloss_backend_ops lmloss_ref_ops;
@@ -215,6 +224,11 @@ extern const lmloss_backend_ops lmloss_cpu_ops;
 #ifdef LMLOSS_WITH_CUDA
 extern const lmloss_backend_ops lmloss_cuda_ops;
 #endif
+
+/* Where the one GRPO pass's row-op workspace starts (grpo_logits). */
+static inline size_t lmloss_grpo_pass_ce_ws(int64_t sequences) {
+  return ((size_t)sequences * 8 + 255) / 256 * 256;
+}
 
 /* Absent optional tensor. */
 static inline int lmloss_present(const lmloss_tensor *t) { return t && t->data; }

@@ -1,8 +1,10 @@
-/* grpo.c - the GRPO family's entry points: validate, then dispatch. */
+/* grpo.c - the GRPO family's entry points: validate, then dispatch; and
+ * GRPO on logits, composed with the log-probs row op. */
 #include <math.h>
 
 #include "math/grpo.h"
 #include "validate.h"
+#include "workspace.h"
 
 lmloss_grpo_options lmloss_grpo_options_default(void) {
   lmloss_grpo_options o;
@@ -171,4 +173,68 @@ lmloss_status lmloss_grpo_backward(const lmloss_context *ctx, const lmloss_grpo_
   TRY(lmloss_check_device(ts, 1, in->logp.device));
   return ops->grpo(ctx, in, opt, NULL, dloss, lmloss_present(dlogp) ? dlogp : NULL,
                    lmloss_present(dentropy) ? dentropy : NULL, ws, ws_bytes);
+}
+
+/* The workspace of lmloss_grpo_logits: the GRPO op's; then dlogp [B, T]
+ * (two passes), or the one pass's (backend.h's grpo_logits). */
+size_t lmloss_grpo_logits_workspace_size(int64_t sequences, int64_t tokens) {
+  const int64_t B = sequences > 0 ? sequences : 0, N = B * (tokens > 0 ? tokens : 0);
+  const size_t two = lmloss_ws_up((size_t)N * 4);
+  const size_t one = lmloss_grpo_pass_ce_ws(B) + lmloss_cross_entropy_workspace_size(N);
+  return lmloss_ws_up(lmloss_grpo_workspace_size(B)) + (one > two ? one : two);
+}
+
+lmloss_status lmloss_grpo_logits(const lmloss_context *ctx, const lmloss_tensor *logits,
+                                 const lmloss_tensor *index, const lmloss_transform *tr,
+                                 const lmloss_grpo_inputs *in, const lmloss_grpo_options *opt,
+                                 const lmloss_grpo_outputs *out, const lmloss_tensor *dlogits,
+                                 void *ws, size_t ws_bytes) {
+  const lmloss_backend_ops *ops;
+  if (!out || !tr) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs or transform is NULL");
+  TRY(check_inputs(ctx, in, opt, ws, ws_bytes, &ops));
+  const int64_t B = in->logp.rows, T = in->logp.cols, N = B * T;
+  if (in->logp.row_stride != T)
+    return lmloss_fail(LMLOSS_ERR_BAD_STRIDE, "logp: written as the logits' rows, so its row "
+                                              "stride must be T = %lld", (long long)T);
+  if (opt->entropy_coef != 0.0)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
+                       "entropy_coef: the entropy is an input here, which no gradient flows "
+                       "through (lmloss_log_probs_backward takes the bonus' dentropy)");
+  TRY(lmloss_check_tensor(logits, "logits", LMLOSS_FLOATS, N, -1));
+  const int64_t V = logits->cols;
+  if (!lmloss_present(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
+  const lmloss_tensor idx = *index;
+  TRY(lmloss_check_lp_labels(&idx, NULL, tr, N, V));
+  if (idx.cols != 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: one token a row");
+  TRY(lmloss_check_tensor(&out->loss, "loss", LMLOSS_MASK(LMLOSS_F32), 1, 1));
+  TRY(lmloss_check_optional(&out->metrics, "metrics", LMLOSS_MASK(LMLOSS_F32),
+                            LMLOSS_GRPO_METRICS, 1));
+  if (lmloss_present(&out->dlogp) || lmloss_present(&out->dentropy))
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "out->dlogp and dentropy must be absent: the "
+                                             "gradient goes to dlogits");
+  TRY(lmloss_check_optional(dlogits, "dlogits", LMLOSS_FLOATS, N, V));
+  if (lmloss_present(dlogits)) TRY(lmloss_check_alias(logits, dlogits, "dlogits"));
+  const lmloss_tensor *ts[] = {logits, &idx, &out->loss, &out->metrics, dlogits};
+  TRY(lmloss_check_device(ts, 5, in->logp.device));
+  TRY(lmloss_check_indices(&idx, NULL, V, 0, 0, "index"));
+  if (ws_bytes < lmloss_grpo_logits_workspace_size(B, T))
+    return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",
+                       ws_bytes, lmloss_grpo_logits_workspace_size(B, T));
+  char *w = ws;
+  const size_t g = lmloss_ws_up(lmloss_grpo_workspace_size(B));
+  const lmloss_grpo_outputs res = {out->loss, out->metrics, {0}, {0}};
+  const int grad = lmloss_present(dlogits);
+  const lmloss_grpo_par par = lmloss_grpo_par_make(opt, in);
+  if (grad && ops->grpo_logits && lmloss_grpo_one_pass(&par)) {
+    TRY(ops->grpo_logits(ctx, logits, &idx, tr, in, opt, dlogits, w + g, ws_bytes - g));
+    return ops->grpo(ctx, in, opt, &res, NULL, NULL, NULL, ws, ws_bytes);
+  }
+  /* two passes: the log-probs, the objective's dlogp, their backward */
+  const lmloss_tensor lp = {in->logp.data, LMLOSS_F32, in->logp.device, N, 1, 1};
+  TRY(ops->log_probs(ctx, logits, &idx, NULL, tr, &lp, NULL, NULL));
+  if (!grad) return ops->grpo(ctx, in, opt, &res, NULL, NULL, NULL, ws, ws_bytes);
+  const lmloss_tensor dlogp = {w + g, LMLOSS_F32, in->logp.device, B, T, T};
+  TRY(ops->grpo(ctx, in, opt, &res, NULL, &dlogp, NULL, ws, ws_bytes));
+  const lmloss_tensor dlp = {w + g, LMLOSS_F32, in->logp.device, N, 1, 1};
+  return ops->log_probs_backward(ctx, logits, &idx, NULL, tr, &dlp, NULL, dlogits, NULL, NULL);
 }

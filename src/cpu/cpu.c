@@ -101,6 +101,7 @@ const lmloss_backend_ops lmloss_cpu_ops = {
     lmloss_cpu_grpo,
     lmloss_cpu_preference,
     lmloss_cpu_kto,
+    NULL,
 };
 
 const char *lmloss_cpu_isa(void) { return lmloss_cpu_isa_name(); }

@@ -19,9 +19,29 @@
 #include <type_traits>
 
 #include "held.cuh"
+#include "math/grpo.h"
 #include "staged.cuh"
 
 namespace lmc {
+
+/* GRPO on logits in one pass (lmloss_grpo_logits): row i = b T + t is
+ * token t of sequence b; its upstream is -(d loss / d logp) of its
+ * log-prob, formed once the row's statistics are known, and its logp
+ * goes where a NONE loss would. */
+struct GrpoPass {
+  int on;
+  int64_t T;
+  lmloss_grpo_par p;
+  lmloss_grpo_inputs in;
+  const double *scale; /* [B]: lmloss_grpo_token_scale of each sequence */
+};
+
+/* Row i's upstream, the gradient of its CE loss -logp being -dlogp. */
+__device__ __forceinline__ float grpo_upstream(const GrpoPass &g, int64_t i, double logp) {
+  const int64_t b = i / g.T, t = i % g.T;
+  const lmloss_grpo_in x = lmloss_grpo_load_at(&g.p, &g.in, b, t, logp);
+  return (float)-lmloss_grpo_one_pass_dlogp(&g.p, &x, g.scale[b]);
+}
 
 enum CeMode { CE_FWD = 0, CE_FUSED = 1, CE_BWD = 2 };
 
@@ -58,6 +78,7 @@ struct CeArgs {
   int cs;
   int64_t chunk;
   int staged;
+  GrpoPass grpo;
 };
 
 /* The weight of row i in the MEAN denominator (0 when ignored or out of
@@ -202,7 +223,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     if (U) ce += (double)q.smooth * ((double)C * l1r + s.u);
     const float py = cexp(X, fmaxf(wy - s.m, X.dmin)) * inv;
     if (a.dft) ce *= py;
-    double li = (double)tw * (ce + (double)a.zl * lse * lse);
+    double li = a.grpo.on ? -ly : (double)tw * (ce + (double)a.zl * lse * lse);
     if (!ok) li = NAN;
 
     if (rw.rank == 0 && threadIdx.x == 0 && a.mode != CE_BWD) {
@@ -214,7 +235,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     }
     if (!grad) continue;
 
-    const float G = ce_upstream(a, dl, den, tw);
+    const float G = a.grpo.on ? grpo_upstream(a.grpo, i, -ly) : ce_upstream(a, dl, den, tw);
     const float Gce = a.dft ? G * py : G;
     const float Gz = G * 2.0f * a.zl * (float)lse;
     /* dz_j = e_j F1 - F0 c_j away from the target and the argmax; without
@@ -343,7 +364,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
    * only where used: formed in every thread after the statistics, these
    * per-row scalars made CE's per-row code longer than the log-probs
    * backward's. */
-  const float G = ce_upstream(a, dl, den, tw);
+  float G = ce_upstream(a, dl, den, tw);
   h.arrive();
   const Xf &X = a.X;
   const float k = X.f.k;
@@ -353,6 +374,9 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   /* used by the lead, the target's thread, and every thread under a z-loss */
   const auto l1r = [&] { return log1pf(h.rs); };
   const auto lse = [&] { return (double)m * k + l1r(); };
+  /* the GRPO pass: every thread forms G from the target's log-prob */
+  const auto ly_of = [&](float xy) { return (double)(m - xy) * k + l1r(); }; /* lse - z_y */
+  if (a.grpo.on && y_ok) G = grpo_upstream(a.grpo, i, -ly_of(tof(xrow[y])));
   if (lead && fwd) {
     if (a.lse) a.lse[i * a.lses] = fin ? (float)lse() : NAN;
     if (!y_ok) put_loss(a, i, NAN, 0.0); /* no CTA holds the target */
@@ -370,9 +394,9 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
     s.r = h.rs;
     gy = ok ? (G * lmloss_ce_grad_z(&q, &s, py, 1.0f, 1, xy == m) + Gz * py) * k : NAN;
     if (fwd) {
-      const double ly = (double)(m - xy) * k + l1r(); /* lse - z_y, exact 0 gap at the max */
+      const double ly = ly_of(xy); /* exact 0 gap at the max */
       const double L = a.zl != 0.0f ? lse() : 0.0, zt = (double)a.zl * L * L;
-      put_loss(a, i, ok ? (double)tw * (ly + zt) : NAN, 1.0);
+      put_loss(a, i, !ok ? NAN : a.grpo.on ? -ly : (double)tw * (ly + zt), 1.0);
     }
   }
   /* dx_j = k (G + Gz) p_j off the target */
@@ -407,7 +431,7 @@ static lmloss_status launch_ce_out(const DevInfo &d, CeArgs &a, bool T, lmloss_d
 static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                             const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
                             const lmloss_tensor *dloss, const lmloss_tensor *dlogits, void *ws,
-                            int mode, lmloss_grad_keep *keep) {
+                            int mode, lmloss_grad_keep *keep, const GrpoPass *grpo = nullptr) {
   cudaStream_t st = stream_of(ctx);
   DevInfo d;
   lmloss_status s = dev_info(&d);
@@ -434,6 +458,7 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
   a.X = make_xf(opt->transform);
   a.grad_output = opt->grad_output;
   a.num_items = opt->num_items;
+  if (grpo) a.grpo = *grpo;
   char *base = (char *)ws;
   double *hdr = (double *)base;
   a.ws_loss = (double *)(base + LMLOSS_CE_WS_HEADER);
@@ -500,6 +525,39 @@ extern "C" lmloss_status lmloss_cuda_cross_entropy(const lmloss_context *ctx,
   (void)ws_bytes;
   const lmloss_tensor *dl = lmloss_present(&out->dlogits) ? &out->dlogits : NULL;
   return lmc::run_ce(ctx, in, opt, out, NULL, dl, ws, dl ? lmc::CE_FUSED : lmc::CE_FWD, keep);
+}
+
+extern "C" lmloss_status lmloss_cuda_grpo_scales(const lmloss_context *,
+                                                 const lmloss_grpo_inputs *,
+                                                 const lmloss_grpo_options *, double *); /* grpo.cu */
+
+/* The CE row op at reduction NONE whose rows' upstreams are GRPO's
+ * (GrpoPass): its loss output is the log-probs, its gradient GRPO's. */
+extern "C" lmloss_status lmloss_cuda_grpo_logits(const lmloss_context *ctx,
+                                                 const lmloss_tensor *logits,
+                                                 const lmloss_tensor *index,
+                                                 const lmloss_transform *tr,
+                                                 const lmloss_grpo_inputs *in,
+                                                 const lmloss_grpo_options *opt,
+                                                 const lmloss_tensor *dlogits, void *ws,
+                                                 size_t ws_bytes) {
+  (void)ws_bytes;
+  const int64_t B = in->logp.rows, T = in->logp.cols;
+  lmc::GrpoPass g = {};
+  g.on = 1, g.T = T, g.p = lmloss_grpo_par_make(opt, in), g.in = *in;
+  double *scale = (double *)ws;
+  g.scale = scale;
+  lmloss_status s = lmloss_cuda_grpo_scales(ctx, in, opt, scale);
+  if (s != LMLOSS_OK) return s;
+  void *ce_ws = (char *)ws + lmloss_grpo_pass_ce_ws(B);
+  lmloss_ce_options o = lmloss_ce_options_default();
+  o.ignore_index = -1; /* never an index: they lie in [0, V) */
+  o.transform = *tr;
+  o.reduction = LMLOSS_REDUCE_NONE;
+  const lmloss_ce_inputs ci = {*logits, *index, {0}, {0}};
+  lmloss_ce_outputs co = {};
+  co.loss = (lmloss_tensor){in->logp.data, LMLOSS_F32, in->logp.device, B * T, 1, 1};
+  return lmc::run_ce(ctx, &ci, &o, &co, NULL, dlogits, ce_ws, lmc::CE_FUSED, NULL, &g);
 }
 
 extern "C" lmloss_status

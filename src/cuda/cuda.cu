@@ -42,6 +42,10 @@ lmloss_status lmloss_cuda_preference(const lmloss_context *, const lmloss_pref_i
 lmloss_status lmloss_cuda_kto(const lmloss_context *, const lmloss_kto_inputs *,
                               const lmloss_kto_options *, const lmloss_kto_outputs *,
                               const lmloss_tensor *, const lmloss_tensor *); /* preference.cu */
+lmloss_status lmloss_cuda_grpo_logits(const lmloss_context *, const lmloss_tensor *,
+                                      const lmloss_tensor *, const lmloss_transform *,
+                                      const lmloss_grpo_inputs *, const lmloss_grpo_options *,
+                                      const lmloss_tensor *, void *, size_t); /* ce.cu */
 
 /* Everything: the fused head, also of 16-bit heads, row states and the
  * divergences. */
@@ -54,6 +58,6 @@ extern const lmloss_backend_ops lmloss_cuda_ops = {
     lmloss_cuda_divergence,    &lmloss_cuda_linear,
     &lmloss_cuda_states,       cuda_supports,
     lmloss_cuda_grpo,          lmloss_cuda_preference,
-    lmloss_cuda_kto,
+    lmloss_cuda_kto,           lmloss_cuda_grpo_logits,
 };
 }

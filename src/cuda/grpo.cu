@@ -166,8 +166,45 @@ __global__ void __launch_bounds__(BS) finish(Args a) {
   if (threadIdx.x == 0) lmloss_grpo_finish(&p, acc, lo, hi, a.loss, a.metrics, a.ms);
 }
 
+/* lmloss_grpo_logits' one pass (one CTA): each sequence's factor of its
+ * tokens' d loss / d logp at upstream 1, lmloss_grpo_token_scale of its
+ * mask's sum, into scale [B]. */
+__global__ void __launch_bounds__(BS) seq_scales(Args a, double *scale) {
+  __shared__ double sh[BS / 32 + 1];
+  const int64_t B = a.in.mask.rows, T = a.in.mask.cols;
+  double total = 0.0;
+  for (int64_t b = 0; b < B; b++) {
+    double m = 0.0;
+    for (int64_t t = threadIdx.x; t < T; t += BS)
+      m += lmloss_grpo_at(&a.in.mask, b, t);
+    m = block_sum(m, sh);
+    if (threadIdx.x == 0) scale[b] = m;
+    total += m;
+  }
+  __syncthreads();
+  const double tot[2] = {total, 0.0};
+  const double items = a.in.num_items.data ? (double)*(const float *)a.in.num_items.data : a.items;
+  for (int64_t b = threadIdx.x; b < B; b += BS) {
+    double rec[LMLOSS_GRPO_S_N] = {0};
+    rec[LMLOSS_GRPO_S_MSUM] = scale[b];
+    scale[b] = lmloss_grpo_token_scale(&a.p, rec, tot, items);
+  }
+}
+
 } // namespace grpo
 } // namespace lmc
+
+extern "C" lmloss_status lmloss_cuda_grpo_scales(const lmloss_context *ctx,
+                                                 const lmloss_grpo_inputs *in,
+                                                 const lmloss_grpo_options *opt, double *scale) {
+  using namespace lmc::grpo;
+  Args a = {};
+  a.p = lmloss_grpo_par_make(opt, in);
+  a.in = *in;
+  a.items = opt->num_items;
+  seq_scales<<<1, BS, 0, lmc::stream_of(ctx)>>>(a, scale);
+  return lmc::check_launch("grpo scales");
+}
 
 extern "C" lmloss_status lmloss_cuda_grpo(const lmloss_context *ctx, const lmloss_grpo_inputs *in,
                                           const lmloss_grpo_options *opt,

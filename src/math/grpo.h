@@ -294,11 +294,12 @@ typedef struct {
   double m, logp, old, samp, ref, adv, ent, is;
 } lmloss_grpo_in;
 
-LMLOSS_HD lmloss_grpo_in lmloss_grpo_load(const lmloss_grpo_par *p, const lmloss_grpo_inputs *in,
-                                          int64_t b, int64_t t) {
+LMLOSS_HD lmloss_grpo_in lmloss_grpo_load_at(const lmloss_grpo_par *p,
+                                             const lmloss_grpo_inputs *in, int64_t b, int64_t t,
+                                             double logp) {
   lmloss_grpo_in x;
   x.m = lmloss_grpo_at(&in->mask, b, t);
-  x.logp = lmloss_grpo_at(&in->logp, b, t);
+  x.logp = logp;
   x.old = p->old ? lmloss_grpo_at(&in->old_logp, b, t) : x.logp;
   x.samp = p->samp ? lmloss_grpo_at(&in->sampling_logp, b, t) : x.old;
   x.ref = p->ref ? lmloss_grpo_at(&in->ref_logp, b, t) : 0.0;
@@ -310,6 +311,13 @@ LMLOSS_HD lmloss_grpo_in lmloss_grpo_load(const lmloss_grpo_par *p, const lmloss
              ? lmloss_grpo_is_of(p, lmloss_grpo_is_log(x.old, x.samp, x.m))
              : 1.0; /* the sequence's: lmloss_grpo_stage_c */
   return x;
+}
+
+/* Token (b, t)'s inputs, its log-prob from in->logp (lmloss_grpo_load_at:
+ * the one pass on logits forms it instead). */
+LMLOSS_HD lmloss_grpo_in lmloss_grpo_load(const lmloss_grpo_par *p, const lmloss_grpo_inputs *in,
+                                          int64_t b, int64_t t) {
+  return lmloss_grpo_load_at(p, in, b, t, lmloss_grpo_at(&in->logp, b, t));
 }
 
 /* Stage A's terms of a token: those of its mask (m != 0), and VESPO's log
@@ -372,6 +380,27 @@ LMLOSS_HD void lmloss_grpo_seq_metrics(const lmloss_grpo_par *p, const lmloss_gr
   }
   if (p->type == LMLOSS_GRPO_VESPO && p->adv_cols == 1)
     rec[LMLOSS_GRPO_S_PHI] = lmloss_grpo_phi(p, rec, adv);
+}
+
+/* Whether a token's d loss / d logp needs only its own log-prob beside
+ * its sequence's mask sum (lmloss_grpo_logits' one pass): token level, no
+ * off-policy or entropy mask, no entropy bonus, no VESPO or sequence IS
+ * ratio, each of which reads other tokens' log-probs or entropies. */
+LMLOSS_HD int lmloss_grpo_one_pass(const lmloss_grpo_par *p) {
+  return !p->seq && !p->off_policy && !p->thr && p->coef == 0.0 && p->type != LMLOSS_GRPO_VESPO &&
+         p->is_mode < LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE;
+}
+
+/* d loss / d logp of token x at upstream 1 where lmloss_grpo_one_pass
+ * holds: stage C's, whose record is then read for nothing but the scale
+ * sc (lmloss_grpo_token_scale of the token's sequence). */
+LMLOSS_HD double lmloss_grpo_one_pass_dlogp(const lmloss_grpo_par *p, const lmloss_grpo_in *x,
+                                            double sc) {
+  if (x->m == 0.0) return 0.0;
+  const double none[LMLOSS_GRPO_S_N] = {0.0};
+  int keep_e;
+  const lmloss_grpo_tok o = lmloss_grpo_stage_c(p, none, x, 0.0, &keep_e);
+  return x->m * sc * (o.dlp + o.dlw);
 }
 
 /* The factor of a token's derivatives in the loss, m w / accumulation

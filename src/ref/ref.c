@@ -58,4 +58,5 @@ const lmloss_backend_ops lmloss_ref_ops = {
     lmloss_ref_grpo,
     lmloss_ref_preference,
     lmloss_ref_kto,
+    NULL,
 };

@@ -237,6 +237,97 @@ static void closed_forms(void) {
   tg_end(&g);
 }
 
+/* GRPO on logits (lmloss_grpo_logits) of the backend under test against
+ * its composition on REF (lmloss_log_probs, lmloss_grpo with dlogp,
+ * lmloss_log_probs_backward): the log-probs it writes, the loss, the
+ * metrics and dlogits, for options CUDA takes in one pass and others,
+ * F32 and BF16 logits, a temperature, rows peaked by a margin of 30. */
+static void on_logits_case(tgroup *g, int c) {
+  static const unsigned flags[] = {0, 1 | 2, 1 | 8 | 128, 1 | 4, 1 | 4 | 256, 1 | 16, 1 | 2 | 64};
+  const unsigned f = flags[c % 7];
+  const int64_t B = 3 + c % 2, T = 7 + c, V = c % 3 ? 1003 : 4099, N = B * T;
+  const lmloss_dtype dt = c % 2 ? LMLOSS_BF16 : LMLOSS_F32;
+  host_in h = make_in(B, T, f & ~32u, 0.0);
+  lmloss_grpo_options o = lmloss_grpo_options_default();
+  o.loss_type = (lmloss_grpo_loss_type)(c % (LMLOSS_GRPO_VESPO + 1));
+  o.level = c == 9 ? LMLOSS_GRPO_SEQUENCE : LMLOSS_GRPO_TOKEN;
+  if (f & 2) o.beta = 0.04, o.bias_correction_kl = c % 2;
+  if (f & 4) o.off_policy_mask = c % 2, o.off_policy_threshold = 0.01;
+  if (f & 256) o.is_mode = (lmloss_grpo_is_mode)(1 + c % 4), o.is_min = 0.8, o.is_max = 1.25;
+  if (o.loss_type == LMLOSS_GRPO_VESPO && o.is_mode > LMLOSS_GRPO_IS_TOKEN_MASK) o.is_mode = 1;
+  o.num_items = 11.0, o.accumulation_steps = 1 + c % 2;
+  lmloss_transform tr = lmloss_transform_default();
+  if (c % 3 == 0) tr.temperature = 0.7f;
+  lmloss_tensor x = host_new(dt, N, V, V), idx = host_new(LMLOSS_I64, N, 1, 1);
+  for (int64_t i = 0; i < N; i++) {
+    const int64_t y = rng_int(V);
+    tset(&idx, i, 0, (double)y);
+    for (int64_t j = 0; j < V; j++)
+      tset(&x, i, j, 2.0 * rng_normal());
+    if (i % 3 == 0) tset(&x, i, y, 30.0 + 10.0);
+  }
+  /* REF's composition, on the logits as the backend reads them */
+  lmloss_context rc = ref_ctx(), dc = tb_ctx();
+  lmloss_grpo_inputs rin = as_inputs(h.t);
+  const lmloss_tensor rlp = {rin.logp.data, LMLOSS_F32, LMLOSS_CPU, N, 1, 1};
+  lmloss_tensor rloss = host_new(LMLOSS_F32, 1, 1, 1);
+  lmloss_tensor rmet = host_new(LMLOSS_F32, LMLOSS_GRPO_METRICS, 1, 1);
+  lmloss_tensor rdlp = host_new(LMLOSS_F32, B, T, T), rdl = host_new(LMLOSS_F32, N, V, V);
+  const lmloss_tensor rdlp1 = {rdlp.data, LMLOSS_F32, LMLOSS_CPU, N, 1, 1};
+  const size_t gws = lmloss_grpo_workspace_size(B);
+  void *rws = malloc(gws);
+  const lmloss_grpo_outputs rout = {rloss, rmet, rdlp, {0}};
+  lmloss_status sr = lmloss_log_probs(&rc, &x, &idx, NULL, &tr, &rlp, NULL, NULL);
+  if (sr == LMLOSS_OK) sr = lmloss_grpo(&rc, &rin, &o, &rout, rws, gws);
+  if (sr == LMLOSS_OK)
+    sr = lmloss_log_probs_backward(&rc, &x, &idx, NULL, &tr, &rdlp1, NULL, &rdl, NULL);
+  /* the backend under test */
+  lmloss_tensor t[NIN], lp = host_new(LMLOSS_F32, B, T, T), loss = host_new(LMLOSS_F32, 1, 1, 1);
+  lmloss_tensor met = host_new(LMLOSS_F32, LMLOSS_GRPO_METRICS, 1, 1), dl = host_new(dt, N, V, V);
+  for (int k = 0; k < NIN; k++)
+    t[k] = dev_clone(&h.t[k]);
+  dev_free(&t[IN_LOGP]);
+  t[IN_LOGP] = dev_clone(&lp);
+  lmloss_tensor dx = dev_clone(&x), didx = dev_clone(&idx), dloss = dev_clone(&loss);
+  lmloss_tensor dmet = dev_clone(&met), ddl = dev_clone(&dl);
+  const size_t wsb = lmloss_grpo_logits_workspace_size(B, T);
+  void *ws = dev_alloc_bytes(wsb);
+  lmloss_grpo_inputs in = as_inputs(t);
+  const lmloss_grpo_outputs out = {dloss, dmet, {0}, {0}};
+  lmloss_status s = lmloss_grpo_logits(&dc, &dx, &didx, &tr, &in, &o, &out, &ddl, ws, wsb);
+  dev_fetch(&lp, &t[IN_LOGP]), dev_fetch(&loss, &dloss), dev_fetch(&met, &dmet);
+  dev_fetch(&dl, &ddl);
+  if (tg_true(g, sr == LMLOSS_OK && s == LMLOSS_OK, "case %d: ref %s, call %s (%s)", c,
+              lmloss_status_string(sr), lmloss_status_string(s), lmloss_last_error())) {
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t j = 0; j < T; j++)
+        tg_close(g, tget(&lp, b, j), tget(&rin.logp, b, j), LMLOSS_F32, 0, "logp", b, j);
+    tg_close(g, tget(&loss, 0, 0), tget(&rloss, 0, 0), LMLOSS_F32, 0, "loss", c, 0);
+    for (int k = 0; k < LMLOSS_GRPO_METRICS; k++)
+      tg_close(g, tget(&met, k, 0), tget(&rmet, k, 0), LMLOSS_F32, 0, "metrics", c, k);
+    for (int64_t i = 0; i < N; i++)
+      for (int64_t j = 0; j < V; j++)
+        tg_close(g, tget(&dl, i, j), tget(&rdl, i, j), dt, 0, "dlogits", i, j);
+  }
+  for (int k = 0; k < NIN; k++)
+    dev_free(&t[k]);
+  dev_free(&dx), dev_free(&didx), dev_free(&dloss), dev_free(&dmet), dev_free(&ddl);
+  dev_free_bytes(ws), free(rws);
+  host_free(&x), host_free(&idx), host_free(&rloss), host_free(&rmet), host_free(&rdlp);
+  host_free(&rdl), host_free(&lp), host_free(&loss), host_free(&met), host_free(&dl);
+  free_in(&h);
+}
+
+static void on_logits(void) {
+  tgroup g;
+  tg_begin(&g, "GRPO on logits against its composition on REF");
+  for (int c = 0; c < 14; c++) {
+    rng_seed(900 + c);
+    on_logits_case(&g, c);
+  }
+  tg_end(&g);
+}
+
 static void bad_arguments(void) {
   tgroup g;
   tg_begin(&g, "bad arguments: a status and a message");
@@ -294,6 +385,36 @@ static void bad_arguments(void) {
   lmloss_tensor wrong = dl;
   wrong.rows = 2;
   EXPECT(lmloss_grpo_backward(&c, &in, &o, &loss, &wrong, NULL, ws, wsb), LMLOSS_ERR_BAD_SHAPE);
+  /* GRPO on logits [12, 5] of 3 x 4 tokens */
+  lmloss_tensor x = host_new(LMLOSS_F32, 12, 5, 5), idx = host_new(LMLOSS_I64, 12, 1, 1);
+  const lmloss_transform tr = lmloss_transform_default();
+  const size_t lwsb = lmloss_grpo_logits_workspace_size(3, 4);
+  void *lws = calloc(1, lwsb);
+  o = lmloss_grpo_options_default();
+  EXPECT(lmloss_grpo_logits(&c, &x, NULL, &tr, &in, &o, &out, NULL, lws, lwsb),
+         LMLOSS_ERR_NULL_POINTER);
+  EXPECT(lmloss_grpo_logits(&c, &x, &idx, &tr, &in, &o, &out, NULL, lws, lwsb - 1),
+         LMLOSS_ERR_WORKSPACE_TOO_SMALL);
+  lmloss_tensor x9 = x;
+  x9.rows = 9;
+  EXPECT(lmloss_grpo_logits(&c, &x9, &idx, &tr, &in, &o, &out, NULL, lws, lwsb),
+         LMLOSS_ERR_BAD_SHAPE);
+  bad = in, bad.logp.row_stride = 5, bad.logp.data = malloc(3 * 5 * 4);
+  EXPECT(lmloss_grpo_logits(&c, &x, &idx, &tr, &bad, &o, &out, NULL, lws, lwsb),
+         LMLOSS_ERR_BAD_STRIDE);
+  free(bad.logp.data);
+  lmloss_grpo_outputs with_dlogp = out;
+  with_dlogp.dlogp = dl;
+  EXPECT(lmloss_grpo_logits(&c, &x, &idx, &tr, &in, &o, &with_dlogp, NULL, lws, lwsb),
+         LMLOSS_ERR_BAD_SHAPE);
+  o.entropy_coef = 0.1;
+  EXPECT(lmloss_grpo_logits(&c, &x, &idx, &tr, &in, &o, &out, NULL, lws, lwsb),
+         LMLOSS_ERR_BAD_OPTION);
+  o = lmloss_grpo_options_default();
+  tset(&idx, 3, 0, 5.0); /* outside [0, V) */
+  EXPECT(lmloss_grpo_logits(&c, &x, &idx, &tr, &in, &o, &out, NULL, lws, lwsb),
+         LMLOSS_ERR_INDEX_OUT_OF_RANGE);
+  free(lws), host_free(&x), host_free(&idx);
 #undef EXPECT
   free(ws), host_free(&loss), host_free(&dl), free_in(&h);
   tg_end(&g);
@@ -303,6 +424,7 @@ int main(void) {
   tb_init();
   every_option();
   closed_forms();
+  on_logits();
   if (!tb_is_cuda()) threads_bitwise(), bad_arguments();
   return test_finish();
 }

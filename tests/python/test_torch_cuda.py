@@ -208,6 +208,51 @@ def test_fused_head_kept_log_probs_cuda(entropy_grad, monkeypatch):
     assert not hg.grad[~mask.cuda()].any() and not lpg[~mask.cuda()].any()
 
 
+@pytest.mark.parametrize("loss_type,option", [("dapo", "kl"), ("grpo", "plain"),
+                                               ("cispo", "vllm"), ("bnpo", "off_policy"),
+                                               ("dapo", "sequence")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_grpo_on_logits_cuda(loss_type, option, dtype):
+    """grpo_loss_on_logits on CUDA (one pass for token-level options; two
+    for the off-policy mask and the sequence level) against the CPU's fp32
+    call on the same logits: loss, log-probs, metrics, the logits' gradient."""
+    g = torch.Generator().manual_seed(11)
+    b, t, v = 4, 33, 5003
+    x = (torch.randn(b, t, v, generator=g) * 2).to(dtype).float()
+    tok = torch.randint(0, v, (b, t), generator=g)
+    x.view(-1, v)[torch.arange(0, b * t, 3), tok.view(-1)[::3]] += 30
+    mask = (torch.rand(b, t, generator=g) < 0.85).float()
+    adv = torch.randn(b, generator=g)
+    old = -torch.rand(b, t, generator=g) * 3
+    ref = old + 0.3 * torch.randn(b, t, generator=g)
+    kw = dict(loss_type=loss_type, temperature=0.8, return_metrics=True, return_logps=True)
+    if option == "kl":
+        kw.update(beta=0.04, ref_per_token_logps=ref)
+    if option == "vllm":
+        kw.update(importance_sampling_ratio=0.5 + torch.rand(b, t, generator=g))
+    if option == "off_policy":
+        kw.update(off_policy_mask_threshold=0.01, sampling_per_token_logps=old + 0.1)
+    if option == "sequence":
+        kw.update(importance_sampling_level="sequence")
+
+    def run(xx):
+        xx = xx.detach().requires_grad_()
+        dev = xx.device
+        moved = {k: (val.to(dev) if isinstance(val, torch.Tensor) else val) for k, val in kw.items()}
+        loss, met, lp = lt.grpo_loss_on_logits(xx, tok.to(dev), adv.to(dev), mask.to(dev),
+                                               old.to(dev), **moved)
+        (0.5 * loss).backward()
+        return loss, met, lp, xx.grad
+
+    lc, mc, pc, gc = run(x)
+    lg, mg, pg, gg = run(x.cuda().to(dtype))
+    close(lg, lc, rtol=1e-4, atol=1e-6)
+    close(pg, pc, rtol=1e-5, atol=1e-6)
+    close(torch.nan_to_num(mg), torch.nan_to_num(mc), rtol=1e-4, atol=1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    close(gg.float(), gc, rtol=tol, atol=tol * gc.abs().max().item())
+
+
 MAIN_GRAD_BUDGETS = [(None, "store of all rows"), (16 << 20, "store in groups"),
                      (8 << 20, "vocab tiles")]
 

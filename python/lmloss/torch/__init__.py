@@ -28,6 +28,8 @@ fused heads, a student's and a teacher's, as linear_cross_entropy does.
 
 grpo_loss (_grpo.py) is TRL's GRPOTrainer loss on per-token log-probs,
 differentiable w.r.t. them and the entropies, with every GRPOConfig option;
+grpo_loss_on_logits the same from the logits, in one pass on CUDA where
+the options allow;
 dpo_loss and kto_loss (_preference.py) DPOTrainer's and KTOTrainer's on
 sequence log-prob sums.
 
@@ -41,7 +43,7 @@ run from a torch.autograd.Function.
 """
 
 from ._divergence import generalized_jsd, kl_div, tvd
-from ._grpo import grpo_loss
+from ._grpo import grpo_loss, grpo_loss_on_logits
 from ._preference import dpo_loss, kto_loss
 from ._functional import (cross_entropy, entropy, entropy_from_logits, linear_cross_entropy,
                           linear_log_probs, linear_plan, log_probs, log_softmax,
@@ -52,7 +54,7 @@ from ._modules import (CrossEntropyLoss, LinearCrossEntropyLoss, LinearGeneraliz
 
 __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "LinearGeneralizedJSD", "LinearLogProbs",
            "cross_entropy", "dpo_loss", "entropy", "entropy_from_logits", "generalized_jsd",
-           "grpo_loss", "kto_loss",
+           "grpo_loss", "grpo_loss_on_logits", "kto_loss",
            "kl_div",
            "linear_cross_entropy", "linear_generalized_jsd", "linear_kl_div", "linear_log_probs",
            "linear_plan", "linear_tvd", "log_probs", "log_softmax", "selective_log_softmax", "softmax", "tvd"]

@@ -200,6 +200,112 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
     return (loss, metrics) if return_metrics else loss
 
 
+class _OnLogits(torch.autograd.Function):
+    """grpo_loss_on_logits' autograd: the forward forms dlogits at an
+    upstream of 1 in the same C call (lmloss_grpo_logits), the backward
+    scales them by the upstream scalar in place (no host read)."""
+
+    @staticmethod
+    def forward(ctx, logits, index, mask, advantages, old, ref, samp, is_ratio, ent, num_items,
+                fopts, iopts, transform, backend, num_threads):
+        b, t = mask.shape
+        x = logits.reshape(b * t, logits.shape[-1])
+        want = ctx.needs_input_grad[0]
+        dlogits = torch.empty_like(x) if want else None
+        logp = mask.new_empty((b, t))
+        loss = mask.new_empty(())
+        metrics = mask.new_empty((_lib.GRPO_METRICS,))
+        keep = []
+
+        def v(t_):
+            return B.view(t_, keep)
+
+        with B.context(x, backend, num_threads) as c:
+            inputs = _lib.GRPOInputs(v(logp), v(mask), v(advantages), v(old), v(ref), v(samp),
+                                     v(is_ratio), v(ent), v(None), v(num_items.reshape(1)))
+            out = _lib.GRPOOutputs(loss=v(loss.reshape(1)), metrics=v(metrics))
+            ws, addr, nbytes = B.workspace(_lib.grpo_logits_workspace_size(b, t), x.device)
+            _lib.check(_lib.grpo_logits(c, v(x), v(index.reshape(-1)), B.transform(*transform),
+                                        inputs, grpo_struct(fopts, iopts), out,
+                                        B.ptr(v(dlogits) if want else None), addr, nbytes))
+        ctx.dlogits, ctx.shape, ctx.run = dlogits, logits.shape, (backend, num_threads)
+        ctx.mark_non_differentiable(logp, metrics)
+        return loss, logp, metrics
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dloss, _dlogp, _dmetrics):
+        dlogits, ctx.dlogits = ctx.dlogits, None
+        if dlogits is None or dloss is None:
+            return (None,) * 15
+        B.scale_(dlogits, dloss, *ctx.run)
+        return (dlogits.view(ctx.shape),) + (None,) * 14
+
+
+def grpo_loss_on_logits(logits: Tensor, completion_ids: Tensor, advantages: Tensor,
+                        completion_mask: Tensor, old_per_token_logps: Optional[Tensor] = None,
+                        ref_per_token_logps: Optional[Tensor] = None,
+                        entropies: Optional[Tensor] = None,
+                        sampling_per_token_logps: Optional[Tensor] = None,
+                        importance_sampling_ratio: Optional[Tensor] = None, *,
+                        temperature: float = 1.0, loss_type: str = "dapo",
+                        importance_sampling_level: str = "token", epsilon: float = 0.2,
+                        epsilon_high: Optional[float] = None, delta: Optional[float] = None,
+                        beta: float = 0.0, use_bias_correction_kl: bool = False,
+                        sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05,
+                        vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+                        vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+                        off_policy_mask_threshold: Optional[float] = None,
+                        gradient_accumulation_steps: Number = 1,
+                        max_completion_length: Optional[int] = None,
+                        num_items: Optional[Union[Number, Tensor]] = None,
+                        vllm_importance_sampling_mode: Optional[str] = None,
+                        vllm_importance_sampling_clip_min: Optional[float] = None,
+                        vllm_importance_sampling_clip_max: Optional[float] = None,
+                        return_metrics: bool = False, return_logps: bool = False,
+                        backend: str = "auto", num_threads: int = 0):
+    """grpo_loss with the policy's log-probs taken from its logits [B, T,
+    V] (or [B T, V]) at completion_ids [B, T] under temperature, in one C
+    call (lmloss_grpo_logits): on CUDA, for token-level options without
+    the off-policy mask, VESPO or a sequence IS mode, the gradient w.r.t.
+    the logits is formed in the log-probs' own pass (the logits read once,
+    dlogits written once); otherwise the log-probs, then their backward.
+    Differentiable w.r.t. logits (in their dtype); entropies, when given,
+    feed the metrics with no gradient (no entropy mask or bonus here:
+    grpo_loss on lt.log_probs has them). Returns the loss, and (as
+    grpo_loss) the metrics with return_metrics, then the per-token
+    log-probs [B, T] (float32, no gradient) with return_logps."""
+    fopts, iopts = grpo_values(loss_type, importance_sampling_level, epsilon, epsilon_high,
+                               delta, beta, use_bias_correction_kl, sapo_temperature_pos,
+                               sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
+                               vespo_lambda_neg, off_policy_mask_threshold, 0.0,
+                               gradient_accumulation_steps, max_completion_length,
+                               vllm_importance_sampling_mode, vllm_importance_sampling_clip_min,
+                               vllm_importance_sampling_clip_max)
+    mask = completion_mask.to(device=logits.device, dtype=F32).contiguous()
+    if mask.dim() != 2:
+        raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "completion_mask must be [B, T], got %s"
+                         % (tuple(mask.shape),))
+    if num_items is None:
+        num_items = mask.sum().clamp(min=1.0)
+    elif not isinstance(num_items, Tensor):
+        num_items = torch.tensor(_lib.float_option("num_items", num_items), dtype=F32,
+                                 device=logits.device)
+    like = mask
+    loss, logp, metrics = _OnLogits.apply(
+        logits, completion_ids.to(logits.device), mask, _f32(advantages, like, "advantages"),
+        _f32(old_per_token_logps, like, "old_per_token_logps"),
+        _f32(ref_per_token_logps, like, "ref_per_token_logps"),
+        _f32(sampling_per_token_logps, like, "sampling_per_token_logps"),
+        _f32(importance_sampling_ratio, like, "importance_sampling_ratio"),
+        None if entropies is None else _f32(entropies.detach(), like, "entropies"),
+        _f32(num_items.reshape(1), like, "num_items"), fopts, iopts,
+        (1.0, _lib.softcap_value(None), float(temperature)), B.backend_code(backend),
+        _lib.int_option("num_threads", num_threads))
+    out = (loss,) + ((metrics,) if return_metrics else ()) + ((logp,) if return_logps else ())
+    return out[0] if len(out) == 1 else out
+
+
 def metrics_dict(metrics: Tensor) -> dict:
     """grpo_loss's metrics tensor as {name: float} (reads it to the host)."""
     return dict(zip(METRIC_NAMES, metrics.tolist()))
