@@ -47,6 +47,7 @@ def main():
     ap.add_argument("--t", type=int, default=1024)
     ap.add_argument("--v", type=int, default=152064)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--profile", action="store_true", help="the kernels of one lmloss call")
     a = ap.parse_args()
     b, t, v = a.b, a.t, a.v
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -109,6 +110,13 @@ def main():
         except Exception as e:  # a peer that cannot run here
             print(f"  {name:16s} {type(e).__name__}: {str(e)[:120]}")
         torch.cuda.empty_cache()
+    if a.profile:
+        xl = x.detach().requires_grad_()
+        lmloss_one(xl).backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            lmloss_one(xl).backward()
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 
 
 if __name__ == "__main__":

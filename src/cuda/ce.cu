@@ -36,6 +36,16 @@ struct GrpoPass {
   const double *scale; /* [B]: lmloss_grpo_token_scale of each sequence */
 };
 
+/* Row i's GRPO inputs into L1 while the row's loads fly: grpo_upstream
+ * reads them once the statistics are known. */
+__device__ __forceinline__ void grpo_prefetch(const GrpoPass &g, int64_t i) {
+  const int64_t b = i / g.T, t = i % g.T;
+  const lmloss_tensor *ts[] = {&g.in.mask,          &g.in.advantages, &g.in.old_logp,
+                               &g.in.ref_logp,      &g.in.sampling_logp, &g.in.is_ratio};
+  for (const lmloss_tensor *x : ts)
+    if (x->data) prefetch_l1((const float *)x->data + b * x->row_stride + (x->cols == 1 ? 0 : t));
+}
+
 /* Row i's upstream, the gradient of its CE loss -logp being -dlogp. */
 __device__ __forceinline__ float grpo_upstream(const GrpoPass &g, int64_t i, double logp) {
   const int64_t b = i / g.T, t = i % g.T;
@@ -365,6 +375,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
    * per-row scalars made CE's per-row code longer than the log-probs
    * backward's. */
   float G = ce_upstream(a, dl, den, tw);
+  if (a.grpo.on) grpo_prefetch(a.grpo, i);
   h.arrive();
   const Xf &X = a.X;
   const float k = X.f.k;
@@ -554,9 +565,10 @@ extern "C" lmloss_status lmloss_cuda_grpo_logits(const lmloss_context *ctx,
   o.ignore_index = -1; /* never an index: they lie in [0, V) */
   o.transform = *tr;
   o.reduction = LMLOSS_REDUCE_NONE;
-  const lmloss_ce_inputs ci = {*logits, *index, {0}, {0}};
+  const lmloss_ce_inputs ci = {*logits, *index, {}, {}};
   lmloss_ce_outputs co = {};
-  co.loss = (lmloss_tensor){in->logp.data, LMLOSS_F32, in->logp.device, B * T, 1, 1};
+  co.loss.data = in->logp.data, co.loss.dtype = LMLOSS_F32, co.loss.device = in->logp.device;
+  co.loss.rows = B * T, co.loss.cols = 1, co.loss.row_stride = 1;
   return lmc::run_ce(ctx, &ci, &o, &co, NULL, dlogits, ce_ws, lmc::CE_FUSED, NULL, &g);
 }
 
