@@ -788,6 +788,8 @@ lmloss_status lmloss_linear_log_probs_keep(const lmloss_context *ctx, const lmlo
   TRY(check_lp(head, index, mask, tr));
   TRY(lmloss_check_tensor(logp, "logp", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
   TRY(lmloss_check_optional(entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
+  const lmloss_tensor *outs[] = {logp, entropy};
+  TRY(lmloss_check_device(outs, 2, head->hidden.device));
   linear_job j = {.kind = LP_FORWARD,
                   .ctx = ctx,
                   .head = head,
@@ -815,6 +817,8 @@ lmloss_status lmloss_linear_log_probs_backward_kept(
     return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "dbias: the kept log-probs keep no column sums "
                                                "(lmloss_linear_log_probs_backward has them)");
   TRY(lmloss_check_tensor(dlogp, "dlogp", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
+  const lmloss_tensor *ts[] = {dlogp, &grads->dhidden, &grads->dweight};
+  TRY(lmloss_check_device(ts, 3, head->hidden.device));
   linear_job j = {.kind = LP_BACKWARD,
                   .ctx = ctx,
                   .head = head,
