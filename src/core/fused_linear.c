@@ -776,16 +776,23 @@ lmloss_status lmloss_linear_log_probs_backward(
   return run(&j, ws, ws_bytes);
 }
 
+/* Shared checks of the kept log-probs' entry points: one index a row. */
+static lmloss_status check_kept(const lmloss_head *head, const lmloss_head_options *hopt,
+                                const lmloss_tensor *index, const lmloss_tensor *mask,
+                                const lmloss_transform *tr) {
+  TRY(lmloss_check_head(head, hopt));
+  if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
+  if (index->cols != 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: kept log-probs take K = 1");
+  return check_lp(head, index, mask, tr);
+}
+
 lmloss_status lmloss_linear_log_probs_keep(const lmloss_context *ctx, const lmloss_head *head,
                                            const lmloss_tensor *index, const lmloss_tensor *mask,
                                            const lmloss_transform *tr,
                                            const lmloss_head_options *hopt,
                                            const lmloss_tensor *logp, const lmloss_tensor *entropy,
                                            void *ws, size_t ws_bytes) {
-  TRY(lmloss_check_head(head, hopt));
-  if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
-  if (index->cols != 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: kept log-probs take K = 1");
-  TRY(check_lp(head, index, mask, tr));
+  TRY(check_kept(head, hopt, index, mask, tr));
   TRY(lmloss_check_tensor(logp, "logp", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
   TRY(lmloss_check_optional(entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
   const lmloss_tensor *outs[] = {logp, entropy};
@@ -807,11 +814,8 @@ lmloss_status lmloss_linear_log_probs_backward_kept(
     const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *index,
     const lmloss_tensor *mask, const lmloss_transform *tr, const lmloss_head_options *hopt,
     const lmloss_tensor *dlogp, const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
-  TRY(lmloss_check_head(head, hopt));
+  TRY(check_kept(head, hopt, index, mask, tr));
   TRY(lmloss_check_head_grads(head, grads));
-  if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
-  if (index->cols != 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: kept log-probs take K = 1");
-  TRY(check_lp(head, index, mask, tr));
   if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
   if (wants(&grads->dbias))
     return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "dbias: the kept log-probs keep no column sums "

@@ -584,3 +584,15 @@ def test_on_logits_matches_trl(loss_type, level, option):
     for k, v in s._metrics[mode].items():
         if k in ours:
             assert_close(ours[k], v[-1], "metric " + k, rtol=1e-5)
+
+
+def test_on_logits_second_backward_says_why():
+    """The gradient grpo_loss_on_logits formed in its forward is spent by
+    the first backward: a second through the same graph raises, never a
+    silent zero."""
+    x = torch.randn(2, 3, 11, requires_grad=True)
+    loss = lt.grpo_loss_on_logits(x, torch.randint(0, 11, (2, 3)), torch.randn(2),
+                                  torch.ones(2, 3))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="spent"):
+        loss.backward()

@@ -236,8 +236,11 @@ class _OnLogits(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dloss, _dlogp, _dmetrics):
         dlogits, ctx.dlogits = ctx.dlogits, None
-        if dlogits is None or dloss is None:
+        if dloss is None:
             return (None,) * 15
+        if dlogits is None:
+            raise RuntimeError("grpo_loss_on_logits formed its gradient in the forward and the "
+                               "first backward spent it: call it again to differentiate twice")
         B.scale_(dlogits, dloss, *ctx.run)
         return (dlogits.view(ctx.shape),) + (None,) * 14
 

@@ -452,7 +452,8 @@ class KeptLogProbs(torch.autograd.Function):
     every row's gradient of its log-prob (lmloss_linear_log_probs_keep), so
     the backward runs two GEMMs and a loss of the log-probs costs the head
     three. The entropy's gradient is not kept: an upstream one takes the
-    recomputing backward instead. No bias gradient (the caller's choice).
+    recomputing backward instead, as does a second backward through the
+    same graph (retain_graph=True). No bias gradient (the caller's choice).
     args: hidden, weight, bias, index [N, 1], mask, (logit_scale, softcap,
     temperature), want_entropy, memory_budget, backend, num_threads, and
     kept_bytes' answer."""
@@ -485,7 +486,7 @@ class KeptLogProbs(torch.autograd.Function):
         need = _need(ctx, bias)
         if dlogp is None:
             dlogp = hidden.new_zeros((hidden.shape[0], 1), dtype=F32)
-        if dent is not None:  # not kept: the backward that recomputes the logits
+        if dent is not None or kept is None:  # not kept (or spent): recompute the logits
             del kept
             grads = _BODIES[linear_log_probs_backward](
                 hidden, weight, bias, index, mask, *transform, dlogp, dent, None,
