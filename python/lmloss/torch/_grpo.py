@@ -266,7 +266,8 @@ def grpo_loss_on_logits(logits: Tensor, completion_ids: Tensor, advantages: Tens
                         vllm_importance_sampling_clip_min: Optional[float] = None,
                         vllm_importance_sampling_clip_max: Optional[float] = None,
                         return_metrics: bool = False, return_logps: bool = False,
-                        backend: str = "auto", num_threads: int = 0):
+                        backend: str = "auto", num_threads: int = 0
+                        ) -> Union[Tensor, Tuple[Tensor, ...]]:
     """grpo_loss with the policy's log-probs taken from its logits [B, T,
     V] (or [B T, V]) at completion_ids [B, T] under temperature, in one C
     call (lmloss_grpo_logits): on CUDA, for token-level options without
