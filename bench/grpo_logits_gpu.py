@@ -28,17 +28,9 @@ import torch
 
 import lmloss.torch as lt
 from gpu_timing import timed
+from objective_head_gpu import dapo
 
 TEMP, BETA, EPS = 0.9, 0.04, 0.2
-
-
-def dapo(lp, old, ref, adv, mask):
-    """TRL's dapo loss with the k3 KL (GRPOTrainer._compute_loss)."""
-    ratio = torch.exp(lp - old)
-    a = adv[:, None]
-    per = -torch.min(ratio * a, ratio.clamp(1 - EPS, 1 + EPS) * a)
-    per = per + BETA * (torch.exp(ref - lp) - (ref - lp) - 1)
-    return (per * mask).sum() / mask.sum().clamp(min=1)
 
 
 def main():
@@ -74,7 +66,7 @@ def main():
 
     def torch_eager(xl):
         lp = (xl.float() / TEMP).log_softmax(-1).gather(-1, tok[..., None])[..., 0]
-        return dapo(lp, old, ref, adv, mask)
+        return dapo(lp, old, ref, adv, mask, BETA, EPS)
 
     impls = {"lmloss": (lmloss_one, False), "lmloss 2 passes": (lmloss_two, False),
              "torch": (torch_eager, False)}

@@ -73,7 +73,7 @@ def dapo(lp, old, ref, adv, mask, beta=0.04, eps=0.2):
     a = adv[:, None]
     per = -torch.min(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a)
     per = per + beta * (torch.exp(ref - lp) - (ref - lp) - 1)
-    return (per * mask).sum() / mask.sum()
+    return (per * mask).sum() / mask.sum().clamp(min=1)
 
 
 def grpo_impls(b, t, gen):

@@ -985,14 +985,11 @@ LMLOSS_API lmloss_status lmloss_grpo_backward(
  * logits are read once and dlogits written once. Otherwise, and on the
  * CPU, two passes: the log-probs, then their backward. */
 LMLOSS_API size_t lmloss_grpo_logits_workspace_size(int64_t sequences, int64_t tokens);
-LMLOSS_API lmloss_status lmloss_grpo_logits(const lmloss_context *ctx, const lmloss_tensor *logits,
-                                            const lmloss_tensor *index,
-                                            const lmloss_transform *transform,
-                                            const lmloss_grpo_inputs *in,
-                                            const lmloss_grpo_options *opt,
-                                            const lmloss_grpo_outputs *out,
-                                            const lmloss_tensor *dlogits, void *workspace,
-                                            size_t workspace_bytes);
+LMLOSS_API lmloss_status lmloss_grpo_logits(
+    const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
+    const lmloss_transform *transform, const lmloss_grpo_inputs *in, const lmloss_grpo_options *opt,
+    const lmloss_grpo_outputs *out, const lmloss_tensor *dlogits, void *workspace,
+    size_t workspace_bytes);
 
 /* ------------------------------------------------------------------ */
 /* Preference objectives on sequence log-probs: the DPO family         */

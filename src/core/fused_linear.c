@@ -782,7 +782,8 @@ static lmloss_status check_kept(const lmloss_head *head, const lmloss_head_optio
                                 const lmloss_transform *tr) {
   TRY(lmloss_check_head(head, hopt));
   if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
-  if (index->cols != 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: kept log-probs take K = 1");
+  if (index->cols != 1)
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: kept log-probs take K = 1");
   return check_lp(head, index, mask, tr);
 }
 

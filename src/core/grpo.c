@@ -194,8 +194,10 @@ lmloss_status lmloss_grpo_logits(const lmloss_context *ctx, const lmloss_tensor 
   TRY(check_inputs(ctx, in, opt, ws, ws_bytes, &ops));
   const int64_t B = in->logp.rows, T = in->logp.cols, N = B * T;
   if (in->logp.row_stride != T)
-    return lmloss_fail(LMLOSS_ERR_BAD_STRIDE, "logp: written as the logits' rows, so its row "
-                                              "stride must be T = %lld", (long long)T);
+    return lmloss_fail(LMLOSS_ERR_BAD_STRIDE,
+                       "logp: written as the logits' rows, so its row "
+                       "stride must be T = %lld",
+                       (long long)T);
   if (opt->entropy_coef != 0.0)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
                        "entropy_coef: the entropy is an input here, which no gradient flows "
@@ -207,8 +209,8 @@ lmloss_status lmloss_grpo_logits(const lmloss_context *ctx, const lmloss_tensor 
   TRY(lmloss_check_lp_labels(&idx, NULL, tr, N, V));
   if (idx.cols != 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: one token a row");
   TRY(lmloss_check_tensor(&out->loss, "loss", LMLOSS_MASK(LMLOSS_F32), 1, 1));
-  TRY(lmloss_check_optional(&out->metrics, "metrics", LMLOSS_MASK(LMLOSS_F32),
-                            LMLOSS_GRPO_METRICS, 1));
+  TRY(lmloss_check_optional(&out->metrics, "metrics", LMLOSS_MASK(LMLOSS_F32), LMLOSS_GRPO_METRICS,
+                            1));
   if (lmloss_present(&out->dlogp) || lmloss_present(&out->dentropy))
     return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "out->dlogp and dentropy must be absent: the "
                                              "gradient goes to dlogits");

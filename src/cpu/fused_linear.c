@@ -154,5 +154,5 @@ static lmloss_status scale(const lmloss_context *ctx, const lmloss_tensor *t, co
 /* restore_entries, tile_grad and lp_tile_grad: 16-bit heads only. */
 const lmloss_linear_prims lmloss_cpu_linear = {
     gemm, select_rows, gather_rows, scatter_rows, fill, logits, colsum,
-    sum,  cast,        scale,       NULL,         NULL, NULL, NULL,
+    sum,  cast,        scale,       NULL,         NULL, NULL,   NULL,
 };

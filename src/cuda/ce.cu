@@ -18,6 +18,7 @@
  */
 #include <type_traits>
 
+#include "core/workspace.h"
 #include "held.cuh"
 #include "math/grpo.h"
 #include "staged.cuh"
@@ -40,8 +41,8 @@ struct GrpoPass {
  * reads them once the statistics are known. */
 __device__ __forceinline__ void grpo_prefetch(const GrpoPass &g, int64_t i) {
   const int64_t b = i / g.T, t = i % g.T;
-  const lmloss_tensor *ts[] = {&g.in.mask,          &g.in.advantages, &g.in.old_logp,
-                               &g.in.ref_logp,      &g.in.sampling_logp, &g.in.is_ratio};
+  const lmloss_tensor *ts[] = {&g.in.mask,     &g.in.advantages,    &g.in.old_logp,
+                               &g.in.ref_logp, &g.in.sampling_logp, &g.in.is_ratio};
   for (const lmloss_tensor *x : ts)
     if (x->data) prefetch_l1((const float *)x->data + b * x->row_stride + (x->cols == 1 ? 0 : t));
 }
@@ -538,20 +539,17 @@ extern "C" lmloss_status lmloss_cuda_cross_entropy(const lmloss_context *ctx,
   return lmc::run_ce(ctx, in, opt, out, NULL, dl, ws, dl ? lmc::CE_FUSED : lmc::CE_FWD, keep);
 }
 
-extern "C" lmloss_status lmloss_cuda_grpo_scales(const lmloss_context *,
-                                                 const lmloss_grpo_inputs *,
-                                                 const lmloss_grpo_options *, double *); /* grpo.cu */
+extern "C" lmloss_status lmloss_cuda_grpo_scales(const lmloss_context *, const lmloss_grpo_inputs *,
+                                                 const lmloss_grpo_options *,
+                                                 double *); /* grpo.cu */
 
 /* The CE row op at reduction NONE whose rows' upstreams are GRPO's
  * (GrpoPass): its loss output is the log-probs, its gradient GRPO's. */
-extern "C" lmloss_status lmloss_cuda_grpo_logits(const lmloss_context *ctx,
-                                                 const lmloss_tensor *logits,
-                                                 const lmloss_tensor *index,
-                                                 const lmloss_transform *tr,
-                                                 const lmloss_grpo_inputs *in,
-                                                 const lmloss_grpo_options *opt,
-                                                 const lmloss_tensor *dlogits, void *ws,
-                                                 size_t ws_bytes) {
+extern "C" lmloss_status
+lmloss_cuda_grpo_logits(const lmloss_context *ctx, const lmloss_tensor *logits,
+                        const lmloss_tensor *index, const lmloss_transform *tr,
+                        const lmloss_grpo_inputs *in, const lmloss_grpo_options *opt,
+                        const lmloss_tensor *dlogits, void *ws, size_t ws_bytes) {
   (void)ws_bytes;
   const int64_t B = in->logp.rows, T = in->logp.cols;
   lmc::GrpoPass g = {};

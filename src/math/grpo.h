@@ -294,9 +294,8 @@ typedef struct {
   double m, logp, old, samp, ref, adv, ent, is;
 } lmloss_grpo_in;
 
-LMLOSS_HD lmloss_grpo_in lmloss_grpo_load_at(const lmloss_grpo_par *p,
-                                             const lmloss_grpo_inputs *in, int64_t b, int64_t t,
-                                             double logp) {
+LMLOSS_HD lmloss_grpo_in lmloss_grpo_load_at(const lmloss_grpo_par *p, const lmloss_grpo_inputs *in,
+                                             int64_t b, int64_t t, double logp) {
   lmloss_grpo_in x;
   x.m = lmloss_grpo_at(&in->mask, b, t);
   x.logp = logp;

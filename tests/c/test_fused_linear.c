@@ -864,12 +864,13 @@ static void kept_case(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, lmloss_t
   lmloss_status sf =
       lmloss_linear_log_probs_keep(&ctx, &h, &didx, &dmask, &tr, &ho, &dlp, &dent, ws, wsb);
   if (dt == LMLOSS_F32) {
-    tg_true(g, sz == LMLOSS_OK && wsb == 0 && sf == LMLOSS_ERR_UNSUPPORTED && lmloss_last_error()[0],
+    tg_true(g,
+            sz == LMLOSS_OK && wsb == 0 && sf == LMLOSS_ERR_UNSUPPORTED && lmloss_last_error()[0],
             "an F32 head: keep_size %s %zu bytes, the call %s", lmloss_status_string(sz), wsb,
             lmloss_status_string(sf));
   } else if (tg_true(g, sz == LMLOSS_OK && wsb > 0 && sf == LMLOSS_OK && sr == LMLOSS_OK,
-                     "keep_size %s (%zu bytes), forward %s (%s), ref %s",
-                     lmloss_status_string(sz), wsb, lmloss_status_string(sf), lmloss_last_error(),
+                     "keep_size %s (%zu bytes), forward %s (%s), ref %s", lmloss_status_string(sz),
+                     wsb, lmloss_status_string(sf), lmloss_last_error(),
                      lmloss_status_string(sr))) {
     lmloss_status sb = lmloss_linear_log_probs_backward_kept(&ctx, &h, &didx, &dmask, &tr, &ho,
                                                              &ddlogp, &gr, ws, wsb);
@@ -1298,7 +1299,6 @@ static void scale_grads(tgroup *g, lmloss_dtype dt) {
 }
 
 /* ---- the suite ---- */
-
 
 static void ce_suite(lmloss_dtype dt) {
   tgroup g;

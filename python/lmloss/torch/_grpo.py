@@ -108,6 +108,16 @@ def _f32(t, like, name):
     return t.unsqueeze(1) if t.dim() == 1 else t
 
 
+def _divisor(num_items, mask):
+    """dapo's, cispo's and vespo's divisor as an F32 tensor on mask's
+    device (None: the mask's sum, at least 1), never read to the host."""
+    if num_items is None:
+        return mask.sum().clamp(min=1.0)
+    if isinstance(num_items, Tensor):
+        return num_items
+    return torch.tensor(_lib.float_option("num_items", num_items), dtype=F32, device=mask.device)
+
+
 def high_entropy_threshold(entropies: Tensor, mask: Tensor, top_entropy_quantile: float) -> Tensor:
     """TRL's get_high_entropy_mask threshold on one process, on the device
     without a host sync: the (1 - top_entropy_quantile) quantile of the
@@ -178,11 +188,7 @@ def grpo_loss(per_token_logps: Tensor, advantages: Tensor, completion_mask: Tens
     ent = entropies
     if entropy_threshold is None and top_entropy_quantile < 1.0 and ent is not None:
         entropy_threshold = high_entropy_threshold(ent, mask, top_entropy_quantile)
-    if num_items is None:
-        num_items = mask.sum().clamp(min=1.0)
-    elif not isinstance(num_items, Tensor):
-        num_items = torch.tensor(_lib.float_option("num_items", num_items), dtype=F32,
-                                 device=logp.device)
+    num_items = _divisor(num_items, mask)
     want = torch.is_grad_enabled()
     iopts = iopts + [B.backend_code(backend), _lib.int_option("num_threads", num_threads),
                      int(want and logp.requires_grad),
@@ -290,11 +296,7 @@ def grpo_loss_on_logits(logits: Tensor, completion_ids: Tensor, advantages: Tens
     if mask.dim() != 2:
         raise _lib.Error("LMLOSS_ERR_BAD_SHAPE", "completion_mask must be [B, T], got %s"
                          % (tuple(mask.shape),))
-    if num_items is None:
-        num_items = mask.sum().clamp(min=1.0)
-    elif not isinstance(num_items, Tensor):
-        num_items = torch.tensor(_lib.float_option("num_items", num_items), dtype=F32,
-                                 device=logits.device)
+    num_items = _divisor(num_items, mask)
     like = mask
     loss, logp, metrics = _OnLogits.apply(
         logits, completion_ids.to(logits.device), mask, _f32(advantages, like, "advantages"),
