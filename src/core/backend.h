@@ -225,6 +225,12 @@ extern const lmloss_backend_ops lmloss_cpu_ops;
 extern const lmloss_backend_ops lmloss_cuda_ops;
 #endif
 
+/* Where the one GRPO pass's row-op workspace starts (grpo_logits): past
+ * the sequences' scales, B doubles, on the workspace's 256-byte boundary. */
+static inline size_t lmloss_grpo_pass_ce_ws(int64_t sequences) {
+  return ((size_t)sequences * 8 + 255) / 256 * 256;
+}
+
 /* Absent optional tensor. */
 static inline int lmloss_present(const lmloss_tensor *t) { return t && t->data; }
 

@@ -14,12 +14,6 @@ static inline size_t lmloss_ws_up(size_t x) {
   return (x + LMLOSS_WS_ALIGN - 1) / LMLOSS_WS_ALIGN * LMLOSS_WS_ALIGN;
 }
 
-/* Where the one GRPO pass's row-op workspace starts (backend.h's
- * grpo_logits): past the sequences' scales, B doubles. */
-static inline size_t lmloss_grpo_pass_ce_ws(int64_t sequences) {
-  return lmloss_ws_up((size_t)sequences * sizeof(double));
-}
-
 /* A dense row-major view of workspace bytes. */
 static inline lmloss_tensor lmloss_ws_view(void *data, lmloss_dtype dt, lmloss_device dev,
                                            int64_t rows, int64_t cols) {

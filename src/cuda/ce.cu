@@ -18,7 +18,6 @@
  */
 #include <type_traits>
 
-#include "core/workspace.h"
 #include "held.cuh"
 #include "math/grpo.h"
 #include "staged.cuh"
