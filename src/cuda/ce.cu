@@ -46,11 +46,19 @@ __device__ __forceinline__ void grpo_prefetch(const GrpoPass &g, int64_t i) {
     if (x->data) prefetch_l1((const float *)x->data + b * x->row_stride + (x->cols == 1 ? 0 : t));
 }
 
-/* Row i's upstream, the gradient of its CE loss -logp being -dlogp. */
-__device__ __forceinline__ float grpo_upstream(const GrpoPass &g, int64_t i, double logp) {
-  const int64_t b = i / g.T, t = i % g.T;
-  const lmloss_grpo_in x = lmloss_grpo_load_at(&g.p, &g.in, b, t, logp);
-  return (float)-lmloss_grpo_one_pass_dlogp(&g.p, &x, g.scale[b]);
+/* Row i's upstream, the gradient of its CE loss -logp being -dlogp,
+ * formed by the CTA's first thread and shared through *slot: the formula
+ * in double, run by every thread, cost a row's CTAs more issue slots than
+ * the row's elements. Every thread of the CTA calls it. */
+__device__ __forceinline__ float grpo_upstream(const GrpoPass &g, int64_t i, double logp,
+                                               float *slot) {
+  if (threadIdx.x == 0) {
+    const int64_t b = i / g.T, t = i % g.T;
+    const lmloss_grpo_in x = lmloss_grpo_load_at(&g.p, &g.in, b, t, logp);
+    *slot = (float)-lmloss_grpo_one_pass_dlogp(&g.p, &x, g.scale[b]);
+  }
+  __syncthreads();
+  return *slot;
 }
 
 enum CeMode { CE_FWD = 0, CE_FUSED = 1, CE_BWD = 2 };
@@ -156,6 +164,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
+  __shared__ float grpo_g;
   RowWalk rw(a.cs, &red);
   const Xf &X = a.X;
   const float k = X.f.k;
@@ -245,7 +254,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     }
     if (!grad) continue;
 
-    const float G = a.grpo.on ? grpo_upstream(a.grpo, i, -ly) : ce_upstream(a, dl, den, tw);
+    const float G = a.grpo.on ? grpo_upstream(a.grpo, i, -ly, &grpo_g) : ce_upstream(a, dl, den, tw);
     const float Gce = a.dft ? G * py : G;
     const float Gz = G * 2.0f * a.zl * (float)lse;
     /* dz_j = e_j F1 - F0 c_j away from the target and the argmax; without
@@ -375,19 +384,26 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
    * per-row scalars made CE's per-row code longer than the log-probs
    * backward's. */
   float G = ce_upstream(a, dl, den, tw);
-  if (a.grpo.on) grpo_prefetch(a.grpo, i);
+  /* the GRPO pass's inputs, and the target's logit read before this CTA's
+   * part lets a peer write its gradient (which may be over the logits) */
+  const bool y_ok = y >= 0 && y < a.V;
+  float xy0 = 0.0f;
+  if (a.grpo.on && threadIdx.x == 0 && y_ok) {
+    grpo_prefetch(a.grpo, i);
+    xy0 = tof(xrow[y]);
+  }
   h.arrive();
   const Xf &X = a.X;
   const float k = X.f.k;
   const bool fin = h.stats(X);
-  const bool y_ok = y >= 0 && y < a.V, ok = fin && y_ok;
+  const bool ok = fin && y_ok;
   const float m = h.m, inv = 1.0f / (1.0f + h.rs);
   /* used by the lead, the target's thread, and every thread under a z-loss */
   const auto l1r = [&] { return log1pf(h.rs); };
   const auto lse = [&] { return (double)m * k + l1r(); };
-  /* the GRPO pass: every thread forms G from the target's log-prob */
   const auto ly_of = [&](float xy) { return (double)(m - xy) * k + l1r(); }; /* lse - z_y */
-  if (a.grpo.on && y_ok) G = grpo_upstream(a.grpo, i, -ly_of(tof(xrow[y])));
+  __shared__ float grpo_g;
+  if (a.grpo.on && y_ok) G = grpo_upstream(a.grpo, i, -ly_of(xy0), &grpo_g);
   if (lead && fwd) {
     if (a.lse) a.lse[i * a.lses] = fin ? (float)lse() : NAN;
     if (!y_ok) put_loss(a, i, NAN, 0.0); /* no CTA holds the target */
