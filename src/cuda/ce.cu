@@ -36,29 +36,34 @@ struct GrpoPass {
   const double *scale; /* [B]: lmloss_grpo_token_scale of each sequence */
 };
 
-/* Row i's GRPO inputs into L1 while the row's loads fly: grpo_upstream
- * reads them once the statistics are known. */
-__device__ __forceinline__ void grpo_prefetch(const GrpoPass &g, int64_t i) {
+/* A row's GRPO inputs and its upstream, in the CTA's shared memory: its
+ * first thread loads the inputs while the row's logits are read, and
+ * forms the upstream from them once the row's log-prob is known. */
+struct GrpoRow {
+  lmloss_grpo_in x; /* lmloss_grpo_load_given's */
+  double sc;        /* the sequence's lmloss_grpo_token_scale */
+  float G;
+};
+
+__device__ __forceinline__ void grpo_stage(const GrpoPass &g, int64_t i, GrpoRow *r) {
+  if (threadIdx.x != 0) return;
   const int64_t b = i / g.T, t = i % g.T;
-  const lmloss_tensor *ts[] = {&g.in.mask,     &g.in.advantages,    &g.in.old_logp,
-                               &g.in.ref_logp, &g.in.sampling_logp, &g.in.is_ratio};
-  for (const lmloss_tensor *x : ts)
-    if (x->data) prefetch_l1((const float *)x->data + b * x->row_stride + (x->cols == 1 ? 0 : t));
+  r->x = lmloss_grpo_load_given(&g.p, &g.in, b, t);
+  r->sc = g.scale[b];
 }
 
-/* Row i's upstream, the gradient of its CE loss -logp being -dlogp,
- * formed by the CTA's first thread and shared through *slot: the formula
- * in double, run by every thread, cost a row's CTAs more issue slots than
- * the row's elements. Every thread of the CTA calls it. */
-__device__ __forceinline__ float grpo_upstream(const GrpoPass &g, int64_t i, double logp,
-                                               float *slot) {
+/* Row i's upstream, the gradient of its CE loss -logp being -dlogp, from
+ * grpo_stage's r: formed by the CTA's first thread (in every thread, the
+ * formula in double cost a row's CTAs more issue slots than its
+ * elements; loaded after the statistics, its inputs' latency stalled
+ * every warp). Every thread of the CTA calls it. */
+__device__ __forceinline__ float grpo_upstream(const GrpoPass &g, double logp, GrpoRow *r) {
   if (threadIdx.x == 0) {
-    const int64_t b = i / g.T, t = i % g.T;
-    const lmloss_grpo_in x = lmloss_grpo_load_at(&g.p, &g.in, b, t, logp);
-    *slot = (float)-lmloss_grpo_one_pass_dlogp(&g.p, &x, g.scale[b]);
+    const lmloss_grpo_in x = lmloss_grpo_with_logp(&g.p, r->x, logp);
+    r->G = (float)-lmloss_grpo_one_pass_dlogp(&g.p, &x, r->sc);
   }
   __syncthreads();
-  return *slot;
+  return r->G;
 }
 
 enum CeMode { CE_FWD = 0, CE_FUSED = 1, CE_BWD = 2 };
@@ -164,7 +169,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
-  __shared__ float grpo_g;
+  __shared__ GrpoRow grpo;
   RowWalk rw(a.cs, &red);
   const Xf &X = a.X;
   const float k = X.f.k;
@@ -204,6 +209,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
      * this CTA's part, which every peer waits for before it writes. */
     const bool y_ok = y >= 0 && y < a.V;
     const float xy = y_ok ? tof(row[y]) : 0.0f;
+    if (a.grpo.on) grpo_stage(a.grpo, i, &grpo);
     const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
     /* the upstream gradient's inputs, used after the merge */
     const float dl = !grad                               ? 0.0f
@@ -254,7 +260,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     }
     if (!grad) continue;
 
-    const float G = a.grpo.on ? grpo_upstream(a.grpo, i, -ly, &grpo_g) : ce_upstream(a, dl, den, tw);
+    const float G = a.grpo.on ? grpo_upstream(a.grpo, -ly, &grpo) : ce_upstream(a, dl, den, tw);
     const float Gce = a.dft ? G * py : G;
     const float Gz = G * 2.0f * a.zl * (float)lse;
     /* dz_j = e_j F1 - F0 c_j away from the target and the argmax; without
@@ -387,10 +393,11 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   /* the GRPO pass's inputs, and the target's logit read before this CTA's
    * part lets a peer write its gradient (which may be over the logits) */
   const bool y_ok = y >= 0 && y < a.V;
+  __shared__ GrpoRow grpo;
   float xy0 = 0.0f;
-  if (a.grpo.on && threadIdx.x == 0 && y_ok) {
-    grpo_prefetch(a.grpo, i);
-    xy0 = tof(xrow[y]);
+  if (a.grpo.on) {
+    grpo_stage(a.grpo, i, &grpo);
+    if (threadIdx.x == 0 && y_ok) xy0 = tof(xrow[y]);
   }
   h.arrive();
   const Xf &X = a.X;
@@ -402,8 +409,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   const auto l1r = [&] { return log1pf(h.rs); };
   const auto lse = [&] { return (double)m * k + l1r(); };
   const auto ly_of = [&](float xy) { return (double)(m - xy) * k + l1r(); }; /* lse - z_y */
-  __shared__ float grpo_g;
-  if (a.grpo.on && y_ok) G = grpo_upstream(a.grpo, i, -ly_of(xy0), &grpo_g);
+  if (a.grpo.on && y_ok) G = grpo_upstream(a.grpo, -ly_of(xy0), &grpo);
   if (lead && fwd) {
     if (a.lse) a.lse[i * a.lses] = fin ? (float)lse() : NAN;
     if (!y_ok) put_loss(a, i, NAN, 0.0); /* no CTA holds the target */

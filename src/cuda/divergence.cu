@@ -84,19 +84,30 @@ __device__ __forceinline__ void load8(const void *row, lmloss_dtype dt, int64_t 
     return;
   }
   const uint16_t *p = (const uint16_t *)row + j;
-  uint16_t h[DIV_NV];
+  uint32_t h[DIV_NV / 2]; /* the columns in pairs, the lower one in the low half */
   if (whole && is_aligned16(p)) {
     const uint4 u = __ldcg((const uint4 *)p);
     memcpy(h, &u, sizeof h);
   } else {
 #pragma unroll
-    for (int e = 0; e < DIV_NV; e++)
-      h[e] = j + e < V ? p[e] : 0;
+    for (int e = 0; e < DIV_NV; e += 2)
+      h[e / 2] = (j + e < V ? p[e] : 0u) | (j + e + 1 < V ? (uint32_t)p[e + 1] << 16 : 0u);
+  }
+  /* one branch a vector, and bf16 widened by a shift or a mask: a select
+   * between the two conversions a column cost three instructions */
+  if (dt == LMLOSS_BF16) {
+#pragma unroll
+    for (int e = 0; e < DIV_NV / 2; e++)
+      x[2 * e] = __uint_as_float(h[e] << 16), x[2 * e + 1] = __uint_as_float(h[e] & 0xffff0000u);
+    return;
   }
 #pragma unroll
-  for (int e = 0; e < DIV_NV; e++)
-    x[e] = dt == LMLOSS_BF16 ? __bfloat162float(__ushort_as_bfloat16(h[e]))
-                             : __half2float(__ushort_as_half(h[e]));
+  for (int e = 0; e < DIV_NV / 2; e++) {
+    __half2 v;
+    memcpy(&v, &h[e], sizeof v);
+    const float2 f = __half22float2(v);
+    x[2 * e] = f.x, x[2 * e + 1] = f.y;
+  }
 }
 
 __device__ __forceinline__ void store8(void *row, lmloss_dtype dt, int64_t j, int64_t V,

@@ -294,22 +294,40 @@ typedef struct {
   double m, logp, old, samp, ref, adv, ent, is;
 } lmloss_grpo_in;
 
-LMLOSS_HD lmloss_grpo_in lmloss_grpo_load_at(const lmloss_grpo_par *p, const lmloss_grpo_inputs *in,
-                                             int64_t b, int64_t t, double logp) {
+/* Token (b, t)'s given inputs, before its log-prob is known (the one
+ * pass on logits loads them while the row's logits are read); the
+ * stand-ins are lmloss_grpo_with_logp's. */
+LMLOSS_HD lmloss_grpo_in lmloss_grpo_load_given(const lmloss_grpo_par *p,
+                                                const lmloss_grpo_inputs *in, int64_t b,
+                                                int64_t t) {
   lmloss_grpo_in x;
   x.m = lmloss_grpo_at(&in->mask, b, t);
-  x.logp = logp;
-  x.old = p->old ? lmloss_grpo_at(&in->old_logp, b, t) : x.logp;
-  x.samp = p->samp ? lmloss_grpo_at(&in->sampling_logp, b, t) : x.old;
+  x.logp = 0.0;
+  x.old = p->old ? lmloss_grpo_at(&in->old_logp, b, t) : 0.0;
+  x.samp = p->samp ? lmloss_grpo_at(&in->sampling_logp, b, t) : 0.0;
   x.ref = p->ref ? lmloss_grpo_at(&in->ref_logp, b, t) : 0.0;
   x.adv = lmloss_grpo_at(&in->advantages, b, t);
   x.ent = p->ent ? lmloss_grpo_at(&in->entropy, b, t) : 0.0;
-  x.is = p->is_mode == LMLOSS_GRPO_IS_GIVEN
-             ? (p->is_cols ? lmloss_grpo_at(&in->is_ratio, b, t) : 1.0)
-         : p->is_mode < LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE
-             ? lmloss_grpo_is_of(p, lmloss_grpo_is_log(x.old, x.samp, x.m))
-             : 1.0; /* the sequence's: lmloss_grpo_stage_c */
+  x.is = p->is_mode == LMLOSS_GRPO_IS_GIVEN && p->is_cols ? lmloss_grpo_at(&in->is_ratio, b, t)
+                                                          : 1.0;
   return x;
+}
+
+/* x (lmloss_grpo_load_given's) with its log-prob, the stand-ins of the
+ * absent inputs and an IS ratio formed per token. */
+LMLOSS_HD lmloss_grpo_in lmloss_grpo_with_logp(const lmloss_grpo_par *p, lmloss_grpo_in x,
+                                               double logp) {
+  x.logp = logp;
+  if (!p->old) x.old = x.logp;
+  if (!p->samp) x.samp = x.old;
+  if (p->is_mode != LMLOSS_GRPO_IS_GIVEN && p->is_mode < LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE)
+    x.is = lmloss_grpo_is_of(p, lmloss_grpo_is_log(x.old, x.samp, x.m));
+  return x; /* a sequence mode's ratio is the sequence's: lmloss_grpo_stage_c */
+}
+
+LMLOSS_HD lmloss_grpo_in lmloss_grpo_load_at(const lmloss_grpo_par *p, const lmloss_grpo_inputs *in,
+                                             int64_t b, int64_t t, double logp) {
+  return lmloss_grpo_with_logp(p, lmloss_grpo_load_given(p, in, b, t), logp);
 }
 
 /* Token (b, t)'s inputs, its log-prob from in->logp (lmloss_grpo_load_at:

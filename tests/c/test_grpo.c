@@ -241,7 +241,8 @@ static void closed_forms(void) {
  * its composition on REF (lmloss_log_probs, lmloss_grpo with dlogp,
  * lmloss_log_probs_backward): the log-probs it writes, the loss, the
  * metrics and dlogits, for options CUDA takes in one pass and others,
- * F32 and BF16 logits, a temperature, rows peaked by a margin of 30. */
+ * F32 and BF16 logits, a temperature, a softcap (CUDA's staged plan, the
+ * held one's otherwise), rows peaked by a margin of 30. */
 static void on_logits_case(tgroup *g, int c) {
   static const unsigned flags[] = {0, 1 | 2, 1 | 8 | 128, 1 | 4, 1 | 4 | 256, 1 | 16, 1 | 2 | 64};
   const unsigned f = flags[c % 7];
@@ -258,6 +259,7 @@ static void on_logits_case(tgroup *g, int c) {
   o.num_items = 11.0, o.accumulation_steps = 1 + c % 2;
   lmloss_transform tr = lmloss_transform_default();
   if (c % 3 == 0) tr.temperature = 0.7f;
+  if (c % 3 == 2) tr.softcap = 30.0f;
   lmloss_tensor x = host_new(dt, N, V, V), idx = host_new(LMLOSS_I64, N, 1, 1);
   for (int64_t i = 0; i < N; i++) {
     const int64_t y = rng_int(V);
