@@ -111,11 +111,11 @@ def bench_logits(n, v, trl, lk, bw):
     for rows in ("random", "peaked"):
         s, t = logits_rows(n, v, rows, g)
         for name, fn in ours.items():
-            ms = timed(fwd_bwd(fn, s, t), 10)
+            ms = timed(fwd_bwd(fn, s, t), 10, queued=5)[0]
             line = f"  {rows:6} {name:10} lmloss {ms:7.3f} ms = {limit / ms:5.1%} of copy"
             for pname, pfn in peers.get(name, []):
                 try:
-                    pms = timed(fwd_bwd(pfn, s, t), reps=5)
+                    pms = timed(fwd_bwd(pfn, s, t), reps=5, queued=5)[0]
                     line += f" | {pname} {pms:7.3f} ms ({pms / ms:4.1f}x)"
                 except torch.OutOfMemoryError:
                     line += f" | {pname} out of memory"
@@ -170,7 +170,7 @@ def gemm_ms(h_s, w_s, h_t, w_t, train):
         torch.matmul(a, w_s)
         if train:
             torch.matmul(a.T, h_s)
-    return timed(gemms, 10)
+    return timed(gemms, 10, queued=5)[0]
 
 
 def bench_heads(n, hs, ht, v, trl, lk):
@@ -200,7 +200,7 @@ def bench_heads(n, hs, ht, v, trl, lk):
                         x.grad = w.grad = None
                         fn(x, w).backward()
                     try:
-                        ms = timed(run, reps=5)
+                        ms = timed(run, reps=5, queued=5)[0]
                         mib = peak_mib(run)
                         err = rel_err(x.grad, want)
                         line += f" | {name} {ms:6.2f} ms ({ms / limit:4.2f}x) " \

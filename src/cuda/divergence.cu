@@ -239,10 +239,10 @@ __device__ __forceinline__ void cluster_sync(const DivArgs &a) {
 #endif
 }
 
-/* w of a raw logit: a softcap's tanh only in the kernels compiled for
- * one (CAPS), so the plain kernels carry no tanh, sinh or cosh. */
-template <bool CAPS> __device__ __forceinline__ float w_of(const lmloss_xform *f, float x) {
-  return CAPS ? lmloss_xform_w(f, x) : x;
+/* w of a raw logit: a softcap's tanh only in the general kernels
+ * (GENERAL), so the plain ones carry no tanh, sinh or cosh. */
+template <bool GENERAL> __device__ __forceinline__ float w_of(const lmloss_xform *f, float x) {
+  return GENERAL ? lmloss_xform_w(f, x) : x;
 }
 
 /* The vectors of a sweep: fn(j, xs, xt, left) for each eight columns from
@@ -283,14 +283,14 @@ __device__ __forceinline__ bool in_vector(int64_t c, int64_t j) {
 }
 
 /* The first column from j (a vector's) where w is m; LLONG_MAX for j < 0. */
-template <bool CAPS>
+template <bool GENERAL>
 __device__ long long first_of(const void *row, lmloss_dtype dt, const lmloss_xform *f, int64_t j,
                               int64_t je, float m) {
   if (j < 0) return LLONG_MAX;
   float x[DIV_NV];
   load8(row, dt, j, je, x);
   for (int e = 0; e < DIV_NV && j + e < je; e++)
-    if (w_of<CAPS>(f, x[e]) == m) return j + e;
+    if (w_of<GENERAL>(f, x[e]) == m) return j + e;
   return LLONG_MAX;
 }
 
@@ -308,9 +308,10 @@ __device__ Sums<K> cluster_sums(const DivArgs &a, float (&v)[K], DivShared &sh, 
   });
 }
 
-/* One row pair per cluster, of the kind K; CAPS: a softcap on either side
- * (the transforms' modes then read at run time). */
-template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
+/* One row pair per cluster, of the kind K; GENERAL: a softcap on either
+ * side or a k of each (the transforms' modes then read at run time), else
+ * one k and no softcap (LMLOSS_DIV_ONE_K). */
+template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
   __shared__ DivShared sh;
   const int64_t i = blockIdx.x / a.cs;
   const int rank = (int)(blockIdx.x % a.cs);
@@ -357,7 +358,7 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_row
     finish(0.0, 0.0, 0.0);
     return;
   }
-  const int mode = CAPS ? a.mode : 0;
+  const int mode = GENERAL ? a.mode : LMLOSS_DIV_ONE_K;
   /* 1. the maxes and first argmaxes of w. A NaN or +inf logit: the flags
    * with a softcap (which bounds w); without, +inf is the max and a NaN
    * makes sweep 2's sums NaN, which costs the plain sweeps nothing. */
@@ -366,17 +367,18 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_row
   for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
     float vs = -INFINITY, vt = -INFINITY;
     for_each(left, false, [&](int k, auto) {
-      if (CAPS) {
+      if (GENERAL) {
         e.bad |= (xs[k] != xs[k]) | (xs[k] == INFINITY) | (xt[k] != xt[k]) | (xt[k] == INFINITY);
         e.any_s |= xs[k] > -INFINITY, e.any_t |= xt[k] > -INFINITY;
       }
-      vs = fmaxf(vs, w_of<CAPS>(&a.pr.fs, xs[k])), vt = fmaxf(vt, w_of<CAPS>(&a.pr.ft, xt[k]));
+      vs = fmaxf(vs, w_of<GENERAL>(&a.pr.fs, xs[k])),
+      vt = fmaxf(vt, w_of<GENERAL>(&a.pr.ft, xt[k]));
     });
     if (vs > e.s.m) e.s.m = vs, js = j;
     if (vt > e.t.m) e.t.m = vt, jt = j;
   });
-  e.s.a = first_of<CAPS>(rs, a.sdt, &a.pr.fs, js, je, e.s.m);
-  e.t.a = first_of<CAPS>(rt, a.tdt, &a.pr.ft, jt, je, e.t.m);
+  e.s.a = first_of<GENERAL>(rs, a.sdt, &a.pr.fs, js, je, e.s.m);
+  e.t.a = first_of<GENERAL>(rt, a.tdt, &a.pr.ft, jt, je, e.t.m);
   cta_extent(e, sh);
   cluster_sync(a);
   e = cluster_merge(a, &sh.ext, [](Extent x, const Extent &z) {
@@ -384,7 +386,7 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_row
     x.bad |= z.bad, x.any_s |= z.any_s, x.any_t |= z.any_t;
     return x;
   });
-  if (!CAPS) {
+  if (!GENERAL) {
     e.bad = e.s.m == INFINITY || e.t.m == INFINITY;
     e.any_s = e.s.m > -INFINITY, e.any_t = e.t.m > -INFINITY;
   }
@@ -405,15 +407,15 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_row
   for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
     for_each(left, in_vector(as, j) || in_vector(at, j), [&](int k, auto check) {
       float es, et, d;
-      lmloss_div_stats_terms(&a.pr, mode, w_of<CAPS>(&a.pr.fs, xs[k]), w_of<CAPS>(&a.pr.ft, xt[k]),
-                             xs[k], xt[k], ms, mt, G, &es, &et, &d);
+      lmloss_div_stats_terms(&a.pr, mode, w_of<GENERAL>(&a.pr.fs, xs[k]),
+                             w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k], ms, mt, G, &es, &et, &d);
       b3[0] += check.on && j + k == as ? 0.0f : es;
       b3[1] += check.on && j + k == at ? 0.0f : et;
       b3[2] += d;
     });
   });
   const Sums<3> st = cluster_sums<3>(a, b3, sh, sh.tot_b);
-  if (!CAPS && !(isfinite(st.v[0]) && isfinite(st.v[1]) && isfinite(st.v[2]))) return fail();
+  if (!GENERAL && !(isfinite(st.v[0]) && isfinite(st.v[1]) && isfinite(st.v[2]))) return fail();
   const lmloss_div_row r = lmloss_div_row_make(&a.pr, ms, mt, (float)st.v[0], (float)st.v[1],
                                                (float)st.v[2], as, xs_a, xt_at, xt_as);
   lmloss_div_grad gc = {};
@@ -421,8 +423,8 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_row
   gc.hard = y >= 0 ? a.hard : 0.0f;
   gc.one_minus_py = y == as ? r.rs / (1.0f + r.rs) : -1.0f;
   auto column = [&](const float *xs, const float *xt, int k) {
-    return lmloss_div_column(&a.pr, &r, mode, w_of<CAPS>(&a.pr.fs, xs[k]),
-                             w_of<CAPS>(&a.pr.ft, xt[k]), xs[k], xt[k]);
+    return lmloss_div_column(&a.pr, &r, mode, w_of<GENERAL>(&a.pr.fs, xs[k]),
+                             w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k]);
   };
   /* 3. the loss sweep, with the forward KL's gradient; each kind sums
    * only what it reads, the entropy only when asked for */
@@ -446,7 +448,7 @@ template <int K, bool CAPS> __global__ void __launch_bounds__(DIV_BS, 2) div_row
   });
   const Sums<7> lo = cluster_sums<7>(a, c7, sh, sh.tot_c);
   float es_y = 0.0f;
-  if (y >= 0) es_y = y == as ? 0.0f : (w_of<CAPS>(&a.pr.fs, xs_y) - ms) * ks;
+  if (y >= 0) es_y = y == as ? 0.0f : (w_of<GENERAL>(&a.pr.fs, xs_y) - ms) * ks;
   finish(lo.v[0], y >= 0 ? (double)r.l1s - es_y : 0.0, lo.v[6]);
   /* 4. the other kinds' gradient */
   if (rd && !fused) {
@@ -488,8 +490,8 @@ __global__ void div_finalize(DivArgs a) {
 }
 
 template <int K> static void (*pick(const DivArgs &a))(DivArgs) {
-  const bool caps = a.pr.fs.cap > 0.0f || a.pr.ft.cap > 0.0f;
-  return caps ? div_rows<K, true> : div_rows<K, false>;
+  const bool general = a.pr.fs.cap > 0.0f || a.pr.ft.cap > 0.0f || a.pr.fs.k != a.pr.ft.k;
+  return general ? div_rows<K, true> : div_rows<K, false>;
 }
 
 static lmloss_status launch_rows(const DivArgs &a, int kind, cudaStream_t st) {

@@ -175,8 +175,10 @@ LMLOSS_DIV_HD lmloss_div_pair lmloss_div_pair_make(const lmloss_div_options *o) 
 /* How a pass's columns are transformed, a constant of each compiled
  * version of the loops (the plain one vectorizes): SHARED_CAP, both rows
  * under one transform with a softcap (g through lmloss_capped_gap);
- * STUDENT_CAP, the student's softcap (its chain rule in the gradient). */
-enum { LMLOSS_DIV_SHARED_CAP = 1, LMLOSS_DIV_STUDENT_CAP = 2 };
+ * STUDENT_CAP, the student's softcap (its chain rule in the gradient);
+ * ONE_K, GPU kernels only: no softcap and one k for both rows, so g is
+ * lmloss_pair_gap's GPU form with no test a column. */
+enum { LMLOSS_DIV_SHARED_CAP = 1, LMLOSS_DIV_STUDENT_CAP = 2, LMLOSS_DIV_ONE_K = 4 };
 
 /* The pair's mode: which of the two its transforms make. */
 LMLOSS_DIV_HD int lmloss_div_pair_mode(const lmloss_div_pair *pr) {
@@ -187,6 +189,7 @@ LMLOSS_DIV_HD int lmloss_div_pair_mode(const lmloss_div_pair *pr) {
 /* g = zt - zs of columns of the teacher (w wt, raw xt) and the student. */
 LMLOSS_DIV_HD float lmloss_div_gap(const lmloss_div_pair *pr, int capped, float wt, float xt,
                                    float ws, float xs) {
+  if (capped & LMLOSS_DIV_ONE_K) return (wt - ws) * pr->fs.k;
   return capped & LMLOSS_DIV_SHARED_CAP ? lmloss_capped_gap(&pr->fs, xt, xs)
                                         : lmloss_pair_gap(wt, pr->ft.k, ws, pr->fs.k);
 }
