@@ -23,6 +23,7 @@ rest, the teacher's on the same column). Time: median of CUDA-event
 samples of 5 calls queued back to back.
 
     python bench/divergence_gpu.py [--rows N] [--vocab V] [--trl-jsd FILE]
+                                   [--skip-logits] [--skip-heads]
 
 --trl-jsd: a file defining generalized_jsd_loss (TRL's function), for a
 machine where TRL's own dependencies are not installed.
@@ -217,12 +218,14 @@ def main():
     ap.add_argument("--vocab", type=int, default=152064)
     ap.add_argument("--trl-jsd", default=None)
     ap.add_argument("--skip-heads", action="store_true")
+    ap.add_argument("--skip-logits", action="store_true")
     args = ap.parse_args()
     trl, lk = trl_jsd(args.trl_jsd), liger()
     bw = copy_gbs()
     print(f"device {torch.cuda.get_device_name()}; TRL {'yes' if trl else 'no'}, "
           f"Liger-Kernel {'yes' if lk else 'no'}", flush=True)
-    bench_logits(args.rows, args.vocab, trl, lk, bw)
+    if not args.skip_logits:
+        bench_logits(args.rows, args.vocab, trl, lk, bw)
     if not args.skip_heads:
         bench_heads(2048, 2048, 2560, 151936, trl, lk)
 

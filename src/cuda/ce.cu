@@ -359,8 +359,10 @@ static bool ce_held_applies(const CeArgs &a, bool T) {
  * the row's loads (waiting for it there). So
  * an ignored row is read too, and left as it was (or zeroed). The
  * target's own logit comes from the registers of the thread that holds
- * it, which writes the loss. */
-template <typename In, typename O, bool CLUSTER>
+ * it, which writes the loss. GRPO: the GRPO pass's rows, a kernel of
+ * their own, so that the formula's registers do not make the plain rows
+ * spill. */
+template <typename In, typename O, bool CLUSTER, bool GRPO>
 __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
@@ -395,7 +397,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   const bool y_ok = y >= 0 && y < a.V;
   __shared__ GrpoRow grpo;
   float xy0 = 0.0f;
-  if (a.grpo.on) {
+  if constexpr (GRPO) {
     grpo_stage(a.grpo, i, &grpo);
     if (threadIdx.x == 0 && y_ok) xy0 = tof(xrow[y]);
   }
@@ -409,7 +411,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   const auto l1r = [&] { return log1pf(h.rs); };
   const auto lse = [&] { return (double)m * k + l1r(); };
   const auto ly_of = [&](float xy) { return (double)(m - xy) * k + l1r(); }; /* lse - z_y */
-  if (a.grpo.on && y_ok) G = grpo_upstream(a.grpo, -ly_of(xy0), &grpo);
+  if (GRPO && y_ok) G = grpo_upstream(a.grpo, -ly_of(xy0), &grpo);
   if (lead && fwd) {
     if (a.lse) a.lse[i * a.lses] = fin ? (float)lse() : NAN;
     if (!y_ok) put_loss(a, i, NAN, 0.0); /* no CTA holds the target */
@@ -429,7 +431,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
     if (fwd) {
       const double ly = ly_of(xy); /* exact 0 gap at the max */
       const double L = a.zl != 0.0f ? lse() : 0.0, zt = (double)a.zl * L * L;
-      put_loss(a, i, !ok ? NAN : a.grpo.on ? -ly : (double)tw * (ly + zt), 1.0);
+      put_loss(a, i, !ok ? NAN : GRPO ? -ly : (double)tw * (ly + zt), 1.0);
     }
   }
   /* dx_j = k (G + Gz) p_j off the target */
@@ -439,10 +441,18 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
 template <typename In, typename O>
 static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
   lmloss_status s;
-  if (ce_held_applies(a, T) &&
-      launch_held(ce_held<In, O, false>, ce_held<In, O, true>, d, elt<In>::NV, a.dx,
-                  a.dxs * (int64_t)sizeof(O), st, a, "cross_entropy", &s))
-    return s;
+  if (ce_held_applies(a, T)) {
+    const int64_t dxb = a.dxs * (int64_t)sizeof(O);
+    if (!a.grpo.on) {
+      if (launch_held(ce_held<In, O, false, false>, ce_held<In, O, true, false>, d, elt<In>::NV,
+                      a.dx, dxb, st, a, "cross_entropy", &s))
+        return s;
+    } else if constexpr (std::is_same<In, O>::value) { /* the GRPO pass: dlogits as the logits */
+      if (launch_held(ce_held<In, O, false, true>, ce_held<In, O, true, true>, d, elt<In>::NV, a.dx,
+                      dxb, st, a, "cross_entropy", &s))
+        return s;
+    }
+  }
   if (T)
     return launch_rows(ce_rows<In, O, true, 128>, ce_rows<In, O, true, 256>, d, elt<In>::NV,
                        a.mode != CE_FWD, 0, st, a, "cross_entropy");
