@@ -55,8 +55,7 @@ __device__ __forceinline__ void grpo_stage(const GrpoPass &g, int64_t i, GrpoRow
 /* Row i's upstream, the gradient of its CE loss -logp being -dlogp, from
  * grpo_stage's r: formed by the CTA's first thread (in every thread, the
  * formula in double cost a row's CTAs more issue slots than its
- * elements; loaded after the statistics, its inputs' latency stalled
- * every warp). Every thread of the CTA calls it. */
+ * elements). Every thread of the CTA calls it. */
 __device__ __forceinline__ float grpo_upstream(const GrpoPass &g, double logp, GrpoRow *r) {
   if (threadIdx.x == 0) {
     const lmloss_grpo_in x = lmloss_grpo_with_logp(&g.p, r->x, logp);
