@@ -52,8 +52,9 @@ typedef struct {
 /* One side of a block; returns w, *x the raw logits. With check (the
  * statistics' sweep, the one that decides a row is non-finite), *bad and
  * *any gather the non-finite policy of its raw logits. */
-static const float *side(const void *row, lmloss_dtype dt, const lmloss_xform *f, int64_t j0, int n,
-                         int check, float *bx, float *bw, const float **x, int *bad, int *any) {
+DIV_INLINE const float *side(const void *row, lmloss_dtype dt, const lmloss_xform *f, int64_t j0,
+                             int n, int check, float *bx, float *bw, const float **x, int *bad,
+                             int *any) {
   const float *raw = (const float *)row + j0;
   if (dt != LMLOSS_F32 || f->cap > 0.0f) {
     lmloss_cpu_load_block(row, dt, j0, n, bx);
@@ -73,15 +74,15 @@ static const float *side(const void *row, lmloss_dtype dt, const lmloss_xform *f
   return bw;
 }
 
-static void load(const div_job *jb, const void *rs, lmloss_dtype ds, const void *rt,
-                 lmloss_dtype dt, int64_t j0, int check, pair_block *b) {
+DIV_INLINE void load(const div_job *jb, const void *rs, lmloss_dtype ds, const void *rt,
+                     lmloss_dtype dt, int64_t j0, int check, pair_block *b) {
   b->n = (int)(jb->V - j0 < LMLOSS_DIV_BLOCK ? jb->V - j0 : LMLOSS_DIV_BLOCK);
   b->bad = b->any_s = b->any_t = 0;
   b->ws = side(rs, ds, &jb->pr.fs, j0, b->n, check, b->bxs, b->bws, &b->xs, &b->bad, &b->any_s);
   b->wt = side(rt, dt, &jb->pr.ft, j0, b->n, check, b->bxt, b->bwt, &b->xt, &b->bad, &b->any_t);
 }
 
-static int64_t first_max(const float *w, int n, float *m) {
+DIV_INLINE int64_t first_max(const float *w, int n, float *m) {
   float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
   for (int i = 0; i < n; i++)
