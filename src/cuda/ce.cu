@@ -390,7 +390,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
    * only where used: formed in every thread after the statistics, these
    * per-row scalars made CE's per-row code longer than the log-probs
    * backward's. */
-  float G = ce_upstream(a, dl, den, tw);
+  float G = GRPO ? 0.0f : ce_upstream(a, dl, den, tw); /* GRPO's: grpo_upstream's, below */
   /* the GRPO pass's inputs, and the target's logit read before this CTA's
    * part lets a peer write its gradient (which may be over the logits) */
   const bool y_ok = y >= 0 && y < a.V;

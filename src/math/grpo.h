@@ -308,8 +308,8 @@ LMLOSS_HD lmloss_grpo_in lmloss_grpo_load_given(const lmloss_grpo_par *p,
   x.ref = p->ref ? lmloss_grpo_at(&in->ref_logp, b, t) : 0.0;
   x.adv = lmloss_grpo_at(&in->advantages, b, t);
   x.ent = p->ent ? lmloss_grpo_at(&in->entropy, b, t) : 0.0;
-  x.is = p->is_mode == LMLOSS_GRPO_IS_GIVEN && p->is_cols ? lmloss_grpo_at(&in->is_ratio, b, t)
-                                                          : 1.0;
+  x.is =
+      p->is_mode == LMLOSS_GRPO_IS_GIVEN && p->is_cols ? lmloss_grpo_at(&in->is_ratio, b, t) : 1.0;
   return x;
 }
 
