@@ -41,8 +41,11 @@ lmloss_status lmloss_check_transform(const lmloss_transform *t) {
   if (!(isfinite(t->softcap) && t->softcap >= 0.0f))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "softcap must be finite and >= 0, got %g",
                        (double)t->softcap);
-  if (!(isfinite(t->temperature) && t->temperature > 0.0f))
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "temperature must be finite and > 0, got %g",
+  /* 1 / temperature finite too: below about 2.9e-39 k is infinite, where
+   * the backends' policies for infinite logits part (fuzz_divergence) */
+  if (!(isfinite(t->temperature) && t->temperature > 0.0f && isfinite(1.0f / t->temperature)))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
+                       "temperature must be finite and > 0 with a finite reciprocal, got %g",
                        (double)t->temperature);
   return LMLOSS_OK;
 }
