@@ -38,11 +38,14 @@ lmloss_status lmloss_check_transform(const lmloss_transform *t) {
   if (!(isfinite(t->logit_scale) && t->logit_scale > 0.0f))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "logit_scale must be finite and > 0, got %g",
                        (double)t->logit_scale);
-  if (!(isfinite(t->softcap) && t->softcap >= 0.0f))
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "softcap must be finite and >= 0, got %g",
+  /* The reciprocals of a softcap and a temperature finite too: below
+   * about 2.9e-39 they are infinite, and 0 * inf makes a NaN where the
+   * backends' policies for infinite logits part (fuzz_divergence) */
+  if (!(isfinite(t->softcap) && t->softcap >= 0.0f &&
+        (t->softcap == 0.0f || isfinite(1.0f / t->softcap))))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
+                       "softcap must be finite and >= 0, with a finite reciprocal when > 0, got %g",
                        (double)t->softcap);
-  /* 1 / temperature finite too: below about 2.9e-39 k is infinite, where
-   * the backends' policies for infinite logits part (fuzz_divergence) */
   if (!(isfinite(t->temperature) && t->temperature > 0.0f && isfinite(1.0f / t->temperature)))
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
                        "temperature must be finite and > 0 with a finite reciprocal, got %g",

@@ -173,8 +173,8 @@ static void run_backend(int b) {
     struct {
       const char *n;
       lmloss_ce_options o;
-    } bad[10];
-    for (int k = 0; k < 10; k++)
+    } bad[11];
+    for (int k = 0; k < 11; k++)
       bad[k].o = o;
     bad[0].n = "temperature 0", bad[0].o.transform.temperature = 0.0f;
     bad[1].n = "temperature NaN", bad[1].o.transform.temperature = NAN;
@@ -187,7 +187,8 @@ static void run_backend(int b) {
     bad[7].n = "reduction 9", bad[7].o.reduction = (lmloss_reduction)9;
     bad[8].n = "dft 2", bad[8].o.dft = 2;
     bad[9].n = "temperature 1e-45 (1 / T overflows)", bad[9].o.transform.temperature = 1e-45f;
-    for (int k = 0; k < 10; k++) {
+    bad[10].n = "softcap 1e-45 (1 / c overflows)", bad[10].o.transform.softcap = 1e-45f;
+    for (int k = 0; k < 11; k++) {
       expect(lmloss_cross_entropy(&ctx, &in, &bad[k].o, &out, ws, wsb), LMLOSS_ERR_BAD_OPTION,
              bad[k].n);
       expect(lmloss_cross_entropy_backward(&ctx, &in, &bad[k].o, &dl, &D, ws, wsb),
