@@ -90,6 +90,7 @@ struct CeArgs {
   int64_t ams;
   void *dx;
   int64_t dxs;
+  lmloss_dtype dxt;        /* dx's dtype */
   lmloss_grad_keep keep;   /* optional arrays, with dx */
   double *ws_loss, *ws_wt; /* forward: per-row loss and weight */
   const double *den;       /* MEAN with a gradient */
@@ -163,8 +164,7 @@ __global__ void ce_finalize(CeArgs a, float *loss) {
  * so each CTA stages its chunk and writes the gradient from shared memory
  * after the cluster has merged the row state. Forward only: the same
  * kernel, one CTA per row streaming it once (see first_pass). */
-template <typename In, typename O, bool T, int BS>
-__global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
+template <typename In, bool T> __global__ void ROW_BOUNDS ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -188,7 +188,6 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     const long long y = ld_index(a.tgt, a.tgt64, i * a.ts);
     const int64_t in = i + rw.step;
     if (in < a.N) prefetch_index(a.tgt, a.tgt64, in * a.ts);
-    O *drow = (O *)a.dx + i * a.dxs;
     const bool grad = a.mode != CE_FWD;
     if (y == a.ignore) {
       if (rw.rank == 0 && threadIdx.x == 0) {
@@ -199,7 +198,8 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
           if (a.amax) a.amax[i * a.ams] = -1;
         }
       }
-      if (grad && a.zero_ignored) zero_chunk<In, O>(drow, ch, a.V);
+      if (grad && a.zero_ignored)
+        zero_chunk<NV>(DynChunkOut<NV>(a.dx, a.dxt, i * a.dxs, ch, a.V), ch);
       continue;
     }
     const bool in_al = is_aligned16(row);
@@ -281,7 +281,7 @@ __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
     Ref ref;
     ref.set(X, m);
     const float F1s = F1 * ref.s();
-    const ChunkOut<O, NV> out(drow, ch, a.V);
+    const DynChunkOut<NV> out(a.dx, a.dxt, i * a.dxs, ch, a.V);
     /* The vectors of this CTA's chunk that hold the target and the argmax
      * (-1: elsewhere): one 32-bit compare each per vector. */
     const int vy = y >= ch.jb && y < ch.je ? (int)((y - ch.jb) / NV) : -1;
@@ -382,7 +382,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
       put_loss(a, i, 0.0, 0.0);
       if (a.lse) a.lse[i * a.lses] = 0.0f;
     }
-    if (a.zero_ignored) zero_chunk<In, O>(drow, h.ch, a.V);
+    if (a.zero_ignored) zero_chunk<NV>(ChunkOut<O, NV>(drow, h.ch, a.V), h.ch);
     h.settle();
     return;
   }
@@ -437,37 +437,33 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   h.store_exp(X, xrow, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? (G + Gz) * inv * k : NAN, vy, ey, gy);
 }
 
+/* The held plan for a gradient of dtype O; false where it does not take
+ * the row (launch_held). */
 template <typename In, typename O>
-static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
-  lmloss_status s;
-  if (ce_held_applies(a, T)) {
-    const int64_t dxb = a.dxs * (int64_t)sizeof(O);
-    if (!a.grpo.on) {
-      if (launch_held(ce_held<In, O, false, false>, ce_held<In, O, true, false>, d, elt<In>::NV,
-                      a.dx, dxb, st, a, "cross_entropy", &s))
-        return s;
-    } else if constexpr (std::is_same<In, O>::value) { /* the GRPO pass: dlogits as the logits */
-      if (launch_held(ce_held<In, O, false, true>, ce_held<In, O, true, true>, d, elt<In>::NV, a.dx,
-                      dxb, st, a, "cross_entropy", &s))
-        return s;
-    }
-  }
-  if (T)
-    return launch_rows(ce_rows<In, O, true, 128>, ce_rows<In, O, true, 256>, d, elt<In>::NV,
-                       a.mode != CE_FWD, 0, st, a, "cross_entropy");
-  return launch_rows(ce_rows<In, O, false, 128>, ce_rows<In, O, false, 256>, d, elt<In>::NV,
-                     a.mode != CE_FWD, 0, st, a, "cross_entropy");
+static bool launch_ce_held(const DevInfo &d, CeArgs &a, cudaStream_t st, lmloss_status *s) {
+  const int64_t dxb = a.dxs * (int64_t)sizeof(O);
+  if (!a.grpo.on)
+    return launch_held(ce_held<In, O, false, false>, ce_held<In, O, true, false>, d, elt<In>::NV,
+                       a.dx, dxb, st, a, "cross_entropy", s);
+  if constexpr (std::is_same<In, O>::value) /* the GRPO pass: dlogits as the logits */
+    return launch_held(ce_held<In, O, false, true>, ce_held<In, O, true, true>, d, elt<In>::NV,
+                       a.dx, dxb, st, a, "cross_entropy", s);
+  return false;
 }
 
+/* The held plan builds the gradient dtypes training uses (the logits' own,
+ * and fp32); the staged kernels take every dtype at run time. */
 template <typename In>
-static lmloss_status launch_ce_out(const DevInfo &d, CeArgs &a, bool T, lmloss_dtype od,
-                                   cudaStream_t st) {
-  if (a.mode == CE_FWD) return launch_ce<In, float>(d, a, T, st); /* O unused */
-  switch (od) {
-  case LMLOSS_BF16: return launch_ce<In, bf16>(d, a, T, st);
-  case LMLOSS_F16: return launch_ce<In, f16>(d, a, T, st);
-  default: return launch_ce<In, float>(d, a, T, st);
+static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, lmloss_dtype in,
+                               cudaStream_t st) {
+  lmloss_status s;
+  if (ce_held_applies(a, T)) {
+    if (a.dxt == in ? launch_ce_held<In, In>(d, a, st, &s)
+                    : a.dxt == LMLOSS_F32 && launch_ce_held<In, float>(d, a, st, &s))
+      return s;
   }
+  return launch_rows(T ? ce_rows<In, true> : ce_rows<In, false>, d, elt<In>::NV, a.mode != CE_FWD,
+                     0, st, a, "cross_entropy");
 }
 
 static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *in,
@@ -518,11 +514,11 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     a.ams = out->argmax.row_stride;
     T = a.ent != NULL;
   }
-  lmloss_dtype od = LMLOSS_F32;
+  a.dxt = LMLOSS_F32;
   if (dlogits) {
     a.dx = dlogits->data;
     a.dxs = dlogits->row_stride;
-    od = dlogits->dtype;
+    a.dxt = dlogits->dtype;
     if (keep) a.keep = *keep;
     if (keep && in->logits.dtype != LMLOSS_F32)
       return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: kept gradient entries of F32 logits only");
@@ -545,9 +541,9 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     if ((s = check_launch("cross_entropy denominator")) != LMLOSS_OK) return s;
   }
   switch (in->logits.dtype) {
-  case LMLOSS_BF16: s = launch_ce_out<bf16>(d, a, T, od, st); break;
-  case LMLOSS_F16: s = launch_ce_out<f16>(d, a, T, od, st); break;
-  default: s = launch_ce_out<float>(d, a, T, od, st); break;
+  case LMLOSS_BF16: s = launch_ce<bf16>(d, a, T, LMLOSS_BF16, st); break;
+  case LMLOSS_F16: s = launch_ce<f16>(d, a, T, LMLOSS_F16, st); break;
+  default: s = launch_ce<float>(d, a, T, LMLOSS_F32, st); break;
   }
   if (s != LMLOSS_OK) return s;
   if (mode != CE_BWD && opt->reduction != LMLOSS_REDUCE_NONE) {

@@ -369,6 +369,58 @@ template <typename O, int NV> struct ChunkOut {
   }
 };
 
+/* Element j of p, a tensor of dtype dt (F32, BF16 or F16), set to v. */
+__device__ __forceinline__ void store_as(void *p, lmloss_dtype dt, int64_t j, float v) {
+  if (dt == LMLOSS_BF16)
+    ((bf16 *)p)[j] = fromf<bf16>(v);
+  else if (dt == LMLOSS_F16)
+    ((f16 *)p)[j] = fromf<f16>(v);
+  else
+    ((float *)p)[j] = v;
+}
+
+/* ChunkOut for an output dtype known at run time (F32, BF16 or F16), for
+ * the staged plans: one kernel serves every output dtype at the cost of a
+ * uniform branch a vector, where a type per dtype tripled the kernels the
+ * build compiles. row: element `off` of out, a tensor of dtype dt. */
+template <int NV> struct DynChunkOut {
+  char *base;
+  int64_t lim;
+  int whole;
+  lmloss_dtype dt;
+
+  __device__ __forceinline__ DynChunkOut(void *out, lmloss_dtype dt, int64_t off, const Chunk &c,
+                                         int64_t V)
+      : lim(V - c.jb), dt(dt) {
+    const int64_t es = dt == LMLOSS_F32 ? 4 : 2;
+    char *row = (char *)out + off * es;
+    base = row + c.jb * es;
+    whole = is_aligned16(row) ? (int)((c.je - c.jb) / NV) : 0;
+    asm("" : "+l"(base));
+    asm("" : "+r"(whole));
+  }
+
+  template <typename O> __device__ __forceinline__ void put(int v, const float *y) const {
+    O *p = (O *)base + v * NV;
+    if (v < whole) {
+      store_whole<O, NV>(p, y);
+    } else {
+#pragma unroll
+      for (int i = 0; i < NV; i++)
+        if ((int64_t)v * NV + i < lim) p[i] = fromf<O>(y[i]);
+    }
+  }
+
+  __device__ __forceinline__ void store(int v, const float *y) const {
+    if (dt == LMLOSS_BF16)
+      put<bf16>(v, y);
+    else if (dt == LMLOSS_F16)
+      put<f16>(v, y);
+    else
+      put<float>(v, y);
+  }
+};
+
 /* A gradient row's store (write_grad's out) that also hands the final
  * value of each element of the vectors at(v) flags to note(j, g): the
  * fused head's exact entries (lmloss_grad_keep), kept in fp32 beside a
@@ -412,15 +464,13 @@ __device__ __forceinline__ void keep_col(const lmloss_grad_keep &kp, int64_t i, 
 }
 
 /* Zeros over the CTA's chunk of an output row (the gradient of an ignored
- * or masked row); ChunkOut leaves out the padding past V. */
-template <typename In, typename O>
-__device__ __forceinline__ void zero_chunk(O *row, const Chunk &c, int64_t V) {
-  constexpr int NV = elt<In>::NV;
+ * or masked row); the Out (a ChunkOut) leaves out the padding past V. */
+template <int NV, typename Out>
+__device__ __forceinline__ void zero_chunk(const Out &out, const Chunk &c) {
   float z[NV];
 #pragma unroll
   for (int e = 0; e < NV; e++)
     z[e] = 0.0f;
-  const ChunkOut<O, NV> out(row, c, V);
   for (int v = threadIdx.x; v < (int)c.nv; v += blockDim.x)
     out.store(v, z);
 }

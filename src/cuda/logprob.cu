@@ -37,6 +37,7 @@ struct LpArgs {
   Xf X;
   void *logp;
   int64_t lps;
+  lmloss_dtype lpt; /* logp's dtype */
   float *ent;
   int64_t ents;
   float *stats; /* LMLOSS_ROW_STATS a row: written (forward) or read (lp_bwd_saved) */
@@ -47,6 +48,7 @@ struct LpArgs {
   int64_t dents;
   void *dx;
   int64_t dxs;
+  lmloss_dtype dxt;      /* dx's dtype */
   lmloss_grad_keep keep; /* optional arrays, backward */
   int cs;
   int64_t chunk;
@@ -59,8 +61,7 @@ struct LpArgs {
  * (rank 0 gathers the K log-probs after the merge). Four CTAs per SM (64
  * registers, no spills): more loads in flight than at three, and
  * faster. */
-template <typename In, typename O, bool T>
-__global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
+template <typename In, bool T> __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -70,11 +71,10 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
   Stage st(stage, red.halves, ch, false);
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
-    O *lrow = (O *)a.logp + i * a.lps;
     if (a.mask && !a.mask[i * a.ms]) {
       if (rw.rank == 0) {
         for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x)
-          lrow[q] = fromf<O>(0.0f);
+          store_as(a.logp, a.lpt, i * a.lps + q, 0.0f);
         if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = 0.0f;
         if (a.stats && threadIdx.x == 0) lmloss_rowstat_save_masked(a.stats + i * a.sts);
       }
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
         float wj = lmloss_xform_w(&X.f, tof(row[j]));
         lp = (float)((double)(wj - s.m) * k - l1r);
       }
-      lrow[q] = fromf<O>(lp);
+      store_as(a.logp, a.lpt, i * a.lps + q, lp);
     }
     if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = ok ? lmloss_rowstat_entropy(&s) : NAN;
     if (a.stats && threadIdx.x == 0) lmloss_rowstat_save(&s, ok, a.stats + i * a.sts);
@@ -241,7 +241,7 @@ __device__ __forceinline__ bool flagged(const unsigned *bm, int v) {
  * need the exact formula (the argmax, the K indices) are flagged in a
  * per-vector bitmap in shared memory, so the hot loop pays one shared load
  * per 16 bytes whatever K is. */
-template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS) lp_bwd(LpArgs a) {
+template <typename In, bool T> __global__ void ROW_BOUNDS lp_bwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -258,7 +258,6 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
    * into L1 a row ahead, and loaded before pass 1 (see ce_rows). */
   for (int64_t i = rw.first; i < a.N; i += rw.step) {
     const In *row = (const In *)a.x + i * a.xs;
-    O *drow = (O *)a.dx + i * a.dxs;
     const int64_t in = i + rw.step;
     if (in < a.N) {
       if (a.mask) prefetch_l1(a.mask + in * a.ms);
@@ -269,7 +268,7 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
       if (a.dent) prefetch_l1(a.dent + in * a.dents);
     }
     if (a.mask && !a.mask[i * a.ms]) {
-      zero_chunk<In, O>(drow, ch, a.V);
+      zero_chunk<NV>(DynChunkOut<NV>(a.dx, a.dxt, i * a.dxs, ch, a.V), ch);
       continue;
     }
     const LpUp up = lp_upstream(a, i);
@@ -296,7 +295,7 @@ template <typename In, typename O, bool T, int BS> __global__ void ROW_BOUNDS(BS
       }
     G.flag(a, i, ch, NV, bm);
 
-    const ChunkOut<O, NV> out(drow, ch, a.V);
+    const DynChunkOut<NV> out(a.dx, a.dxt, i * a.dxs, ch, a.V);
     const auto kout = noting<NV>(
         out, [&](int v) { return kv && flagged(bm, v); },
         [&](int64_t j, float g) {
@@ -343,7 +342,7 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
   const float D = a.dlogp[i * a.dlps];
   O *drow = (O *)a.dx + i * a.dxs;
   if (!on) { /* the whole cluster returns here */
-    zero_chunk<In, O>(drow, h.ch, a.V);
+    zero_chunk<NV>(ChunkOut<O, NV>(drow, h.ch, a.V), h.ch);
     h.settle();
     return;
   }
@@ -398,7 +397,7 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
   for (int64_t i = blockIdx.y; i < a.N; i += gridDim.y) {
     O *drow = (O *)a.dx + i * a.dxs;
     if (a.mask && !a.mask[i * a.ms]) {
-      zero_chunk<In, O>(drow, ch, a.V);
+      zero_chunk<NV>(ChunkOut<O, NV>(drow, ch, a.V), ch);
       continue;
     }
     const In *row = (const In *)a.x + i * a.xs;
@@ -455,9 +454,9 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
   }
 }
 
-template <typename In, typename O>
+template <typename In>
 static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  auto k = T ? lp_fwd<In, O, true> : lp_fwd<In, O, false>;
+  auto k = T ? lp_fwd<In, true> : lp_fwd<In, false>;
   return launch_rows(k, k, d, elt<In>::NV, 0, 0, st, a, "log_probs");
 }
 
@@ -475,30 +474,33 @@ static lmloss_status launch_saved(LpArgs &a, bool T, cudaStream_t st) {
   return check_launch("log_probs_backward (saved statistics)");
 }
 
-template <typename In, typename O>
-static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  if (a.stats && a.K <= LMLOSS_SAVED_MAX_K) return launch_saved<In, O>(a, T, st);
+/* The held plan builds the gradient dtypes training uses (the logits' own,
+ * and fp32); the staged kernels take every dtype at run time. */
+template <typename In>
+static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, lmloss_dtype in,
+                                cudaStream_t st) {
+  if (a.stats && a.K <= LMLOSS_SAVED_MAX_K) switch (a.dxt) {
+    case LMLOSS_BF16: return launch_saved<In, bf16>(a, T, st);
+    case LMLOSS_F16: return launch_saved<In, f16>(a, T, st);
+    default: return launch_saved<In, float>(a, T, st);
+    }
   lmloss_status s;
   if (lp_held_applies(a, T) &&
-      launch_held(lp_held<In, O, false>, lp_held<In, O, true>, d, elt<In>::NV, a.dx,
-                  a.dxs * (int64_t)sizeof(O), st, a, "log_probs_backward", &s))
+      (a.dxt == in ? launch_held(lp_held<In, In, false>, lp_held<In, In, true>, d, elt<In>::NV,
+                                 a.dx, a.dxs * (int64_t)sizeof(In), st, a, "log_probs_backward", &s)
+                   : a.dxt == LMLOSS_F32 &&
+                         launch_held(lp_held<In, float, false>, lp_held<In, float, true>, d,
+                                     elt<In>::NV, a.dx, a.dxs * (int64_t)sizeof(float), st, a,
+                                     "log_probs_backward", &s)))
     return s;
-  if (T)
-    return launch_rows(lp_bwd<In, O, true, 128>, lp_bwd<In, O, true, 256>, d, elt<In>::NV, 1, 1, st,
-                       a, "log_probs_backward");
-  return launch_rows(lp_bwd<In, O, false, 128>, lp_bwd<In, O, false, 256>, d, elt<In>::NV, 1, 1, st,
-                     a, "log_probs_backward");
+  return launch_rows(T ? lp_bwd<In, true> : lp_bwd<In, false>, d, elt<In>::NV, 1, 1, st, a,
+                     "log_probs_backward");
 }
 
 template <typename In>
-static lmloss_status dispatch_out(const DevInfo &d, LpArgs &a, bool T, lmloss_dtype od, int bwd,
-                                  cudaStream_t st) {
-  switch (od) {
-  case LMLOSS_BF16:
-    return bwd ? launch_bwd<In, bf16>(d, a, T, st) : launch_fwd<In, bf16>(d, a, T, st);
-  case LMLOSS_F16: return bwd ? launch_bwd<In, f16>(d, a, T, st) : launch_fwd<In, f16>(d, a, T, st);
-  default: return bwd ? launch_bwd<In, float>(d, a, T, st) : launch_fwd<In, float>(d, a, T, st);
-  }
+static lmloss_status dispatch(const DevInfo &d, LpArgs &a, bool T, lmloss_dtype in, int bwd,
+                              cudaStream_t st) {
+  return bwd ? launch_bwd<In>(d, a, T, in, st) : launch_fwd<In>(d, a, T, st);
 }
 
 static LpArgs common_args(const lmloss_tensor *logits, const lmloss_tensor *index,
@@ -537,22 +539,22 @@ static void backward_args(LpArgs &a, const lmloss_tensor *dlogp, const lmloss_te
   }
   a.dx = dlogits->data;
   a.dxs = dlogits->row_stride;
+  a.dxt = dlogits->dtype;
   if (stats) {
     a.stats = (float *)stats->data;
     a.sts = stats->row_stride;
   }
 }
 
-static lmloss_status run(LpArgs &a, lmloss_dtype in, lmloss_dtype od, bool T, int bwd,
-                         const lmloss_context *ctx) {
+static lmloss_status run(LpArgs &a, lmloss_dtype in, bool T, int bwd, const lmloss_context *ctx) {
   DevInfo d;
   lmloss_status s = dev_info(&d);
   if (s != LMLOSS_OK) return s;
   cudaStream_t st = stream_of(ctx);
   switch (in) {
-  case LMLOSS_BF16: return dispatch_out<bf16>(d, a, T, od, bwd, st);
-  case LMLOSS_F16: return dispatch_out<f16>(d, a, T, od, bwd, st);
-  default: return dispatch_out<float>(d, a, T, od, bwd, st);
+  case LMLOSS_BF16: return dispatch<bf16>(d, a, T, in, bwd, st);
+  case LMLOSS_F16: return dispatch<f16>(d, a, T, in, bwd, st);
+  default: return dispatch<float>(d, a, T, in, bwd, st);
   }
 }
 
@@ -564,11 +566,10 @@ lmloss_cuda_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
                       const lmloss_transform *tr, const lmloss_tensor *logp,
                       const lmloss_tensor *entropy, const lmloss_tensor *stats) {
   lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
-  lmloss_dtype od = LMLOSS_F32;
   if (lmloss_present(logp)) {
     a.logp = logp->data;
     a.lps = logp->row_stride;
-    od = logp->dtype;
+    a.lpt = logp->dtype;
   } else {
     a.K = 0;
   }
@@ -580,7 +581,7 @@ lmloss_cuda_log_probs(const lmloss_context *ctx, const lmloss_tensor *logits,
     a.stats = (float *)stats->data;
     a.sts = stats->row_stride;
   }
-  return lmc::run(a, logits->dtype, od, a.ent || a.stats, 0, ctx);
+  return lmc::run(a, logits->dtype, a.ent || a.stats, 0, ctx);
 }
 
 extern "C" lmloss_status
@@ -597,7 +598,7 @@ lmloss_cuda_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *l
     return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: kept entries of whole rows from saved "
                                                "statistics");
   lmc::backward_args(a, dlogp, dentropy, dlogits, stats);
-  return lmc::run(a, logits->dtype, dlogits->dtype, a.dent != NULL, 1, ctx);
+  return lmc::run(a, logits->dtype, a.dent != NULL, 1, ctx);
 }
 
 /* The fused head's vocab tile (backend.h, lp_tile_grad): the saved

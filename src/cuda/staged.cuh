@@ -739,15 +739,16 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
                       [&](int v, const Raw<In> &rv) { body(v, rv, std::false_type{}); });
 }
 
-/* Launch bounds of a row kernel instantiated per block size (make_plan's
- * 128 or 256 threads). At 128 threads the stage's shared memory lets five
+/* Launch bounds of the CE and log-probs row kernels, which run every plan
+ * at 128 threads (launch_rows). There the stage's shared memory lets five
  * CTAs share an SM, so a thread may hold 96 registers; bounds written for
  * 256 threads (three CTAs) held the CE kernel to 80, where its per-row code
  * spilled, and the reloads stalled its warps every row. The log-probs
- * backward too: at 80 its gradient loop
- * recomputed the output address from the kernel's parameters for every
- * vector. The softmax holds its own in 80 and keeps one kernel for both. */
-#define ROW_BOUNDS(BS) __launch_bounds__(BS, (BS) == 128 ? 5 : 3)
+ * backward too: at 80 its gradient loop recomputed the output address from
+ * the kernel's parameters for every vector. A second kernel of each for
+ * the 256-thread plans doubled their build time. The softmax holds its own
+ * in 80 and keeps one kernel of 256 for both. */
+#define ROW_BOUNDS __launch_bounds__(128, 5)
 
 /* Launch plan of a row kernel: cluster size, threads, chunk (elements per
  * CTA) and whether the chunk is staged in shared memory. */
@@ -822,8 +823,8 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
  * holds (see make_plan); rows beyond the grid are looped over. Clusters of
  * 16 are non-portable: where the device cannot schedule one, the plan
  * falls back to 8. k128 and k256 are the kernel built for the plan's 128
- * or 256 threads (ROW_BOUNDS; one kernel may serve both). Sets the args'
- * cs, chunk and staged. */
+ * or 256 threads (one kernel may serve both); without a k256 every plan
+ * runs k128 at 128 threads. Sets the args' cs, chunk and staged. */
 template <typename K, typename A>
 static lmloss_status launch_rows(K k128, K k256, const DevInfo &d, int NV, int two_pass,
                                  size_t extra_per_vector_bits, cudaStream_t st, A &args,
@@ -831,6 +832,7 @@ static lmloss_status launch_rows(K k128, K k256, const DevInfo &d, int NV, int t
   if (args.N <= 0) return LMLOSS_OK;
   for (int maxcs = d.cc_major >= 9 ? 16 : 1;; maxcs /= 2) {
     Plan p = make_plan(d, args.V, NV, two_pass, extra_per_vector_bits, maxcs);
+    if (!k256) p.bs = 128;
     const K kernel = p.bs == 128 ? k128 : k256;
     cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
@@ -856,6 +858,15 @@ static lmloss_status launch_rows(K k128, K k256, const DevInfo &d, int NV, int t
                          cudaGetErrorString(e));
     return check_launch(what);
   }
+}
+
+/* launch_rows of a kernel that runs every plan at 128 threads
+ * (ROW_BOUNDS). */
+template <typename K, typename A>
+static lmloss_status launch_rows(K k128, const DevInfo &d, int NV, int two_pass,
+                                 size_t extra_per_vector_bits, cudaStream_t st, A &args,
+                                 const char *what) {
+  return launch_rows(k128, K{}, d, NV, two_pass, extra_per_vector_bits, st, args, what);
 }
 
 } // namespace lmc
