@@ -714,7 +714,10 @@ LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const
  *      dstudent covers the rank's columns.
  *
  * The forward KL's gradient p - q needs the merged state alone: its
- * backward_finish takes no partials (NULL). With one shard of all V
+ * backward_finish takes no partials (NULL), and
+ * lmloss_divergence_partials_grad forms it in step 2's sweep, the
+ * one-shot call's fused form (a finish after it takes no out->dstudent,
+ * and reads neither row). With one shard of all V
  * columns the three calls give the one-shot call's result up to fp32
  * rounding of the packed sums. Backends: CPU and CUDA (states and
  * partials on the inputs' device); REF returns LMLOSS_ERR_UNSUPPORTED.
@@ -790,6 +793,16 @@ LMLOSS_API lmloss_status lmloss_divergence_state_merge(const lmloss_context *ctx
 LMLOSS_API lmloss_status lmloss_divergence_partials(
     const lmloss_context *ctx, const lmloss_div_inputs *in, const lmloss_div_options *opt,
     const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *partials);
+
+/* lmloss_divergence_partials and, in the same sweep, the forward KL's
+ * dstudent [N, V_r] over the shard's columns (upstream opt->grad_output,
+ * as lmloss_divergence_finish forms it: the reduction's factor
+ * included). BAD_OPTION for another kind: their gradients read the summed
+ * partials. Workspace as lmloss_divergence. */
+LMLOSS_API lmloss_status lmloss_divergence_partials_grad(
+    const lmloss_context *ctx, const lmloss_div_inputs *in, const lmloss_div_options *opt,
+    const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *partials,
+    const lmloss_tensor *dstudent, void *workspace, size_t workspace_bytes);
 
 /* lmloss_divergence's outputs from merged states and summed partials, for
  * the same inputs and options: out->loss, divergence, ce and entropy of

@@ -74,19 +74,26 @@ def div_exchange_columns(opt):
             + ((DIV_COL_XT_AT,) if opt.teacher.softcap > 0 else ()))
 
 
-def div_partial_columns(opt, entropy=False):
-    """The partials' columns opt's kind reads (a JSD with beta 0 or 1 is the
-    KL or reverse KL, as the C call resolves it), and the entropy's when
-    the finish is to output it."""
+def div_kind(opt):
+    """opt's kind as the C calls resolve it: a JSD with beta 0 or 1 is the
+    KL or reverse KL."""
     kind = opt.kind
     if kind == _lib.DIV_KINDS["jsd"] and opt.beta in (0.0, 1.0):
         kind = _lib.DIV_KINDS["kl"] if opt.beta == 0.0 else _lib.DIV_KINDS["reverse_kl"]
-    return _DIV_PARTIALS[kind] + ((DIV_PARTIAL_ENT,) if entropy else ())
+    return kind
+
+
+def div_partial_columns(opt, entropy=False):
+    """The partials' columns opt's kind reads, and the entropy's when the
+    finish is to output it."""
+    return _DIV_PARTIALS[div_kind(opt)] + ((DIV_PARTIAL_ENT,) if entropy else ())
 
 
 div_state = _proto("lmloss_divergence_state", _Ctx, _DI, _DO, _S, _T)
 div_state_merge = _proto("lmloss_divergence_state_merge", _Ctx, _T, _T, _DO, _T)
 div_partials = _proto("lmloss_divergence_partials", _Ctx, _DI, _DO, _S, _T, _T)
+div_partials_grad = _proto("lmloss_divergence_partials_grad", _Ctx, _DI, _DO, _S, _T, _T, _T,
+                           ctypes.c_void_p, ctypes.c_size_t)
 div_finish = _proto("lmloss_divergence_finish", _Ctx, _DI, _DO, _S, _T, _T, _P(_lib.DivOutputs),
                     ctypes.c_void_p, ctypes.c_size_t)
 div_backward_finish = _proto("lmloss_divergence_backward_finish", _Ctx, _DI, _DO, _S, _T, _T, _T,

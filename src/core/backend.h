@@ -128,7 +128,9 @@ typedef struct {
                          const lmloss_transform *, const lmloss_tensor *out);
   /* The divergences' phases (NULL on a backend without them): states
    * [N, LMLOSS_DIV_STATE_COLS], their merge, the partials (F64) [N,
-   * LMLOSS_DIV_PARTIAL_COLS] from merged states, and the finish: the
+   * LMLOSS_DIV_PARTIAL_COLS] from merged states (with dstudent, the
+   * forward KL's only: its gradient at upstream grad_output, as the
+   * finish forms it; ws then the finish's workspace), and the finish: the
    * forward's outputs (out), or the backward's dstudent from dloss (out
    * NULL; partials NULL for the forward KL). */
   lmloss_status (*div_state)(const lmloss_context *, const lmloss_div_inputs *,
@@ -138,7 +140,8 @@ typedef struct {
                              const lmloss_div_options *, const lmloss_tensor *out);
   lmloss_status (*div_partials)(const lmloss_context *, const lmloss_div_inputs *,
                                 const lmloss_div_options *, const lmloss_shard *,
-                                const lmloss_tensor *state, const lmloss_tensor *partials);
+                                const lmloss_tensor *state, const lmloss_tensor *partials,
+                                const lmloss_tensor *dstudent, void *ws, size_t ws_bytes);
   lmloss_status (*div_finish)(const lmloss_context *, const lmloss_div_inputs *,
                               const lmloss_div_options *, const lmloss_shard *,
                               const lmloss_tensor *state, const lmloss_tensor *partials,

@@ -100,17 +100,23 @@ static lmloss_status check_outputs(const lmloss_div_inputs *in, const lmloss_div
   return lmloss_check_device(ts, 5, in->student.device);
 }
 
+/* A gradient output: the student's shape, over neither input. */
+static lmloss_status check_dstudent(const lmloss_div_inputs *in, const lmloss_tensor *dstudent) {
+  TRY(lmloss_check_tensor(dstudent, "dstudent", LMLOSS_FLOATS, in->student.rows, in->student.cols));
+  TRY(lmloss_check_alias(&in->student, dstudent, "dstudent"));
+  TRY(lmloss_check_alias(&in->teacher, dstudent, "dstudent"));
+  const lmloss_tensor *ts[] = {dstudent};
+  return lmloss_check_device(ts, 1, in->student.device);
+}
+
 /* The backward's dloss and dstudent. */
 static lmloss_status check_backward(const lmloss_div_inputs *in, const lmloss_div_options *opt,
                                     const lmloss_tensor *dloss, const lmloss_tensor *dstudent) {
-  const int64_t N = in->student.rows, V = in->student.cols;
   TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
-                          opt->reduction == LMLOSS_REDUCE_NONE ? N : 1, 1));
-  TRY(lmloss_check_tensor(dstudent, "dstudent", LMLOSS_FLOATS, N, V));
-  TRY(lmloss_check_alias(&in->student, dstudent, "dstudent"));
-  TRY(lmloss_check_alias(&in->teacher, dstudent, "dstudent"));
-  const lmloss_tensor *ts[] = {dloss, dstudent};
-  return lmloss_check_device(ts, 2, in->student.device);
+                          opt->reduction == LMLOSS_REDUCE_NONE ? in->student.rows : 1, 1));
+  const lmloss_tensor *ts[] = {dloss};
+  TRY(lmloss_check_device(ts, 1, in->student.device));
+  return check_dstudent(in, dstudent);
 }
 
 lmloss_status lmloss_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
@@ -181,7 +187,27 @@ lmloss_status lmloss_divergence_partials(const lmloss_context *ctx, const lmloss
   TRY(check_inputs(ctx, in, opt, shard, state, 0, NULL, 0, &sh, &eff, &ops));
   TRY(check_partials(in, partials));
   TRY(lmloss_check_alias(state, partials, "partials"));
-  return ops->states->div_partials(ctx, in, &eff, &sh, state, partials);
+  return ops->states->div_partials(ctx, in, &eff, &sh, state, partials, NULL, NULL, 0);
+}
+
+lmloss_status
+lmloss_divergence_partials_grad(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                const lmloss_div_options *opt, const lmloss_shard *shard,
+                                const lmloss_tensor *state, const lmloss_tensor *partials,
+                                const lmloss_tensor *dstudent, void *ws, size_t ws_bytes) {
+  const lmloss_backend_ops *ops;
+  lmloss_div_options eff;
+  lmloss_shard sh;
+  TRY(check_inputs(ctx, in, opt, shard, state, 1, ws, ws_bytes, &sh, &eff, &ops));
+  TRY(check_partials(in, partials));
+  TRY(lmloss_check_alias(state, partials, "partials"));
+  TRY(check_dstudent(in, dstudent));
+  if (eff.kind != LMLOSS_DIV_KL)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
+                       "a gradient in the partials' sweep: the forward KL's alone (its "
+                       "gradient needs no partials), got kind %d",
+                       (int)opt->kind);
+  return ops->states->div_partials(ctx, in, &eff, &sh, state, partials, dstudent, ws, ws_bytes);
 }
 
 lmloss_status lmloss_divergence_finish(const lmloss_context *ctx, const lmloss_div_inputs *in,

@@ -69,7 +69,8 @@ lmloss_status lmloss_cpu_div_merge(const lmloss_context *, const lmloss_tensor *
                                    const lmloss_tensor *);
 lmloss_status lmloss_cpu_div_partials(const lmloss_context *, const lmloss_div_inputs *,
                                       const lmloss_div_options *, const lmloss_shard *,
-                                      const lmloss_tensor *, const lmloss_tensor *);
+                                      const lmloss_tensor *, const lmloss_tensor *,
+                                      const lmloss_tensor *, void *, size_t);
 lmloss_status lmloss_cpu_div_finish(const lmloss_context *, const lmloss_div_inputs *,
                                     const lmloss_div_options *, const lmloss_shard *,
                                     const lmloss_tensor *, const lmloss_tensor *,

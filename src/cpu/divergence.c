@@ -203,7 +203,8 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   gc.y = y, gc.soft = jb->opt->soft_weight, gc.scale = io->scale;
   gc.hard = y >= 0 ? jb->opt->hard_weight : 0.0f;
   gc.one_minus_py = y == r->c.as ? r->c.rs / (1.0f + r->c.rs) : -1.0f;
-  const int fused = io->grad && kind == LMLOSS_DIV_KL && phase == PAIR_WHOLE;
+  const int fused =
+      io->grad && kind == LMLOSS_DIV_KL && (phase == PAIR_WHOLE || phase == PAIR_PARTIALS);
   float *const kp = io->grad && !fused && phase == PAIR_WHOLE ? io->keep : NULL;
   float *const kh = kp ? kp + V : NULL;
   for (int64_t j0 = 0; phase != PAIR_FINISH && j0 < V; j0 += LMLOSS_DIV_BLOCK) {
@@ -297,6 +298,17 @@ typedef struct {
   int64_t vocab;
 } shard_in;
 
+/* The factor of the reduction: a row's loss and gradient times it give the
+ * reduced loss's share. */
+static double reduction_factor(const lmloss_div_inputs *in, const lmloss_div_options *opt) {
+  if (opt->reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) return 1.0 / opt->num_items;
+  if (opt->reduction != LMLOSS_REDUCE_MEAN) return 1.0;
+  int64_t valid = 0;
+  for (int64_t i = 0; i < in->student.rows; i++)
+    valid += label_of(in, opt, i) != -2;
+  return valid > 0 ? 1.0 / (double)valid : 0.0;
+}
+
 /* The finish's row from the merged state and the summed partials: r's
  * constants and sums as the one-shot sweeps leave them. */
 static void finish_row(const div_job *jb, const shard_in *si, int64_t i, int64_t y, pair_row *r) {
@@ -320,13 +332,8 @@ static lmloss_status div_rows(const lmloss_context *ctx, const lmloss_div_inputs
                               const lmloss_tensor *dx, void *ws_bytes) {
   const int64_t N = in->student.rows, V = in->student.cols;
   double *row_loss = (double *)((char *)ws_bytes + LMLOSS_CE_WS_HEADER);
-  int64_t valid = 0;
-  for (int64_t i = 0; i < N; i++)
-    valid += label_of(in, opt, i) != -2;
   const int reduced = opt->reduction != LMLOSS_REDUCE_NONE;
-  double factor = 1.0;
-  if (opt->reduction == LMLOSS_REDUCE_MEAN) factor = valid > 0 ? 1.0 / (double)valid : 0.0;
-  if (opt->reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) factor = 1.0 / opt->num_items;
+  const double factor = reduction_factor(in, opt);
   int oom = 0;
   const int nt = lmloss_cpu_row_threads(ctx, 2 * N * V);
 #pragma omp parallel num_threads(nt)
@@ -429,26 +436,31 @@ static pair_io row_io(const lmloss_div_inputs *in, int64_t i, int64_t y) {
 }
 
 /* The state phase (partials 0) or the partials phase (from merged states
- * in `state`) of every row. */
+ * in `state`) of every row; with dx (the forward KL's), the partials
+ * phase writes the gradient in its sweep, as the one-shot call does. */
 static lmloss_status shard_rows(const lmloss_context *ctx, const lmloss_div_inputs *in,
                                 const lmloss_div_options *opt, const lmloss_shard *sh,
-                                const lmloss_tensor *state, const lmloss_tensor *partials) {
+                                const lmloss_tensor *state, const lmloss_tensor *partials,
+                                const lmloss_tensor *dx) {
   const div_job jb = shard_job(in, opt, sh);
   const int64_t N = in->student.rows, c0 = sh->col0;
+  const float scale = dx ? (float)(opt->grad_output * reduction_factor(in, opt)) : 0.0f;
   int oom = 0;
   const int nt = lmloss_cpu_row_threads(ctx, 2 * N * jb.V);
 #pragma omp parallel num_threads(nt)
   {
     pair_block *b = (pair_block *)malloc(sizeof(pair_block));
-    if (!b) {
+    float *gbuf = dx ? (float *)malloc(LMLOSS_DIV_BLOCK * sizeof(float)) : NULL;
+    if (!b || (dx && !gbuf)) {
 #pragma omp atomic write
       oom = 1;
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < N; i++) {
-      if (!b) continue;
+      if (!b || (dx && !gbuf)) continue;
       const int64_t y = label_of(in, opt, i);
-      const pair_io io = row_io(in, i, y);
+      pair_io io = row_io(in, i, y);
+      if (dx) io.grad = lmloss_cpu_row_mut(dx, i), io.gdt = dx->dtype, io.scale = scale;
       pair_row r;
       if (!partials) { /* the shard's statistics, and the label's w where it lies here */
         if (y != -2) {
@@ -464,20 +476,24 @@ static lmloss_status shard_rows(const lmloss_context *ctx, const lmloss_div_inpu
       double *o = lmloss_cpu_row_mut(partials, i);
       for (int c = 0; c < LMLOSS_DIV_PARTIAL_COLS; c++)
         o[c] = 0.0f;
-      if (y == -2) continue;
+      if (y == -2) {
+        if (dx) lmloss_cpu_row_fill(io.grad, dx->dtype, jb.V, 0.0f);
+        continue;
+      }
       r = (pair_row){0};
       r.s = lmloss_div_state_unpack(lmloss_cpu_row(state, i), sh->vocab, &jb.pr);
       if (!lmloss_pair_flags_ok(r.s.flags)) {
         for (int c = 0; c < LMLOSS_DIV_PARTIAL_COLS - 1; c++)
           o[c] = NAN;
+        if (dx) lmloss_cpu_row_fill(io.grad, dx->dtype, jb.V, NAN);
         continue;
       }
       r.c = lmloss_div_state_row(&jb.pr, &r.s);
-      lmloss_cpu_div_pair(&jb, &io, b, NULL, &r, PAIR_PARTIALS);
+      lmloss_cpu_div_pair(&jb, &io, b, gbuf, &r, PAIR_PARTIALS);
       o[0] = r.div, o[1] = r.rev, o[2] = r.mix, o[3] = r.pos, o[4] = r.neg, o[5] = r.eq;
       o[6] = r.ent;
     }
-    free(b);
+    free(b), free(gbuf);
   }
   if (oom) return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "CPU backend: no scratch for a row pair");
   return LMLOSS_OK;
@@ -486,13 +502,14 @@ static lmloss_status shard_rows(const lmloss_context *ctx, const lmloss_div_inpu
 lmloss_status lmloss_cpu_div_state(const lmloss_context *ctx, const lmloss_div_inputs *in,
                                    const lmloss_div_options *opt, const lmloss_shard *sh,
                                    const lmloss_tensor *state) {
-  return shard_rows(ctx, in, opt, sh, state, NULL);
+  return shard_rows(ctx, in, opt, sh, state, NULL, NULL);
 }
 
 lmloss_status lmloss_cpu_div_partials(const lmloss_context *ctx, const lmloss_div_inputs *in,
                                       const lmloss_div_options *opt, const lmloss_shard *sh,
-                                      const lmloss_tensor *state, const lmloss_tensor *partials) {
-  return shard_rows(ctx, in, opt, sh, state, partials);
+                                      const lmloss_tensor *state, const lmloss_tensor *partials,
+                                      const lmloss_tensor *dx, void *ws, size_t ws_bytes) {
+  return shard_rows(ctx, in, opt, sh, state, partials, dx);
 }
 
 lmloss_status lmloss_cpu_div_merge(const lmloss_context *ctx, const lmloss_tensor *a,

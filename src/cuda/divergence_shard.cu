@@ -335,15 +335,27 @@ lmloss_status lmloss_cuda_div_merge(const lmloss_context *ctx, const lmloss_tens
   return check_launch("divergence state merge");
 }
 
+lmloss_status lmloss_cuda_div_finish(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                     const lmloss_div_options *opt, const lmloss_shard *sh,
+                                     const lmloss_tensor *state, const lmloss_tensor *partials,
+                                     const lmloss_div_outputs *out, const lmloss_tensor *dloss,
+                                     const lmloss_tensor *dx, void *ws, size_t ws_bytes);
+
+/* With dx (the forward KL's), the partials' kernel then the finish's
+ * gradient alone: on the GPU each is a read of the rows, as the finish
+ * after the exchange would be. */
 lmloss_status lmloss_cuda_div_partials(const lmloss_context *ctx, const lmloss_div_inputs *in,
                                        const lmloss_div_options *opt, const lmloss_shard *sh,
-                                       const lmloss_tensor *state, const lmloss_tensor *partials) {
+                                       const lmloss_tensor *state, const lmloss_tensor *partials,
+                                       const lmloss_tensor *dx, void *ws, size_t ws_bytes) {
   const PairRows P = pair_rows(in, opt, sh);
   if (P.N > 0)
     partials_kernel<<<(unsigned)P.N, DS_THREADS, 0, stream_of(ctx)>>>(
         P, (const float *)state->data, state->row_stride, (double *)partials->data,
         partials->row_stride);
-  return check_launch("divergence partials");
+  const lmloss_status s = check_launch("divergence partials");
+  if (s != LMLOSS_OK || !dx) return s;
+  return lmloss_cuda_div_finish(ctx, in, opt, sh, state, NULL, NULL, NULL, dx, ws, ws_bytes);
 }
 
 lmloss_status lmloss_cuda_div_finish(const lmloss_context *ctx, const lmloss_div_inputs *in,

@@ -160,8 +160,11 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
   tg_true(g, merge_all(st, k, order, &o) == LMLOSS_OK, "merge: %s", lmloss_last_error());
   const lmloss_tensor merged = st[0]; /* every order ends in st[0] */
   /* each shard's partials, summed in rank order (the all-reduce) */
+  /* the forward KL's: also the partials with its gradient (g3), the same sums */
+  const int kl = o.kind == LMLOSS_DIV_KL || (o.kind == LMLOSS_DIV_JSD && o.beta == 0.0f);
   const int P = LMLOSS_DIV_PARTIAL_COLS;
   pair_t psum = both(host_new(LMLOSS_F64, N, P, P)), part = both(host_new(LMLOSS_F64, N, P, P));
+  pair_t pg = both(host_new(LMLOSS_F64, N, P, P)), g3 = both(f32(N, V));
   for (int r = 0; r < k; r++) {
     const lmloss_shard sh = {sp.col0[r], V, 0};
     tg_true(g, lmloss_divergence_partials(&c, &sin[r], &o, &sh, &merged, &part.d) == LMLOSS_OK,
@@ -170,6 +173,19 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
     for (int64_t i = 0; i < N; i++)
       for (int j = 0; j < P; j++)
         tset(&psum.h, i, j, (r ? tget(&psum.h, i, j) : 0.0) + tget(&part.h, i, j));
+    if (!kl) continue;
+    const lmloss_tensor d3 = cols_view(&g3.d, sp.col0[r], sp.n[r]);
+    tg_true(g,
+            lmloss_divergence_partials_grad(&c, &sin[r], &o, &sh, &merged, &pg.d, &d3, ws, wsb) ==
+                LMLOSS_OK,
+            "partials with the gradient: %s", lmloss_last_error());
+    fetch(&pg);
+    for (int64_t i = 0; i < N; i++)
+      for (int j = 0; j < P; j++) {
+        const double a = tget(&pg.h, i, j), b = tget(&part.h, i, j);
+        tg_true(g, a == b || (a != a && b != b), "partials with the gradient [%lld, %d]: %g, %g",
+                (long long)i, j, a, b);
+      }
   }
   dev_put(psum.d.data, psum.h.data, tensor_bytes(&psum.h));
   /* each shard's finish: the whole rows' outputs, its columns' gradients */
@@ -185,13 +201,12 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
                 LMLOSS_OK,
             "finish: %s", lmloss_last_error());
     const lmloss_tensor db = cols_view(&b2.d, sp.col0[r], sp.n[r]);
-    const int kl = o.kind == LMLOSS_DIV_KL || (o.kind == LMLOSS_DIV_JSD && o.beta == 0.0f);
     tg_true(g,
             lmloss_divergence_backward_finish(&c, &sin[r], &o, &sh, &merged, kl ? NULL : &psum.d,
                                               &up.d, &db, ws, wsb) == LMLOSS_OK,
             "backward finish: %s", lmloss_last_error());
   }
-  pair_t *outs[] = {&l1, &d1, &c1, &e1, &g1, &b1, &b2, &l2, &d2, &c2, &e2, &g2};
+  pair_t *outs[] = {&l1, &d1, &c1, &e1, &g1, &b1, &b2, &l2, &d2, &c2, &e2, &g2, &g3};
   for (size_t q = 0; q < sizeof outs / sizeof *outs; q++)
     fetch(outs[q]);
   const double cu = tb_is_cuda() ? TOL_REL : 0.0; /* module comment */
@@ -212,20 +227,24 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
     for (int64_t j = 0; j < V; j++) {
       const double r1 = tget(&g1.h, i, j), r2 = tget(&b1.h, i, j);
       tg_close(g, tget(&g2.h, i, j), r1, LMLOSS_F32, fl * m1 + cu * fabs(r1), "dstudent", i, j);
+      if (kl)
+        tg_close(g, tget(&g3.h, i, j), r1, LMLOSS_F32, fl * m1 + cu * fabs(r1),
+                 "dstudent from the partials", i, j);
       tg_close(g, tget(&b2.h, i, j), r2, LMLOSS_F32, fl * m2 + cu * fabs(r2), "backward", i, j);
     }
     if (same[i] && i % 5 != 4 && i != 4 && dc->ts == dc->tt) {
       tg_true(g, dv == 0, "identical rows: divergence %g at row %lld", dv, (long long)i);
       for (int64_t j = 0; dc->hard == 0 && j < V; j++)
-        tg_true(g, tget(&g2.h, i, j) == 0 && tget(&b2.h, i, j) == 0,
+        tg_true(g,
+                tget(&g2.h, i, j) == 0 && tget(&b2.h, i, j) == 0 && (!kl || tget(&g3.h, i, j) == 0),
                 "identical rows: gradient %g at [%lld, %lld]", tget(&g2.h, i, j), (long long)i,
                 (long long)j);
     }
   }
   for (int r = 0; r < k; r++)
     dev_free(&st[r]);
-  pair_t *all[] = {&S,  &T,  &Y,    &l1,   &d1, &c1, &e1, &g1, &up,
-                   &b1, &b2, &psum, &part, &l2, &d2, &c2, &e2, &g2};
+  pair_t *all[] = {&S,  &T,    &Y,    &l1, &d1, &c1, &e1, &g1, &up, &b1,
+                   &b2, &psum, &part, &pg, &g3, &l2, &d2, &c2, &e2, &g2};
   for (size_t q = 0; q < sizeof all / sizeof *all; q++)
     free_both(all[q]);
   free(label), free(same), dev_free_bytes(ws);
@@ -236,6 +255,7 @@ static void bad_inputs(tgroup *g) {
   const int64_t N = 3, V = 10;
   lmloss_tensor s = f32(N, V), t = f32(N, V), st = f32(N, LMLOSS_DIV_STATE_COLS);
   lmloss_tensor pf = f32(N, LMLOSS_DIV_PARTIAL_COLS), p4 = host_new(LMLOSS_F64, N, 4, 4);
+  lmloss_tensor p8 = host_new(LMLOSS_F64, N, LMLOSS_DIV_PARTIAL_COLS, LMLOSS_DIV_PARTIAL_COLS);
   lmloss_tensor st8 = f32(N, LMLOSS_ROW_STATE_COLS);
   lmloss_tensor l = f32(1, 1), d = f32(N, V);
   for (int64_t i = 0; i < N; i++)
@@ -261,12 +281,22 @@ static void bad_inputs(tgroup *g) {
   o.kind = LMLOSS_DIV_TVD;
   e = lmloss_divergence_backward_finish(&c, &in, &o, &ok, &st, NULL, &l, &d, ws, wsb);
   tg_true(g, e == LMLOSS_ERR_NULL_POINTER, "TVD without partials: %s", lmloss_status_string(e));
+  e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &d, ws, wsb);
+  tg_true(g, e == LMLOSS_ERR_BAD_OPTION, "TVD's gradient in the partials: %s",
+          lmloss_status_string(e));
+  o.kind = LMLOSS_DIV_KL;
+  e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &pf, ws, wsb);
+  tg_true(g, e == LMLOSS_ERR_BAD_SHAPE, "the gradient's shape: %s", lmloss_status_string(e));
+  e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &d, ws, 8);
+  tg_true(g, e == LMLOSS_ERR_WORKSPACE_TOO_SMALL, "its workspace: %s", lmloss_status_string(e));
+  e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &d, ws, wsb);
+  tg_true(g, e == LMLOSS_OK, "the KL's gradient in the partials: %s", lmloss_last_error());
   e = lmloss_divergence_state_merge(&c, &st, &st8, &o, &st);
   tg_true(g, e == LMLOSS_ERR_BAD_SHAPE, "merge of a row state: %s", lmloss_status_string(e));
   lmloss_context rc = ref_ctx();
   e = lmloss_divergence_state(&rc, &in, &o, &ok, &st);
   tg_true(g, e == LMLOSS_ERR_UNSUPPORTED, "REF: %s", lmloss_status_string(e));
-  lmloss_tensor *all[] = {&s, &t, &st, &st8, &pf, &p4, &l, &d};
+  lmloss_tensor *all[] = {&s, &t, &st, &st8, &pf, &p4, &p8, &l, &d};
   for (size_t i = 0; i < sizeof all / sizeof *all; i++)
     host_free(all[i]);
   free(ws);

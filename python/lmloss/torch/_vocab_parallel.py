@@ -348,12 +348,19 @@ def div_state_into(x, t, label, opt, sh, state, run):
         _lib.check(S.div_state(c, _div_inputs(x, t, label, keep), opt, sh, B.view(state, keep)))
 
 
-def div_partials_into(x, t, label, opt, sh, merged, partials, run):
-    """lmloss_divergence_partials of the rows from their merged states."""
+def div_partials_into(x, t, label, opt, sh, merged, partials, run, dx=None):
+    """lmloss_divergence_partials of the rows from their merged states; with
+    dx (the forward KL only), lmloss_divergence_partials_grad: its gradient
+    at an upstream of 1 too, in the same sweep."""
     keep = []
     with B.context(x, *run) as c:
-        _lib.check(S.div_partials(c, _div_inputs(x, t, label, keep), opt, sh,
-                                  B.view(merged, keep), B.view(partials, keep)))
+        args = (c, _div_inputs(x, t, label, keep), opt, sh, B.view(merged, keep),
+                B.view(partials, keep))
+        if dx is None:
+            _lib.check(S.div_partials(*args))
+        else:
+            ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
+            _lib.check(S.div_partials_grad(*args, B.view(dx, keep), addr, nbytes))
 
 
 def div_finish_into(x, t, label, opt, sh, merged, summed, loss, dx, run, entropy=None):
@@ -391,9 +398,11 @@ class Divergence(torch.autograd.Function):
     loss on every rank (per row, or summed), the gradient w.r.t. the
     student's columns here. Two exchanges in the forward (the states, then
     the partial sums); the backward needs none. With fused (a summed loss
-    whose student needs a gradient) the forward's finish forms the gradient
-    at an upstream of 1, as the one-shot op does, and the backward scales
-    it."""
+    whose student needs a gradient) the forward forms the gradient at an
+    upstream of 1, as the one-shot op does, and the backward scales it: the
+    forward KL's in the partials' sweep (its gradient needs the merged
+    state alone; the finish then reads neither row), the others' in the
+    finish."""
 
     @staticmethod
     def forward(ctx, x, t, label, fopts, iopts, shard, fused):
@@ -403,11 +412,13 @@ class Divergence(torch.autograd.Function):
         div_state_into(x, t, label, opt, sh, state, run)
         merged = div_exchange(state, opt, shard, run)
         partials = x.new_empty((n, S.DIV_PARTIAL_COLS), dtype=torch.float64)
-        div_partials_into(x, t, label, opt, sh, merged, partials, run)
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format) if fused else None
+        early = dx is not None and S.div_kind(opt) == _lib.DIV_KINDS["kl"]
+        div_partials_into(x, t, label, opt, sh, merged, partials, run, dx if early else None)
         summed = div_partials_sum(partials, opt, shard)
         loss = O._loss(x, n, O._reduction_name(iopts))
-        dx = torch.empty_like(x, memory_format=torch.contiguous_format) if fused else None
-        div_finish_into(x, t, label, opt, sh, merged, summed, loss.reshape(-1), dx, run)
+        div_finish_into(x, t, label, opt, sh, merged, summed, loss.reshape(-1),
+                        None if early else dx, run)
         ctx.save_for_backward(x, t, label, merged, summed)
         ctx.args, ctx.fwd_grad = (fopts, iopts, shard), dx
         return loss
