@@ -714,10 +714,14 @@ LMLOSS_API lmloss_status lmloss_row_state_merge(const lmloss_context *ctx, const
  *      dstudent covers the rank's columns.
  *
  * The forward KL's gradient p - q needs the merged state alone: its
- * backward_finish takes no partials (NULL), and
- * lmloss_divergence_partials_grad forms it in step 2's sweep, the
- * one-shot call's fused form (a finish after it takes no out->dstudent,
- * and reads neither row). With one shard of all V
+ * backward_finish takes no partials (NULL). A forward that wants the
+ * gradient at once may split it around the second exchange instead:
+ * lmloss_divergence_partials_grad in step 2 (the forward KL's whole
+ * gradient, as the one-shot call fuses it into its loss sweep; another
+ * kind's per-column quantity, kept in an F32 dstudent), then the finish
+ * without out->dstudent and lmloss_divergence_finish_grad, which reads
+ * the student's row alone (not the teacher's, no logarithm), and nothing
+ * for the forward KL. With one shard of all V
  * columns the three calls give the one-shot call's result up to fp32
  * rounding of the packed sums. Backends: CPU and CUDA (states and
  * partials on the inputs' device); REF returns LMLOSS_ERR_UNSUPPORTED.
@@ -794,12 +798,23 @@ LMLOSS_API lmloss_status lmloss_divergence_partials(
     const lmloss_context *ctx, const lmloss_div_inputs *in, const lmloss_div_options *opt,
     const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *partials);
 
-/* lmloss_divergence_partials and, in the same sweep, the forward KL's
- * dstudent [N, V_r] over the shard's columns (upstream opt->grad_output,
- * as lmloss_divergence_finish forms it: the reduction's factor
- * included). BAD_OPTION for another kind: their gradients read the summed
- * partials. Workspace as lmloss_divergence. */
+/* lmloss_divergence_partials and, in the same sweep, the first half of
+ * dstudent [N, V_r] over the shard's columns: the forward KL's whole
+ * gradient (upstream opt->grad_output, as lmloss_divergence_finish forms
+ * it, the reduction's factor included); for another kind, whose gradient
+ * reads the summed partials, what lmloss_divergence_finish_grad reads
+ * (dstudent F32 then, overlapping neither input). Workspace as
+ * lmloss_divergence. */
 LMLOSS_API lmloss_status lmloss_divergence_partials_grad(
+    const lmloss_context *ctx, const lmloss_div_inputs *in, const lmloss_div_options *opt,
+    const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *partials,
+    const lmloss_tensor *dstudent, void *workspace, size_t workspace_bytes);
+
+/* The second half: dstudent, as lmloss_divergence_partials_grad left it,
+ * becomes the gradient of the shard's columns (upstream
+ * opt->grad_output) from the summed partials; the forward KL's is left as
+ * it is. The same inputs, options, shard and state as the first half. */
+LMLOSS_API lmloss_status lmloss_divergence_finish_grad(
     const lmloss_context *ctx, const lmloss_div_inputs *in, const lmloss_div_options *opt,
     const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *partials,
     const lmloss_tensor *dstudent, void *workspace, size_t workspace_bytes);

@@ -94,6 +94,8 @@ div_state_merge = _proto("lmloss_divergence_state_merge", _Ctx, _T, _T, _DO, _T)
 div_partials = _proto("lmloss_divergence_partials", _Ctx, _DI, _DO, _S, _T, _T)
 div_partials_grad = _proto("lmloss_divergence_partials_grad", _Ctx, _DI, _DO, _S, _T, _T, _T,
                            ctypes.c_void_p, ctypes.c_size_t)
+div_finish_grad = _proto("lmloss_divergence_finish_grad", _Ctx, _DI, _DO, _S, _T, _T, _T,
+                         ctypes.c_void_p, ctypes.c_size_t)
 div_finish = _proto("lmloss_divergence_finish", _Ctx, _DI, _DO, _S, _T, _T, _P(_lib.DivOutputs),
                     ctypes.c_void_p, ctypes.c_size_t)
 div_backward_finish = _proto("lmloss_divergence_backward_finish", _Ctx, _DI, _DO, _S, _T, _T, _T,

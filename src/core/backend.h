@@ -128,11 +128,14 @@ typedef struct {
                          const lmloss_transform *, const lmloss_tensor *out);
   /* The divergences' phases (NULL on a backend without them): states
    * [N, LMLOSS_DIV_STATE_COLS], their merge, the partials (F64) [N,
-   * LMLOSS_DIV_PARTIAL_COLS] from merged states (with dstudent, the
-   * forward KL's only: its gradient at upstream grad_output, as the
-   * finish forms it; ws then the finish's workspace), and the finish: the
-   * forward's outputs (out), or the backward's dstudent from dloss (out
-   * NULL; partials NULL for the forward KL). */
+   * LMLOSS_DIV_PARTIAL_COLS] from merged states (with dstudent: the
+   * forward KL's gradient at upstream grad_output, as the finish forms
+   * it, ws then the finish's workspace; another kind's F32 dstudent the
+   * backend's to keep what its finish with kept reads), and the finish:
+   * the forward's outputs (out), or the backward's dstudent from dloss
+   * (out NULL; partials NULL for the forward KL), or, with kept (out and
+   * dloss NULL), dstudent at upstream grad_output after div_partials
+   * wrote it. */
   lmloss_status (*div_state)(const lmloss_context *, const lmloss_div_inputs *,
                              const lmloss_div_options *, const lmloss_shard *,
                              const lmloss_tensor *state);
@@ -146,7 +149,7 @@ typedef struct {
                               const lmloss_div_options *, const lmloss_shard *,
                               const lmloss_tensor *state, const lmloss_tensor *partials,
                               const lmloss_div_outputs *out, const lmloss_tensor *dloss,
-                              const lmloss_tensor *dstudent, void *, size_t);
+                              const lmloss_tensor *dstudent, int kept, void *, size_t);
 } lmloss_state_ops;
 
 /* What a backend runs beyond the row ops every backend has. */

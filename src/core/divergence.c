@@ -109,6 +109,21 @@ static lmloss_status check_dstudent(const lmloss_div_inputs *in, const lmloss_te
   return lmloss_check_device(ts, 1, in->student.device);
 }
 
+/* The dstudent of the gradient in two halves (partials_grad, then
+ * finish_grad): between them it keeps an fp32 quantity a column that the
+ * finish reads beside the student's row, except the forward KL's, whole
+ * after the partials' sweep and free of either condition. */
+static lmloss_status check_kept(const lmloss_div_inputs *in, const lmloss_div_options *eff,
+                                const lmloss_tensor *dstudent) {
+  TRY(check_dstudent(in, dstudent));
+  if (eff->kind == LMLOSS_DIV_KL) return LMLOSS_OK;
+  if (dstudent->dtype != LMLOSS_F32)
+    return lmloss_fail(LMLOSS_ERR_BAD_DTYPE,
+                       "dstudent of the gradient in two halves: F32 (but for the forward KL)");
+  TRY(lmloss_check_disjoint(&in->student, "student", dstudent, "dstudent"));
+  return lmloss_check_disjoint(&in->teacher, "teacher", dstudent, "dstudent");
+}
+
 /* The backward's dloss and dstudent. */
 static lmloss_status check_backward(const lmloss_div_inputs *in, const lmloss_div_options *opt,
                                     const lmloss_tensor *dloss, const lmloss_tensor *dstudent) {
@@ -201,13 +216,25 @@ lmloss_divergence_partials_grad(const lmloss_context *ctx, const lmloss_div_inpu
   TRY(check_inputs(ctx, in, opt, shard, state, 1, ws, ws_bytes, &sh, &eff, &ops));
   TRY(check_partials(in, partials));
   TRY(lmloss_check_alias(state, partials, "partials"));
-  TRY(check_dstudent(in, dstudent));
-  if (eff.kind != LMLOSS_DIV_KL)
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
-                       "a gradient in the partials' sweep: the forward KL's alone (its "
-                       "gradient needs no partials), got kind %d",
-                       (int)opt->kind);
+  TRY(check_kept(in, &eff, dstudent));
   return ops->states->div_partials(ctx, in, &eff, &sh, state, partials, dstudent, ws, ws_bytes);
+}
+
+lmloss_status lmloss_divergence_finish_grad(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                            const lmloss_div_options *opt,
+                                            const lmloss_shard *shard, const lmloss_tensor *state,
+                                            const lmloss_tensor *partials,
+                                            const lmloss_tensor *dstudent, void *ws,
+                                            size_t ws_bytes) {
+  const lmloss_backend_ops *ops;
+  lmloss_div_options eff;
+  lmloss_shard sh;
+  TRY(check_inputs(ctx, in, opt, shard, state, 1, ws, ws_bytes, &sh, &eff, &ops));
+  TRY(check_partials(in, partials));
+  TRY(check_kept(in, &eff, dstudent));
+  if (eff.kind == LMLOSS_DIV_KL) return LMLOSS_OK; /* the partials' sweep wrote it whole */
+  return ops->states->div_finish(ctx, in, &eff, &sh, state, partials, NULL, NULL, dstudent, 1, ws,
+                                 ws_bytes);
 }
 
 lmloss_status lmloss_divergence_finish(const lmloss_context *ctx, const lmloss_div_inputs *in,
@@ -222,7 +249,7 @@ lmloss_status lmloss_divergence_finish(const lmloss_context *ctx, const lmloss_d
   TRY(check_outputs(in, opt, out));
   TRY(check_partials(in, partials));
   return ops->states->div_finish(ctx, in, &eff, &sh, state, partials, out, NULL,
-                                 lmloss_present(&out->dstudent) ? &out->dstudent : NULL, ws,
+                                 lmloss_present(&out->dstudent) ? &out->dstudent : NULL, 0, ws,
                                  ws_bytes);
 }
 
@@ -242,5 +269,5 @@ lmloss_status lmloss_divergence_backward_finish(
                        "partials is NULL: only the forward KL's gradient needs none");
   return ops->states->div_finish(ctx, in, &eff, &sh, state,
                                  lmloss_present(partials) ? partials : NULL, NULL, dloss, dstudent,
-                                 ws, ws_bytes);
+                                 0, ws, ws_bytes);
 }

@@ -75,7 +75,7 @@ lmloss_status lmloss_cpu_div_finish(const lmloss_context *, const lmloss_div_inp
                                     const lmloss_div_options *, const lmloss_shard *,
                                     const lmloss_tensor *, const lmloss_tensor *,
                                     const lmloss_div_outputs *, const lmloss_tensor *,
-                                    const lmloss_tensor *, void *, size_t);
+                                    const lmloss_tensor *, int, void *, size_t);
 
 extern const lmloss_linear_prims lmloss_cpu_linear;
 

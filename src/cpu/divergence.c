@@ -130,15 +130,16 @@ typedef struct {
 
 /* What a call of a row pair runs: all of it (the one-shot call), or a
  * shard's phase: the statistics (PAIR_STATE), the loss sweep's sums
- * (PAIR_PARTIALS) or the gradient (PAIR_FINISH), the last two with r->c
- * (and the finish with r's sums) from the merged state. */
-enum { PAIR_WHOLE, PAIR_STATE, PAIR_PARTIALS, PAIR_FINISH };
+ * (PAIR_PARTIALS) or the gradient (PAIR_FINISH; PAIR_KEPT from the h its
+ * partials kept in the gradient row), the last three with r->c (and the
+ * finishes with r's sums) from the merged state. */
+enum { PAIR_WHOLE, PAIR_STATE, PAIR_PARTIALS, PAIR_FINISH, PAIR_KEPT };
 
 /* The loss sweep's block: its sums into r; with grad (the forward KL)
- * the block's gradient into out; with keep, each column's p and h
- * (lmloss_div_grad_h) into kp and kh, for the gradient sweep. */
+ * the block's gradient into out; with keep_p and keep_h, each column's p
+ * and h (lmloss_div_grad_h) into kp and kh, for the gradient sweep. */
 DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, int64_t j0,
-                           const lmloss_div_grad *gc, float *out, int grad, int keep,
+                           const lmloss_div_grad *gc, float *out, int grad, int keep_p, int keep_h,
                            float *restrict kp, float *restrict kh, int capped, int kind) {
   double div = 0.0, rev = 0.0, mix = 0.0, pos = 0.0, neg = 0.0, eq = 0.0, ent = 0.0;
   const lmloss_div_row *rc = &r->c;
@@ -152,7 +153,8 @@ DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, 
     ent += t.ent;
     if (grad) /* the forward KL's p - q, from the summand's series */
       out[i] = lmloss_div_grad_tail(&jb->pr, gc, j0 + i == gc->y, c.p, t.h, b->xs[i], capped);
-    if (keep) kp[i] = c.p, kh[i] = t.h;
+    if (keep_p) kp[i] = c.p;
+    if (keep_h) kh[i] = t.h;
   }
   r->div += div, r->rev += rev, r->mix += mix, r->pos += pos, r->neg += neg, r->eq += eq;
   r->ent += ent;
@@ -180,6 +182,24 @@ DIV_INLINE void kept_grad_block(const div_job *jb, const lmloss_div_grad *gc, co
                              lmloss_div_grad_of(&jb->pr, gc, kp[i], kh[i], kind), xs[i], capped);
 }
 
+/* A block of the gradient from the h a shard's partials kept in its F32
+ * row g (the kinds other than the forward KL): p from the student's row
+ * alone, so neither the teacher's row nor a logarithm is read. */
+DIV_INLINE void kept_finish_block(const div_job *jb, const pair_row *r, const void *s,
+                                  lmloss_dtype sdt, int64_t j0, int64_t col, pair_block *b,
+                                  const lmloss_div_grad *gc, float *g, int capped, int kind) {
+  const int n = (int)(jb->V - j0 < LMLOSS_DIV_BLOCK ? jb->V - j0 : LMLOSS_DIV_BLOCK);
+  const float *xs;
+  int bad = 0, any = 0;
+  const float *ws = side(s, sdt, &jb->pr.fs, j0, n, 0, b->bxs, b->bws, &xs, &bad, &any);
+#pragma omp simd
+  for (int i = 0; i < n; i++) {
+    const float p = lmloss_div_p(&r->c, ws[i]);
+    g[i] = lmloss_div_grad_tail(&jb->pr, gc, col + i == gc->y, p,
+                                lmloss_div_grad_of(&jb->pr, gc, p, g[i], kind), xs[i], capped);
+  }
+}
+
 /* Where a row pair is read from and its gradient goes. */
 typedef struct {
   const void *s, *t;
@@ -195,7 +215,9 @@ typedef struct {
 
 /* The sweeps after the statistics, for one kind: the loss sweep (not in
  * a finish), then the gradient's unless the loss sweep wrote it. Columns
- * (j0 + i here) are the vocabulary's from jb->col0. */
+ * (j0 + i here) are the vocabulary's from jb->col0. A shard's partials
+ * with io->grad write the forward KL's gradient, or the other kinds' h
+ * into the F32 gradient row (kept_finish's). */
 DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_block *b,
                        float *gbuf, int phase, int capped, int kind) {
   const int64_t V = jb->V, c0 = jb->col0, y = io->y;
@@ -206,20 +228,31 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   const int fused =
       io->grad && kind == LMLOSS_DIV_KL && (phase == PAIR_WHOLE || phase == PAIR_PARTIALS);
   float *const kp = io->grad && !fused && phase == PAIR_WHOLE ? io->keep : NULL;
-  float *const kh = kp ? kp + V : NULL;
+  float *const kh = kp                                             ? kp + V
+                    : io->grad && !fused && phase == PAIR_PARTIALS ? (float *)io->grad
+                                                                   : NULL;
+  if (phase == PAIR_KEPT) {
+    lmloss_div_grad_sums(&gc, r->rev, r->mix, r->pos, r->neg, r->eq);
+    for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_DIV_BLOCK)
+      kept_finish_block(jb, r, io->s, io->sdt, j0, c0 + j0, b, &gc, (float *)io->grad + j0, capped,
+                        kind);
+    return;
+  }
   for (int64_t j0 = 0; phase != PAIR_FINISH && j0 < V; j0 += LMLOSS_DIV_BLOCK) {
     load(jb, io->s, io->sdt, io->t, io->tdt, j0, 0, b);
     if (fused)
-      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 1, 0, NULL, NULL, capped, kind);
+      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 1, 0, 0, NULL, NULL, capped, kind);
     else if (kp)
-      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, 1, kp + j0, kh + j0, capped, kind);
+      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, 1, 1, kp + j0, kh + j0, capped, kind);
+    else if (kh)
+      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, 0, 1, NULL, kh + j0, capped, kind);
     else
-      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, 0, NULL, NULL, capped, kind);
+      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, 0, 0, NULL, NULL, capped, kind);
     if (y >= c0 + j0 && y < c0 + j0 + b->n)
       r->es_y = y == r->c.as ? 0.0f : (b->ws[y - c0 - j0] - r->c.ms) * r->c.ks;
     if (fused) lmloss_cpu_store_block(io->grad, io->gdt, j0, b->n, gbuf);
   }
-  if (!io->grad || fused) return;
+  if (!io->grad || fused || phase == PAIR_PARTIALS) return;
   lmloss_div_grad_sums(&gc, r->rev, r->mix, r->pos, r->neg, r->eq);
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_DIV_BLOCK) {
     const int n = (int)(V - j0 < LMLOSS_DIV_BLOCK ? V - j0 : LMLOSS_DIV_BLOCK);
@@ -296,6 +329,7 @@ static int64_t label_of(const lmloss_div_inputs *in, const lmloss_div_options *o
 typedef struct {
   const lmloss_tensor *state, *partials;
   int64_t vocab;
+  int kept; /* the gradient rows hold the h their partials kept */
 } shard_in;
 
 /* The factor of the reduction: a row's loss and gradient times it give the
@@ -373,7 +407,10 @@ static lmloss_status div_rows(const lmloss_context *ctx, const lmloss_div_inputs
         pair_row r;
         if (si) finish_row(jb, si, i, y, &r);
         if (!si || lmloss_pair_flags_ok(r.s.flags))
-          lmloss_cpu_div_pair(jb, &io, b, gbuf, &r, si ? PAIR_FINISH : PAIR_WHOLE);
+          lmloss_cpu_div_pair(jb, &io, b, gbuf, &r,
+                              !si        ? PAIR_WHOLE
+                              : si->kept ? PAIR_KEPT
+                                         : PAIR_FINISH);
         const int ok = lmloss_pair_flags_ok(r.s.flags);
         div = ok ? r.div : NAN;
         ent = ok ? r.ent : NAN;
@@ -532,8 +569,9 @@ lmloss_status lmloss_cpu_div_finish(const lmloss_context *ctx, const lmloss_div_
                                     const lmloss_div_options *opt, const lmloss_shard *sh,
                                     const lmloss_tensor *state, const lmloss_tensor *partials,
                                     const lmloss_div_outputs *out, const lmloss_tensor *dloss,
-                                    const lmloss_tensor *dx, void *ws_bytes, size_t nbytes) {
+                                    const lmloss_tensor *dx, int kept, void *ws_bytes,
+                                    size_t nbytes) {
   const div_job jb = shard_job(in, opt, sh);
-  const shard_in si = {state, partials, sh->vocab};
+  const shard_in si = {state, partials, sh->vocab, kept};
   return div_rows(ctx, in, opt, &jb, &si, out, dloss, dx, ws_bytes);
 }

@@ -587,7 +587,7 @@ lmloss_status lmloss_cuda_div_finish(const lmloss_context *, const lmloss_div_in
                                      const lmloss_div_options *, const lmloss_shard *,
                                      const lmloss_tensor *, const lmloss_tensor *,
                                      const lmloss_div_outputs *, const lmloss_tensor *,
-                                     const lmloss_tensor *, void *, size_t);
+                                     const lmloss_tensor *, int, void *, size_t);
 
 extern const lmloss_state_ops lmloss_cuda_states = {
     lmloss_cuda_ce_state,   lmloss_cuda_ce_finish,      lmloss_cuda_lp_state,

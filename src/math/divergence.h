@@ -262,11 +262,16 @@ typedef struct {
   float p, q, delta, lp, lq, dg; /* delta = log q - log p, dg = g - G */
 } lmloss_div_col;
 
+/* The student's p at a column of transformed logit ws. */
+LMLOSS_DIV_HD float lmloss_div_p(const lmloss_div_row *r, float ws) {
+  return lmloss_div_exp((ws - r->ms) * r->ks) * r->is;
+}
+
 LMLOSS_DIV_HD lmloss_div_col lmloss_div_column(const lmloss_div_pair *pr, const lmloss_div_row *r,
                                                int capped, float ws, float wt, float xs, float xt) {
   lmloss_div_col c;
   const float es = (ws - r->ms) * r->ks, et = (wt - r->mt) * r->kt;
-  c.p = lmloss_div_exp(es) * r->is;
+  c.p = lmloss_div_p(r, ws);
   c.q = lmloss_div_exp(et) * r->it;
   c.dg = lmloss_pair_dg(lmloss_div_gap(pr, capped, wt, xt, ws, xs), r->G, es, et);
   c.delta = c.dg - r->ell;

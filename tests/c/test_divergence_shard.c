@@ -160,7 +160,7 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
   tg_true(g, merge_all(st, k, order, &o) == LMLOSS_OK, "merge: %s", lmloss_last_error());
   const lmloss_tensor merged = st[0]; /* every order ends in st[0] */
   /* each shard's partials, summed in rank order (the all-reduce) */
-  /* the forward KL's: also the partials with its gradient (g3), the same sums */
+  /* also the gradient in two halves (g3): the partials with its first, the same sums */
   const int kl = o.kind == LMLOSS_DIV_KL || (o.kind == LMLOSS_DIV_JSD && o.beta == 0.0f);
   const int P = LMLOSS_DIV_PARTIAL_COLS;
   pair_t psum = both(host_new(LMLOSS_F64, N, P, P)), part = both(host_new(LMLOSS_F64, N, P, P));
@@ -173,12 +173,11 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
     for (int64_t i = 0; i < N; i++)
       for (int j = 0; j < P; j++)
         tset(&psum.h, i, j, (r ? tget(&psum.h, i, j) : 0.0) + tget(&part.h, i, j));
-    if (!kl) continue;
     const lmloss_tensor d3 = cols_view(&g3.d, sp.col0[r], sp.n[r]);
     tg_true(g,
             lmloss_divergence_partials_grad(&c, &sin[r], &o, &sh, &merged, &pg.d, &d3, ws, wsb) ==
                 LMLOSS_OK,
-            "partials with the gradient: %s", lmloss_last_error());
+            "partials with the gradient's first half: %s", lmloss_last_error());
     fetch(&pg);
     for (int64_t i = 0; i < N; i++)
       for (int j = 0; j < P; j++) {
@@ -205,6 +204,11 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
             lmloss_divergence_backward_finish(&c, &sin[r], &o, &sh, &merged, kl ? NULL : &psum.d,
                                               &up.d, &db, ws, wsb) == LMLOSS_OK,
             "backward finish: %s", lmloss_last_error());
+    const lmloss_tensor d3 = cols_view(&g3.d, sp.col0[r], sp.n[r]);
+    tg_true(g,
+            lmloss_divergence_finish_grad(&c, &sin[r], &o, &sh, &merged, &psum.d, &d3, ws, wsb) ==
+                LMLOSS_OK,
+            "the gradient's second half: %s", lmloss_last_error());
   }
   pair_t *outs[] = {&l1, &d1, &c1, &e1, &g1, &b1, &b2, &l2, &d2, &c2, &e2, &g2, &g3};
   for (size_t q = 0; q < sizeof outs / sizeof *outs; q++)
@@ -227,16 +231,14 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
     for (int64_t j = 0; j < V; j++) {
       const double r1 = tget(&g1.h, i, j), r2 = tget(&b1.h, i, j);
       tg_close(g, tget(&g2.h, i, j), r1, LMLOSS_F32, fl * m1 + cu * fabs(r1), "dstudent", i, j);
-      if (kl)
-        tg_close(g, tget(&g3.h, i, j), r1, LMLOSS_F32, fl * m1 + cu * fabs(r1),
-                 "dstudent from the partials", i, j);
+      tg_close(g, tget(&g3.h, i, j), r1, LMLOSS_F32, fl * m1 + cu * fabs(r1),
+               "dstudent in two halves", i, j);
       tg_close(g, tget(&b2.h, i, j), r2, LMLOSS_F32, fl * m2 + cu * fabs(r2), "backward", i, j);
     }
     if (same[i] && i % 5 != 4 && i != 4 && dc->ts == dc->tt) {
       tg_true(g, dv == 0, "identical rows: divergence %g at row %lld", dv, (long long)i);
       for (int64_t j = 0; dc->hard == 0 && j < V; j++)
-        tg_true(g,
-                tget(&g2.h, i, j) == 0 && tget(&b2.h, i, j) == 0 && (!kl || tget(&g3.h, i, j) == 0),
+        tg_true(g, tget(&g2.h, i, j) == 0 && tget(&b2.h, i, j) == 0 && tget(&g3.h, i, j) == 0,
                 "identical rows: gradient %g at [%lld, %lld]", tget(&g2.h, i, j), (long long)i,
                 (long long)j);
     }
@@ -256,6 +258,7 @@ static void bad_inputs(tgroup *g) {
   lmloss_tensor s = f32(N, V), t = f32(N, V), st = f32(N, LMLOSS_DIV_STATE_COLS);
   lmloss_tensor pf = f32(N, LMLOSS_DIV_PARTIAL_COLS), p4 = host_new(LMLOSS_F64, N, 4, 4);
   lmloss_tensor p8 = host_new(LMLOSS_F64, N, LMLOSS_DIV_PARTIAL_COLS, LMLOSS_DIV_PARTIAL_COLS);
+  lmloss_tensor db = host_new(LMLOSS_BF16, N, V, V);
   lmloss_tensor st8 = f32(N, LMLOSS_ROW_STATE_COLS);
   lmloss_tensor l = f32(1, 1), d = f32(N, V);
   for (int64_t i = 0; i < N; i++)
@@ -281,10 +284,18 @@ static void bad_inputs(tgroup *g) {
   o.kind = LMLOSS_DIV_TVD;
   e = lmloss_divergence_backward_finish(&c, &in, &o, &ok, &st, NULL, &l, &d, ws, wsb);
   tg_true(g, e == LMLOSS_ERR_NULL_POINTER, "TVD without partials: %s", lmloss_status_string(e));
-  e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &d, ws, wsb);
-  tg_true(g, e == LMLOSS_ERR_BAD_OPTION, "TVD's gradient in the partials: %s",
+  e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &db, ws, wsb);
+  tg_true(g, e == LMLOSS_ERR_BAD_DTYPE, "TVD's first half into BF16: %s", lmloss_status_string(e));
+  e = lmloss_divergence_finish_grad(&c, &in, &o, &ok, &st, &p8, &db, ws, wsb);
+  tg_true(g, e == LMLOSS_ERR_BAD_DTYPE, "TVD's second half into BF16: %s", lmloss_status_string(e));
+  e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &s, ws, wsb);
+  tg_true(g, e == LMLOSS_ERR_BAD_SHAPE, "TVD's first half over the student: %s",
           lmloss_status_string(e));
+  e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &d, ws, wsb);
+  tg_true(g, e == LMLOSS_OK, "TVD's first half: %s", lmloss_last_error());
   o.kind = LMLOSS_DIV_KL;
+  e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &db, ws, wsb);
+  tg_true(g, e == LMLOSS_OK, "the KL's gradient into BF16: %s", lmloss_last_error());
   e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &pf, ws, wsb);
   tg_true(g, e == LMLOSS_ERR_BAD_SHAPE, "the gradient's shape: %s", lmloss_status_string(e));
   e = lmloss_divergence_partials_grad(&c, &in, &o, &ok, &st, &p8, &d, ws, 8);
@@ -296,7 +307,7 @@ static void bad_inputs(tgroup *g) {
   lmloss_context rc = ref_ctx();
   e = lmloss_divergence_state(&rc, &in, &o, &ok, &st);
   tg_true(g, e == LMLOSS_ERR_UNSUPPORTED, "REF: %s", lmloss_status_string(e));
-  lmloss_tensor *all[] = {&s, &t, &st, &st8, &pf, &p4, &p8, &l, &d};
+  lmloss_tensor *all[] = {&s, &t, &st, &st8, &pf, &p4, &p8, &db, &l, &d};
   for (size_t i = 0; i < sizeof all / sizeof *all; i++)
     host_free(all[i]);
   free(ws);

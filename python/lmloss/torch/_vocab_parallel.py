@@ -350,8 +350,8 @@ def div_state_into(x, t, label, opt, sh, state, run):
 
 def div_partials_into(x, t, label, opt, sh, merged, partials, run, dx=None):
     """lmloss_divergence_partials of the rows from their merged states; with
-    dx (the forward KL only), lmloss_divergence_partials_grad: its gradient
-    at an upstream of 1 too, in the same sweep."""
+    dx, lmloss_divergence_partials_grad: the first half of the gradient at
+    an upstream of 1 too, in the same sweep (div_grad_halves)."""
     keep = []
     with B.context(x, *run) as c:
         args = (c, _div_inputs(x, t, label, keep), opt, sh, B.view(merged, keep),
@@ -361,6 +361,26 @@ def div_partials_into(x, t, label, opt, sh, merged, partials, run, dx=None):
         else:
             ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
             _lib.check(S.div_partials_grad(*args, B.view(dx, keep), addr, nbytes))
+
+
+def div_grad_halves(opt, dx):
+    """Whether the gradient dx forms in two halves around the partials'
+    exchange (lmloss_divergence_partials_grad, finish_grad): the forward
+    KL's always (whole after the first), another kind's where dx is fp32
+    (it keeps a quantity a column between them), so that the finish reads
+    the student's row alone."""
+    return dx is not None and (S.div_kind(opt) == _lib.DIV_KINDS["kl"] or dx.dtype == F32)
+
+
+def div_finish_grad(x, t, label, opt, sh, merged, summed, dx, run):
+    """lmloss_divergence_finish_grad: dx, as the partials left it, at an
+    upstream of 1."""
+    keep = []
+    with B.context(x, *run) as c:
+        ws, addr, nbytes = B.workspace(_lib.ce_workspace_size(x.shape[0]), x.device)
+        _lib.check(S.div_finish_grad(c, _div_inputs(x, t, label, keep), opt, sh,
+                                     B.view(merged, keep), B.view(summed, keep), B.view(dx, keep),
+                                     addr, nbytes))
 
 
 def div_finish_into(x, t, label, opt, sh, merged, summed, loss, dx, run, entropy=None):
@@ -399,9 +419,9 @@ class Divergence(torch.autograd.Function):
     student's columns here. Two exchanges in the forward (the states, then
     the partial sums); the backward needs none. With fused (a summed loss
     whose student needs a gradient) the forward forms the gradient at an
-    upstream of 1, as the one-shot op does, and the backward scales it: the
-    forward KL's in the partials' sweep (its gradient needs the merged
-    state alone; the finish then reads neither row), the others' in the
+    upstream of 1, as the one-shot op does, and the backward scales it, in
+    two halves where div_grad_halves says (the finish then reads the
+    student's row alone, or, for the forward KL, neither row), else in the
     finish."""
 
     @staticmethod
@@ -413,12 +433,14 @@ class Divergence(torch.autograd.Function):
         merged = div_exchange(state, opt, shard, run)
         partials = x.new_empty((n, S.DIV_PARTIAL_COLS), dtype=torch.float64)
         dx = torch.empty_like(x, memory_format=torch.contiguous_format) if fused else None
-        early = dx is not None and S.div_kind(opt) == _lib.DIV_KINDS["kl"]
-        div_partials_into(x, t, label, opt, sh, merged, partials, run, dx if early else None)
+        halves = div_grad_halves(opt, dx)
+        div_partials_into(x, t, label, opt, sh, merged, partials, run, dx if halves else None)
         summed = div_partials_sum(partials, opt, shard)
         loss = O._loss(x, n, O._reduction_name(iopts))
         div_finish_into(x, t, label, opt, sh, merged, summed, loss.reshape(-1),
-                        None if early else dx, run)
+                        None if halves else dx, run)
+        if halves:
+            div_finish_grad(x, t, label, opt, sh, merged, summed, dx, run)
         ctx.save_for_backward(x, t, label, merged, summed)
         ctx.args, ctx.fwd_grad = (fopts, iopts, shard), dx
         return loss
