@@ -68,13 +68,18 @@ static void divergence_shards(fz_in *in, fz_pool *pool, int64_t N, int64_t V, co
     sh.col0 = cut[r];
     const int64_t n = cut[r + 1] - cut[r];
     lmloss_div_inputs di = {cols_of(&s, cut[r], n), cols_of(&t, cut[r], n), y};
+    /* sometimes the gradient in two halves (partials_grad, finish_grad) */
+    const int halves = fz_chance(in, 48);
+    lmloss_tensor g = fz_tensor(in, pool, fz_dtype(in, halves ? LMLOSS_F32 : s.dtype), N, n, V, 0);
     fz_outs wp = {0};
     fz_watch(&wp, pool, &part);
-    fz_check(lmloss_divergence_partials(&cpu, &di, &opt, &sh, &merged, &part), &wp,
-             "divergence partials on CPU");
+    if (halves) fz_watch(&wp, pool, &g);
+    fz_check(
+        halves ? lmloss_divergence_partials_grad(&cpu, &di, &opt, &sh, &merged, &part, &g, ws, wsb)
+               : lmloss_divergence_partials(&cpu, &di, &opt, &sh, &merged, &part),
+        &wp, "divergence partials on CPU");
     if (fz_chance(in, 16) && fz_span(&part)) /* a corrupted sum */
       ((unsigned char *)part.data)[fz_range(in, 0, (int64_t)fz_span(&part) - 1)] ^= fz_u8(in);
-    lmloss_tensor g = fz_tensor(in, pool, fz_dtype(in, s.dtype), N, n, V, 0);
     lmloss_tensor l = fz_tensor(in, pool, LMLOSS_F32, nl, 1, V, 0);
     lmloss_tensor e = fz_optional(in, pool, LMLOSS_F32, N, 1, V, 0);
     lmloss_tensor up = fz_tensor(in, pool, LMLOSS_F32, nl, 1, V, 0);
@@ -84,7 +89,8 @@ static void divergence_shards(fz_in *in, fz_pool *pool, int64_t N, int64_t V, co
     if (fz_chance(in, 128)) out.dstudent = g;
     const lmloss_tensor *p = fz_chance(in, 32) ? NULL : &part;
     fz_check(
-        fz_chance(in, 128)
+        halves ? lmloss_divergence_finish_grad(&cpu, &di, &opt, &sh, &merged, &part, &g, ws, wsb)
+        : fz_chance(in, 128)
             ? lmloss_divergence_finish(&cpu, &di, &opt, &sh, &merged, &part, &out, ws, wsb)
             : lmloss_divergence_backward_finish(&cpu, &di, &opt, &sh, &merged, p, &up, &g, ws, wsb),
         &w, "divergence finish on CPU");
