@@ -337,6 +337,21 @@ template <int NV> __device__ __forceinline__ Chunk my_chunk(int64_t V, int64_t c
   return c;
 }
 
+/* Vector v of a chunk of an output row from base: whole (v < whole), or
+ * by elements below lim (the elements from base to the row's end). */
+template <typename O, int NV>
+__device__ __forceinline__ void store_chunk_vec(O *base, int v, int whole, int64_t lim,
+                                                const float *y) {
+  O *p = base + v * NV;
+  if (v < whole) {
+    store_whole<O, NV>(p, y);
+  } else {
+#pragma unroll
+    for (int i = 0; i < NV; i++)
+      if ((int64_t)v * NV + i < lim) p[i] = fromf<O>(y[i]);
+  }
+}
+
 /* Where a CTA writes its chunk of an output row, set once per row: a
  * whole vector (the row 16-byte aligned, the vector inside the chunk) is
  * one vector store at base + v NV, the rest (an unaligned row, the
@@ -358,14 +373,7 @@ template <typename O, int NV> struct ChunkOut {
   }
 
   __device__ __forceinline__ void store(int v, const float *y) const {
-    O *p = base + v * NV;
-    if (v < whole) {
-      store_whole<O, NV>(p, y);
-    } else {
-#pragma unroll
-      for (int i = 0; i < NV; i++)
-        if ((int64_t)v * NV + i < lim) p[i] = fromf<O>(y[i]);
-    }
+    store_chunk_vec<O, NV>(base, v, whole, lim, y);
   }
 };
 
@@ -401,14 +409,7 @@ template <int NV> struct DynChunkOut {
   }
 
   template <typename O> __device__ __forceinline__ void put(int v, const float *y) const {
-    O *p = (O *)base + v * NV;
-    if (v < whole) {
-      store_whole<O, NV>(p, y);
-    } else {
-#pragma unroll
-      for (int i = 0; i < NV; i++)
-        if ((int64_t)v * NV + i < lim) p[i] = fromf<O>(y[i]);
-    }
+    store_chunk_vec<O, NV>((O *)base, v, whole, lim, y);
   }
 
   __device__ __forceinline__ void store(int v, const float *y) const {
