@@ -13,8 +13,10 @@
  * A divergence (here the generalized JSD between the rows and a teacher's)
  * takes two exchanges: the two rows' states (32 bytes a row, merged with
  * lmloss_divergence_state_merge), then the per-rank sums of its loss
- * sweep (lmloss_divergence_partials, in double; 16 bytes a row), summed in
- * rank order.
+ * sweep (in double; 16 bytes a row), summed in rank order. Its gradient
+ * forms in two halves around the second: lmloss_divergence_partials_grad
+ * keeps a quantity a column in the fp32 gradient as it sums, and
+ * lmloss_divergence_finish_grad completes it from the student's row alone.
  *
  * Every rank checks its results against the one-shot calls on the whole
  * rows: cross-entropy, log-probs with entropy (and their backward),
@@ -213,7 +215,7 @@ int main(int argc, char **argv) {
                       pat = view(partials, LMLOSS_F64, N, DP, DP);
   CHECK(lmloss_divergence_state(&ctx, &din, &dopt, &shard, &dst));
   CHECK(exchange(dstate, DS, LMLOSS_DIV_STATE_EXCHANGE_COLS, NULL, &dopt, dmerged));
-  CHECK(lmloss_divergence_partials(&ctx, &din, &dopt, &shard, &dmt, &pat));
+  CHECK(lmloss_divergence_partials_grad(&ctx, &din, &dopt, &shard, &dmt, &pat, &gt, ws, wsb));
   /* the JSD reads the partials' div [0] and mix [2]: sent, then summed in rank order */
   for (int64_t i = 0; i < N; i++)
     wire[2 * i] = partials[i * DP], wire[2 * i + 1] = partials[i * DP + 2];
@@ -224,8 +226,9 @@ int main(int argc, char **argv) {
       partials[i * DP] += sums[((int64_t)r * N + i) * 2];
       partials[i * DP + 2] += sums[((int64_t)r * N + i) * 2 + 1];
     }
-  lmloss_div_outputs dout = {.loss = view(loss, LMLOSS_F32, N, 1, 1), .dstudent = gt};
+  lmloss_div_outputs dout = {.loss = view(loss, LMLOSS_F32, N, 1, 1)};
   CHECK(lmloss_divergence_finish(&ctx, &din, &dopt, &shard, &dmt, &pat, &dout, ws, wsb));
+  CHECK(lmloss_divergence_finish_grad(&ctx, &din, &dopt, &shard, &dmt, &pat, &gt, ws, wsb));
   worst[3] = fmax(worst_of(loss, 1, loss1, 1, 0, N, 1), worst_of(g, n, g1, V, col0, N, n));
   int exact = loss[0] == 0.0f;
   for (int64_t j = 0; j < n; j++)
