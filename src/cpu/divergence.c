@@ -473,8 +473,9 @@ static pair_io row_io(const lmloss_div_inputs *in, int64_t i, int64_t y) {
 }
 
 /* The state phase (partials 0) or the partials phase (from merged states
- * in `state`) of every row; with dx (the forward KL's), the partials
- * phase writes the gradient in its sweep, as the one-shot call does. */
+ * in `state`) of every row; with dx, the partials phase writes the first
+ * half of the gradient in its sweep (sweeps: the forward KL's whole, as
+ * the one-shot call does; the other kinds' h, dx F32). */
 static lmloss_status shard_rows(const lmloss_context *ctx, const lmloss_div_inputs *in,
                                 const lmloss_div_options *opt, const lmloss_shard *sh,
                                 const lmloss_tensor *state, const lmloss_tensor *partials,
