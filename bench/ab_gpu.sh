@@ -6,7 +6,8 @@
 # work). Both are built side by side, A's C suite runs on CUDA, then every
 # bandwidth case of the issue (and CE / log-probs backward with the
 # default options, the softmax once, the fused head at the end) runs B, A,
-# B, A: two rounds, whose spread is the noise. Every step writes to $OUT
+# B, A: two rounds, whose spread is the noise (fp32 rows of 262144 with the
+# options too, the staged plan's widest chunks). Every step writes to $OUT
 # as it goes, so a time-out keeps what ran, with the time of each stage.
 # Measured (ninth session, split compilation, 16 cores): the two builds
 # 4 min 21 s, A's suite 21 s; the whole script and one minute of
@@ -52,6 +53,8 @@ for round in 1 2; do
       run $L/lmloss bench $OPS --plain --device cuda --queue 5 --dtype bf16 --shape $shape
     done
     run $L/lmloss bench ce-grad logprob-bwd --device cuda --dtype bf16 --shape 8192,152064
+    # fp32 rows past 16 x 48 KB: the staged plan's widest chunks
+    run $L/lmloss bench ce-grad logprob-bwd --device cuda --queue 5 --dtype f32 --shape 4096,262144
     [ $round = 1 ] && run $L/lmloss bench softmax --device cuda --dtype f32 --shape 4096,262144
   done
   date >>"$OUT/ab.txt"
