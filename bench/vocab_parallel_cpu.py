@@ -1,7 +1,10 @@
 """Vocab-parallel losses on CPU ranks (gloo) against the single-process call
 on the same work per rank:
     python3 bench/vocab_parallel_cpu.py [ranks] [N] [V] [op]
-op: ce (default), kl, jsd (beta 0.5) or tvd.
+op: ce (default), logprob (log-probs of the label with the entropy, the
+loss their sum), softmax or log_softmax (the loss its sum of squares),
+kl, jsd (beta 0.5), tvd, or head (the fused head's CE: hidden [N, 256]
+replicated, the rank's rows of W; dhidden all-reduced).
 
 Each rank runs lmloss.torch's op (forward + backward) with process_group
 on its [N, V / ranks] shard, one thread each; the reference is the
@@ -50,14 +53,54 @@ def _op(name, y, teacher, **kw):
     """The loss of student logits z: lmloss.torch's op of name."""
     if name == "ce":
         return lambda z: LT.cross_entropy(z, y, **kw)
+    if name == "logprob":
+        def lp(z):
+            logp, ent = LT.log_probs(z, y, entropy=True, **kw)
+            return logp.sum() + ent.sum()
+        return lp
+    if name in ("softmax", "log_softmax"):
+        return lambda z: getattr(LT, name)(z, **kw).square().sum()
     fn, extra = {"kl": (LT.kl_div, {}), "jsd": (LT.generalized_jsd, dict(beta=0.5)),
                  "tvd": (LT.tvd, {})}[name]
     return lambda z: fn(z, teacher, **extra, **kw)
 
 
+H = 256  # the fused head's width
+
+
+def _head_step(h, w, y, **kw):
+    def run():
+        hh, ww = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        LT.linear_cross_entropy(hh, ww, y, **kw).backward()
+    return run
+
+
+def _head(rank, world, n, v):
+    """The fused head's times: a rank's shard of W, and one process's head
+    of V / world rows on the same hidden."""
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(n, H, generator=g)
+    w = torch.randn(v, H, generator=g) / H ** 0.5
+    y = torch.randint(v, (n,), generator=g)
+    c = v // world
+    t_shard = _time(_head_step(h, w[rank * c:(rank + 1) * c].contiguous(), y,
+                               process_group=dist.group.WORLD))
+    return t_shard, _head_step(h, w[:c].contiguous(), y % c, num_threads=1)
+
+
 def _worker(rank, world, init, n, v, op):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    if op == "head":
+        t_shard, one = _head(rank, world, n, v)
+        dist.barrier()
+        if rank == 0:
+            t_one = _time(one)
+            print("head, ranks %d, N %d, H %d, V %d (%d a rank), fwd+bwd: rank %.2f ms, one-shot "
+                  "on the same block %.2f ms (ratio %.2f)"
+                  % (world, n, H, v, v // world, t_shard * 1e3, t_one * 1e3, t_shard / t_one))
+        dist.destroy_process_group()
+        return
     x, y = _rows(n, v, 0)
     t = x + torch.randn(n, v, generator=torch.Generator().manual_seed(2))
     w = v // world
