@@ -8,8 +8,10 @@ replicated, the rank's rows of W; dhidden all-reduced).
 
 Each rank runs lmloss.torch's op (forward + backward) with process_group
 on its [N, V / ranks] shard, one thread each; the reference is the
-one-shot call on an [N, V / ranks] block in one process, one thread: the
-same arithmetic without the exchanges and the merges. Rows are peaked
+one-shot call on an [N, V / ranks] block, one thread, the same arithmetic
+without the exchanges and the merges: in one process with the others
+idle, and on every rank at once (the machine as loaded as the ranks
+load it). Rows are peaked
 (each label lifted 0-15 above its row's max); a divergence's teacher is
 the student plus N(0, 1) noise. Prints medians."""
 
@@ -76,49 +78,55 @@ def _head_step(h, w, y, **kw):
 
 
 def _head(rank, world, n, v):
-    """The fused head's times: a rank's shard of W, and one process's head
+    """The fused head's steps: a rank's shard of W, and one process's head
     of V / world rows on the same hidden."""
     g = torch.Generator().manual_seed(4)
     h = torch.randn(n, H, generator=g)
     w = torch.randn(v, H, generator=g) / H ** 0.5
     y = torch.randint(v, (n,), generator=g)
     c = v // world
-    t_shard = _time(_head_step(h, w[rank * c:(rank + 1) * c].contiguous(), y,
-                               process_group=dist.group.WORLD))
-    return t_shard, _head_step(h, w[:c].contiguous(), y % c, num_threads=1)
+    return (_head_step(h, w[rank * c:(rank + 1) * c].contiguous(), y,
+                       process_group=dist.group.WORLD),
+            _head_step(h, w[:c].contiguous(), y % c, num_threads=1))
 
 
-def _worker(rank, world, init, n, v, op):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+def _steps(rank, world, n, v, op):
+    """The rank's sharded step and the one-shot step on a block of its size."""
     if op == "head":
-        t_shard, one = _head(rank, world, n, v)
-        dist.barrier()
-        if rank == 0:
-            t_one = _time(one)
-            print("head, ranks %d, N %d, H %d, V %d (%d a rank), fwd+bwd: rank %.2f ms, one-shot "
-                  "on the same block %.2f ms (ratio %.2f)"
-                  % (world, n, H, v, v // world, t_shard * 1e3, t_one * 1e3, t_shard / t_one))
-        dist.destroy_process_group()
-        return
+        return _head(rank, world, n, v)
     x, y = _rows(n, v, 0)
     t = x + torch.randn(n, v, generator=torch.Generator().manual_seed(2))
     w = v // world
     xs, ts = (z[:, rank * w:(rank + 1) * w].contiguous() for z in (x, t))
-    t_shard = _time(_step(_op(op, y, ts, process_group=dist.group.WORLD), xs))
+    xb, yb = _rows(n, w, 1)
+    tb = xb + torch.randn(n, w, generator=torch.Generator().manual_seed(3))
+    return (_step(_op(op, y, ts, process_group=dist.group.WORLD), xs),
+            _step(_op(op, yb, tb, num_threads=1), xb))
+
+
+def _worker(rank, world, init, n, v, op):
+    """Times, on rank 0: the sharded step; the one-shot step alone (the
+    other ranks idle); and the one-shot step on every rank at once, each
+    its own block, which shares the cores' caches, memory bandwidth and
+    (on SMT machines) execution units as the ranks do."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    shard, one = _steps(rank, world, n, v, op)
+    t_shard = _time(shard)
     dist.barrier()
+    t_one = _time(one) if rank == 0 else 0.0
+    dist.barrier()
+    t_all = _time(one)
+    dist.barrier()
+    st = torch.zeros(n, 4)
+    parts = torch.empty(world * n, 4)
+    t_x = _time(lambda: dist.all_gather_into_tensor(parts, st))
     if rank == 0:
-        xb, yb = _rows(n, w, 1)
-        tb = xb + torch.randn(n, w, generator=torch.Generator().manual_seed(3))
-        t_one = _time(_step(_op(op, yb, tb, num_threads=1), xb))
-        st = torch.zeros(n, 4)
-        parts = torch.empty(world * n, 4)
-        t_x = _time(lambda: dist.all_gather_into_tensor(parts, st))
-        print("%s, ranks %d, N %d, V %d (%d a rank), fwd+bwd: rank %.2f ms, one-shot on the "
-              "same block %.2f ms (ratio %.2f); a 16-byte-a-row all-gather alone %.2f ms"
-              % (op, world, n, v, w, t_shard * 1e3, t_one * 1e3, t_shard / t_one, t_x * 1e3))
-    else:
-        _time(lambda: dist.all_gather_into_tensor(torch.empty(world * n, 4), torch.zeros(n, 4)))
+        print("%s, ranks %d, N %d, V %d (%d a rank), fwd+bwd: rank %.2f ms; the one-shot call on "
+              "a block of that size alone %.2f ms (ratio %.2f), on every rank at once %.2f ms "
+              "(ratio %.2f); a 16-byte-a-row all-gather alone %.2f ms"
+              % (op, world, n, v, v // world, t_shard * 1e3, t_one * 1e3, t_shard / t_one,
+                 t_all * 1e3, t_shard / t_all, t_x * 1e3))
     dist.destroy_process_group()
 
 

@@ -548,23 +548,29 @@ def _logits(h, w, b):
 
 
 def _new_acc(h, w, b):
-    return (torch.zeros(h.shape, dtype=F32, device=h.device),
-            torch.zeros(w.shape, dtype=F32, device=w.device),
-            None if b is None else torch.zeros(b.shape, dtype=F32, device=b.device))
+    """The fp32 sums of dhidden (each chunk writes its rows), dweight and
+    dbias (the first chunk's, None before it): no pass to zero them, a
+    tenth of a CPU rank's head."""
+    return [torch.empty(h.shape, dtype=F32, device=h.device), None, None]
 
 
 def _accumulate(acc, dz, h, w, b, i0, i1):
     """A chunk's logits gradient dz into the fp32 sums of dhidden, dweight, dbias."""
     acc[0][i0:i1] = (dz @ w).to(F32)
-    acc[1].add_((dz.t() @ h[i0:i1]).to(F32))
+    dw = (dz.t() @ h[i0:i1]).to(F32)
+    acc[1] = dw if acc[1] is None else acc[1].add_(dw)
     if b is not None:
-        acc[2].add_(dz.sum(0, dtype=F32))
+        db = dz.sum(0, dtype=F32)
+        acc[2] = db if acc[2] is None else acc[2].add_(db)
 
 
 def _head_grads(acc, g, shard, h, w, b):
     """The gradients times g, dhidden summed over the ranks (hidden is
     replicated: each rank's part comes from its rows of the head)."""
     dh, dw, db = acc
+    if dw is None:  # no rows
+        dw = torch.zeros(w.shape, dtype=F32, device=w.device)
+        db = None if b is None else torch.zeros(b.shape, dtype=F32, device=b.device)
     dh = dh * g
     if shard.world > 1:
         dist.all_reduce(dh, group=shard.group)
