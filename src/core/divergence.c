@@ -109,12 +109,27 @@ static lmloss_status check_dstudent(const lmloss_div_inputs *in, const lmloss_te
   return lmloss_check_device(ts, 1, in->student.device);
 }
 
-/* The dstudent of the gradient in two halves (partials_grad, then
- * finish_grad): between them it keeps an fp32 quantity a column that the
- * finish reads beside the student's row, except the forward KL's, whole
- * after the partials' sweep and free of either condition. */
-static lmloss_status check_kept(const lmloss_div_inputs *in, const lmloss_div_options *eff,
-                                const lmloss_tensor *dstudent) {
+/* Partials F64 [N, LMLOSS_DIV_PARTIAL_COLS] on the student's device. */
+static lmloss_status check_partials(const lmloss_div_inputs *in, const lmloss_tensor *partials) {
+  TRY(lmloss_check_tensor(partials, "partials", LMLOSS_MASK(LMLOSS_F64), in->student.rows,
+                          LMLOSS_DIV_PARTIAL_COLS));
+  const lmloss_tensor *ts[] = {partials};
+  return lmloss_check_device(ts, 1, in->student.device);
+}
+
+/* Both calls of the gradient in two halves (partials_grad, then
+ * finish_grad). Between them dstudent keeps an fp32 quantity a column
+ * that the finish reads beside the student's row, except the forward
+ * KL's, whole after the partials' sweep and free of either condition. */
+static lmloss_status check_halves(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                  const lmloss_div_options *opt, const lmloss_shard *shard,
+                                  const lmloss_tensor *state, const lmloss_tensor *partials,
+                                  const lmloss_tensor *dstudent, void *ws, size_t ws_bytes,
+                                  lmloss_shard *sh, lmloss_div_options *eff,
+                                  const lmloss_backend_ops **ops) {
+  TRY(check_inputs(ctx, in, opt, shard, state, 1, ws, ws_bytes, sh, eff, ops));
+  TRY(check_partials(in, partials));
+  TRY(lmloss_check_alias(state, partials, "partials"));
   TRY(check_dstudent(in, dstudent));
   if (eff->kind == LMLOSS_DIV_KL) return LMLOSS_OK;
   if (dstudent->dtype != LMLOSS_F32)
@@ -184,14 +199,6 @@ lmloss_status lmloss_divergence_state_merge(const lmloss_context *ctx, const lml
   return ops->states->div_merge(ctx, a, b, &eff, out);
 }
 
-/* Partials F64 [N, LMLOSS_DIV_PARTIAL_COLS] on the student's device. */
-static lmloss_status check_partials(const lmloss_div_inputs *in, const lmloss_tensor *partials) {
-  TRY(lmloss_check_tensor(partials, "partials", LMLOSS_MASK(LMLOSS_F64), in->student.rows,
-                          LMLOSS_DIV_PARTIAL_COLS));
-  const lmloss_tensor *ts[] = {partials};
-  return lmloss_check_device(ts, 1, in->student.device);
-}
-
 lmloss_status lmloss_divergence_partials(const lmloss_context *ctx, const lmloss_div_inputs *in,
                                          const lmloss_div_options *opt, const lmloss_shard *shard,
                                          const lmloss_tensor *state,
@@ -213,10 +220,7 @@ lmloss_divergence_partials_grad(const lmloss_context *ctx, const lmloss_div_inpu
   const lmloss_backend_ops *ops;
   lmloss_div_options eff;
   lmloss_shard sh;
-  TRY(check_inputs(ctx, in, opt, shard, state, 1, ws, ws_bytes, &sh, &eff, &ops));
-  TRY(check_partials(in, partials));
-  TRY(lmloss_check_alias(state, partials, "partials"));
-  TRY(check_kept(in, &eff, dstudent));
+  TRY(check_halves(ctx, in, opt, shard, state, partials, dstudent, ws, ws_bytes, &sh, &eff, &ops));
   return ops->states->div_partials(ctx, in, &eff, &sh, state, partials, dstudent, ws, ws_bytes);
 }
 
@@ -229,9 +233,7 @@ lmloss_status lmloss_divergence_finish_grad(const lmloss_context *ctx, const lml
   const lmloss_backend_ops *ops;
   lmloss_div_options eff;
   lmloss_shard sh;
-  TRY(check_inputs(ctx, in, opt, shard, state, 1, ws, ws_bytes, &sh, &eff, &ops));
-  TRY(check_partials(in, partials));
-  TRY(check_kept(in, &eff, dstudent));
+  TRY(check_halves(ctx, in, opt, shard, state, partials, dstudent, ws, ws_bytes, &sh, &eff, &ops));
   if (eff.kind == LMLOSS_DIV_KL) return LMLOSS_OK; /* the partials' sweep wrote it whole */
   return ops->states->div_finish(ctx, in, &eff, &sh, state, partials, NULL, NULL, dstudent, 1, ws,
                                  ws_bytes);
