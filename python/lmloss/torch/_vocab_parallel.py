@@ -651,7 +651,8 @@ class LinearDivergence(torch.autograd.Function):
     Three passes over the chunks, Divergence's two exchanges between them:
     the states; the partial sums; the finish and, for a summed loss, the
     student's gradients (the logits recomputed in each pass when they took
-    more than one chunk). The backward sums dhidden over the ranks. Returns
+    more than one chunk; in one chunk the gradient forms in two halves, as
+    Divergence's). The backward sums dhidden over the ranks. Returns
     the loss and, with want_entropy, the student's entropy of each row (not
     differentiable; else an empty tensor)."""
 
@@ -668,20 +669,29 @@ class LinearDivergence(torch.autograd.Function):
             div_state_into(zs, zt, _rows_of(label, i0, i1), opt, sh, state[i0:i1], run)
         merged = div_exchange(state, opt, shard, run)
         partials = hs.new_empty((n, S.DIV_PARTIAL_COLS), dtype=torch.float64)
+        grads = not per_row and any(ctx.needs_input_grad[:3])
+        # one chunk (kept): the gradient in two halves, as Divergence's
+        halves = grads and kept is not None and div_grad_halves(opt, kept[0])
+        dz = torch.empty_like(kept[0]) if halves else None
         for i0, i1 in chunks:
             zs, zt = kept or _pair_logits(hs, ws, bs, ht, wt, bt, i0, i1)
             div_partials_into(zs, zt, _rows_of(label, i0, i1), opt, sh, merged[i0:i1],
-                              partials[i0:i1], run)
+                              partials[i0:i1], run, dz)
         summed = div_partials_sum(partials, opt, shard, want_entropy)
-        acc = None if per_row or not any(ctx.needs_input_grad[:3]) else _new_acc(hs, ws, bs)
+        acc = _new_acc(hs, ws, bs) if grads else None
         loss = hs.new_empty((n if per_row else len(chunks),), dtype=F32)
         entropy = hs.new_empty((n if want_entropy else 0,), dtype=F32)
         for k, (i0, i1) in enumerate(chunks):
             zs, zt = kept or _pair_logits(hs, ws, bs, ht, wt, bt, i0, i1)
-            dz = None if acc is None else torch.empty_like(zs)
+            if not halves:
+                dz = None if acc is None else torch.empty_like(zs)
             div_finish_into(zs, zt, _rows_of(label, i0, i1), opt, sh, merged[i0:i1],
-                            summed[i0:i1], loss[i0:i1] if per_row else loss[k:k + 1], dz, run,
+                            summed[i0:i1], loss[i0:i1] if per_row else loss[k:k + 1],
+                            None if halves else dz, run,
                             entropy[i0:i1] if want_entropy else None)
+            if halves:
+                div_finish_grad(zs, zt, _rows_of(label, i0, i1), opt, sh, merged[i0:i1],
+                                summed[i0:i1], dz, run)
             if dz is not None:
                 _accumulate(acc, dz, hs, ws, bs, i0, i1)
         ctx.save_for_backward(hs, ws, bs, ht, wt, bt, label, merged, summed)
