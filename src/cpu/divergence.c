@@ -482,7 +482,9 @@ static lmloss_status shard_rows(const lmloss_context *ctx, const lmloss_div_inpu
                                 const lmloss_tensor *dx) {
   const div_job jb = shard_job(in, opt, sh);
   const int64_t N = in->student.rows, c0 = sh->col0;
-  const float scale = dx ? (float)(opt->grad_output * reduction_factor(in, opt)) : 0.0f;
+  const float scale = /* the forward KL's whole gradient; the others' h is unscaled */
+      dx && opt->kind == LMLOSS_DIV_KL ? (float)(opt->grad_output * reduction_factor(in, opt))
+                                       : 0.0f;
   int oom = 0;
   const int nt = lmloss_cpu_row_threads(ctx, 2 * N * jb.V);
 #pragma omp parallel num_threads(nt)

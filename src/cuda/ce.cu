@@ -451,17 +451,15 @@ static bool launch_ce_held(const DevInfo &d, CeArgs &a, cudaStream_t st, lmloss_
   return false;
 }
 
-/* The held plan builds the gradient dtypes training uses (the logits' own,
- * and fp32); the staged kernels take every dtype at run time. */
+/* The staged kernels take every gradient dtype at run time, the held
+ * ones those launch_held_for builds. */
 template <typename In>
-static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, lmloss_dtype in,
-                               cudaStream_t st) {
+static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
   lmloss_status s;
-  if (ce_held_applies(a, T)) {
-    if (a.dxt == in ? launch_ce_held<In, In>(d, a, st, &s)
-                    : a.dxt == LMLOSS_F32 && launch_ce_held<In, float>(d, a, st, &s))
-      return s;
-  }
+  if (ce_held_applies(a, T) && launch_held_for<In>(a.dxt, [&](auto o) {
+        return launch_ce_held<In, typename decltype(o)::type>(d, a, st, &s);
+      }))
+    return s;
   return launch_rows(T ? ce_rows<In, true> : ce_rows<In, false>, d, elt<In>::NV, a.mode != CE_FWD,
                      0, st, a, "cross_entropy");
 }
@@ -541,9 +539,9 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     if ((s = check_launch("cross_entropy denominator")) != LMLOSS_OK) return s;
   }
   switch (in->logits.dtype) {
-  case LMLOSS_BF16: s = launch_ce<bf16>(d, a, T, LMLOSS_BF16, st); break;
-  case LMLOSS_F16: s = launch_ce<f16>(d, a, T, LMLOSS_F16, st); break;
-  default: s = launch_ce<float>(d, a, T, LMLOSS_F32, st); break;
+  case LMLOSS_BF16: s = launch_ce<bf16>(d, a, T, st); break;
+  case LMLOSS_F16: s = launch_ce<f16>(d, a, T, st); break;
+  default: s = launch_ce<float>(d, a, T, st); break;
   }
   if (s != LMLOSS_OK) return s;
   if (mode != CE_BWD && opt->reduction != LMLOSS_REDUCE_NONE) {

@@ -53,6 +53,13 @@ template <typename T> struct elt {
   static constexpr int NV = 16 / sizeof(T); /* elements per 16-byte vector */
 };
 
+/* The lmloss_dtype of an element type. */
+template <typename T> constexpr lmloss_dtype dtype_of() {
+  return std::is_same<T, float>::value  ? LMLOSS_F32
+         : std::is_same<T, bf16>::value ? LMLOSS_BF16
+                                        : LMLOSS_F16;
+}
+
 __device__ __forceinline__ float tof(float x) { return x; }
 __device__ __forceinline__ float tof(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float tof(f16 x) { return __half2float(x); }
@@ -376,16 +383,6 @@ template <typename O, int NV> struct ChunkOut {
     store_chunk_vec<O, NV>(base, v, whole, lim, y);
   }
 };
-
-/* Element j of p, a tensor of dtype dt (F32, BF16 or F16), set to v. */
-__device__ __forceinline__ void store_as(void *p, lmloss_dtype dt, int64_t j, float v) {
-  if (dt == LMLOSS_BF16)
-    ((bf16 *)p)[j] = fromf<bf16>(v);
-  else if (dt == LMLOSS_F16)
-    ((f16 *)p)[j] = fromf<f16>(v);
-  else
-    ((float *)p)[j] = v;
-}
 
 /* ChunkOut for an output dtype known at run time (F32, BF16 or F16), for
  * the staged plans: one kernel serves every output dtype at the cost of a

@@ -339,30 +339,6 @@ lmloss_status lmloss_cuda_div_finish(const lmloss_context *ctx, const lmloss_div
                                      const lmloss_div_options *opt, const lmloss_shard *sh,
                                      const lmloss_tensor *state, const lmloss_tensor *partials,
                                      const lmloss_div_outputs *out, const lmloss_tensor *dloss,
-                                     const lmloss_tensor *dx, int kept, void *ws, size_t ws_bytes);
-
-/* With dx, the forward KL's: the partials' kernel then the finish's
- * gradient alone (on the GPU each is a read of the rows, as the finish
- * after the exchange would be); the other kinds' dx is left, and their
- * finish from it (kept) recomputes the gradient from the rows. */
-lmloss_status lmloss_cuda_div_partials(const lmloss_context *ctx, const lmloss_div_inputs *in,
-                                       const lmloss_div_options *opt, const lmloss_shard *sh,
-                                       const lmloss_tensor *state, const lmloss_tensor *partials,
-                                       const lmloss_tensor *dx, void *ws, size_t ws_bytes) {
-  const PairRows P = pair_rows(in, opt, sh);
-  if (P.N > 0)
-    partials_kernel<<<(unsigned)P.N, DS_THREADS, 0, stream_of(ctx)>>>(
-        P, (const float *)state->data, state->row_stride, (double *)partials->data,
-        partials->row_stride);
-  const lmloss_status s = check_launch("divergence partials");
-  if (s != LMLOSS_OK || !dx || opt->kind != LMLOSS_DIV_KL) return s;
-  return lmloss_cuda_div_finish(ctx, in, opt, sh, state, NULL, NULL, NULL, dx, 0, ws, ws_bytes);
-}
-
-lmloss_status lmloss_cuda_div_finish(const lmloss_context *ctx, const lmloss_div_inputs *in,
-                                     const lmloss_div_options *opt, const lmloss_shard *sh,
-                                     const lmloss_tensor *state, const lmloss_tensor *partials,
-                                     const lmloss_div_outputs *out, const lmloss_tensor *dloss,
                                      const lmloss_tensor *dx, int kept, void *ws, size_t ws_bytes) {
   DivFinish a = {};
   a.P = pair_rows(in, opt, sh);
@@ -398,5 +374,23 @@ lmloss_status lmloss_cuda_div_finish(const lmloss_context *ctx, const lmloss_div
   if (a.P.N > 0) finish_kernel<<<(unsigned)a.P.N, DS_THREADS, 0, st>>>(a);
   if (a.loss && a.reduction != LMLOSS_REDUCE_NONE) reduce_kernel<<<1, DS_THREADS, 0, st>>>(a);
   return check_launch("divergence finish");
+}
+
+/* With dx, the forward KL's: the partials' kernel then the finish's
+ * gradient alone (on the GPU each is a read of the rows, as the finish
+ * after the exchange would be); the other kinds' dx is left, and their
+ * finish from it (kept) recomputes the gradient from the rows. */
+lmloss_status lmloss_cuda_div_partials(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                                       const lmloss_div_options *opt, const lmloss_shard *sh,
+                                       const lmloss_tensor *state, const lmloss_tensor *partials,
+                                       const lmloss_tensor *dx, void *ws, size_t ws_bytes) {
+  const PairRows P = pair_rows(in, opt, sh);
+  if (P.N > 0)
+    partials_kernel<<<(unsigned)P.N, DS_THREADS, 0, stream_of(ctx)>>>(
+        P, (const float *)state->data, state->row_stride, (double *)partials->data,
+        partials->row_stride);
+  const lmloss_status s = check_launch("divergence partials");
+  if (s != LMLOSS_OK || !dx || opt->kind != LMLOSS_DIV_KL) return s;
+  return lmloss_cuda_div_finish(ctx, in, opt, sh, state, NULL, NULL, NULL, dx, 0, ws, ws_bytes);
 }
 }

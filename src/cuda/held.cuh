@@ -463,6 +463,25 @@ static bool launch_held(K one, K cluster, const DevInfo &d, int NV, const void *
   return true;
 }
 
+/* The held kernels are built for the output dtypes training uses, the
+ * logits' own and fp32; any other pair takes the staged plan (a held
+ * kernel per pair cost more build time than the staged plan costs those
+ * rare pairs). */
+template <typename In, typename O> constexpr bool held_built() {
+  return std::is_same<In, O>::value || std::is_same<O, float>::value;
+}
+
+template <typename T> struct type_tag { using type = T; };
+
+/* launch(type_tag<O>{}) for the output dtype dt where held_built<In, O>,
+ * else false (as launch_held where its plan does not apply). */
+template <typename In, typename F> static bool launch_held_for(lmloss_dtype dt, F launch) {
+  if (dt == dtype_of<In>()) return launch(type_tag<In>{});
+  if constexpr (!std::is_same<In, float>::value)
+    if (dt == LMLOSS_F32) return launch(type_tag<float>{});
+  return false;
+}
+
 } // namespace lmc
 
 #endif

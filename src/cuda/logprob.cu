@@ -74,7 +74,7 @@ template <typename In, bool T> __global__ void __launch_bounds__(256, 4) lp_fwd(
     if (a.mask && !a.mask[i * a.ms]) {
       if (rw.rank == 0) {
         for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x)
-          store_as(a.logp, a.lpt, i * a.lps + q, 0.0f);
+          lmloss_store(a.logp, a.lpt, i * a.lps + q, 0.0f);
         if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = 0.0f;
         if (a.stats && threadIdx.x == 0) lmloss_rowstat_save_masked(a.stats + i * a.sts);
       }
@@ -101,7 +101,7 @@ template <typename In, bool T> __global__ void __launch_bounds__(256, 4) lp_fwd(
         float wj = lmloss_xform_w(&X.f, tof(row[j]));
         lp = (float)((double)(wj - s.m) * k - l1r);
       }
-      store_as(a.logp, a.lpt, i * a.lps + q, lp);
+      lmloss_store(a.logp, a.lpt, i * a.lps + q, lp);
     }
     if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = ok ? lmloss_rowstat_entropy(&s) : NAN;
     if (a.stats && threadIdx.x == 0) lmloss_rowstat_save(&s, ok, a.stats + i * a.sts);
@@ -474,33 +474,29 @@ static lmloss_status launch_saved(LpArgs &a, bool T, cudaStream_t st) {
   return check_launch("log_probs_backward (saved statistics)");
 }
 
-/* The held plan builds the gradient dtypes training uses (the logits' own,
- * and fp32); the staged kernels take every dtype at run time. */
+/* The staged kernels take every gradient dtype at run time, the held
+ * ones those launch_held_for builds. */
 template <typename In>
-static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, lmloss_dtype in,
-                                cudaStream_t st) {
+static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
   if (a.stats && a.K <= LMLOSS_SAVED_MAX_K) switch (a.dxt) {
     case LMLOSS_BF16: return launch_saved<In, bf16>(a, T, st);
     case LMLOSS_F16: return launch_saved<In, f16>(a, T, st);
     default: return launch_saved<In, float>(a, T, st);
     }
   lmloss_status s;
-  if (lp_held_applies(a, T) &&
-      (a.dxt == in ? launch_held(lp_held<In, In, false>, lp_held<In, In, true>, d, elt<In>::NV,
-                                 a.dx, a.dxs * (int64_t)sizeof(In), st, a, "log_probs_backward", &s)
-                   : a.dxt == LMLOSS_F32 &&
-                         launch_held(lp_held<In, float, false>, lp_held<In, float, true>, d,
-                                     elt<In>::NV, a.dx, a.dxs * (int64_t)sizeof(float), st, a,
-                                     "log_probs_backward", &s)))
+  if (lp_held_applies(a, T) && launch_held_for<In>(a.dxt, [&](auto o) {
+        using O = typename decltype(o)::type;
+        return launch_held(lp_held<In, O, false>, lp_held<In, O, true>, d, elt<In>::NV, a.dx,
+                           a.dxs * (int64_t)sizeof(O), st, a, "log_probs_backward", &s);
+      }))
     return s;
   return launch_rows(T ? lp_bwd<In, true> : lp_bwd<In, false>, d, elt<In>::NV, 1, 1, st, a,
                      "log_probs_backward");
 }
 
 template <typename In>
-static lmloss_status dispatch(const DevInfo &d, LpArgs &a, bool T, lmloss_dtype in, int bwd,
-                              cudaStream_t st) {
-  return bwd ? launch_bwd<In>(d, a, T, in, st) : launch_fwd<In>(d, a, T, st);
+static lmloss_status dispatch(const DevInfo &d, LpArgs &a, bool T, int bwd, cudaStream_t st) {
+  return bwd ? launch_bwd<In>(d, a, T, st) : launch_fwd<In>(d, a, T, st);
 }
 
 static LpArgs common_args(const lmloss_tensor *logits, const lmloss_tensor *index,
@@ -552,9 +548,9 @@ static lmloss_status run(LpArgs &a, lmloss_dtype in, bool T, int bwd, const lmlo
   if (s != LMLOSS_OK) return s;
   cudaStream_t st = stream_of(ctx);
   switch (in) {
-  case LMLOSS_BF16: return dispatch<bf16>(d, a, T, in, bwd, st);
-  case LMLOSS_F16: return dispatch<f16>(d, a, T, in, bwd, st);
-  default: return dispatch<float>(d, a, T, in, bwd, st);
+  case LMLOSS_BF16: return dispatch<bf16>(d, a, T, bwd, st);
+  case LMLOSS_F16: return dispatch<f16>(d, a, T, bwd, st);
+  default: return dispatch<float>(d, a, T, bwd, st);
   }
 }
 

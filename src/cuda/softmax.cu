@@ -201,13 +201,10 @@ __global__ void __launch_bounds__(512) sm_bwd(SbArgs a) {
   }
 }
 
-/* The held plan for the output dtypes training uses (the input's own, and
- * fp32): another held kernel per dtype pair cost more build time than the
- * staged plan costs those rare pairs. */
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, SmArgs &a, cudaStream_t st) {
   lmloss_status s;
-  if constexpr (std::is_same<In, O>::value || std::is_same<O, float>::value)
+  if constexpr (held_built<In, O>())
     if (launch_held(sm_held<In, O, false>, sm_held<In, O, true>, d, elt<In>::NV, a.y,
                     a.ys * (int64_t)sizeof(O), st, a, "softmax", &s))
       return s;

@@ -786,13 +786,14 @@ struct Plan {
  * there the per-row code of each warp (prologue, block max, the merge,
  * the row scalars) is paid by half the warps, and more CTAs (rows) share
  * an SM; the thresholds are the one-pass rows' measured best
- * (BENCHMARKS.md).
+ * (BENCHMARKS.md). wide_ok: the kernel has a 256-thread build (128
+ * threads for every chunk otherwise: ROW_BOUNDS).
  * The plain forms of the two-pass ops take the held plan instead
  * (held.cuh: the row in registers, lean per-row code); this plan serves
  * their options, whose per-row code outweighed 64 elements a thread when
  * the held plan carried it (BENCHMARKS.md). */
 static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
-                             size_t extra_per_vector_bits, int maxcs) {
+                             size_t extra_per_vector_bits, int maxcs, bool wide_ok) {
   Plan p = {};
   if (!two_pass) maxcs = 1;
   const int64_t nvec = (V + NV - 1) / NV;
@@ -812,7 +813,7 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
   }
   const int64_t nvc = (nvec + p.cs - 1) / p.cs;
   p.chunk = nvc * NV;
-  p.bs = nvc >= (p.staged ? 4096 : 16384) ? MAX_ROW_THREADS : 128;
+  p.bs = wide_ok && nvc >= (p.staged ? 4096 : 16384) ? MAX_ROW_THREADS : 128;
   p.smem =
       (p.staged ? (size_t)nvc * 16 : 0) + (size_t)((nvc + 31) / 32) * 4 * extra_per_vector_bits;
   return p;
@@ -823,16 +824,15 @@ static inline Plan make_plan(const DevInfo &d, int64_t V, int NV, int two_pass,
  * holds (see make_plan); rows beyond the grid are looped over. Clusters of
  * 16 are non-portable: where the device cannot schedule one, the plan
  * falls back to 8. k128 and k256 are the kernel built for the plan's 128
- * or 256 threads (one kernel may serve both); without a k256 every plan
- * runs k128 at 128 threads. Sets the args' cs, chunk and staged. */
+ * or 256 threads (one kernel may serve both; no k256: make_plan's
+ * wide_ok). Sets the args' cs, chunk and staged. */
 template <typename K, typename A>
 static lmloss_status launch_rows(K k128, K k256, const DevInfo &d, int NV, int two_pass,
                                  size_t extra_per_vector_bits, cudaStream_t st, A &args,
                                  const char *what) {
   if (args.N <= 0) return LMLOSS_OK;
   for (int maxcs = d.cc_major >= 9 ? 16 : 1;; maxcs /= 2) {
-    Plan p = make_plan(d, args.V, NV, two_pass, extra_per_vector_bits, maxcs);
-    if (!k256) p.bs = 128;
+    Plan p = make_plan(d, args.V, NV, two_pass, extra_per_vector_bits, maxcs, k256 != nullptr);
     const K kernel = p.bs == 128 ? k128 : k256;
     cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)p.smem);
