@@ -28,6 +28,11 @@
 #include "rowpass.h"
 
 #define LMLOSS_DIV_BLOCK 2048
+/* The statistics' sums run in float over runs of this many columns and
+ * add into double: a block's 2048 terms in one float sum lost up to 1e-5
+ * where they repeat (rows of ties) in a scalar build, and double lanes
+ * throughout cost the vector loops a fifth of their time. */
+#define LMLOSS_DIV_RUN 256
 /* The longest rows whose loss sweep keeps p and h a column for the
  * gradient sweep (16 MB a thread). */
 #define LMLOSS_DIV_KEEP_MAX (1 << 21)
@@ -49,24 +54,14 @@ typedef struct {
   float bws[LMLOSS_DIV_BLOCK], bwt[LMLOSS_DIV_BLOCK], bxs[LMLOSS_DIV_BLOCK], bxt[LMLOSS_DIV_BLOCK];
 } pair_block;
 
-/* One side of a block; returns w, *x the raw logits. With check (the
- * statistics' sweep, the one that decides a row is non-finite), *bad and
- * *any gather the non-finite policy of its raw logits. */
+/* One side of a block; returns w, *x the raw logits. */
 DIV_INLINE const float *side(const void *row, lmloss_dtype dt, const lmloss_xform *f, int64_t j0,
-                             int n, int check, float *bx, float *bw, const float **x, int *bad,
-                             int *any) {
+                             int n, float *bx, float *bw, const float **x) {
   const float *raw = (const float *)row + j0;
   if (dt != LMLOSS_F32 || f->cap > 0.0f) {
     lmloss_cpu_load_block(row, dt, j0, n, bx);
     raw = bx;
   }
-  int nan_inf = 0, finite = 0;
-#pragma omp simd reduction(+ : nan_inf, finite)
-  for (int i = 0; i < (check ? n : 0); i++) {
-    nan_inf += (raw[i] != raw[i]) | (raw[i] == INFINITY);
-    finite += raw[i] > -INFINITY;
-  }
-  *bad |= nan_inf > 0, *any |= finite > 0;
   *x = raw;
   if (f->cap == 0.0f) return raw;
   for (int i = 0; i < n; i++)
@@ -75,11 +70,24 @@ DIV_INLINE const float *side(const void *row, lmloss_dtype dt, const lmloss_xfor
 }
 
 DIV_INLINE void load(const div_job *jb, const void *rs, lmloss_dtype ds, const void *rt,
-                     lmloss_dtype dt, int64_t j0, int check, pair_block *b) {
+                     lmloss_dtype dt, int64_t j0, pair_block *b) {
   b->n = (int)(jb->V - j0 < LMLOSS_DIV_BLOCK ? jb->V - j0 : LMLOSS_DIV_BLOCK);
-  b->bad = b->any_s = b->any_t = 0;
-  b->ws = side(rs, ds, &jb->pr.fs, j0, b->n, check, b->bxs, b->bws, &b->xs, &b->bad, &b->any_s);
-  b->wt = side(rt, dt, &jb->pr.ft, j0, b->n, check, b->bxt, b->bwt, &b->xt, &b->bad, &b->any_t);
+  b->ws = side(rs, ds, &jb->pr.fs, j0, b->n, b->bxs, b->bws, &b->xs);
+  b->wt = side(rt, dt, &jb->pr.ft, j0, b->n, b->bxt, b->bwt, &b->xt);
+}
+
+/* The non-finite policy of a block's raw logits (the statistics decide a
+ * row is non-finite): b->bad for a NaN or +inf, b->any_s and b->any_t
+ * for a logit above -inf on each side. */
+DIV_INLINE void block_check(pair_block *b) {
+  const float *restrict xs = b->xs, *restrict xt = b->xt;
+  int bad = 0, fs = 0, ft = 0;
+#pragma omp simd reduction(+ : bad, fs, ft)
+  for (int i = 0; i < b->n; i++) {
+    bad += !(xs[i] < INFINITY) | !(xt[i] < INFINITY);
+    fs += xs[i] > -INFINITY, ft += xt[i] > -INFINITY;
+  }
+  b->bad = bad > 0, b->any_s = fs > 0, b->any_t = ft > 0;
 }
 
 DIV_INLINE int64_t first_max(const float *w, int n, float *m) {
@@ -108,16 +116,56 @@ DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, 
   const float *restrict ws = b->ws, *restrict wt = b->wt, *restrict xs = b->xs,
                         *restrict xt = b->xt;
   double rs = 0.0, rt = 0.0, d = 0.0;
-#pragma omp simd reduction(+ : rs, rt, d)
-  for (int i = 0; i < b->n; i++) {
-    float es, et, di;
-    lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
-    rs += i == as ? 0.0f : es;
-    rt += i == at ? 0.0f : et;
-    d += di;
+  for (int i0 = 0; i0 < b->n; i0 += LMLOSS_DIV_RUN) {
+    const int i1 = b->n - i0 < LMLOSS_DIV_RUN ? b->n : i0 + LMLOSS_DIV_RUN;
+    float frs = 0.0f, frt = 0.0f, fd = 0.0f;
+#pragma omp simd reduction(+ : frs, frt, fd)
+    for (int i = i0; i < i1; i++) {
+      float es, et, di;
+      lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et,
+                             &di);
+      frs += i == as ? 0.0f : es;
+      frt += i == at ? 0.0f : et;
+      fd += di;
+    }
+    rs += frs, rt += frt, d += fd;
   }
   s.rs = rs, s.rt = rt, s.d = d;
   return s;
+}
+
+/* A block against the running statistics st of the blocks before it,
+ * where both rows have a max: its terms are taken against st's maxes and
+ * G, so they add to st's sums as they are. Added when neither row's max
+ * rises and no raw logit is NaN or +inf (returns 1); else nothing is, and
+ * the block takes block_stats' way. So a row's common block costs one
+ * loop, with no pass of its own for the maxes or the checks. */
+DIV_INLINE int running_block(const div_job *jb, const pair_block *b, lmloss_div_stats *st,
+                             int capped) {
+  const float ms = st->ms, mt = st->mt, G = lmloss_div_stats_G(&jb->pr, st);
+  const float *restrict ws = b->ws, *restrict wt = b->wt, *restrict xs = b->xs,
+                        *restrict xt = b->xt;
+  float mbs = -INFINITY, mbt = -INFINITY;
+  int bad = 0;
+  double rs = 0.0, rt = 0.0, d = 0.0;
+  for (int i0 = 0; i0 < b->n; i0 += LMLOSS_DIV_RUN) {
+    const int i1 = b->n - i0 < LMLOSS_DIV_RUN ? b->n : i0 + LMLOSS_DIV_RUN;
+    float frs = 0.0f, frt = 0.0f, fd = 0.0f;
+#pragma omp simd reduction(+ : frs, frt, fd, bad) reduction(max : mbs, mbt)
+    for (int i = i0; i < i1; i++) {
+      float es, et, di;
+      lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et,
+                             &di);
+      frs += es, frt += et, fd += di;
+      mbs = ws[i] > mbs ? ws[i] : mbs;
+      mbt = wt[i] > mbt ? wt[i] : mbt;
+      bad += !(xs[i] < INFINITY) | !(xt[i] < INFINITY);
+    }
+    rs += frs, rt += frt, d += fd;
+  }
+  if (bad || mbs > ms || mbt > mt) return 0;
+  st->rs += rs, st->rt += rt, st->d += d;
+  return 1;
 }
 
 /* A row pair's statistics, constants and the loss sweep's sums (in double). */
@@ -141,23 +189,26 @@ enum { PAIR_WHOLE, PAIR_STATE, PAIR_PARTIALS, PAIR_FINISH, PAIR_KEPT };
 DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, int64_t j0,
                            const lmloss_div_grad *gc, float *out, int grad, int keep_p, int keep_h,
                            float *restrict kp, float *restrict kh, int capped, int kind) {
-  double div = 0.0, rev = 0.0, mix = 0.0, pos = 0.0, neg = 0.0, eq = 0.0, ent = 0.0;
   const lmloss_div_row *rc = &r->c;
+  for (int i0 = 0; i0 < b->n; i0 += LMLOSS_DIV_RUN) {
+    const int i1 = b->n - i0 < LMLOSS_DIV_RUN ? b->n : i0 + LMLOSS_DIV_RUN;
+    float div = 0.0f, rev = 0.0f, mix = 0.0f, pos = 0.0f, neg = 0.0f, eq = 0.0f, ent = 0.0f;
 #pragma omp simd reduction(+ : div, rev, mix, pos, neg, eq, ent)
-  for (int i = 0; i < b->n; i++) {
-    const lmloss_div_col c =
-        lmloss_div_column(&jb->pr, rc, capped, b->ws[i], b->wt[i], b->xs[i], b->xt[i]);
-    const lmloss_div_terms t =
-        lmloss_div_loss_terms(&jb->pr, rc, &c, j0 + i != rc->as && c.p != 0.0f, kind);
-    div += t.div, rev += t.rev, mix += t.mix, pos += t.pos, neg += t.neg, eq += t.eq;
-    ent += t.ent;
-    if (grad) /* the forward KL's p - q, from the summand's series */
-      out[i] = lmloss_div_grad_tail(&jb->pr, gc, j0 + i == gc->y, c.p, t.h, b->xs[i], capped);
-    if (keep_p) kp[i] = c.p;
-    if (keep_h) kh[i] = t.h;
+    for (int i = i0; i < i1; i++) {
+      const lmloss_div_col c =
+          lmloss_div_column(&jb->pr, rc, capped, b->ws[i], b->wt[i], b->xs[i], b->xt[i]);
+      const lmloss_div_terms t =
+          lmloss_div_loss_terms(&jb->pr, rc, &c, j0 + i != rc->as && c.p != 0.0f, kind);
+      div += t.div, rev += t.rev, mix += t.mix, pos += t.pos, neg += t.neg, eq += t.eq;
+      ent += t.ent;
+      if (grad) /* the forward KL's p - q, from the summand's series */
+        out[i] = lmloss_div_grad_tail(&jb->pr, gc, j0 + i == gc->y, c.p, t.h, b->xs[i], capped);
+      if (keep_p) kp[i] = c.p;
+      if (keep_h) kh[i] = t.h;
+    }
+    r->div += div, r->rev += rev, r->mix += mix, r->pos += pos, r->neg += neg, r->eq += eq;
+    r->ent += ent;
   }
-  r->div += div, r->rev += rev, r->mix += mix, r->pos += pos, r->neg += neg, r->eq += eq;
-  r->ent += ent;
 }
 
 DIV_INLINE void grad_block(const div_job *jb, const pair_row *r, const pair_block *b, int64_t j0,
@@ -190,8 +241,7 @@ DIV_INLINE void kept_finish_block(const div_job *jb, const pair_row *r, const vo
                                   const lmloss_div_grad *gc, float *g, int capped, int kind) {
   const int n = (int)(jb->V - j0 < LMLOSS_DIV_BLOCK ? jb->V - j0 : LMLOSS_DIV_BLOCK);
   const float *xs;
-  int bad = 0, any = 0;
-  const float *ws = side(s, sdt, &jb->pr.fs, j0, n, 0, b->bxs, b->bws, &xs, &bad, &any);
+  const float *ws = side(s, sdt, &jb->pr.fs, j0, n, b->bxs, b->bws, &xs);
 #pragma omp simd
   for (int i = 0; i < n; i++) {
     const float p = lmloss_div_p(&r->c, ws[i]);
@@ -239,7 +289,7 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
     return;
   }
   for (int64_t j0 = 0; phase != PAIR_FINISH && j0 < V; j0 += LMLOSS_DIV_BLOCK) {
-    load(jb, io->s, io->sdt, io->t, io->tdt, j0, 0, b);
+    load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
     if (fused)
       loss_block(jb, r, b, c0 + j0, &gc, gbuf, 1, 0, 0, NULL, NULL, capped, kind);
     else if (kp)
@@ -259,7 +309,7 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
     if (kp && !(capped & LMLOSS_DIV_STUDENT_CAP)) { /* xs unread: kp stands in */
       kept_grad_block(jb, &gc, kp + j0, kh + j0, kp + j0, c0 + j0, n, gbuf, capped, kind);
     } else {
-      load(jb, io->s, io->sdt, io->t, io->tdt, j0, 0, b);
+      load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
       if (kp)
         kept_grad_block(jb, &gc, kp + j0, kh + j0, b->xs, c0 + j0, n, gbuf, capped, kind);
       else
@@ -275,7 +325,11 @@ DIV_INLINE void div_pair(const div_job *jb, const pair_io *io, pair_block *b, fl
     lmloss_div_stats st = {0};
     int bad = 0, any_s = 0, any_t = 0;
     for (int64_t j0 = 0; j0 < jb->V; j0 += LMLOSS_DIV_BLOCK) {
-      load(jb, io->s, io->sdt, io->t, io->tdt, j0, 1, b);
+      load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
+      if (!bad && any_s && any_t && st.ms > -INFINITY && st.mt > -INFINITY &&
+          running_block(jb, b, &st, capped))
+        continue;
+      block_check(b);
       bad |= b->bad, any_s |= b->any_s, any_t |= b->any_t;
       const lmloss_div_stats bs = block_stats(jb, b, jb->col0 + j0, capped);
       st = j0 == 0 ? bs : lmloss_div_stats_merge(&jb->pr, &st, &bs);
@@ -313,6 +367,8 @@ void lmloss_cpu_div_pair(const div_job *jb, const pair_io *io, pair_block *b, fl
     div_pair(jb, io, b, gbuf, r, phase, shared | student);
   else if (mode == student)
     div_pair(jb, io, b, gbuf, r, phase, student);
+  else if (jb->pr.fs.k == jb->pr.ft.k)
+    div_pair(jb, io, b, gbuf, r, phase, LMLOSS_DIV_ONE_K);
   else
     div_pair(jb, io, b, gbuf, r, phase, 0);
 }
