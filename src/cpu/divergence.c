@@ -4,13 +4,14 @@
  * student's cross-entropy as a hard term.
  *
  * A row pair is streamed in blocks of LMLOSS_DIV_BLOCK columns, read
- * from its inputs by each sweep: the statistics (each block's maxes and
- * sums Rs, Rt, D, merged into the row's as math/divergence.h says), then
+ * from its inputs by each sweep: the statistics (a block's sums Rs, Rt,
+ * D against the maxes of the blocks before it, or, where a max rises, its
+ * own maxes and sums merged into the row's as math/divstate.h says), then
  * the losses and the row constants a gradient needs (with the forward
  * KL's gradient, which needs none), then the other kinds' gradient. The
  * loops are branch-free and vectorize in the AVX-512 and x86-64-v3 clones
- * (vmath.h); the sums run in double (a block's 2048 terms in float lost
- * up to 1e-5 where they repeat, as on rows of ties, in a scalar build).
+ * (vmath.h); their sums run in float over LMLOSS_DIV_RUN columns, added
+ * into double.
  *
  * Over a sharded vocabulary (lmloss.h) the same sweeps run apart: the
  * statistics of the shard's columns (a state; states merge as blocks do),
@@ -28,9 +29,9 @@
 #include "rowpass.h"
 
 #define LMLOSS_DIV_BLOCK 2048
-/* The statistics' sums run in float over runs of this many columns and
- * add into double: a block's 2048 terms in one float sum lost up to 1e-5
- * where they repeat (rows of ties) in a scalar build, and double lanes
+/* The sweeps' sums run in float over this many columns, then add into
+ * double: a block's 2048 terms in one float sum lost up to 1e-5 where
+ * they repeat (rows of ties) in a scalar build, and double lanes
  * throughout cost the vector loops a fifth of their time. */
 #define LMLOSS_DIV_RUN 256
 /* The longest rows whose loss sweep keeps p and h a column for the
@@ -288,34 +289,39 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
                         kind);
     return;
   }
+  /* an F32 gradient is written in place of gbuf (element for element:
+   * it may alias the student's row, so w_y is read before) */
+  const int direct = io->grad && io->gdt == LMLOSS_F32;
   for (int64_t j0 = 0; phase != PAIR_FINISH && j0 < V; j0 += LMLOSS_DIV_BLOCK) {
     load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
+    if (y >= c0 + j0 && y < c0 + j0 + b->n)
+      r->es_y = y == r->c.as ? 0.0f : (b->ws[y - c0 - j0] - r->c.ms) * r->c.ks;
+    float *const out = direct ? (float *)io->grad + j0 : gbuf;
     if (fused)
-      loss_block(jb, r, b, c0 + j0, &gc, gbuf, 1, 0, 0, NULL, NULL, capped, kind);
+      loss_block(jb, r, b, c0 + j0, &gc, out, 1, 0, 0, NULL, NULL, capped, kind);
     else if (kp)
       loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, 1, 1, kp + j0, kh + j0, capped, kind);
     else if (kh)
       loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, 0, 1, NULL, kh + j0, capped, kind);
     else
       loss_block(jb, r, b, c0 + j0, &gc, gbuf, 0, 0, 0, NULL, NULL, capped, kind);
-    if (y >= c0 + j0 && y < c0 + j0 + b->n)
-      r->es_y = y == r->c.as ? 0.0f : (b->ws[y - c0 - j0] - r->c.ms) * r->c.ks;
-    if (fused) lmloss_cpu_store_block(io->grad, io->gdt, j0, b->n, gbuf);
+    if (fused && !direct) lmloss_cpu_store_block(io->grad, io->gdt, j0, b->n, gbuf);
   }
   if (!io->grad || fused || phase == PAIR_PARTIALS) return;
   lmloss_div_grad_sums(&gc, r->rev, r->mix, r->pos, r->neg, r->eq);
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_DIV_BLOCK) {
     const int n = (int)(V - j0 < LMLOSS_DIV_BLOCK ? V - j0 : LMLOSS_DIV_BLOCK);
+    float *const out = direct ? (float *)io->grad + j0 : gbuf;
     if (kp && !(capped & LMLOSS_DIV_STUDENT_CAP)) { /* xs unread: kp stands in */
-      kept_grad_block(jb, &gc, kp + j0, kh + j0, kp + j0, c0 + j0, n, gbuf, capped, kind);
+      kept_grad_block(jb, &gc, kp + j0, kh + j0, kp + j0, c0 + j0, n, out, capped, kind);
     } else {
       load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
       if (kp)
-        kept_grad_block(jb, &gc, kp + j0, kh + j0, b->xs, c0 + j0, n, gbuf, capped, kind);
+        kept_grad_block(jb, &gc, kp + j0, kh + j0, b->xs, c0 + j0, n, out, capped, kind);
       else
-        grad_block(jb, r, b, c0 + j0, &gc, gbuf, capped, kind);
+        grad_block(jb, r, b, c0 + j0, &gc, out, capped, kind);
     }
-    lmloss_cpu_store_block(io->grad, io->gdt, j0, n, gbuf);
+    if (!direct) lmloss_cpu_store_block(io->grad, io->gdt, j0, n, gbuf);
   }
 }
 

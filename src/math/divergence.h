@@ -54,7 +54,8 @@ LMLOSS_DIV_HD float lmloss_diff_of_products(float a, float b, float c, float d) 
 /* g = zt - zs of one column from the two rows' w and k. On the GPU,
  * where the divergences are bound by their instructions, rows of one k
  * take (wt - ws) k: a rounding more than the recovered products (2 ulp
- * of g), in two instructions instead of nine. */
+ * of g), in two instructions instead of nine (the CPU's loops of one k
+ * take it through LMLOSS_DIV_ONE_K). */
 LMLOSS_DIV_HD float lmloss_pair_gap(float wt, float kt, float ws, float ks) {
 #if defined(__CUDA_ARCH__)
   if (kt == ks) return (wt - ws) * ks;
@@ -176,8 +177,8 @@ LMLOSS_DIV_HD lmloss_div_pair lmloss_div_pair_make(const lmloss_div_options *o) 
  * version of the loops (the plain one vectorizes): SHARED_CAP, both rows
  * under one transform with a softcap (g through lmloss_capped_gap);
  * STUDENT_CAP, the student's softcap (its chain rule in the gradient);
- * ONE_K, GPU kernels only: no softcap and one k for both rows, so g is
- * lmloss_pair_gap's GPU form with no test a column. */
+ * ONE_K: one k for both rows and no shared softcap, so g is
+ * lmloss_pair_gap's GPU form (wt - ws) k with no test a column. */
 enum { LMLOSS_DIV_SHARED_CAP = 1, LMLOSS_DIV_STUDENT_CAP = 2, LMLOSS_DIV_ONE_K = 4 };
 
 /* The pair's mode: which of the two its transforms make. */
