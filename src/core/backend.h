@@ -15,7 +15,7 @@
 #include "math/dtype.h" /* and math/rowstats.h */
 #include "math/rowstate.h"
 
-/* Building blocks of the fused linear head (src/core/fused_linear.c runs
+/* Building blocks of the fused linear head (src/core/linear_loop.c runs
  * the chunk loop with them). Tensors are row-major views; shapes are
  * those of the tensors passed. */
 typedef struct {

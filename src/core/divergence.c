@@ -192,9 +192,7 @@ lmloss_status lmloss_divergence_state_merge(const lmloss_context *ctx, const lml
   if (!opt) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "options is NULL");
   TRY(lmloss_check_div_options(opt));
   TRY(lmloss_check_state_merge(ctx, a, b, out, LMLOSS_DIV_STATE_COLS, &ops));
-  if (!ops->states->div_merge)
-    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED,
-                       "this backend has no divergences over a sharded vocabulary");
+  TRY(lmloss_check_supports(ops, LMLOSS_CAN_DIVERGENCE, "divergences"));
   const lmloss_div_options eff = lmloss_div_resolve(opt);
   return ops->states->div_merge(ctx, a, b, &eff, out);
 }

@@ -1,651 +1,14 @@
 /*
- * fused_linear.c - the fused linear head: validation and the chunk loop.
- *
- * The supervised rows are selected first (ignored / masked rows never reach
- * a GEMM). Then, per chunk of at most `rows` of them:
- *   gather hidden rows -> slab = hidden_c W^T (+ bias)           (GEMM 1)
- *   the backend's own row op on the slab (CE or log-probs, forward and/or
- *   gradient, in place or into 16-bit dlogits: below)
- *   dhidden_c = dlogits W -> scattered back                      (GEMM 2)
- *   dW += dlogits^T hidden_c, dbias += column sums               (GEMM 3)
- * so the numerics are exactly those of the logits ops. A 16-bit head
- * keeps its chunks' rounded dlogits and hidden rows in a store, and takes
- * GEMMs 2 and 3 once a group of rows (plan_store); where no store fits the
- * budget, it takes dW after the chunks in vocab tiles (vocab_tiles): no
- * V x H fp32 accumulator, no V x H read-modify-write per chunk, the
- * logits computed twice. Memory beyond inputs and outputs is the
- * workspace, and the workspace is at most the budget. This file holds no
- * math: it sequences the backend's primitives.
- *
- * A 16-bit weight gets dlogits in its dtype, so that GEMMs 2 and 3 run on
- * tensor cores: the row op reads the fp32 slab and writes them. Rounded to
- * bf16, dlogits would cost dhidden more than twice the error of rounding
- * dhidden itself, almost all of it at the row's few large entries (the
- * labels' columns and the argmax), which the row op forms apart; so it
- * also keeps their fp32 values (lmloss_grad_keep), and dhidden = dlogits W
- * + what the rounding took from them times their rows of W, summed in
- * fp32; dbias sums the rows with those values in place. dW comes from the
- * rounded dlogits alone (within its bound).
- *
- * The log-probs backward given the forward's saved row statistics (a
- * 16-bit head whose dW takes vocab tiles) skips the chunks: the tiles form
- * the gradient from the statistics and sum dhidden over the tiles in fp32
- * as well as dW, so the logits are computed once in the backward instead
- * of twice (saved_rows).
+ * fused_linear.c - the fused linear head's entry points: each checks its
+ * arguments and runs a job of its kind (linear_job.h); the chunk loop is
+ * linear_loop.c's, the kinds' row ops linear_jobs.c's, the plan
+ * linear_plan.c's.
  */
-#include <string.h>
-
-#include "linear_plan.h"
+#include "linear_job.h"
 
 lmloss_head_options lmloss_head_options_default(void) {
   lmloss_head_options o = {0, 1};
   return o;
-}
-
-typedef enum { CE_FORWARD, CE_BACKWARD, LP_FORWARD, LP_BACKWARD } job_kind;
-
-typedef struct {
-  job_kind kind;
-  const lmloss_context *ctx;
-  const lmloss_head *head;
-  const lmloss_tensor *labels; /* target [N] or index [N, K] (may be absent for entropy) */
-  const lmloss_tensor *mask, *tw, *cw;
-  const lmloss_ce_options *opt;
-  const lmloss_transform *tr;
-  const lmloss_head_options *hopt;
-  const lmloss_ce_outputs *out;
-  const lmloss_tensor *dloss, *logp, *entropy, *dlogp, *dentropy;
-  const lmloss_tensor *stats; /* log-probs: saved (forward) or given (backward) */
-  const lmloss_head_grads *grads;
-  int keep_grad; /* log-probs: the forward keeps its rows' gradients, the backward reads them */
-} linear_job;
-
-/* A call's dweight and dbias share no byte with what it reads or with
- * each other: dweight may hold the store (dw_store_rows) while the inputs
- * are read. Not asked of a size or plan query, whose tensors point at no
- * data. */
-static lmloss_status grads_apart(const lmloss_head *head, const lmloss_head_grads *g) {
-  if (!g) return LMLOSS_OK;
-  const lmloss_tensor *read[] = {&head->hidden, &head->weight, &head->bias, &g->dhidden};
-  const char *read_name[] = {"hidden", "weight", "bias", "dhidden"};
-  for (int r = 0; r < 4; r++) {
-    TRY(lmloss_check_disjoint(&g->dweight, "dweight", read[r], read_name[r]));
-    TRY(lmloss_check_disjoint(&g->dbias, "dbias", read[r], read_name[r]));
-  }
-  return lmloss_check_disjoint(&g->dweight, "dweight", &g->dbias, "dbias");
-}
-
-/* The per-row compact buffers of a chunk (n <= p->slot_rows rows), each in a
- * slot of the aux area: labels [rows, K] x 8 bytes, five scalar slots of
- * 8 bytes a row, then [rows, K] floats; aux_per_row covers it. */
-typedef struct {
-  lmloss_tensor labels;  /* target or index, gathered */
-  lmloss_tensor row;     /* F32: loss (NONE), dloss, entropy (log-probs), dentropy */
-  lmloss_tensor lse;     /* F32 */
-  lmloss_tensor weight;  /* F32 token weights, gathered */
-  lmloss_tensor entropy; /* F32, cross-entropy's */
-  lmloss_tensor argmax;  /* I64 */
-  lmloss_tensor per_k;   /* F32 [n, K]: logp, dlogp */
-  lmloss_tensor stats;   /* F32 [n, LMLOSS_ROW_STATS], log-probs' */
-} chunk_slots;
-
-static chunk_slots slots(const linear_plan *p, char *aux, lmloss_device dev, int64_t n) {
-  const int64_t K = p->K > 0 ? p->K : 1;
-  const size_t R = (size_t)p->slot_rows, scalars = R * (size_t)K * 8;
-  chunk_slots s;
-  s.labels = lmloss_ws_view(aux, LMLOSS_I64, dev, n, K);
-  s.row = lmloss_ws_view(aux + scalars, LMLOSS_F32, dev, n, 1);
-  s.lse = lmloss_ws_view(aux + scalars + R * 8, LMLOSS_F32, dev, n, 1);
-  s.weight = lmloss_ws_view(aux + scalars + 2 * R * 8, LMLOSS_F32, dev, n, 1);
-  s.entropy = lmloss_ws_view(aux + scalars + 3 * R * 8, LMLOSS_F32, dev, n, 1);
-  s.argmax = lmloss_ws_view(aux + scalars + 4 * R * 8, LMLOSS_I64, dev, n, 1);
-  s.per_k = lmloss_ws_view(aux + scalars + 5 * R * 8, LMLOSS_F32, dev, n, K);
-  s.stats = lmloss_ws_view(aux + scalars + 5 * R * 8 + R * (size_t)K * 4, LMLOSS_F32, dev, n,
-                           LMLOSS_ROW_STATS);
-  return s;
-}
-
-/* Rows first..first+n of t. */
-static lmloss_tensor rows_of(const lmloss_tensor *t, int64_t first, int64_t n) {
-  lmloss_tensor v = *t;
-  v.data = (char *)t->data + (size_t)(first * t->row_stride) * lmloss_dtype_size(t->dtype);
-  v.rows = n;
-  return v;
-}
-
-/* Entries kept per row: the labels' columns and the argmax. */
-static int64_t entry_count(const linear_job *j, const linear_plan *p) {
-  const int is_ce = j->kind == CE_FORWARD || j->kind == CE_BACKWARD;
-  return (is_ce ? 1 : j->labels ? p->K : 0) + 1;
-}
-
-/* What the row op keeps for compact rows first.. (16-bit heads, NULL
- * otherwise): coef, from which the vocab tiles recompute the gradient,
- * and the exact entries. The tiles put those back (a recomputed logit one
- * ulp off the max would move dk_a off its exact 0, an error of the whole
- * entropy gradient there), chunk_dhidden adds what rounding dlogits took
- * from them, and dbias sums them in place of their rounded values. */
-static lmloss_grad_keep *keep_at(const linear_job *j, const linear_plan *p, char *ws, int64_t first,
-                                 lmloss_grad_keep *k) {
-  if (!p->dl_separate) return NULL;
-  k->coef = (lmloss_grad_coef *)(ws + p->coef) + first;
-  k->cols = (int64_t *)(ws + p->cols) + first * p->S;
-  k->vals = (float *)(ws + p->vals) + first * p->S;
-  k->count = entry_count(j, p);
-  k->stride = p->S;
-  return k;
-}
-
-/* The kept log-probs forward's row op (K = 1): the cross-entropy against
- * the index at upstream -1, whose loss is -logp and whose gradient is
- * logp's, onehot - p, written to dl (the store) with its exact entries. */
-static lmloss_status unit_grads(const linear_job *j, const lmloss_backend_ops *ops,
-                                const linear_plan *p, char *ws, const int64_t *list,
-                                const chunk_slots *sl, const lmloss_tensor *lab,
-                                const lmloss_tensor *slab, const lmloss_tensor *dl,
-                                lmloss_grad_keep *keep) {
-  const lmloss_linear_prims *L = ops->linear;
-  const lmloss_context *ctx = j->ctx;
-  lmloss_ce_options o = lmloss_ce_options_default();
-  o.ignore_index = -1; /* never an index: they lie in [0, V) */
-  o.transform = *j->tr;
-  o.reduction = LMLOSS_REDUCE_NONE;
-  o.grad_output = -1.0f;
-  const lmloss_ce_inputs in = {*slab, *lab, {0}, {0}};
-  lmloss_ce_outputs co;
-  memset(&co, 0, sizeof co);
-  co.loss = sl->row;
-  if (j->entropy) co.entropy = sl->entropy;
-  co.dlogits = *dl;
-  TRY(ops->cross_entropy(ctx, &in, &o, &co, ws + p->ce_ws,
-                         lmloss_cross_entropy_workspace_size(slab->rows), keep));
-  /* logp = -loss, by a -1 past the sums' N rows (unused by log-probs) */
-  const lmloss_tensor minus = lmloss_ws_view(ws + p->sums + (size_t)j->head->hidden.rows * 4,
-                                             LMLOSS_F32, j->head->hidden.device, 1, 1);
-  TRY(L->fill(ctx, &minus, -1.0));
-  TRY(L->scale(ctx, &sl->row, (const float *)minus.data));
-  TRY(L->scatter_rows(ctx, &sl->row, list, j->logp));
-  return j->entropy ? L->scatter_rows(ctx, &sl->entropy, list, j->entropy) : LMLOSS_OK;
-}
-
-/* The row op of one chunk on the slab; dl = where its gradient goes,
- * keep = what the row op keeps of it (keep_at). */
-static lmloss_status chunk_rows(const linear_job *j, const lmloss_backend_ops *ops,
-                                const linear_plan *p, char *ws, const int64_t *list, int64_t c,
-                                int64_t n, const lmloss_tensor *slab, const lmloss_tensor *dl,
-                                lmloss_grad_keep *keep, double scale) {
-  const lmloss_linear_prims *L = ops->linear;
-  const lmloss_device dev = j->head->hidden.device;
-  const lmloss_context *ctx = j->ctx;
-  const int64_t K = p->K;
-  const chunk_slots sl = slots(p, ws + p->aux, dev, n);
-  lmloss_tensor lab = sl.labels;
-  if (j->labels && K > 0) {
-    lab.dtype = j->labels->dtype;
-    lab.row_stride = lab.cols;
-    TRY(L->gather_rows(ctx, j->labels, list, &lab));
-  }
-
-  if (j->kind == CE_FORWARD || j->kind == CE_BACKWARD) {
-    lmloss_ce_options o = *j->opt;
-    o.zero_ignored_rows = 1;
-    if (o.reduction != LMLOSS_REDUCE_NONE) {
-      o.reduction = LMLOSS_REDUCE_SUM_OVER_ITEMS; /* the global divisor, per chunk */
-      o.num_items = 1.0 / scale;
-    }
-    lmloss_ce_inputs in = {*slab, lab, {0}, *j->cw};
-    if (wants(j->tw)) {
-      in.token_weight = sl.weight;
-      TRY(L->gather_rows(ctx, j->tw, list, &sl.weight));
-    }
-    void *cws = ws + p->ce_ws;
-    size_t cwb = lmloss_cross_entropy_workspace_size(n);
-    if (j->kind == CE_BACKWARD) {
-      lmloss_tensor d = *j->dloss;
-      if (j->opt->reduction == LMLOSS_REDUCE_NONE) {
-        d = sl.row;
-        TRY(L->gather_rows(ctx, j->dloss, list, &d));
-      }
-      return ops->cross_entropy_backward(ctx, &in, &o, &d, dl, cws, cwb, keep);
-    }
-    const lmloss_ce_outputs *out = j->out;
-    lmloss_ce_outputs co;
-    memset(&co, 0, sizeof co);
-    co.loss = j->opt->reduction == LMLOSS_REDUCE_NONE
-                  ? sl.row
-                  : lmloss_ws_view(ws + p->sums + (size_t)c * 4, LMLOSS_F32, dev, 1, 1);
-    if (wants(&out->lse)) co.lse = sl.lse;
-    if (wants(&out->entropy)) co.entropy = sl.entropy;
-    if (wants(&out->argmax)) co.argmax = sl.argmax;
-    if (dl) co.dlogits = *dl;
-    TRY(ops->cross_entropy(ctx, &in, &o, &co, cws, cwb, keep));
-    if (j->opt->reduction == LMLOSS_REDUCE_NONE)
-      TRY(L->scatter_rows(ctx, &sl.row, list, &out->loss));
-    if (wants(&out->lse)) TRY(L->scatter_rows(ctx, &sl.lse, list, &out->lse));
-    if (wants(&out->entropy)) TRY(L->scatter_rows(ctx, &sl.entropy, list, &out->entropy));
-    if (wants(&out->argmax)) TRY(L->scatter_rows(ctx, &sl.argmax, list, &out->argmax));
-    return LMLOSS_OK;
-  }
-  const lmloss_tensor *idx = K > 0 ? &lab : NULL;
-  if (j->kind == LP_FORWARD && j->keep_grad)
-    return unit_grads(j, ops, p, ws, list, &sl, &lab, slab, dl, keep);
-  if (j->kind == LP_FORWARD) {
-    lmloss_tensor lp = sl.per_k, ent_t = sl.row, *ent = wants(j->entropy) ? &ent_t : NULL;
-    const lmloss_tensor *st = j->stats ? &sl.stats : NULL;
-    if (j->logp) lp.dtype = j->logp->dtype, lp.row_stride = K;
-    TRY(ops->log_probs(ctx, slab, idx, NULL, j->tr, j->logp ? &lp : NULL, ent, st));
-    if (j->logp) TRY(L->scatter_rows(ctx, &lp, list, j->logp));
-    if (ent) TRY(L->scatter_rows(ctx, ent, list, j->entropy));
-    if (st) TRY(L->scatter_rows(ctx, st, list, j->stats));
-    return LMLOSS_OK;
-  }
-  lmloss_tensor dlp = sl.per_k, dent = sl.row;
-  if (j->dlogp) TRY(L->gather_rows(ctx, j->dlogp, list, &dlp));
-  if (j->dentropy) TRY(L->gather_rows(ctx, j->dentropy, list, &dent));
-  return ops->log_probs_backward(ctx, slab, j->dlogp ? idx : NULL, NULL, j->tr,
-                                 j->dlogp ? &dlp : NULL, j->dentropy ? &dent : NULL, dl, NULL,
-                                 keep);
-}
-
-/* dhidden of a chunk (compact rows first..) = dl W, scattered back.
- * round_dl: + the rounding error of the exact entries times their rows of
- * W, summed in fp32. */
-static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prims *L,
-                                   const linear_plan *p, char *w, const int64_t *list,
-                                   const lmloss_grad_keep *keep, const lmloss_tensor *dl) {
-  const lmloss_head *h = j->head;
-  const lmloss_device dev = h->hidden.device;
-  const int64_t n = dl->rows, H = h->hidden.cols;
-  lmloss_tensor dh = lmloss_ws_view(w + p->dh, h->hidden.dtype, dev, n, H);
-  if (p->round_dl) {
-    lmloss_tensor acc = lmloss_ws_view(w + p->dh_acc, LMLOSS_F32, dev, n, H);
-    TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &acc));
-    TRY(L->restore_entries(j->ctx, keep, &h->weight, &acc));
-    TRY(L->cast(j->ctx, &acc, &dh));
-  } else {
-    TRY(L->gemm(j->ctx, 0, 0, 1.0f, dl, &h->weight, 0.0f, &dh));
-  }
-  return L->scatter_rows(j->ctx, &dh, list, &j->grads->dhidden);
-}
-
-/* The chunk from compact row `first` of M: its rows, and where its fp32
- * logits go (*slab_at). A store's chunk is wide (wide_chunk_rows), its
- * logits in the store's rows not yet written, so a group's first chunks
- * run wide GEMMs and row passes; then the rest takes the chunk region
- * (wide chunks only shrink); no chunk crosses a group's end. */
-static int64_t chunk_at(const linear_plan *p, int64_t V, int64_t M, int64_t first, int store,
-                        char *w, char *sb, char **slab_at) {
-  int64_t n = M - first < p->rows ? M - first : p->rows;
-  *slab_at = w + p->slab;
-  if (!store) return n;
-  const int64_t in_group = first % p->group;
-  const int64_t left =
-      (p->group < M - first + in_group ? p->group : M - first + in_group) - in_group;
-  const int64_t wide = wide_chunk_rows(left);
-  if (wide < 128 || wide <= n) return n < left ? n : left;
-  *slab_at = sb + p->store + (size_t)((in_group + wide) * V) * p->dls;
-  return wide;
-}
-
-/* Where the store's offsets count from: the workspace, or dweight's first
- * aligned byte (a caller's dweight need not start at an aligned one). */
-static char *store_base(const linear_job *j, const linear_plan *p, char *w) {
-  if (!p->store_in_dw) return w;
-  char *d = (char *)j->grads->dweight.data;
-  return d + (LMLOSS_WS_ALIGN - (uintptr_t)d % LMLOSS_WS_ALIGN) % LMLOSS_WS_ALIGN;
-}
-
-/* dhidden of a store's n compact rows from first on (dl, their rounded
- * gradient rows; hg, their hidden rows): through fp32 in blocks of the
- * chunk region, the exact entries put back, each row scaled by its s
- * (optional [n, 1]), rounded into hg once dW has read it, and scattered. */
-static lmloss_status store_dhidden(const linear_job *j, const lmloss_linear_prims *L,
-                                   const linear_plan *p, char *w, const int64_t *list,
-                                   int64_t first, const lmloss_tensor *dl, const lmloss_tensor *hg,
-                                   const lmloss_tensor *s) {
-  const lmloss_head *h = j->head;
-  const int64_t n = dl->rows, H = h->hidden.cols;
-  const int64_t B = (int64_t)((p->total - p->region) / ((size_t)H * 4));
-  for (int64_t b0 = 0; b0 < n; b0 += B) {
-    const int64_t bn = n - b0 < B ? n - b0 : B;
-    const lmloss_tensor acc = lmloss_ws_view(w + p->region, LMLOSS_F32, h->hidden.device, bn, H);
-    const lmloss_tensor dlb = rows_of(dl, b0, bn), hb = rows_of(hg, b0, bn);
-    lmloss_grad_keep kept;
-    TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dlb, &h->weight, 0.0f, &acc));
-    TRY(L->restore_entries(j->ctx, keep_at(j, p, w, first + b0, &kept), &h->weight, &acc));
-    if (s) {
-      const lmloss_tensor sb = rows_of(s, b0, bn);
-      TRY(L->scale_rows(j->ctx, &acc, &sb));
-    }
-    TRY(L->cast(j->ctx, &acc, &hb));
-  }
-  return L->scatter_rows(j->ctx, hg, list + first, &j->grads->dhidden);
-}
-
-/* dhidden and dW of a store's group: its n compact rows from first on,
- * whose dlogits and hidden rows the store holds (dhidden: store_dhidden).
- * beta: 0 for the first group, unless dW is added to the caller's. */
-static lmloss_status group_grads(const linear_job *j, const lmloss_linear_prims *L,
-                                 const linear_plan *p, char *w, const int64_t *list, int64_t first,
-                                 int64_t n, float beta) {
-  const lmloss_head *h = j->head;
-  const lmloss_head_grads *g = j->grads;
-  const lmloss_device dev = h->hidden.device;
-  const int64_t H = h->hidden.cols, V = h->weight.rows;
-  char *sb = store_base(j, p, w);
-  const lmloss_tensor dl = lmloss_ws_view(sb + p->store, h->weight.dtype, dev, n, V);
-  const lmloss_tensor hg = lmloss_ws_view(sb + p->ghid, h->hidden.dtype, dev, n, H);
-  if (wants(&g->dweight)) {
-    const lmloss_tensor dw =
-        p->acc_w_size ? lmloss_ws_view(w + p->acc_w, LMLOSS_F32, dev, V, H) : g->dweight;
-    TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hg, beta, &dw));
-  }
-  if (!wants(&g->dhidden)) return LMLOSS_OK;
-  return store_dhidden(j, L, p, w, list, first, &dl, &hg, NULL);
-}
-
-/* The kept log-probs backward (lmloss_linear_log_probs_keep): the store
- * holds every supervised row's gradient of its log-prob u_i and its
- * hidden row h_i, so dW = U^T (dlogp_i h_i) and dhidden_i = dlogp_i (U W)_i:
- * two GEMMs. */
-static lmloss_status kept_grads(const linear_job *j, const lmloss_linear_prims *L,
-                                const linear_plan *p, char *w, const int64_t *list, int64_t M) {
-  const lmloss_head *h = j->head;
-  const lmloss_head_grads *g = j->grads;
-  const lmloss_device dev = h->hidden.device;
-  const int64_t H = h->hidden.cols, V = h->weight.rows;
-  const lmloss_tensor s = lmloss_ws_view(w + p->sums, LMLOSS_F32, dev, M, 1);
-  const lmloss_tensor dl = lmloss_ws_view(w + p->store, h->weight.dtype, dev, M, V);
-  const lmloss_tensor hg = lmloss_ws_view(w + p->ghid, h->hidden.dtype, dev, M, H);
-  TRY(L->gather_rows(j->ctx, j->dlogp, list, &s));
-  if (wants(&g->dweight)) {
-    TRY(L->scale_rows(j->ctx, &hg, &s));
-    TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hg, g->accumulate ? 1.0f : 0.0f, &g->dweight));
-  }
-  if (!wants(&g->dhidden)) return LMLOSS_OK;
-  return store_dhidden(j, L, p, w, list, 0, &dl, &hg, &s);
-}
-
-/* Outputs of the rows that no chunk visits. */
-static lmloss_status fill_unvisited(const linear_job *j, const lmloss_linear_prims *L) {
-  const lmloss_context *ctx = j->ctx;
-  if (j->kind == CE_FORWARD) {
-    if (j->opt->reduction == LMLOSS_REDUCE_NONE) TRY(L->fill(ctx, &j->out->loss, 0.0));
-    if (wants(&j->out->lse)) TRY(L->fill(ctx, &j->out->lse, 0.0));
-    if (wants(&j->out->entropy)) TRY(L->fill(ctx, &j->out->entropy, 0.0));
-    if (wants(&j->out->argmax)) TRY(L->fill(ctx, &j->out->argmax, -1.0));
-  }
-  if (j->kind == LP_FORWARD) {
-    if (j->logp) TRY(L->fill(ctx, j->logp, 0.0));
-    if (wants(j->entropy)) TRY(L->fill(ctx, j->entropy, 0.0));
-    if (j->stats) { /* a masked row's, as lmloss_rowstat_save_masked: 0, no argmax */
-      lmloss_tensor argmax = *j->stats;
-      argmax.data = (float *)argmax.data + LMLOSS_STAT_A;
-      argmax.cols = 1;
-      TRY(L->fill(ctx, j->stats, 0.0));
-      TRY(L->fill(ctx, &argmax, -1.0));
-    }
-  }
-  if (j->grads && wants(&j->grads->dhidden)) TRY(L->fill(ctx, &j->grads->dhidden, 0.0));
-  return LMLOSS_OK;
-}
-
-/* The log-probs backward from saved statistics (see the file comment):
- * the M supervised rows' statistics and upstream gradients, gathered
- * once, and dhidden's fp32 sum over the vocab tiles, from the region on;
- * the tiles' buffers from `end`. */
-typedef struct {
-  lmloss_tensor stats, index, dlogp, dent, acc; /* acc absent without dhidden */
-  size_t end;
-} saved_rows;
-
-static saved_rows saved_layout(const linear_job *j, const linear_plan *p, char *w, int64_t M) {
-  const lmloss_device dev = j->head->hidden.device;
-  const int64_t H = j->head->hidden.cols, K = p->K;
-  saved_rows s;
-  memset(&s, 0, sizeof s);
-  size_t off = p->region;
-  if (wants(&j->grads->dhidden))
-    s.acc = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, H), off += lmloss_ws_up((size_t)M * H * 4);
-  s.stats = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, LMLOSS_ROW_STATS);
-  off += lmloss_ws_up((size_t)M * LMLOSS_ROW_STATS * 4);
-  if (j->labels) {
-    s.index = lmloss_ws_view(w + off, j->labels->dtype, dev, M, K),
-    off += lmloss_ws_up((size_t)M * K * 8);
-    s.dlogp = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, K),
-    off += lmloss_ws_up((size_t)M * K * 4);
-  }
-  if (j->dentropy)
-    s.dent = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, 1), off += lmloss_ws_up((size_t)M * 4);
-  s.end = off;
-  return s;
-}
-
-/* Whether the saved-statistics schedule runs: the backend has it, the
- * call allows it (lmloss.h) and its buffers leave the tiles room for all
- * M rows (one block: dhidden's sum is the fp32 state between tiles) by
- * min(V, 128) columns; narrower tiles would cost more than the logits
- * GEMM they save. */
-static int saved_fits(const linear_job *j, const lmloss_linear_prims *L, const linear_plan *p,
-                      const saved_rows *s, int64_t M) {
-  const lmloss_head *h = j->head;
-  const int64_t N = h->hidden.rows, H = h->hidden.cols, V = h->weight.rows;
-  if (!p->tiled || !L->lp_tile_grad || wants(&j->grads->dbias) || p->K > LMLOSS_SAVED_MAX_K)
-    return 0;
-  const int64_t c = V < 128 ? V : 128;
-  return s->end <= p->total &&
-         p->total - s->end >= tile_bytes(p, M, c, H, 0, M < N, 1) + 3 * LMLOSS_WS_ALIGN;
-}
-
-/* Whether the call runs from saved statistics (*on), and then their
- * buffers, gathered for the M supervised rows. */
-static lmloss_status saved_start(const linear_job *j, const lmloss_linear_prims *L,
-                                 const linear_plan *p, char *w, const int64_t *list, int64_t M,
-                                 saved_rows *s, int *on) {
-  if (j->kind != LP_BACKWARD || !j->stats) return LMLOSS_OK;
-  *s = saved_layout(j, p, w, M);
-  if (!saved_fits(j, L, p, s, M)) return LMLOSS_OK;
-  *on = 1;
-  TRY(L->gather_rows(j->ctx, j->stats, list, &s->stats));
-  if (j->labels) TRY(L->gather_rows(j->ctx, j->labels, list, &s->index));
-  if (j->labels) TRY(L->gather_rows(j->ctx, j->dlogp, list, &s->dlogp));
-  if (j->dentropy) TRY(L->gather_rows(j->ctx, j->dentropy, list, &s->dent));
-  return LMLOSS_OK;
-}
-
-/* dW of a 16-bit head whose supervised rows took more than one chunk:
- * rather than sum dW over the chunks (V x H read and written per chunk, in
- * an fp32 copy for a 16-bit dW), each vocab tile of dW is one GEMM over
- * all M rows (or a few blocks of them), written once. The tile's gradient
- * is recomputed from its logits (one more logits GEMM, in tiles) and the
- * coefficients and exact entries the chunks kept, or (saved) formed from
- * the saved statistics, the tile then adding its part of dhidden too.
- * Worth it where the GEMMs run on tensor cores; an F32 head's GEMMs (the
- * CPU's, or fp32 ones on a GPU) cost more than the read-modify-write they
- * would save. */
-static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims *L,
-                                 const linear_plan *p, char *w, const int64_t *list, int64_t M,
-                                 const lmloss_tensor *bias, const saved_rows *saved) {
-  const lmloss_head *h = j->head;
-  const lmloss_device dev = h->hidden.device;
-  const int64_t H = h->hidden.cols, V = h->weight.rows;
-  const int is_ce = j->kind == CE_FORWARD || j->kind == CE_BACKWARD;
-  const lmloss_transform *tr = is_ce ? &j->opt->transform : j->tr;
-  /* Hidden rows read in place when all are supervised, from saved
-   * statistics only: there the bytes go to wider tiles, which dhidden's
-   * sum narrows; the CE tiles so widened took the fused CE 1.3 ms longer
-   * (H200, bf16 8192 x 152064 x 4096: 70.7-70.9 against 69.2-69.7 ms). */
-  const int gathered = M < h->hidden.rows || !saved;
-  const tile_plan t =
-      lmloss_linear_plan_tiles(p, saved ? saved->end : p->region, gathered, !!saved, M, H, V);
-  const int64_t nb = (M + t.rows - 1) / t.rows;
-  for (int64_t j0 = 0; j0 < V; j0 += t.cols) {
-    const int64_t tc = V - j0 < t.cols ? V - j0 : t.cols;
-    const lmloss_tensor wt = rows_of(&h->weight, j0, tc), dwt = rows_of(&j->grads->dweight, j0, tc);
-    const lmloss_tensor acc = t.acc_f32 ? lmloss_ws_view(w + t.acc, LMLOSS_F32, dev, tc, H) : dwt;
-    for (int64_t b = 0; b < nb; b++) {
-      const int64_t first = b * t.rows, n = M - first < t.rows ? M - first : t.rows;
-      lmloss_tensor hb = t.gathered ? lmloss_ws_view(w + t.hid, h->hidden.dtype, dev, n, H)
-                                    : rows_of(&h->hidden, first, n);
-      lmloss_tensor slab = lmloss_ws_view(w + t.slab, LMLOSS_F32, dev, n, tc);
-      slab.row_stride = t.cols; /* the last, narrower tile keeps the rows' alignment */
-      if (t.gathered && (nb > 1 || j0 == 0))
-        TRY(L->gather_rows(j->ctx, &h->hidden, list + first, &hb));
-      const lmloss_tensor bt = wants(bias) ? rows_of(bias, j0, tc) : (lmloss_tensor){0};
-      TRY(L->logits(j->ctx, &hb, &wt, &bt, &slab));
-      lmloss_tensor dl =
-          lmloss_ws_view(w + t.dl, h->weight.dtype, dev, n, tc);         /* a 16-bit head's */
-      dl.row_stride = t.inplace ? t.cols * 4 / (int64_t)p->dls : t.cols; /* the slab's rows */
-      lmloss_grad_keep kept, *keep = keep_at(j, p, w, first, &kept);
-      if (saved) {
-        lmloss_tensor st = rows_of(&saved->stats, first, n), ix, dlp, dent;
-        if (j->labels)
-          ix = rows_of(&saved->index, first, n), dlp = rows_of(&saved->dlogp, first, n);
-        if (j->dentropy) dent = rows_of(&saved->dent, first, n);
-        TRY(L->lp_tile_grad(j->ctx, &slab, j0, V, tr, j->labels ? &ix : NULL,
-                            j->labels ? &dlp : NULL, j->dentropy ? &dent : NULL, &st, keep, &dl));
-        if (wants(&saved->acc)) {
-          const lmloss_tensor ah = rows_of(&saved->acc, first, n);
-          TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dl, &wt, j0 == 0 ? 0.0f : 1.0f, &ah));
-        }
-      } else {
-        TRY(L->tile_grad(j->ctx, &slab, j0, tr, is_ce ? j->cw : NULL, keep, &dl));
-      }
-      TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hb, b == 0 && !j->grads->accumulate ? 0.0f : 1.0f,
-                  &acc));
-    }
-    if (t.acc_f32) TRY(L->cast(j->ctx, &acc, &dwt));
-  }
-  if (!saved || !wants(&saved->acc)) return LMLOSS_OK;
-  /* dhidden: the sum, with what rounding dlogits took from the exact
-   * entries, rounded to hidden's dtype; scattered through the gathered
-   * hidden rows' buffer (the tiles took all M rows in one block) */
-  lmloss_grad_keep kept;
-  TRY(L->restore_entries(j->ctx, keep_at(j, p, w, 0, &kept), &h->weight, &saved->acc));
-  if (!t.gathered) return L->cast(j->ctx, &saved->acc, &j->grads->dhidden);
-  lmloss_tensor dh = lmloss_ws_view(w + t.hid, h->hidden.dtype, dev, M, H);
-  TRY(L->cast(j->ctx, &saved->acc, &dh));
-  return L->scatter_rows(j->ctx, &dh, list, &j->grads->dhidden);
-}
-
-static lmloss_status run(const linear_job *j, void *ws, size_t ws_bytes) {
-  const lmloss_head *h = j->head;
-  const lmloss_device dev = h->hidden.device;
-  const lmloss_backend_ops *ops;
-  TRY(lmloss_pick_backend(j->ctx, dev, &ops));
-  TRY(lmloss_check_supports(ops, LMLOSS_CAN_FUSED_HEAD, "fused linear head"));
-  /* Before anything is written. */
-  if (h->hidden.dtype != LMLOSS_F32 && !ops->supports(LMLOSS_CAN_16BIT_HEAD))
-    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED,
-                       "this backend's fused head takes F32 hidden/weight only");
-  const lmloss_linear_prims *L = ops->linear;
-  linear_plan p;
-  int64_t K = (j->kind == CE_FORWARD || j->kind == CE_BACKWARD) ? 1
-              : j->labels                                       ? j->labels->cols
-                                                                : 0;
-  if (j->keep_grad) {
-    int fits;
-    TRY(lmloss_linear_keep_plan(h, j->hopt, &p, &fits));
-    if (!fits)
-      return lmloss_fail(LMLOSS_ERR_UNSUPPORTED,
-                         "kept log-probs: no store of all %lld rows in this budget and dtype "
-                         "(lmloss_linear_log_probs_keep_size answers 0)",
-                         (long long)h->hidden.rows);
-  } else {
-    TRY(lmloss_linear_make_plan(h, j->hopt, j->grads, K, &p));
-  }
-  TRY(grads_apart(h, j->grads));
-  if (!ws) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
-  if (ws_bytes < p.total)
-    return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",
-                       ws_bytes, p.total);
-  char *w = ws;
-  const int64_t H = h->hidden.cols, V = h->weight.rows;
-  const lmloss_head_grads *g = j->grads;
-  int64_t *list = (int64_t *)(w + p.list), M = 0;
-  double wsum = 0.0;
-  const int is_ce = j->kind == CE_FORWARD || j->kind == CE_BACKWARD;
-  if (is_ce) {
-    TRY(L->select_rows(j->ctx, j->labels, j->opt->ignore_index, j->cw, list, &M, &wsum));
-  } else if (wants(j->mask)) {
-    TRY(L->select_rows(j->ctx, j->mask, 0, NULL, list, &M, &wsum));
-  } else {
-    lmloss_tensor all = lmloss_ws_view(NULL, LMLOSS_BOOL, dev, h->hidden.rows, 1);
-    TRY(L->select_rows(j->ctx, &all, 0, NULL, list, &M, &wsum));
-  }
-  double scale = 1.0;
-  if (is_ce && j->opt->reduction == LMLOSS_REDUCE_MEAN) scale = wsum > 0.0 ? 1.0 / wsum : 0.0;
-  if (is_ce && j->opt->reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) scale = 1.0 / j->opt->num_items;
-  if (scale == 0.0) M = 0; /* mean over zero weight: 0 with a zero gradient */
-  TRY(fill_unvisited(j, L));
-  /* the logits GEMMs take an F32 bias (a cuBLASLt epilogue's) */
-  lmloss_tensor bias = h->bias;
-  if (wants(&h->bias) && h->bias.dtype != LMLOSS_F32 && M > 0) {
-    bias = lmloss_ws_view(w + p.bias32, LMLOSS_F32, dev, V, 1);
-    TRY(L->cast(j->ctx, &h->bias, &bias));
-  }
-
-  const int want_grad =
-      has_grads(g) && j->kind != LP_FORWARD && !(j->kind == CE_FORWARD && !has_grads(g));
-  lmloss_tensor accb = {0};
-  if (g && wants(&g->dbias))
-    accb = p.acc_b_f32 ? lmloss_ws_view(w + p.acc_b, LMLOSS_F32, dev, V, 1) : g->dbias;
-  const int64_t nchunks = (M + p.rows - 1) / p.rows;
-  const int want_dw = want_grad && wants(&g->dweight);
-  p.tiled = want_dw && p.tiles && nchunks > 1;
-  saved_rows sr;
-  int from_saved = 0;
-  TRY(saved_start(j, L, &p, w, list, M, &sr, &from_saved));
-  const saved_rows *saved = from_saved ? &sr : NULL;
-  /* the row op writes a gradient: a training call's, or the kept log-probs' */
-  const int row_grad = want_grad || (j->keep_grad && j->kind == LP_FORWARD);
-  const int store = row_grad && p.group > 0; /* dhidden and dW by groups (plan_store) */
-  const int kept = j->keep_grad && j->kind == LP_BACKWARD;
-  const float beta0 = g && g->accumulate ? 1.0f : 0.0f;
-  char *sb = store ? store_base(j, &p, w) : NULL;
-  if (kept && M > 0) TRY(kept_grads(j, L, &p, w, list, M));
-  int64_t c = 0, n;
-  for (int64_t first = 0; !saved && !kept && first < M; first += n, c++) {
-    char *slab_at;
-    n = chunk_at(&p, V, M, first, store, w, sb, &slab_at);
-    const int64_t *lc = list + first, in_group = store ? first % p.group : 0;
-    char *hid = store ? sb + p.ghid + (size_t)(in_group * H) * p.hs : w + p.hid;
-    lmloss_tensor hc = lmloss_ws_view(hid, h->hidden.dtype, dev, n, H);
-    lmloss_tensor slab = lmloss_ws_view(slab_at, LMLOSS_F32, dev, n, V);
-    TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
-    TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
-    char *dlo = store ? sb + p.store + (size_t)(in_group * V) * p.dls : w + p.dl;
-    lmloss_tensor dl = p.dl_separate ? lmloss_ws_view(dlo, h->weight.dtype, dev, n, V) : slab;
-    lmloss_grad_keep kept_at, *keep = row_grad ? keep_at(j, &p, w, first, &kept_at) : NULL;
-    TRY(chunk_rows(j, ops, &p, w, lc, c, n, &slab, row_grad ? &dl : NULL, keep, scale));
-    if (!want_grad) continue;
-    const float beta = c == 0 ? beta0 : 1.0f;
-    if (wants(&g->dbias)) TRY(L->colsum(j->ctx, &dl, keep, beta, &accb));
-    if (store) {
-      const int64_t g0 = first - in_group, gn = first + n - g0;
-      if (gn == p.group || first + n == M)
-        TRY(group_grads(j, L, &p, w, list, g0, gn, g0 == 0 ? beta0 : 1.0f));
-      continue;
-    }
-    if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, keep, &dl));
-    if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &g->dweight));
-  }
-  if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M, &bias, saved));
-  if (want_grad) {
-    const lmloss_tensor accw = lmloss_ws_view(w + p.acc_w, LMLOSS_F32, dev, V, H);
-    if (want_dw && M == 0 && !beta0) TRY(L->fill(j->ctx, &g->dweight, 0.0));
-    if (want_dw && M > 0 && store && p.acc_w_size) TRY(L->cast(j->ctx, &accw, &g->dweight));
-    if (wants(&g->dbias)) {
-      if (M == 0 && !beta0) TRY(L->fill(j->ctx, &accb, 0.0));
-      if (p.acc_b_f32) TRY(L->cast(j->ctx, &accb, &g->dbias));
-    }
-  }
-  if (j->kind == CE_FORWARD && j->opt->reduction != LMLOSS_REDUCE_NONE) {
-    if (M == 0) return L->fill(j->ctx, &j->out->loss, 0.0);
-    lmloss_tensor sums = lmloss_ws_view(w + p.sums, LMLOSS_F32, dev, c, 1);
-    TRY(L->sum(j->ctx, &sums, &j->out->loss));
-  }
-  return LMLOSS_OK;
 }
 
 /* Shared checks of the CE entry points. */
@@ -679,17 +42,18 @@ lmloss_linear_cross_entropy(const lmloss_context *ctx, const lmloss_head *head,
     return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dlogits must be absent: the fused head never "
                                              "materializes the logits");
   TRY(lmloss_check_ce_rows(out, N, opt->reduction));
-  linear_job j = {.kind = CE_FORWARD,
+  linear_job j = {.table = &lmloss_ce_forward_job,
                   .ctx = ctx,
                   .head = head,
                   .labels = target,
                   .tw = opt_tensor(token_weight),
                   .cw = opt_tensor(class_weight),
                   .opt = opt,
+                  .tr = &opt->transform,
                   .hopt = hopt,
                   .out = out,
                   .grads = has_grads(grads) ? grads : NULL};
-  return run(&j, ws, ws_bytes);
+  return lmloss_linear_run(&j, ws, ws_bytes);
 }
 
 lmloss_status lmloss_linear_cross_entropy_backward(
@@ -703,17 +67,18 @@ lmloss_status lmloss_linear_cross_entropy_backward(
   if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
   TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
                           opt->reduction == LMLOSS_REDUCE_NONE ? head->hidden.rows : 1, 1));
-  linear_job j = {.kind = CE_BACKWARD,
+  linear_job j = {.table = &lmloss_ce_backward_job,
                   .ctx = ctx,
                   .head = head,
                   .labels = target,
                   .tw = opt_tensor(token_weight),
                   .cw = opt_tensor(class_weight),
                   .opt = opt,
+                  .tr = &opt->transform,
                   .hopt = hopt,
                   .dloss = dloss,
                   .grads = grads};
-  return run(&j, ws, ws_bytes);
+  return lmloss_linear_run(&j, ws, ws_bytes);
 }
 
 static lmloss_status check_lp(const lmloss_head *head, const lmloss_tensor *index,
@@ -737,7 +102,7 @@ lmloss_status lmloss_linear_log_probs(const lmloss_context *ctx, const lmloss_he
   TRY(lmloss_check_tensor(logp, "logp", LMLOSS_FLOATS, head->hidden.rows, index->cols));
   TRY(lmloss_check_optional(entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
   TRY(lmloss_check_stats(stats, head->hidden.rows, head->weight.rows, head->hidden.device));
-  linear_job j = {.kind = LP_FORWARD,
+  linear_job j = {.table = &lmloss_lp_forward_job,
                   .ctx = ctx,
                   .head = head,
                   .labels = index,
@@ -747,7 +112,7 @@ lmloss_status lmloss_linear_log_probs(const lmloss_context *ctx, const lmloss_he
                   .logp = logp,
                   .entropy = wants(entropy) ? entropy : NULL,
                   .stats = wants(stats) ? stats : NULL};
-  return run(&j, ws, ws_bytes);
+  return lmloss_linear_run(&j, ws, ws_bytes);
 }
 
 lmloss_status lmloss_linear_log_probs_backward(
@@ -762,7 +127,7 @@ lmloss_status lmloss_linear_log_probs_backward(
   if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
   TRY(lmloss_check_lp_upstream(index, dlogp, dentropy, N));
   TRY(lmloss_check_stats(stats, N, head->weight.rows, head->hidden.device));
-  linear_job j = {.kind = LP_BACKWARD,
+  linear_job j = {.table = &lmloss_lp_backward_job,
                   .ctx = ctx,
                   .head = head,
                   .labels = wants(dlogp) ? index : NULL,
@@ -773,7 +138,7 @@ lmloss_status lmloss_linear_log_probs_backward(
                   .dentropy = wants(dentropy) ? dentropy : NULL,
                   .stats = wants(stats) ? stats : NULL,
                   .grads = grads};
-  return run(&j, ws, ws_bytes);
+  return lmloss_linear_run(&j, ws, ws_bytes);
 }
 
 /* Shared checks of the kept log-probs' entry points: one index a row. */
@@ -798,7 +163,7 @@ lmloss_status lmloss_linear_log_probs_keep(const lmloss_context *ctx, const lmlo
   TRY(lmloss_check_optional(entropy, "entropy", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
   const lmloss_tensor *outs[] = {logp, entropy};
   TRY(lmloss_check_device(outs, 2, head->hidden.device));
-  linear_job j = {.kind = LP_FORWARD,
+  linear_job j = {.table = &lmloss_lp_keep_forward_job,
                   .ctx = ctx,
                   .head = head,
                   .labels = index,
@@ -806,9 +171,8 @@ lmloss_status lmloss_linear_log_probs_keep(const lmloss_context *ctx, const lmlo
                   .tr = tr,
                   .hopt = hopt,
                   .logp = logp,
-                  .entropy = wants(entropy) ? entropy : NULL,
-                  .keep_grad = 1};
-  return run(&j, ws, ws_bytes);
+                  .entropy = wants(entropy) ? entropy : NULL};
+  return lmloss_linear_run(&j, ws, ws_bytes);
 }
 
 lmloss_status lmloss_linear_log_probs_backward_kept(
@@ -824,7 +188,7 @@ lmloss_status lmloss_linear_log_probs_backward_kept(
   TRY(lmloss_check_tensor(dlogp, "dlogp", LMLOSS_MASK(LMLOSS_F32), head->hidden.rows, 1));
   const lmloss_tensor *ts[] = {dlogp, &grads->dhidden, &grads->dweight};
   TRY(lmloss_check_device(ts, 3, head->hidden.device));
-  linear_job j = {.kind = LP_BACKWARD,
+  linear_job j = {.table = &lmloss_lp_keep_backward_job,
                   .ctx = ctx,
                   .head = head,
                   .labels = index,
@@ -832,9 +196,8 @@ lmloss_status lmloss_linear_log_probs_backward_kept(
                   .tr = tr,
                   .hopt = hopt,
                   .dlogp = dlogp,
-                  .grads = grads,
-                  .keep_grad = 1};
-  return run(&j, ws, ws_bytes);
+                  .grads = grads};
+  return lmloss_linear_run(&j, ws, ws_bytes);
 }
 
 /* The backend of a scale call on tensors ts (scale last). */

@@ -1,7 +1,7 @@
 /*
  * linear_plan.c - the fused head's plans: which schedule a call takes
  * (a store and its groups, chunks, vocab tiles) and where its buffers
- * live, from shapes alone (fused_linear.c says what each schedule does);
+ * live, from shapes alone (linear_loop.c says what each schedule does);
  * the argument checks and the size and plan queries.
  */
 #include <string.h>

@@ -2,7 +2,7 @@
  * linear_plan.h - where a fused-head call's buffers live in its workspace
  * (and, for a store in dweight, in dweight's bytes): the plan that
  * linear_plan.c makes from the shapes, the options and the gradients
- * asked for, and that fused_linear.c's chunk loop follows.
+ * asked for, and that linear_loop.c's chunk loop follows.
  */
 #ifndef LMLOSS_CORE_LINEAR_PLAN_H
 #define LMLOSS_CORE_LINEAR_PLAN_H

@@ -123,8 +123,7 @@ DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, 
 #pragma omp simd reduction(+ : frs, frt, fd)
     for (int i = i0; i < i1; i++) {
       float es, et, di;
-      lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et,
-                             &di);
+      lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
       frs += i == as ? 0.0f : es;
       frt += i == at ? 0.0f : et;
       fd += di;
@@ -155,8 +154,7 @@ DIV_INLINE int running_block(const div_job *jb, const pair_block *b, lmloss_div_
 #pragma omp simd reduction(+ : frs, frt, fd, bad) reduction(max : mbs, mbt)
     for (int i = i0; i < i1; i++) {
       float es, et, di;
-      lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et,
-                             &di);
+      lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
       frs += es, frt += et, fd += di;
       mbs = ws[i] > mbs ? ws[i] : mbs;
       mbt = wt[i] > mbt ? wt[i] : mbt;

@@ -222,7 +222,7 @@ LMLOSS_HD float lmloss_ce_grad_z(const lmloss_ce_coef *q, const lmloss_rowstat *
  * c_j the class weight (1 without), then dx_j = dz_j dz/dx_j. A row op
  * writes it beside the gradient row, so that the fused head can recompute
  * any vocab tile of the row from that tile's logits alone
- * (src/core/fused_linear.c). a: the argmax (-1 when the row's statistics
+ * (src/core/linear_loop.c). a: the argmax (-1 when the row's statistics
  * are not finite; p, q are NaN then). */
 typedef struct {
   float m, p, p2, q;

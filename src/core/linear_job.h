@@ -1,0 +1,78 @@
+/*
+ * linear_job.h - a fused-head call as data. The entry points
+ * (fused_linear.c) check a call's arguments and make its job: the
+ * arguments and the table of its kind. The tables (linear_jobs.c) hold
+ * all that the kinds do differently: which rows they select, the row op
+ * of a chunk and the outputs it scatters, the fill of the rows no chunk
+ * visits, the reduced loss. The chunk loop (linear_loop.c) holds what
+ * they share: the plan, the GEMMs, the store, the vocab tiles.
+ */
+#ifndef LMLOSS_CORE_LINEAR_JOB_H
+#define LMLOSS_CORE_LINEAR_JOB_H
+
+#include "linear_plan.h"
+
+typedef struct linear_job_table linear_job_table;
+
+/* A call's arguments (the ones it lacks NULL). */
+typedef struct {
+  const linear_job_table *table;
+  const lmloss_context *ctx;
+  const lmloss_head *head;
+  const lmloss_tensor *labels; /* target [N, 1] or index [N, K] (absent: K = 0) */
+  const lmloss_tensor *mask, *tw;
+  const lmloss_tensor *cw; /* cross-entropy's class weights (absent: a tensor of no data) */
+  const lmloss_ce_options *opt;
+  const lmloss_transform *tr; /* the logits' transform (cross-entropy's: opt's) */
+  const lmloss_head_options *hopt;
+  const lmloss_ce_outputs *out;
+  const lmloss_tensor *dloss, *logp, *entropy, *dlogp, *dentropy;
+  const lmloss_tensor *stats; /* log-probs: saved (forward) or given (backward) */
+  const lmloss_head_grads *grads;
+} linear_job;
+
+/* The row op of one chunk: its n compact rows (list, from compact row
+ * first) whose logits are in slab, chunk number c; dl, where the row op
+ * writes their gradient (NULL: none), keep what it keeps of it for a
+ * 16-bit head (lmloss_grad_keep; NULL otherwise); scale, the loss's
+ * factor (the select's). */
+typedef struct {
+  const int64_t *list;
+  int64_t c, n;
+  const lmloss_tensor *slab, *dl;
+  lmloss_grad_keep *keep;
+  double scale;
+} linear_chunk;
+
+/* What a kind of job does where the kinds differ. */
+struct linear_job_table {
+  /* the plan of the kept log-probs: a store of all N rows (their forward
+   * and backward); else the budget's */
+  int kept;
+  /* the row op writes a gradient without the head's grads (the kept
+   * forward's, into the store) */
+  int row_grad;
+  /* the gradients come from the kept forward's store, not from chunks */
+  int from_store;
+  /* the backward may run from the forward's saved statistics */
+  int from_stats;
+  /* the supervised rows into list, their count *M, the loss's factor *scale */
+  lmloss_status (*select)(const linear_job *, const lmloss_linear_prims *, int64_t *list,
+                          int64_t *M, double *scale);
+  lmloss_status (*rows)(const linear_job *, const lmloss_backend_ops *, const linear_plan *,
+                        char *ws, const linear_chunk *);
+  /* outputs of the rows that no chunk visits (NULL: none; the loop fills dhidden) */
+  lmloss_status (*fill)(const linear_job *, const lmloss_linear_prims *);
+  /* after the chunks: the outputs summed over them (NULL: none) */
+  lmloss_status (*finish)(const linear_job *, const lmloss_linear_prims *, const linear_plan *,
+                          char *ws, int64_t chunks, int64_t M);
+};
+
+extern const linear_job_table lmloss_ce_forward_job, lmloss_ce_backward_job;
+extern const linear_job_table lmloss_lp_forward_job, lmloss_lp_backward_job;
+extern const linear_job_table lmloss_lp_keep_forward_job, lmloss_lp_keep_backward_job;
+
+/* Runs a checked job in the workspace ws (linear_loop.c). */
+lmloss_status lmloss_linear_run(const linear_job *j, void *ws, size_t ws_bytes);
+
+#endif
