@@ -233,17 +233,24 @@ LMLOSS_DIV_HD float lmloss_div_p_minus_q(float p, float q, float delta) {
   return fabsf(delta) < 1.0f ? -p * lmloss_vexpm1_small(delta) : p - q;
 }
 
-/* The JSD's log(M / p) (mu) and log(q / M) (nu): by log1p of the small
- * forms inside |delta| < 1, else from log M as a log-add-exp of the rows'
- * log-probabilities; both computed, then a select (no branch). */
+/* The JSD's log(M / p) (mu) and log(q / M) (nu): inside |delta| < 1 the
+ * smaller of the two by log1p of its small form (mu's beta expm1(delta)
+ * for beta <= 1/2, else nu's) and the other as delta minus it, which is
+ * at least delta / 2 (no cancellation); outside from log M as a
+ * log-add-exp of the rows' log-probabilities; both computed, then a
+ * select (no branch). */
 LMLOSS_DIV_HD void lmloss_div_jsd_logs(const lmloss_div_pair *pr, float delta, float lp, float lq,
                                        float *mu, float *nu) {
   const float beta = pr->beta, small = fabsf(delta) < 1.0f, d = small ? delta : 0.0f;
   const float u = lp + pr->log_1mb, v = lq + pr->log_b;
   const float hi = u > v ? u : v, lo = u > v ? v : u;
   const float lm = hi + lmloss_vlog1p_mid(lmloss_div_exp(lo - hi));
-  *mu = small ? lmloss_vlog1p_mid(beta * lmloss_vexpm1_small(d)) : lm - lp;
-  *nu = small ? -lmloss_vlog1p_mid((1.0f - beta) * lmloss_vexpm1_small(-d)) : lq - lm;
+  const int mu_first = beta <= 0.5f;
+  /* mu (beta <= 1/2), or -nu = log1p((1 - beta) expm1(-delta)) */
+  const float c = mu_first ? beta : 1.0f - beta, x = mu_first ? d : -d;
+  const float one = lmloss_vlog1p_mid(c * lmloss_vexpm1_small(x));
+  *mu = small ? (mu_first ? one : d + one) : lm - lp;
+  *nu = small ? (mu_first ? d - one : -one) : lq - lm;
 }
 
 /* The JSD's log(M_j / p_j) - log(M_a / p_a) = log(u_a + w_a e^h_j), h_j =
