@@ -34,8 +34,9 @@
  * they repeat (rows of ties) in a scalar build, and double lanes
  * throughout cost the vector loops a fifth of their time. */
 #define LMLOSS_DIV_RUN 256
-/* The longest rows whose loss sweep keeps p and h a column for the
- * gradient sweep (16 MB a thread). */
+/* The longest rows whose statistics keep their exponentials for the loss
+ * sweep, which keeps p and h over them for the gradient sweep (16 MB a
+ * thread). */
 #define LMLOSS_DIV_KEEP_MAX (1 << 21)
 /* every helper a loop calls is inlined into each ISA clone of the loop */
 #define DIV_INLINE static inline __attribute__((always_inline))
@@ -53,6 +54,7 @@ typedef struct {
   const float *ws, *wt, *xs, *xt;
   int n, bad, any_s, any_t;
   float bws[LMLOSS_DIV_BLOCK], bwt[LMLOSS_DIV_BLOCK], bxs[LMLOSS_DIV_BLOCK], bxt[LMLOSS_DIV_BLOCK];
+  float p[LMLOSS_DIV_BLOCK], q[LMLOSS_DIV_BLOCK]; /* the loss sweep's (block_pq) */
 } pair_block;
 
 /* One side of a block; returns w, *x the raw logits. */
@@ -108,7 +110,7 @@ DIV_INLINE int64_t first_max(const float *w, int n, float *m) {
  * only -inf (no softcap) has max -inf there: its exponents are taken from
  * 0 instead, so they read 0, and merge() counts no mass for it. */
 DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, int64_t j0,
-                                        int capped) {
+                                        float *restrict kes, float *restrict ket, int capped) {
   lmloss_div_stats s;
   const int as = (int)first_max(b->ws, b->n, &s.ms), at = (int)first_max(b->wt, b->n, &s.mt);
   s.as = j0 + as, s.at = j0 + at, s.xs_a = b->xs[as], s.xt_a = b->xt[at];
@@ -127,6 +129,7 @@ DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, 
       frs += i == as ? 0.0f : es;
       frt += i == at ? 0.0f : et;
       fd += di;
+      if (kes) kes[i] = es, ket[i] = et;
     }
     rs += frs, rt += frt, d += fd;
   }
@@ -141,7 +144,7 @@ DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, 
  * the block takes block_stats' way. So a row's common block costs one
  * loop, with no pass of its own for the maxes or the checks. */
 DIV_INLINE int running_block(const div_job *jb, const pair_block *b, lmloss_div_stats *st,
-                             int capped) {
+                             float *restrict kes, float *restrict ket, int capped) {
   const float ms = st->ms, mt = st->mt, G = lmloss_div_stats_G(&jb->pr, st);
   const float *restrict ws = b->ws, *restrict wt = b->wt, *restrict xs = b->xs,
                         *restrict xt = b->xt;
@@ -156,6 +159,7 @@ DIV_INLINE int running_block(const div_job *jb, const pair_block *b, lmloss_div_
       float es, et, di;
       lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
       frs += es, frt += et, fd += di;
+      if (kes) kes[i] = es, ket[i] = et;
       mbs = ws[i] > mbs ? ws[i] : mbs;
       mbt = wt[i] > mbt ? wt[i] : mbt;
       bad += !(xs[i] < INFINITY) | !(xt[i] < INFINITY);
@@ -182,9 +186,50 @@ typedef struct {
  * finishes with r's sums) from the merged state. */
 enum { PAIR_WHOLE, PAIR_STATE, PAIR_PARTIALS, PAIR_FINISH, PAIR_KEPT };
 
-/* The loss sweep's block: its sums into r; with grad (the forward KL)
- * the block's gradient into out; with keep_p and keep_h, each column's p
- * and h (lmloss_div_grad_h) into kp and kh, for the gradient sweep. */
+/* The statistics' exponentials kept for the loss sweep of a one-shot
+ * call (pair_io.ex, EX_FLOATS(V) floats): each column's e^((w - m) k) of
+ * the student's row (V floats) and the teacher's (V), against the maxes
+ * m its block's statistics took (the running ones, or the block's own
+ * where a max rose), then two floats a block: those maxes, which
+ * exp_factors turns into the factors that take a column's exponential
+ * to p and q. The loss sweep then forms no exponential. */
+#define EX_FLOATS(V) (2 * (V) + 2 * (((V) + LMLOSS_DIV_BLOCK - 1) / LMLOSS_DIV_BLOCK))
+
+/* The blocks' maxes into the factors e^((m_b - m) k) / (1 + R) of each
+ * row (0 for a block whose side held only -inf: its exponentials are 0). */
+DIV_INLINE void exp_factors(const pair_row *r, int64_t V, float *ex) {
+  const lmloss_div_row *c = &r->c;
+  float *f = ex + 2 * V;
+  for (int64_t blk = 0; blk < (V + LMLOSS_DIV_BLOCK - 1) / LMLOSS_DIV_BLOCK; blk++, f += 2) {
+    f[0] = f[0] > -INFINITY ? expf((f[0] - c->ms) * c->ks) * c->is : 0.0f;
+    f[1] = f[1] > -INFINITY ? expf((f[1] - c->mt) * c->kt) * c->it : 0.0f;
+  }
+}
+
+/* A block's p and q into b->p and b->q: from the statistics' kept
+ * exponentials (ex, the block's first column's), or formed. */
+DIV_INLINE void block_pq(const pair_row *r, pair_block *b, const float *ex, int64_t V, int64_t j0) {
+  const lmloss_div_row *c = &r->c;
+  float *restrict p = b->p, *restrict q = b->q;
+  if (ex) {
+    const float *restrict es = ex + j0, *restrict et = ex + V + j0;
+    const float *f = ex + 2 * V + 2 * (j0 / LMLOSS_DIV_BLOCK);
+    const float fs = f[0], ft = f[1];
+#pragma omp simd
+    for (int i = 0; i < b->n; i++)
+      p[i] = es[i] * fs, q[i] = et[i] * ft;
+    return;
+  }
+  const float *restrict ws = b->ws, *restrict wt = b->wt;
+#pragma omp simd
+  for (int i = 0; i < b->n; i++)
+    p[i] = lmloss_div_p(c, ws[i]), q[i] = lmloss_div_exp((wt[i] - c->mt) * c->kt) * c->it;
+}
+
+/* The loss sweep's block (its p and q in b, block_pq's): its sums into
+ * r; with grad (the forward KL) the block's gradient into out; with
+ * keep_p and keep_h, each column's p and h (lmloss_div_grad_h) into kp
+ * and kh, for the gradient sweep. */
 DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, int64_t j0,
                            const lmloss_div_grad *gc, float *out, int grad, int keep_p, int keep_h,
                            float *restrict kp, float *restrict kh, int capped, int kind) {
@@ -194,8 +239,8 @@ DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, 
     float div = 0.0f, rev = 0.0f, mix = 0.0f, pos = 0.0f, neg = 0.0f, eq = 0.0f, ent = 0.0f;
 #pragma omp simd reduction(+ : div, rev, mix, pos, neg, eq, ent)
     for (int i = i0; i < i1; i++) {
-      const lmloss_div_col c =
-          lmloss_div_column(&jb->pr, rc, capped, b->ws[i], b->wt[i], b->xs[i], b->xt[i]);
+      const lmloss_div_col c = lmloss_div_column_pq(&jb->pr, rc, capped, b->ws[i], b->wt[i],
+                                                    b->xs[i], b->xt[i], b->p[i], b->q[i]);
       const lmloss_div_terms t =
           lmloss_div_loss_terms(&jb->pr, rc, &c, j0 + i != rc->as && c.p != 0.0f, kind);
       div += t.div, rev += t.rev, mix += t.mix, pos += t.pos, neg += t.neg, eq += t.eq;
@@ -256,10 +301,11 @@ typedef struct {
   void *grad; /* NULL: no gradient */
   lmloss_dtype gdt;
   float scale;
-  int64_t y;   /* the label, -1 without */
-  float *keep; /* 2 V floats: the loss sweep keeps p and h there for the
-                  gradient sweep, which then reads neither row; NULL:
-                  the gradient sweep recomputes them */
+  int64_t y; /* the label, -1 without */
+  float *ex; /* EX_FLOATS(V) floats (one-shot calls): the statistics'
+                exponentials for the loss sweep (exp_factors), and over
+                them the p and h it keeps for the gradient sweep, which
+                then reads neither row; NULL: each sweep forms them */
 } pair_io;
 
 /* The sweeps after the statistics, for one kind: the loss sweep (not in
@@ -276,7 +322,7 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   gc.one_minus_py = y == r->c.as ? r->c.rs / (1.0f + r->c.rs) : -1.0f;
   const int fused =
       io->grad && kind == LMLOSS_DIV_KL && (phase == PAIR_WHOLE || phase == PAIR_PARTIALS);
-  float *const kp = io->grad && !fused && phase == PAIR_WHOLE ? io->keep : NULL;
+  float *const kp = io->grad && !fused && phase == PAIR_WHOLE ? io->ex : NULL;
   float *const kh = kp                                             ? kp + V
                     : io->grad && !fused && phase == PAIR_PARTIALS ? (float *)io->grad
                                                                    : NULL;
@@ -290,11 +336,13 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   /* an F32 gradient is written in place of gbuf (element for element:
    * it may alias the student's row, so w_y is read before) */
   const int direct = io->grad && io->gdt == LMLOSS_F32;
+  const float *const ex = phase == PAIR_WHOLE ? io->ex : NULL;
   for (int64_t j0 = 0; phase != PAIR_FINISH && j0 < V; j0 += LMLOSS_DIV_BLOCK) {
     load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
     if (y >= c0 + j0 && y < c0 + j0 + b->n)
       r->es_y = y == r->c.as ? 0.0f : (b->ws[y - c0 - j0] - r->c.ms) * r->c.ks;
     float *const out = direct ? (float *)io->grad + j0 : gbuf;
+    block_pq(r, b, ex, V, j0);
     if (fused)
       loss_block(jb, r, b, c0 + j0, &gc, out, 1, 0, 0, NULL, NULL, capped, kind);
     else if (kp)
@@ -323,28 +371,46 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   }
 }
 
+/* A row pair's statistics into r (with ex, pair_io.ex, its exponentials
+ * kept: a constant NULL compiles the statistics' phase without). */
+DIV_INLINE void pair_stats(const div_job *jb, const pair_io *io, pair_block *b, pair_row *r,
+                           float *ex, int capped) {
+  lmloss_div_stats st = {0};
+  int bad = 0, any_s = 0, any_t = 0;
+  for (int64_t j0 = 0, blk = 0; j0 < jb->V; j0 += LMLOSS_DIV_BLOCK, blk++) {
+    load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
+    float *const kes = ex ? ex + j0 : NULL, *const ket = ex ? ex + jb->V + j0 : NULL;
+    float *const ref = ex ? ex + 2 * jb->V + 2 * blk : NULL;
+    if (!bad && any_s && any_t && st.ms > -INFINITY && st.mt > -INFINITY) {
+      const float ms = st.ms, mt = st.mt;
+      if (running_block(jb, b, &st, kes, ket, capped)) {
+        if (ref) ref[0] = ms, ref[1] = mt;
+        continue;
+      }
+    }
+    block_check(b);
+    bad |= b->bad, any_s |= b->any_s, any_t |= b->any_t;
+    const lmloss_div_stats bs = block_stats(jb, b, jb->col0 + j0, kes, ket, capped);
+    if (ref) ref[0] = bs.ms, ref[1] = bs.mt;
+    st = j0 == 0 ? bs : lmloss_div_stats_merge(&jb->pr, &st, &bs);
+  }
+  *r = (pair_row){0};
+  r->s.st = st;
+  r->s.flags = (bad ? LMLOSS_PAIR_BAD : 0) | (any_s ? LMLOSS_PAIR_ANY_S : 0) |
+               (any_t ? LMLOSS_PAIR_ANY_T : 0);
+  r->s.xt_as = lmloss_load(io->t, io->tdt, st.as - jb->col0);
+}
+
 DIV_INLINE void div_pair(const div_job *jb, const pair_io *io, pair_block *b, float *gbuf,
                          pair_row *r, int phase, int capped) {
   if (phase == PAIR_WHOLE || phase == PAIR_STATE) {
-    lmloss_div_stats st = {0};
-    int bad = 0, any_s = 0, any_t = 0;
-    for (int64_t j0 = 0; j0 < jb->V; j0 += LMLOSS_DIV_BLOCK) {
-      load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
-      if (!bad && any_s && any_t && st.ms > -INFINITY && st.mt > -INFINITY &&
-          running_block(jb, b, &st, capped))
-        continue;
-      block_check(b);
-      bad |= b->bad, any_s |= b->any_s, any_t |= b->any_t;
-      const lmloss_div_stats bs = block_stats(jb, b, jb->col0 + j0, capped);
-      st = j0 == 0 ? bs : lmloss_div_stats_merge(&jb->pr, &st, &bs);
-    }
-    *r = (pair_row){0};
-    r->s.st = st;
-    r->s.flags = (bad ? LMLOSS_PAIR_BAD : 0) | (any_s ? LMLOSS_PAIR_ANY_S : 0) |
-                 (any_t ? LMLOSS_PAIR_ANY_T : 0);
-    r->s.xt_as = lmloss_load(io->t, io->tdt, st.as - jb->col0);
+    if (io->ex)
+      pair_stats(jb, io, b, r, io->ex, capped);
+    else
+      pair_stats(jb, io, b, r, NULL, capped);
     if (phase == PAIR_STATE || !lmloss_pair_flags_ok(r->s.flags)) return;
     r->c = lmloss_div_state_row(&jb->pr, &r->s);
+    if (io->ex) exp_factors(r, jb->V, io->ex);
   }
   switch (jb->opt->kind) {
   case LMLOSS_DIV_KL: sweeps(jb, r, io, b, gbuf, phase, capped, LMLOSS_DIV_KL); break;
@@ -434,11 +500,10 @@ static lmloss_status div_rows(const lmloss_context *ctx, const lmloss_div_inputs
   {
     pair_block *b = (pair_block *)malloc(sizeof(pair_block));
     float *gbuf = (float *)malloc(LMLOSS_DIV_BLOCK * sizeof(float));
-    /* the loss sweep's p and h for a gradient sweep (none without one, or
-     * past LMLOSS_DIV_KEEP_MAX columns, or without the memory: recomputed) */
-    float *keep = dx && !si && opt->kind != LMLOSS_DIV_KL && V <= LMLOSS_DIV_KEEP_MAX
-                      ? (float *)malloc(2 * (size_t)V * sizeof(float))
-                      : NULL;
+    /* pair_io.ex (past LMLOSS_DIV_KEEP_MAX columns, or without the
+     * memory: none, each sweep forms its exponentials) */
+    float *ex =
+        !si && V <= LMLOSS_DIV_KEEP_MAX ? (float *)malloc(EX_FLOATS(V) * sizeof(float)) : NULL;
     if (!b || !gbuf) {
 #pragma omp atomic write
       oom = 1;
@@ -463,7 +528,7 @@ static lmloss_status div_rows(const lmloss_context *ctx, const lmloss_div_inputs
                             drow ? dx->dtype : LMLOSS_F32,
                             (float)(up * factor),
                             y,
-                            keep};
+                            ex};
         pair_row r;
         if (si) finish_row(jb, si, i, y, &r);
         if (!si || lmloss_pair_flags_ok(r.s.flags))
@@ -487,7 +552,7 @@ static lmloss_status div_rows(const lmloss_context *ctx, const lmloss_div_inputs
       if (out && lmloss_present(&out->entropy)) *lmloss_cpu_f32_at(&out->entropy, i) = (float)ent;
       if (out && !reduced) *lmloss_cpu_f32_at(&out->loss, i) = (float)row_loss[i];
     }
-    free(b), free(gbuf), free(keep);
+    free(b), free(gbuf), free(ex);
   }
   if (oom) return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "CPU backend: no scratch for a row pair");
   if (out && reduced) {

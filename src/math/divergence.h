@@ -275,16 +275,24 @@ LMLOSS_DIV_HD float lmloss_div_p(const lmloss_div_row *r, float ws) {
   return lmloss_div_exp((ws - r->ms) * r->ks) * r->is;
 }
 
-LMLOSS_DIV_HD lmloss_div_col lmloss_div_column(const lmloss_div_pair *pr, const lmloss_div_row *r,
-                                               int capped, float ws, float wt, float xs, float xt) {
+/* The column from its p and q, formed by the caller (the CPU's loss
+ * sweep from the statistics' kept exponentials). */
+LMLOSS_DIV_HD lmloss_div_col lmloss_div_column_pq(const lmloss_div_pair *pr,
+                                                  const lmloss_div_row *r, int capped, float ws,
+                                                  float wt, float xs, float xt, float p, float q) {
   lmloss_div_col c;
   const float es = (ws - r->ms) * r->ks, et = (wt - r->mt) * r->kt;
-  c.p = lmloss_div_p(r, ws);
-  c.q = lmloss_div_exp(et) * r->it;
+  c.p = p, c.q = q;
   c.dg = lmloss_pair_dg(lmloss_div_gap(pr, capped, wt, xt, ws, xs), r->G, es, et);
   c.delta = c.dg - r->ell;
   c.lp = es - r->l1s, c.lq = et - r->l1t;
   return c;
+}
+
+LMLOSS_DIV_HD lmloss_div_col lmloss_div_column(const lmloss_div_pair *pr, const lmloss_div_row *r,
+                                               int capped, float ws, float wt, float xs, float xt) {
+  return lmloss_div_column_pq(pr, r, capped, ws, wt, xs, xt, lmloss_div_p(r, ws),
+                              lmloss_div_exp((wt - r->mt) * r->kt) * r->it);
 }
 
 /* A column's share of the loss sweep's sums: the divergence, the row
