@@ -10,8 +10,8 @@
  * the losses and the row constants a gradient needs (with the forward
  * KL's gradient, which needs none), then the other kinds' gradient. The
  * loops are branch-free and vectorize in the AVX-512 and x86-64-v3 clones
- * (vmath.h); their sums run in float over LMLOSS_DIV_RUN columns, added
- * into double.
+ * (vmath.h); their sums run in double, or (LMLOSS_DIV_RUN says which) in
+ * float over short runs added into double.
  *
  * Over a sharded vocabulary (lmloss.h) the same sweeps run apart: the
  * statistics of the shard's columns (a state; states merge as blocks do),
@@ -29,10 +29,13 @@
 #include "rowpass.h"
 
 #define LMLOSS_DIV_BLOCK 2048
-/* The sweeps' sums run in float over this many columns, then add into
- * double: a block's 2048 terms in one float sum lost up to 1e-5 where
- * they repeat (rows of ties) in a scalar build, and double lanes
- * throughout cost the vector loops a fifth of their time. */
+/* The loss sweep's sums of non-negative terms run in float over this
+ * many columns, then add into double: a block's 2048 terms in one float
+ * sum lost up to 1e-5 where they repeat (rows of ties) in a scalar build,
+ * and double lanes cost TVD's loss sweep 40%. The statistics' sums (the
+ * row's R and D, which a shard's and the one-shot call's different
+ * partitions must agree on to 1e-5 in a scalar build) and the reverse
+ * KL's and JSD's signed sums keep double lanes. */
 #define LMLOSS_DIV_RUN 256
 /* The longest rows whose statistics keep their exponentials for the loss
  * sweep, which keeps p and h over them for the gradient sweep (16 MB a
@@ -119,19 +122,14 @@ DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, 
   const float *restrict ws = b->ws, *restrict wt = b->wt, *restrict xs = b->xs,
                         *restrict xt = b->xt;
   double rs = 0.0, rt = 0.0, d = 0.0;
-  for (int i0 = 0; i0 < b->n; i0 += LMLOSS_DIV_RUN) {
-    const int i1 = b->n - i0 < LMLOSS_DIV_RUN ? b->n : i0 + LMLOSS_DIV_RUN;
-    float frs = 0.0f, frt = 0.0f, fd = 0.0f;
-#pragma omp simd reduction(+ : frs, frt, fd)
-    for (int i = i0; i < i1; i++) {
-      float es, et, di;
-      lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
-      frs += i == as ? 0.0f : es;
-      frt += i == at ? 0.0f : et;
-      fd += di;
-      if (kes) kes[i] = es, ket[i] = et;
-    }
-    rs += frs, rt += frt, d += fd;
+#pragma omp simd reduction(+ : rs, rt, d)
+  for (int i = 0; i < b->n; i++) {
+    float es, et, di;
+    lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
+    rs += i == as ? 0.0f : es;
+    rt += i == at ? 0.0f : et;
+    d += di;
+    if (kes) kes[i] = es, ket[i] = et;
   }
   s.rs = rs, s.rt = rt, s.d = d;
   return s;
@@ -151,20 +149,15 @@ DIV_INLINE int running_block(const div_job *jb, const pair_block *b, lmloss_div_
   float mbs = -INFINITY, mbt = -INFINITY;
   int bad = 0;
   double rs = 0.0, rt = 0.0, d = 0.0;
-  for (int i0 = 0; i0 < b->n; i0 += LMLOSS_DIV_RUN) {
-    const int i1 = b->n - i0 < LMLOSS_DIV_RUN ? b->n : i0 + LMLOSS_DIV_RUN;
-    float frs = 0.0f, frt = 0.0f, fd = 0.0f;
-#pragma omp simd reduction(+ : frs, frt, fd, bad) reduction(max : mbs, mbt)
-    for (int i = i0; i < i1; i++) {
-      float es, et, di;
-      lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
-      frs += es, frt += et, fd += di;
-      if (kes) kes[i] = es, ket[i] = et;
-      mbs = ws[i] > mbs ? ws[i] : mbs;
-      mbt = wt[i] > mbt ? wt[i] : mbt;
-      bad += !(xs[i] < INFINITY) | !(xt[i] < INFINITY);
-    }
-    rs += frs, rt += frt, d += fd;
+#pragma omp simd reduction(+ : rs, rt, d, bad) reduction(max : mbs, mbt)
+  for (int i = 0; i < b->n; i++) {
+    float es, et, di;
+    lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
+    rs += es, rt += et, d += di;
+    if (kes) kes[i] = es, ket[i] = et;
+    mbs = ws[i] > mbs ? ws[i] : mbs;
+    mbt = wt[i] > mbt ? wt[i] : mbt;
+    bad += !(xs[i] < INFINITY) | !(xt[i] < INFINITY);
   }
   if (bad || mbs > ms || mbt > mt) return 0;
   st->rs += rs, st->rt += rt, st->d += d;
@@ -230,29 +223,37 @@ DIV_INLINE void block_pq(const pair_row *r, pair_block *b, const float *ex, int6
  * r; with grad (the forward KL) the block's gradient into out; with
  * keep_p and keep_h, each column's p and h (lmloss_div_grad_h) into kp
  * and kh, for the gradient sweep. */
+/* Column c's index in the block of n columns from j0, or -1: the
+ * loops compare 32-bit lanes, not 64-bit columns. */
+DIV_INLINE int in_block(int64_t c, int64_t j0, int n) {
+  return c >= j0 && c < j0 + n ? (int)(c - j0) : -1;
+}
+
 DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, int64_t j0,
                            const lmloss_div_grad *gc, float *out, int grad, int keep_p, int keep_h,
                            float *restrict kp, float *restrict kh, int capped, int kind) {
   const lmloss_div_row *rc = &r->c;
+  const int a = in_block(rc->as, j0, b->n), y = in_block(gc->y, j0, b->n);
+  double rev = 0.0, mix = 0.0; /* signed terms: double lanes throughout */
   for (int i0 = 0; i0 < b->n; i0 += LMLOSS_DIV_RUN) {
     const int i1 = b->n - i0 < LMLOSS_DIV_RUN ? b->n : i0 + LMLOSS_DIV_RUN;
-    float div = 0.0f, rev = 0.0f, mix = 0.0f, pos = 0.0f, neg = 0.0f, eq = 0.0f, ent = 0.0f;
+    float div = 0.0f, pos = 0.0f, neg = 0.0f, eq = 0.0f, ent = 0.0f;
 #pragma omp simd reduction(+ : div, rev, mix, pos, neg, eq, ent)
     for (int i = i0; i < i1; i++) {
       const lmloss_div_col c = lmloss_div_column_pq(&jb->pr, rc, capped, b->ws[i], b->wt[i],
                                                     b->xs[i], b->xt[i], b->p[i], b->q[i]);
       const lmloss_div_terms t =
-          lmloss_div_loss_terms(&jb->pr, rc, &c, j0 + i != rc->as && c.p != 0.0f, kind);
+          lmloss_div_loss_terms(&jb->pr, rc, &c, i != a && c.p != 0.0f, kind);
       div += t.div, rev += t.rev, mix += t.mix, pos += t.pos, neg += t.neg, eq += t.eq;
       ent += t.ent;
       if (grad) /* the forward KL's p - q, from the summand's series */
-        out[i] = lmloss_div_grad_tail(&jb->pr, gc, j0 + i == gc->y, c.p, t.h, b->xs[i], capped);
+        out[i] = lmloss_div_grad_tail(&jb->pr, gc, i == y, c.p, t.h, b->xs[i], capped);
       if (keep_p) kp[i] = c.p;
       if (keep_h) kh[i] = t.h;
     }
-    r->div += div, r->rev += rev, r->mix += mix, r->pos += pos, r->neg += neg, r->eq += eq;
-    r->ent += ent;
+    r->div += div, r->pos += pos, r->neg += neg, r->eq += eq, r->ent += ent;
   }
+  r->rev += rev, r->mix += mix;
 }
 
 DIV_INLINE void grad_block(const div_job *jb, const pair_row *r, const pair_block *b, int64_t j0,
@@ -270,10 +271,11 @@ DIV_INLINE void grad_block(const div_job *jb, const pair_row *r, const pair_bloc
 DIV_INLINE void kept_grad_block(const div_job *jb, const lmloss_div_grad *gc, const float *kp,
                                 const float *kh, const float *xs, int64_t j0, int n, float *out,
                                 int capped, int kind) {
+  const int y = in_block(gc->y, j0, n);
 #pragma omp simd
   for (int i = 0; i < n; i++)
     out[i] =
-        lmloss_div_grad_tail(&jb->pr, gc, j0 + i == gc->y, kp[i],
+        lmloss_div_grad_tail(&jb->pr, gc, i == y, kp[i],
                              lmloss_div_grad_of(&jb->pr, gc, kp[i], kh[i], kind), xs[i], capped);
 }
 
@@ -286,10 +288,11 @@ DIV_INLINE void kept_finish_block(const div_job *jb, const pair_row *r, const vo
   const int n = (int)(jb->V - j0 < LMLOSS_DIV_BLOCK ? jb->V - j0 : LMLOSS_DIV_BLOCK);
   const float *xs;
   const float *ws = side(s, sdt, &jb->pr.fs, j0, n, b->bxs, b->bws, &xs);
+  const int y = in_block(gc->y, col, n);
 #pragma omp simd
   for (int i = 0; i < n; i++) {
     const float p = lmloss_div_p(&r->c, ws[i]);
-    g[i] = lmloss_div_grad_tail(&jb->pr, gc, col + i == gc->y, p,
+    g[i] = lmloss_div_grad_tail(&jb->pr, gc, i == y, p,
                                 lmloss_div_grad_of(&jb->pr, gc, p, g[i], kind), xs[i], capped);
   }
 }
