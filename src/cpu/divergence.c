@@ -219,16 +219,16 @@ DIV_INLINE void block_pq(const pair_row *r, pair_block *b, const float *ex, int6
     p[i] = lmloss_div_p(c, ws[i]), q[i] = lmloss_div_exp((wt[i] - c->mt) * c->kt) * c->it;
 }
 
-/* The loss sweep's block (its p and q in b, block_pq's): its sums into
- * r; with grad (the forward KL) the block's gradient into out; with
- * keep_p and keep_h, each column's p and h (lmloss_div_grad_h) into kp
- * and kh, for the gradient sweep. */
 /* Column c's index in the block of n columns from j0, or -1: the
  * loops compare 32-bit lanes, not 64-bit columns. */
 DIV_INLINE int in_block(int64_t c, int64_t j0, int n) {
   return c >= j0 && c < j0 + n ? (int)(c - j0) : -1;
 }
 
+/* The loss sweep's block (its p and q in b, block_pq's): its sums into
+ * r; with grad (the forward KL) the block's gradient into out; with
+ * keep_p and keep_h, each column's p and h (lmloss_div_grad_h) into kp
+ * and kh, for the gradient sweep. */
 DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, int64_t j0,
                            const lmloss_div_grad *gc, float *out, int grad, int keep_p, int keep_h,
                            float *restrict kp, float *restrict kh, int capped, int kind) {
