@@ -135,8 +135,8 @@ static lmloss_status ce_fill(const linear_job *j, const lmloss_linear_prims *L) 
 }
 
 /* A reduced loss: the sum of the chunks' shares. */
-static lmloss_status ce_finish(const linear_job *j, const lmloss_linear_prims *L,
-                               const linear_plan *p, char *ws, int64_t chunks, int64_t M) {
+static lmloss_status ce_sum_chunks(const linear_job *j, const lmloss_linear_prims *L,
+                                   const linear_plan *p, char *ws, int64_t chunks, int64_t M) {
   if (j->opt->reduction == LMLOSS_REDUCE_NONE) return LMLOSS_OK;
   if (M == 0) return L->fill(j->ctx, &j->out->loss, 0.0);
   const lmloss_tensor sums =
@@ -145,7 +145,7 @@ static lmloss_status ce_finish(const linear_job *j, const lmloss_linear_prims *L
 }
 
 const linear_job_table lmloss_ce_forward_job = {
-    .select = ce_select, .rows = ce_forward_rows, .fill = ce_fill, .finish = ce_finish};
+    .select = ce_select, .rows = ce_forward_rows, .fill = ce_fill, .finish = ce_sum_chunks};
 const linear_job_table lmloss_ce_backward_job = {.select = ce_select, .rows = ce_backward_rows};
 
 /* ------------------------------------------------------------------ */

@@ -276,8 +276,8 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
   const int64_t H = h->hidden.cols, V = h->weight.rows;
   /* Hidden rows read in place when all are supervised, from saved
    * statistics only: there the bytes go to wider tiles, which dhidden's
-   * sum narrows; the CE tiles so widened took the fused CE 1.3 ms longer
-   * (H200, bf16 8192 x 152064 x 4096: 70.7-70.9 against 69.2-69.7 ms). */
+   * sum narrows; the CE tiles so widened ran slower (BENCHMARKS.md's
+   * history). */
   const int gathered = M < h->hidden.rows || !saved;
   const tile_plan t =
       lmloss_linear_plan_tiles(p, saved ? saved->end : p->region, gathered, !!saved, M, H, V);

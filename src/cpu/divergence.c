@@ -30,12 +30,12 @@
 
 #define LMLOSS_DIV_BLOCK 2048
 /* The loss sweep's sums of non-negative terms run in float over this
- * many columns, then add into double: a block's 2048 terms in one float
- * sum lost up to 1e-5 where they repeat (rows of ties) in a scalar build,
- * and double lanes cost TVD's loss sweep 40%. The statistics' sums (the
- * row's R and D, which a shard's and the one-shot call's different
- * partitions must agree on to 1e-5 in a scalar build) and the reverse
- * KL's and JSD's signed sums keep double lanes. */
+ * many columns, then add into double: short enough that a scalar build's
+ * running float sum stays inside the suite's 1e-5, long enough that the
+ * vector loops pay little for the step into double. The statistics' sums
+ * (R and D, on which a shard and the one-shot call, partitioning a row
+ * differently, must agree) and the reverse KL's and JSD's signed sums
+ * keep double lanes. */
 #define LMLOSS_DIV_RUN 256
 /* The longest rows whose statistics keep their exponentials for the loss
  * sweep, which keeps p and h over them for the gradient sweep (16 MB a
@@ -342,8 +342,8 @@ DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_b
   const float *const ex = phase == PAIR_WHOLE ? io->ex : NULL;
   for (int64_t j0 = 0; phase != PAIR_FINISH && j0 < V; j0 += LMLOSS_DIV_BLOCK) {
     load(jb, io->s, io->sdt, io->t, io->tdt, j0, b);
-    if (y >= c0 + j0 && y < c0 + j0 + b->n)
-      r->es_y = y == r->c.as ? 0.0f : (b->ws[y - c0 - j0] - r->c.ms) * r->c.ks;
+    const int yb = in_block(y, c0 + j0, b->n);
+    if (yb >= 0) r->es_y = y == r->c.as ? 0.0f : (b->ws[yb] - r->c.ms) * r->c.ks;
     float *const out = direct ? (float *)io->grad + j0 : gbuf;
     block_pq(r, b, ex, V, j0);
     if (fused)
