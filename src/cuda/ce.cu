@@ -164,7 +164,7 @@ __global__ void ce_finalize(CeArgs a, float *loss) {
  * so each CTA stages its chunk and writes the gradient from shared memory
  * after the cluster has merged the row state. Forward only: the same
  * kernel, one CTA per row streaming it once (see first_pass). */
-template <typename In, bool T> __global__ void ROW_BOUNDS ce_rows(CeArgs a) {
+template <typename In, bool T, int BS = 128> __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -460,8 +460,11 @@ static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t
         return launch_ce_held<In, typename decltype(o)::type>(d, a, st, &s);
       }))
     return s;
-  return launch_rows(T ? ce_rows<In, true> : ce_rows<In, false>, d, elt<In>::NV, a.mode != CE_FWD,
-                     0, st, a, "cross_entropy");
+  using K = void (*)(CeArgs);
+  const K k256 =
+      wide_row_kernel<In, K>([&] { return T ? ce_rows<In, true, 256> : ce_rows<In, false, 256>; });
+  return launch_rows(T ? ce_rows<In, true> : ce_rows<In, false>, k256, d, elt<In>::NV,
+                     a.mode != CE_FWD, 0, st, a, "cross_entropy");
 }
 
 static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *in,

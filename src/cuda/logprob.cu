@@ -241,7 +241,7 @@ __device__ __forceinline__ bool flagged(const unsigned *bm, int v) {
  * need the exact formula (the argmax, the K indices) are flagged in a
  * per-vector bitmap in shared memory, so the hot loop pays one shared load
  * per 16 bytes whatever K is. */
-template <typename In, bool T> __global__ void ROW_BOUNDS lp_bwd(LpArgs a) {
+template <typename In, bool T, int BS = 128> __global__ void ROW_BOUNDS(BS) lp_bwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -490,7 +490,10 @@ static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_
                            a.dxs * (int64_t)sizeof(O), st, a, "log_probs_backward", &s);
       }))
     return s;
-  return launch_rows(T ? lp_bwd<In, true> : lp_bwd<In, false>, d, elt<In>::NV, 1, 1, st, a,
+  using K = void (*)(LpArgs);
+  const K k256 =
+      wide_row_kernel<In, K>([&] { return T ? lp_bwd<In, true, 256> : lp_bwd<In, false, 256>; });
+  return launch_rows(T ? lp_bwd<In, true> : lp_bwd<In, false>, k256, d, elt<In>::NV, 1, 1, st, a,
                      "log_probs_backward");
 }
 

@@ -739,16 +739,28 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
                       [&](int v, const Raw<In> &rv) { body(v, rv, std::false_type{}); });
 }
 
-/* Launch bounds of the CE and log-probs row kernels, which run every plan
- * at 128 threads (launch_rows). There the stage's shared memory lets five
- * CTAs share an SM, so a thread may hold 96 registers; bounds written for
- * 256 threads (three CTAs) held the CE kernel to 80, where its per-row code
- * spilled, and the reloads stalled its warps every row. The log-probs
- * backward too: at 80 its gradient loop recomputed the output address from
- * the kernel's parameters for every vector. A second kernel of each for
- * the 256-thread plans doubled their build time. The softmax holds its own
- * in 80 and keeps one kernel of 256 for both. */
-#define ROW_BOUNDS __launch_bounds__(128, 5)
+/* Launch bounds of the CE and log-probs row kernels, built per block
+ * size (make_plan's 128 or 256 threads). At 128 threads the stage's shared
+ * memory lets five CTAs share an SM, so a thread may hold 96 registers;
+ * bounds written for 256 threads (three CTAs) held the CE kernel to 80,
+ * where its per-row code spilled, and the reloads stalled its warps every
+ * row. The log-probs backward too: at 80 its gradient loop recomputed the
+ * output address from the kernel's parameters for every vector. Only fp32
+ * logits get a 256-thread kernel (wide_row_kernel): their rows past
+ * 16 x 48 KB take chunks of 4096 vectors, where 128 threads ran 8-15%
+ * slower; 16-bit rows reach such chunks only past 393216 columns, and a
+ * 256-thread kernel for every dtype doubled the build. The softmax holds
+ * its own in 80 and keeps one kernel of 256 for both. */
+#define ROW_BOUNDS(BS) __launch_bounds__(BS, (BS) == 128 ? 5 : 3)
+
+/* The 256-thread kernel of a row kernel family for logits of type In, or
+ * none (launch_rows then runs every plan at 128 threads): see ROW_BOUNDS. */
+template <typename In, typename K, typename Make> static K wide_row_kernel(Make make) {
+  if constexpr (std::is_same<In, float>::value)
+    return make();
+  else
+    return K{};
+}
 
 /* Launch plan of a row kernel: cluster size, threads, chunk (elements per
  * CTA) and whether the chunk is staged in shared memory. */
@@ -858,15 +870,6 @@ static lmloss_status launch_rows(K k128, K k256, const DevInfo &d, int NV, int t
                          cudaGetErrorString(e));
     return check_launch(what);
   }
-}
-
-/* launch_rows of a kernel that runs every plan at 128 threads
- * (ROW_BOUNDS). */
-template <typename K, typename A>
-static lmloss_status launch_rows(K k128, const DevInfo &d, int NV, int two_pass,
-                                 size_t extra_per_vector_bits, cudaStream_t st, A &args,
-                                 const char *what) {
-  return launch_rows(k128, K{}, d, NV, two_pass, extra_per_vector_bits, st, args, what);
 }
 
 } // namespace lmc
