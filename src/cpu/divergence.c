@@ -225,6 +225,22 @@ DIV_INLINE int in_block(int64_t c, int64_t j0, int n) {
   return c >= j0 && c < j0 + n ? (int)(c - j0) : -1;
 }
 
+/* The TVD's column as a shard's partials keep it in the F32 gradient row,
+ * where the other kinds keep h: its gradient reads p and the sign of
+ * p - q alone, so one float holds both and the finish reads neither row.
+ * p > q keeps p, p < q keeps -p, p = q keeps p's bits moved up by 2^30
+ * (p <= 1, so they land in [2, inf]: exact, and apart from the others). */
+DIV_INLINE float tvd_keep(float p, float pq) {
+  return pq > 0.0f ? p : pq < 0.0f ? -p : lmloss_bits_f32(lmloss_f32_bits(p) + 0x40000000u);
+}
+
+/* p back from tvd_keep's v, and into *h a stand-in for p - q of its sign. */
+DIV_INLINE float tvd_kept(float v, float *h) {
+  const int eq = v >= 2.0f;
+  *h = eq ? 0.0f : v < 0.0f ? -1.0f : 1.0f;
+  return eq ? lmloss_bits_f32(lmloss_f32_bits(v) - 0x40000000u) : fabsf(v);
+}
+
 /* The loss sweep's block (its p and q in b, block_pq's): its sums into
  * r; with grad (the forward KL) the block's gradient into out; with
  * keep_p and keep_h, each column's p and h (lmloss_div_grad_h) into kp
@@ -249,7 +265,7 @@ DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, 
       if (grad) /* the forward KL's p - q, from the summand's series */
         out[i] = lmloss_div_grad_tail(&jb->pr, gc, i == y, c.p, t.h, b->xs[i], capped);
       if (keep_p) kp[i] = c.p;
-      if (keep_h) kh[i] = t.h;
+      if (keep_h) kh[i] = kind == LMLOSS_DIV_TVD && !keep_p ? tvd_keep(c.p, t.h) : t.h;
     }
     r->div += div, r->pos += pos, r->neg += neg, r->eq += eq, r->ent += ent;
   }
@@ -281,19 +297,32 @@ DIV_INLINE void kept_grad_block(const div_job *jb, const lmloss_div_grad *gc, co
 
 /* A block of the gradient from the h a shard's partials kept in its F32
  * row g (the kinds other than the forward KL): p from the student's row
- * alone, so neither the teacher's row nor a logarithm is read. */
+ * alone, so neither the teacher's row nor a logarithm is read; the TVD's
+ * p and h from g alone (tvd_keep), its student's row read only for a
+ * student softcap's chain rule. */
 DIV_INLINE void kept_finish_block(const div_job *jb, const pair_row *r, const void *s,
                                   lmloss_dtype sdt, int64_t j0, int64_t col, pair_block *b,
                                   const lmloss_div_grad *gc, float *g, int capped, int kind) {
   const int n = (int)(jb->V - j0 < LMLOSS_DIV_BLOCK ? jb->V - j0 : LMLOSS_DIV_BLOCK);
+  const int y = in_block(gc->y, col, n);
+  if (kind == LMLOSS_DIV_TVD && !(capped & LMLOSS_DIV_STUDENT_CAP)) {
+#pragma omp simd
+    for (int i = 0; i < n; i++) {
+      float h;
+      const float p = tvd_kept(g[i], &h);
+      g[i] = lmloss_div_grad_tail(&jb->pr, gc, i == y, p,
+                                  lmloss_div_grad_of(&jb->pr, gc, p, h, kind), 0.0f, capped);
+    }
+    return;
+  }
   const float *xs;
   const float *ws = side(s, sdt, &jb->pr.fs, j0, n, b->bxs, b->bws, &xs);
-  const int y = in_block(gc->y, col, n);
 #pragma omp simd
   for (int i = 0; i < n; i++) {
-    const float p = lmloss_div_p(&r->c, ws[i]);
-    g[i] = lmloss_div_grad_tail(&jb->pr, gc, i == y, p,
-                                lmloss_div_grad_of(&jb->pr, gc, p, g[i], kind), xs[i], capped);
+    float h = g[i];
+    const float p = kind == LMLOSS_DIV_TVD ? tvd_kept(g[i], &h) : lmloss_div_p(&r->c, ws[i]);
+    g[i] = lmloss_div_grad_tail(&jb->pr, gc, i == y, p, lmloss_div_grad_of(&jb->pr, gc, p, h, kind),
+                                xs[i], capped);
   }
 }
 
