@@ -32,9 +32,10 @@
 /* The loss sweep's sums of non-negative terms run in float over this
  * many columns, then add into double: short enough that a scalar build's
  * running float sum stays inside the suite's 1e-5, long enough that the
- * vector loops pay little for the step into double. The statistics' sums
- * (R and D, on which a shard and the one-shot call, partitioning a row
- * differently, must agree) and the reverse KL's and JSD's signed sums
+ * vector loops pay little for the step into double. The running
+ * statistics' sums (R and D, on which a shard and the one-shot call,
+ * partitioning a row differently, must agree) run in written-out lanes
+ * over the same runs (stat_lanes); the reverse KL's and JSD's signed sums
  * keep double lanes. */
 #define LMLOSS_DIV_RUN 256
 /* The longest rows whose statistics keep their exponentials for the loss
@@ -135,6 +136,34 @@ DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, 
   return s;
 }
 
+/* The running statistics' sums run in float lanes: column i of a run of
+ * LMLOSS_DIV_RUN adds into lane i % DIV_LANES, and each run's lanes add
+ * into double lanes. The order is written out, not left to the
+ * vectorizer: a scalar build adds the same floats in the same order (a
+ * shard and the one-shot call, which cut a row apart differently, then
+ * agree as closely as a vector build's do), and a lane sums 16 terms of a
+ * run where a scalar float run summed 256. */
+#define DIV_LANES 16
+
+typedef struct {
+  float rs[DIV_LANES], rt[DIV_LANES], d[DIV_LANES], mbs[DIV_LANES], mbt[DIV_LANES];
+  int bad[DIV_LANES];
+} stat_lanes;
+
+/* Column i's terms into lane l. */
+DIV_INLINE void lane_add(const div_job *jb, const pair_block *b, stat_lanes *ln, int i, int l,
+                         float ms, float mt, float G, float *restrict kes, float *restrict ket,
+                         int capped) {
+  float es, et, di;
+  lmloss_div_stats_terms(&jb->pr, capped, b->ws[i], b->wt[i], b->xs[i], b->xt[i], ms, mt, G, &es,
+                         &et, &di);
+  ln->rs[l] += es, ln->rt[l] += et, ln->d[l] += di;
+  if (kes) kes[i] = es, ket[i] = et;
+  ln->mbs[l] = b->ws[i] > ln->mbs[l] ? b->ws[i] : ln->mbs[l];
+  ln->mbt[l] = b->wt[i] > ln->mbt[l] ? b->wt[i] : ln->mbt[l];
+  ln->bad[l] += !(b->xs[i] < INFINITY) | !(b->xt[i] < INFINITY);
+}
+
 /* A block against the running statistics st of the blocks before it,
  * where both rows have a max: its terms are taken against st's maxes and
  * G, so they add to st's sums as they are. Added when neither row's max
@@ -144,23 +173,38 @@ DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, 
 DIV_INLINE int running_block(const div_job *jb, const pair_block *b, lmloss_div_stats *st,
                              float *restrict kes, float *restrict ket, int capped) {
   const float ms = st->ms, mt = st->mt, G = lmloss_div_stats_G(&jb->pr, st);
-  const float *restrict ws = b->ws, *restrict wt = b->wt, *restrict xs = b->xs,
-                        *restrict xt = b->xt;
+  stat_lanes ln;
+  double rs[DIV_LANES], rt[DIV_LANES], d[DIV_LANES];
+  for (int l = 0; l < DIV_LANES; l++) {
+    ln.mbs[l] = ln.mbt[l] = -INFINITY, ln.bad[l] = 0;
+    rs[l] = rt[l] = d[l] = 0.0;
+  }
+  for (int r0 = 0; r0 < b->n; r0 += LMLOSS_DIV_RUN) {
+    const int r1 = b->n - r0 < LMLOSS_DIV_RUN ? b->n : r0 + LMLOSS_DIV_RUN;
+    for (int l = 0; l < DIV_LANES; l++)
+      ln.rs[l] = ln.rt[l] = ln.d[l] = 0.0f;
+    int i0 = r0;
+    for (; i0 + DIV_LANES <= r1; i0 += DIV_LANES) {
+#pragma omp simd
+      for (int l = 0; l < DIV_LANES; l++)
+        lane_add(jb, b, &ln, i0 + l, l, ms, mt, G, kes, ket, capped);
+    }
+    for (int i = i0; i < r1; i++)
+      lane_add(jb, b, &ln, i, i - i0, ms, mt, G, kes, ket, capped);
+#pragma omp simd
+    for (int l = 0; l < DIV_LANES; l++)
+      rs[l] += ln.rs[l], rt[l] += ln.rt[l], d[l] += ln.d[l];
+  }
   float mbs = -INFINITY, mbt = -INFINITY;
   int bad = 0;
-  double rs = 0.0, rt = 0.0, d = 0.0;
-#pragma omp simd reduction(+ : rs, rt, d, bad) reduction(max : mbs, mbt)
-  for (int i = 0; i < b->n; i++) {
-    float es, et, di;
-    lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
-    rs += es, rt += et, d += di;
-    if (kes) kes[i] = es, ket[i] = et;
-    mbs = ws[i] > mbs ? ws[i] : mbs;
-    mbt = wt[i] > mbt ? wt[i] : mbt;
-    bad += !(xs[i] < INFINITY) | !(xt[i] < INFINITY);
+  double srs = 0.0, srt = 0.0, sd = 0.0;
+  for (int l = 0; l < DIV_LANES; l++) {
+    mbs = ln.mbs[l] > mbs ? ln.mbs[l] : mbs, mbt = ln.mbt[l] > mbt ? ln.mbt[l] : mbt;
+    bad += ln.bad[l];
+    srs += rs[l], srt += rt[l], sd += d[l];
   }
   if (bad || mbs > ms || mbt > mt) return 0;
-  st->rs += rs, st->rt += rt, st->d += d;
+  st->rs += srs, st->rt += srt, st->d += sd;
   return 1;
 }
 
