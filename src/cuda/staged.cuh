@@ -747,10 +747,10 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
  * row. The log-probs backward too: at 80 its gradient loop recomputed the
  * output address from the kernel's parameters for every vector. Only fp32
  * logits get a 256-thread kernel (wide_row_kernel): their rows past
- * 16 x 48 KB take chunks of 4096 vectors, where 128 threads ran 8-15%
- * slower; 16-bit rows reach such chunks only past 393216 columns, and a
- * 256-thread kernel for every dtype doubled the build. The softmax holds
- * its own in 80 and keeps one kernel of 256 for both. */
+ * 16 x 48 KB take chunks of 4096 vectors, where 128 threads ran slower
+ * (BENCHMARKS.md); 16-bit rows reach such chunks only past 393216
+ * columns, and a 256-thread kernel for every dtype doubled the build. The
+ * softmax holds its own in 80 and keeps one kernel of 256 for both. */
 #define ROW_BOUNDS(BS) __launch_bounds__(BS, (BS) == 128 ? 5 : 3)
 
 /* The 256-thread kernel of a row kernel family for logits of type In, or
