@@ -288,7 +288,8 @@ DIV_INLINE float tvd_kept(float v, float *h) {
 /* The loss sweep's block (its p and q in b, block_pq's): its sums into
  * r; with grad (the forward KL) the block's gradient into out; with
  * keep_p and keep_h, each column's p and h (lmloss_div_grad_h) into kp
- * and kh, for the gradient sweep. */
+ * and kh, for the gradient sweep; with keep_h alone (a shard's partials)
+ * h, or for the TVD p and h's sign in one float (tvd_keep). */
 DIV_INLINE void loss_block(const div_job *jb, pair_row *r, const pair_block *b, int64_t j0,
                            const lmloss_div_grad *gc, float *out, int grad, int keep_p, int keep_h,
                            float *restrict kp, float *restrict kh, int capped, int kind) {
@@ -349,24 +350,17 @@ DIV_INLINE void kept_finish_block(const div_job *jb, const pair_row *r, const vo
                                   const lmloss_div_grad *gc, float *g, int capped, int kind) {
   const int n = (int)(jb->V - j0 < LMLOSS_DIV_BLOCK ? jb->V - j0 : LMLOSS_DIV_BLOCK);
   const int y = in_block(gc->y, col, n);
-  if (kind == LMLOSS_DIV_TVD && !(capped & LMLOSS_DIV_STUDENT_CAP)) {
-#pragma omp simd
-    for (int i = 0; i < n; i++) {
-      float h;
-      const float p = tvd_kept(g[i], &h);
-      g[i] = lmloss_div_grad_tail(&jb->pr, gc, i == y, p,
-                                  lmloss_div_grad_of(&jb->pr, gc, p, h, kind), 0.0f, capped);
-    }
-    return;
-  }
-  const float *xs;
-  const float *ws = side(s, sdt, &jb->pr.fs, j0, n, b->bxs, b->bws, &xs);
+  /* kind and capped are constants here: the TVD without a student
+   * softcap reads no row at all */
+  const int tvd = kind == LMLOSS_DIV_TVD, read = !tvd || (capped & LMLOSS_DIV_STUDENT_CAP);
+  const float *xs = NULL, *ws = NULL;
+  if (read) ws = side(s, sdt, &jb->pr.fs, j0, n, b->bxs, b->bws, &xs);
 #pragma omp simd
   for (int i = 0; i < n; i++) {
     float h = g[i];
-    const float p = kind == LMLOSS_DIV_TVD ? tvd_kept(g[i], &h) : lmloss_div_p(&r->c, ws[i]);
+    const float p = tvd ? tvd_kept(g[i], &h) : lmloss_div_p(&r->c, ws[i]);
     g[i] = lmloss_div_grad_tail(&jb->pr, gc, i == y, p, lmloss_div_grad_of(&jb->pr, gc, p, h, kind),
-                                xs[i], capped);
+                                read ? xs[i] : 0.0f, capped);
   }
 }
 
@@ -388,7 +382,7 @@ typedef struct {
  * a finish), then the gradient's unless the loss sweep wrote it. Columns
  * (j0 + i here) are the vocabulary's from jb->col0. A shard's partials
  * with io->grad write the forward KL's gradient, or the other kinds' h
- * into the F32 gradient row (kept_finish's). */
+ * (the TVD's p and sign) into the F32 gradient row (kept_finish's). */
 DIV_INLINE void sweeps(const div_job *jb, pair_row *r, const pair_io *io, pair_block *b,
                        float *gbuf, int phase, int capped, int kind) {
   const int64_t V = jb->V, c0 = jb->col0, y = io->y;
