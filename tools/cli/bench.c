@@ -190,6 +190,7 @@ int cmd_bench(int argc, char **argv) {
       const lmloss_tensor *x = c.op == OP_SOFTMAX_BWD ? &c.y : &c.x;
       if (dt == LMLOSS_F32) {
         limit_ms = cli_limit_exp_pass_ms(x->data, n * v, threads);
+        if (cli_op_is_div(c.op)) limit_ms += cli_limit_exp_pass_ms(c.teacher.data, n * v, threads);
         frac = ms / limit_ms;
         snprintf(limit, sizeof limit, "%.2fx the read+exp pass (%.2f ms)", frac, limit_ms);
       }

@@ -10,7 +10,8 @@
 static const char *names[OP_COUNT] = {
     "ce",          "ce-grad",           "ce-bwd",  "logprob",     "logprob-entropy",
     "logprob-bwd", "logprob-bwd-saved", "softmax", "log-softmax", "softmax-bwd",
-    "linear-ce",   "linear-logprob"};
+    "linear-ce",   "linear-logprob",    "kl",      "reverse-kl",  "jsd",
+    "tvd"};
 
 const char *cli_op_name(cli_op op) { return names[op]; }
 
@@ -21,6 +22,8 @@ int cli_op_parse(const char *name, cli_op *op) {
 }
 
 int cli_op_is_linear(cli_op op) { return op == OP_LINEAR_CE || op == OP_LINEAR_LP; }
+
+int cli_op_is_div(cli_op op) { return op >= OP_KL && op <= OP_TVD; }
 
 int cli_op_is_ce(cli_op op) {
   return op == OP_CE || op == OP_CE_GRAD || op == OP_CE_BWD || op == OP_LINEAR_CE;
@@ -33,6 +36,10 @@ double cli_op_bytes(const cli_case *c) {
   case OP_LOGPROB:
   case OP_LOGPROB_ENT: return x;     /* read once */
   case OP_SOFTMAX_BWD: return 3 * x; /* read y and dy, write dx */
+  case OP_KL:
+  case OP_REVERSE_KL:
+  case OP_JSD:
+  case OP_TVD: return 3 * x; /* read both rows, write the student's gradient */
   case OP_LINEAR_CE:
   case OP_LINEAR_LP: return 0;
   default: return 2 * x; /* read once, write once */
@@ -110,6 +117,17 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
         x[j] = urand() - 0.5;
     }
     c->x = make(c, dt, N, V, x);
+    if (cli_op_is_div(op)) { /* the teacher: its own rows, as peaked at the same targets */
+      for (int64_t i = 0; i < N; i++) {
+        double mx = -1e300;
+        for (int64_t j = 0; j < V; j++) {
+          x[i * V + j] = 4.0 * urand() - 2.0;
+          if (j != (int64_t)tgt[i * K]) mx = fmax(mx, x[i * V + j]);
+        }
+        if (margin > 0) x[i * V + (int64_t)tgt[i * K]] = mx + margin;
+      }
+      c->teacher = make(c, dt, N, V, x);
+    }
     free(x);
   } else {
     /* Peaked rows get their own hidden dimension: h_i[H0 + i] = 1 and
@@ -186,6 +204,13 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
   case OP_SOFTMAX:
   case OP_LOG_SOFTMAX:
   case OP_SOFTMAX_BWD: c->out[n++] = make(c, dt, N, V, NULL); break;
+  case OP_KL:
+  case OP_REVERSE_KL:
+  case OP_JSD:
+  case OP_TVD:
+    c->out[n++] = make(c, LMLOSS_F32, 1, 1, NULL);
+    c->out[n++] = make(c, dt, N, V, NULL);
+    break;
   case OP_LOGPROB_ENT:
   case OP_LOGPROB:
     c->out[n++] = make(c, LMLOSS_F32, N, c->K, NULL);
@@ -206,7 +231,7 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
   case OP_COUNT: break;
   }
   c->nout = n;
-  if (op == OP_CE || op == OP_CE_GRAD || op == OP_CE_BWD) {
+  if (op == OP_CE || op == OP_CE_GRAD || op == OP_CE_BWD || cli_op_is_div(op)) {
     c->ws_bytes = lmloss_cross_entropy_workspace_size(N);
   } else if (cli_op_is_linear(op)) {
     lmloss_head head = {c->hidden, c->weight, op == OP_LINEAR_CE ? c->bias : (lmloss_tensor){0}};
@@ -226,6 +251,19 @@ static lmloss_ce_options ce_options(const cli_case *c) {
     o.z_loss = 1e-4f;
   }
   return o;
+}
+
+static lmloss_status run_divergence(cli_case *c, const lmloss_context *ctx) {
+  static const lmloss_divergence_kind kinds[] = {LMLOSS_DIV_KL, LMLOSS_DIV_REVERSE_KL,
+                                                 LMLOSS_DIV_JSD, LMLOSS_DIV_TVD};
+  lmloss_div_options o = lmloss_div_options_default();
+  o.kind = kinds[c->op - OP_KL];
+  o.beta = 0.5f;
+  lmloss_div_inputs in = {c->x, c->teacher, {0}};
+  lmloss_div_outputs out;
+  memset(&out, 0, sizeof out);
+  out.loss = c->out[0], out.dstudent = c->out[1];
+  return lmloss_divergence(ctx, &in, &o, &out, c->ws, c->ws_bytes);
 }
 
 /* The fused head on the REF backend: the full product in double, then the
@@ -265,6 +303,10 @@ lmloss_status cli_case_run(cli_case *c, const lmloss_context *ctx) {
   case OP_SOFTMAX: return lmloss_softmax(ctx, &c->x, 0, &c->out[0]);
   case OP_LOG_SOFTMAX: return lmloss_softmax(ctx, &c->x, 1, &c->out[0]);
   case OP_SOFTMAX_BWD: return lmloss_softmax_backward(ctx, &c->y, &c->x, 0, &c->out[0]);
+  case OP_KL:
+  case OP_REVERSE_KL:
+  case OP_JSD:
+  case OP_TVD: return run_divergence(c, ctx);
   case OP_LINEAR_CE:
   case OP_LINEAR_LP: break;
   case OP_COUNT: return LMLOSS_ERR_BAD_OPTION;
@@ -304,8 +346,8 @@ double *cli_case_fetch(const cli_case *c, int k, size_t *n, int64_t *cols) {
 }
 
 void cli_case_free(cli_case *c) {
-  lmloss_tensor *ts[] = {&c->x,      &c->idx,  &c->dloss, &c->dlogp, &c->dent,      &c->hidden,
-                         &c->weight, &c->bias, &c->y,     &c->stats, &c->stats_logp};
+  lmloss_tensor *ts[] = {&c->x,      &c->idx,  &c->dloss, &c->dlogp, &c->dent,       &c->hidden,
+                         &c->weight, &c->bias, &c->y,     &c->stats, &c->stats_logp, &c->teacher};
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++)
     release(c, ts[i]);
   for (int k = 0; k < c->nout; k++)

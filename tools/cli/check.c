@@ -40,7 +40,7 @@ static double bound(cli_op op, lmloss_dtype dt, int k) {
   }
   int is_dtype_out = (op == OP_CE_GRAD && k == 1) || op == OP_CE_BWD || op == OP_LOGPROB_BWD ||
                      op == OP_LOGPROB_BWD_SAVED || op == OP_SOFTMAX || op == OP_LOG_SOFTMAX ||
-                     op == OP_SOFTMAX_BWD;
+                     op == OP_SOFTMAX_BWD || (cli_op_is_div(op) && k == 1);
   return dt != LMLOSS_F32 && is_dtype_out ? 0x1p-8 : 1e-5;
 }
 

@@ -46,6 +46,12 @@ typedef enum {
   OP_SOFTMAX_BWD,       /* softmax backward from y */
   OP_LINEAR_CE,         /* fused head CE, forward + dhidden, dW, dbias */
   OP_LINEAR_LP,         /* fused head log-probs + entropy, then their backward from its stats */
+  /* divergences between the logits (student) and a teacher, forward and
+   * the student's gradient in one call (batchmean; the JSD at beta 0.5) */
+  OP_KL,
+  OP_REVERSE_KL,
+  OP_JSD,
+  OP_TVD,
   OP_COUNT
 } cli_op;
 
@@ -57,7 +63,7 @@ typedef struct {
   double margin; /* 0: plain random rows */
   int plain;     /* no ignored rows, no CE options, no dentropy (the bare ops) */
   /* tensors of the case, on dev; outputs listed in out[] */
-  lmloss_tensor x, idx, dloss, dlogp, dent, hidden, weight, bias, y;
+  lmloss_tensor x, idx, dloss, dlogp, dent, hidden, weight, bias, y, teacher;
   /* The forward's row statistics: OP_LOGPROB_BWD_SAVED's (and its
    * log-probs), formed by the case's first run on the context it runs on;
    * OP_LINEAR_LP's, formed by each run's forward */
@@ -72,7 +78,8 @@ typedef struct {
 const char *cli_op_name(cli_op op);
 int cli_op_parse(const char *name, cli_op *op);
 int cli_op_is_linear(cli_op op);
-int cli_op_is_ce(cli_op op); /* the ops with targets (and ignored rows) */
+int cli_op_is_ce(cli_op op);  /* the ops with targets (and ignored rows) */
+int cli_op_is_div(cli_op op); /* the ops with a teacher */
 /* Minimum bytes the op must move (bandwidth ops) and its GEMM flops. */
 double cli_op_bytes(const cli_case *c);
 double cli_op_flops(const cli_case *c);
