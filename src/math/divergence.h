@@ -237,18 +237,18 @@ LMLOSS_DIV_HD float lmloss_div_p_minus_q(float p, float q, float delta) {
  * smaller of the two by log1p of its small form (mu's beta expm1(delta)
  * for beta <= 1/2, else nu's) and the other as delta minus it, which is
  * at least delta / 2 (no cancellation); outside from log M as a
- * log-add-exp of the rows' log-probabilities; both computed, then a
- * select (no branch). */
+ * log-add-exp of the rows' log-probabilities. Both arguments are formed,
+ * then a select, then one log1p: no branch, and one logarithm a column. */
 LMLOSS_DIV_HD void lmloss_div_jsd_logs(const lmloss_div_pair *pr, float delta, float lp, float lq,
                                        float *mu, float *nu) {
   const float beta = pr->beta, small = fabsf(delta) < 1.0f, d = small ? delta : 0.0f;
   const float u = lp + pr->log_1mb, v = lq + pr->log_b;
   const float hi = u > v ? u : v, lo = u > v ? v : u;
-  const float lm = hi + lmloss_vlog1p_mid(lmloss_div_exp(lo - hi));
   const int mu_first = beta <= 0.5f;
   /* mu (beta <= 1/2), or -nu = log1p((1 - beta) expm1(-delta)) */
   const float c = mu_first ? beta : 1.0f - beta, x = mu_first ? d : -d;
-  const float one = lmloss_vlog1p_mid(c * lmloss_vexpm1_small(x));
+  const float y = small ? c * lmloss_vexpm1_small(x) : lmloss_div_exp(lo - hi);
+  const float one = lmloss_vlog1p_mid(y), lm = hi + one;
   *mu = small ? (mu_first ? one : d + one) : lm - lp;
   *nu = small ? (mu_first ? d - one : -one) : lq - lm;
 }
@@ -261,8 +261,10 @@ LMLOSS_DIV_HD void lmloss_div_jsd_logs(const lmloss_div_pair *pr, float delta, f
 LMLOSS_DIV_HD float lmloss_div_jsd_dmu(const lmloss_div_row *r, float h) {
   const float small = fabsf(h) < 1.0f, d = small ? h : 0.0f;
   const float u = r->lu_a, v = r->lw_a + h, hi = u > v ? u : v, lo = u > v ? v : u;
-  const float far = hi + lmloss_vlog1p_mid(lmloss_div_exp(lo - hi));
-  return small ? lmloss_vlog1p_mid(lmloss_div_exp(r->lw_a) * lmloss_vexpm1_small(d)) : far;
+  const float y =
+      small ? lmloss_div_exp(r->lw_a) * lmloss_vexpm1_small(d) : lmloss_div_exp(lo - hi);
+  const float one = lmloss_vlog1p_mid(y);
+  return small ? one : hi + one;
 }
 
 /* One column of a row pair, from both rows' w and raw x. */
