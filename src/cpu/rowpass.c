@@ -288,6 +288,85 @@ void lmloss_cpu_row_softmax(const void *row, lmloss_dtype dt, int64_t V, float m
   }
 }
 
+/* A block of a row as fp32: in place, or converted into buf. */
+static inline const float *block_f32(const void *row, lmloss_dtype dt, int64_t j0, int n,
+                                     float *buf) {
+  if (dt == LMLOSS_F32) return (const float *)row + j0;
+  lmloss_cpu_load_block(row, dt, j0, n, buf);
+  return buf;
+}
+
+LMLOSS_CPU_DISPATCH
+int64_t lmloss_cpu_row_argmax(const void *row, lmloss_dtype dt, int64_t V) {
+  float buf[LMLOSS_CPU_BLOCK], mx = -INFINITY;
+  int64_t at = 0;
+  for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
+    const int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
+    const float *v = block_f32(row, dt, j0, n, buf);
+    float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+    for (int i = 0; i < n; i++)
+      bm = v[i] > bm ? v[i] : bm;
+    if (!(bm > mx)) continue; /* an earlier block holds the first max */
+    int first = n;
+#pragma omp simd reduction(min : first)
+    for (int i = 0; i < n; i++)
+      first = v[i] == bm && i < first ? i : first;
+    mx = bm, at = j0 + first;
+  }
+  return at;
+}
+
+LMLOSS_CPU_DISPATCH
+double lmloss_cpu_row_softmax_bwd_sum(const void *y, lmloss_dtype ydt, const void *dy,
+                                      lmloss_dtype gdt, int64_t V, int64_t a, float s, int log,
+                                      double *sy) {
+  float ybuf[LMLOSS_CPU_BLOCK], gbuf[LMLOSS_CPU_BLOCK];
+  double sum = 0.0, ys = 0.0;
+  for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
+    const int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
+    const int ab = a >= j0 && a < j0 + n ? (int)(a - j0) : -1;
+    const float *g = block_f32(dy, gdt, j0, n, gbuf);
+    if (log) {
+#pragma omp simd reduction(+ : sum)
+      for (int i = 0; i < n; i++)
+        sum += i == ab ? 0.0f : g[i];
+    } else {
+      const float *v = block_f32(y, ydt, j0, n, ybuf);
+#pragma omp simd reduction(+ : sum, ys)
+      for (int i = 0; i < n; i++) {
+        sum += i == ab ? 0.0f : v[i] * (s - g[i]);
+        ys += i == ab ? 0.0f : v[i];
+      }
+    }
+  }
+  if (sy) *sy = ys;
+  return sum;
+}
+
+LMLOSS_CPU_DISPATCH
+void lmloss_cpu_row_softmax_bwd(const void *y, lmloss_dtype ydt, const void *dy, lmloss_dtype gdt,
+                                int64_t V, float s, float c, int log, void *dx, lmloss_dtype odt) {
+  float ybuf[LMLOSS_CPU_BLOCK], gbuf[LMLOSS_CPU_BLOCK], obuf[LMLOSS_CPU_BLOCK];
+  for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
+    const int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
+    const float *restrict v = block_f32(y, ydt, j0, n, ybuf);
+    const float *g = block_f32(dy, gdt, j0, n, gbuf);
+    /* an fp32 dx is written in place: element for element, so dx may be dy */
+    float *o = odt == LMLOSS_F32 ? (float *)dx + j0 : obuf;
+    if (log) {
+#pragma omp simd
+      for (int i = 0; i < n; i++) /* a NaN y stays NaN (vmath's exp takes it as -104) */
+        o[i] = g[i] - (v[i] == v[i] ? lmloss_vexp_neg(v[i], -0.0f) : v[i]) * c;
+    } else {
+#pragma omp simd
+      for (int i = 0; i < n; i++)
+        o[i] = v[i] * ((g[i] - s) + c);
+    }
+    if (odt != LMLOSS_F32) lmloss_cpu_store_block(dx, odt, j0, n, obuf);
+  }
+}
+
 void lmloss_cpu_row_fill(void *out, lmloss_dtype odt, int64_t V, float v) {
   float buf[LMLOSS_CPU_BLOCK];
   for (int i = 0; i < LMLOSS_CPU_BLOCK; i++)

@@ -40,6 +40,23 @@ void lmloss_cpu_row_grad(const void *row, lmloss_dtype dt, int64_t V, const lmlo
 void lmloss_cpu_row_softmax(const void *row, lmloss_dtype dt, int64_t V, float m, float P, int log,
                             void *out, lmloss_dtype odt);
 
+/* The first column at the row's max; NaN is never one, and a row
+ * without a number above -inf gives 0. */
+int64_t lmloss_cpu_row_argmax(const void *row, lmloss_dtype dt, int64_t V);
+
+/* The softmax backward's row sums over the columns other than a (-1:
+ * every column), each term in fp32, the sums in double (they cancel):
+ * log, sum dy_k; softmax, sum y_k (s - dy_k), and sum y_k into *sy. */
+double lmloss_cpu_row_softmax_bwd_sum(const void *y, lmloss_dtype ydt, const void *dy,
+                                      lmloss_dtype gdt, int64_t V, int64_t a, float s, int log,
+                                      double *sy);
+
+/* The softmax backward of every column: y_j ((dy_j - s) + c), or for log
+ * dy_j - exp(y_j) c; the caller forms the argmax's entry. dx may alias
+ * dy exactly. */
+void lmloss_cpu_row_softmax_bwd(const void *y, lmloss_dtype ydt, const void *dy, lmloss_dtype gdt,
+                                int64_t V, float s, float c, int log, void *dx, lmloss_dtype odt);
+
 /* Row of zeros / NaNs in dtype odt. */
 void lmloss_cpu_row_fill(void *out, lmloss_dtype odt, int64_t V, float v);
 

@@ -45,10 +45,11 @@ lmloss_status lmloss_cpu_softmax_finish(const lmloss_context *ctx, const lmloss_
   return softmax_rows(ctx, x, sh, state, log, out);
 }
 
-/* softmax:  dx_j = y_j (dy_j - sum_k dy_k y_k); at the argmax
- *           dx_a = y_a (dy_a sum_{k!=a} y_k - sum_{k!=a} dy_k y_k).
- * log:      dx_j = dy_j - p_j sum_k dy_k; at the argmax
- *           dx_a = dy_a (1 - p_a) - p_a sum_{k!=a} dy_k, 1 - p_a = -expm1(y_a). */
+/* softmax: dx_j = y_j (dy_j - sum_k dy_k y_k); at the argmax
+ *          dx_a = y_a (dy_a sum_{k!=a} y_k - sum_{k!=a} dy_k y_k).
+ * log:     dx_j = dy_j - p_j sum_k dy_k; at the argmax
+ *          dx_a = dy_a (1 - p_a) - p_a sum_{k!=a} dy_k, 1 - p_a = -expm1(y_a).
+ * The sums leave the argmax out, so its entry survives collapse. */
 lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *ctx, const lmloss_tensor *y,
                                           const lmloss_tensor *dy, int log,
                                           const lmloss_tensor *dx) {
@@ -58,36 +59,17 @@ lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *ctx, const lmlos
   for (int64_t i = 0; i < N; i++) {
     const void *yr = lmloss_cpu_row(y, i), *dr = lmloss_cpu_row(dy, i);
     void *o = lmloss_cpu_row_mut(dx, i);
-    int64_t a = 0;
-    float ya = lmloss_load(yr, y->dtype, 0);
-    for (int64_t j = 1; j < V; j++) {
-      float v = lmloss_load(yr, y->dtype, j);
-      if (v > ya || ya != ya) {
-        ya = v;
-        a = j;
-      }
-    }
-    double rest_y = 0.0, rest_dyy = 0.0,
-           rest_dy = 0.0; /* these sums cancel: accumulate in double */
-    for (int64_t j = 0; j < V; j++) {
-      if (j == a) continue;
-      float yj = lmloss_load(yr, y->dtype, j), gj = lmloss_load(dr, dy->dtype, j);
-      rest_y += log ? 0.0f : yj;
-      rest_dyy += gj * yj;
-      rest_dy += gj;
-    }
-    const float dya = lmloss_load(dr, dy->dtype, a);
-    float xa;
-    if (log)
-      xa = (float)(dya * -expm1((double)ya) - exp((double)ya) * rest_dy);
-    else
-      xa = (float)(ya * (dya * rest_y - rest_dyy));
-    const double total = log ? rest_dy + dya : rest_dyy + (double)dya * ya;
-    for (int64_t j = 0; j < V; j++) {
-      float yj = lmloss_load(yr, y->dtype, j), gj = lmloss_load(dr, dy->dtype, j);
-      float v = (float)(log ? gj - exp((double)yj) * total : yj * (gj - total));
-      lmloss_store(o, dx->dtype, j, j == a ? xa : v);
-    }
+    const int64_t a = lmloss_cpu_row_argmax(yr, y->dtype, V);
+    const float ya = lmloss_load(yr, y->dtype, a), dya = lmloss_load(dr, dy->dtype, a);
+    double rest_y = 0.0; /* softmax: the sum is -sum_{k!=a} dy_k y_k */
+    const double sum =
+        lmloss_cpu_row_softmax_bwd_sum(yr, y->dtype, dr, dy->dtype, V, a, 0.0f, log, &rest_y);
+    const float xa = log ? (float)(dya * -expm1((double)ya) - exp((double)ya) * sum)
+                         : (float)(ya * (dya * rest_y + sum));
+    const double total = log ? sum + dya : (double)dya * ya - sum;
+    lmloss_cpu_row_softmax_bwd(yr, y->dtype, dr, dy->dtype, V, log ? 0.0f : (float)total,
+                               log ? (float)total : 0.0f, log, o, dx->dtype);
+    lmloss_store(o, dx->dtype, a, xa);
   }
   return LMLOSS_OK;
 }
