@@ -684,6 +684,31 @@ LMLOSS_API lmloss_status lmloss_softmax_finish(const lmloss_context *ctx, const 
                                                const lmloss_tensor *state, int log,
                                                const lmloss_tensor *out);
 
+/* The backward of lmloss_softmax_finish over the shard's columns, y [N,
+ * V_r] its output and dy [N, V_r] the upstream, around the exchanges its
+ * row sums need. a is the merged state's argmax column (state column 2),
+ * dy_a F32 [N] dy there (the rank holding it reads it, the others give 0,
+ * and an all-reduce sums them); then
+ *   1. each rank: lmloss_softmax_backward_partials -> partials F64 [N,
+ *      1], over the shard's columns k != a: softmax, sum y_k (dy_a -
+ *      dy_k); log, sum dy_k; all-reduce them (a plain sum);
+ *   2. each rank: lmloss_softmax_backward_finish -> dx [N, V_r]: softmax
+ *      dx_j = y_j ((dy_j - dy_a) + c), log dx_j = dy_j - p_j (c + dy_a),
+ *      c the summed partials; dx_a from 1 - p_a = R / (1 + R) of the
+ *      state, so a confident row keeps it.
+ * Softmax's sum cancels only where the row's dy does, which is why it
+ * waits for dy_a (log-softmax needs no first exchange: dy_a is read by
+ * the finish alone). dx may alias dy exactly. Backends: CPU and CUDA. */
+LMLOSS_API lmloss_status lmloss_softmax_backward_partials(
+    const lmloss_context *ctx, const lmloss_tensor *y, const lmloss_tensor *dy, int log,
+    const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *dy_a,
+    const lmloss_tensor *partials);
+
+LMLOSS_API lmloss_status lmloss_softmax_backward_finish(
+    const lmloss_context *ctx, const lmloss_tensor *y, const lmloss_tensor *dy, int log,
+    const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *dy_a,
+    const lmloss_tensor *partials, const lmloss_tensor *dx);
+
 /* out = merge(a, b), row by row: states [N, LMLOSS_ROW_STATE_COLS] of two
  * disjoint column sets of the same rows, formed with `transform` (for
  * cross-entropy: opt->transform). out may alias a or b exactly. On the

@@ -50,6 +50,10 @@ lp_finish = _proto("lmloss_log_probs_finish", _Ctx, _T, _T, _T, _Tr, _S, _T, _T,
 lp_backward_finish = _proto("lmloss_log_probs_backward_finish", _Ctx, _T, _T, _T, _Tr, _S, _T,
                             _T, _T, _T)
 softmax_finish = _proto("lmloss_softmax_finish", _Ctx, _T, _S, _T, ctypes.c_int, _T)
+softmax_backward_partials = _proto("lmloss_softmax_backward_partials", _Ctx, _T, _T, ctypes.c_int,
+                                   _S, _T, _T, _T)
+softmax_backward_finish = _proto("lmloss_softmax_backward_finish", _Ctx, _T, _T, ctypes.c_int, _S,
+                                 _T, _T, _T, _T)
 merge = _proto("lmloss_row_state_merge", _Ctx, _T, _T, _Tr, _T)
 
 # ---------------------------------------------------------------- divergences

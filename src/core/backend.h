@@ -124,6 +124,11 @@ typedef struct {
   lmloss_status (*softmax_finish)(const lmloss_context *, const lmloss_tensor *x,
                                   const lmloss_shard *, const lmloss_tensor *state, int log,
                                   const lmloss_tensor *out);
+  /* the softmax backward's partial sums (dx NULL), or dx from the summed ones */
+  lmloss_status (*softmax_bwd)(const lmloss_context *, const lmloss_tensor *y,
+                               const lmloss_tensor *dy, int log, const lmloss_shard *,
+                               const lmloss_tensor *state, const lmloss_tensor *dy_a,
+                               const lmloss_tensor *partials, const lmloss_tensor *dx);
   lmloss_status (*merge)(const lmloss_context *, const lmloss_tensor *a, const lmloss_tensor *b,
                          const lmloss_transform *, const lmloss_tensor *out);
   /* The divergences' phases (NULL on a backend without them): states

@@ -57,6 +57,10 @@ lmloss_status lmloss_cpu_lp_finish(const lmloss_context *, const lmloss_tensor *
 lmloss_status lmloss_cpu_softmax_finish(const lmloss_context *, const lmloss_tensor *,
                                         const lmloss_shard *, const lmloss_tensor *, int,
                                         const lmloss_tensor *);
+lmloss_status lmloss_cpu_softmax_bwd_shard(const lmloss_context *, const lmloss_tensor *,
+                                           const lmloss_tensor *, int, const lmloss_shard *,
+                                           const lmloss_tensor *, const lmloss_tensor *,
+                                           const lmloss_tensor *, const lmloss_tensor *);
 lmloss_status lmloss_cpu_state_merge(const lmloss_context *, const lmloss_tensor *,
                                      const lmloss_tensor *, const lmloss_transform *,
                                      const lmloss_tensor *);
@@ -80,9 +84,10 @@ lmloss_status lmloss_cpu_div_finish(const lmloss_context *, const lmloss_div_inp
 extern const lmloss_linear_prims lmloss_cpu_linear;
 
 static const lmloss_state_ops cpu_states = {
-    lmloss_cpu_ce_state,       lmloss_cpu_ce_finish,   lmloss_cpu_lp_state,  lmloss_cpu_lp_finish,
-    lmloss_cpu_softmax_finish, lmloss_cpu_state_merge, lmloss_cpu_div_state, lmloss_cpu_div_merge,
-    lmloss_cpu_div_partials,   lmloss_cpu_div_finish,
+    lmloss_cpu_ce_state,     lmloss_cpu_ce_finish,      lmloss_cpu_lp_state,
+    lmloss_cpu_lp_finish,    lmloss_cpu_softmax_finish, lmloss_cpu_softmax_bwd_shard,
+    lmloss_cpu_state_merge,  lmloss_cpu_div_state,      lmloss_cpu_div_merge,
+    lmloss_cpu_div_partials, lmloss_cpu_div_finish,
 };
 
 /* The fused head takes F32 heads only here (lmloss.h). */

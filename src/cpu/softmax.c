@@ -73,3 +73,38 @@ lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *ctx, const lmlos
   }
   return LMLOSS_OK;
 }
+
+/* A shard's backward (lmloss.h): with dx NULL the partial sums of its
+ * columns other than the merged state's argmax a, else dx from the summed
+ * ones, its entry at a from the state's R. */
+lmloss_status lmloss_cpu_softmax_bwd_shard(const lmloss_context *ctx, const lmloss_tensor *y,
+                                           const lmloss_tensor *dy, int log, const lmloss_shard *sh,
+                                           const lmloss_tensor *state, const lmloss_tensor *dy_a,
+                                           const lmloss_tensor *partials, const lmloss_tensor *dx) {
+  const int64_t N = y->rows, n = y->cols;
+  const int nt = lmloss_cpu_row_threads(ctx, N * n);
+#pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
+  for (int64_t i = 0; i < N; i++) {
+    const void *yr = lmloss_cpu_row(y, i), *dr = lmloss_cpu_row(dy, i);
+    double *part = (double *)lmloss_cpu_row_mut(partials, i);
+    const lmloss_rowstate st = lmloss_rowstate_unpack(lmloss_cpu_row(state, i), sh->vocab);
+    const int ok = lmloss_rowstate_ok(&st);
+    const int64_t a = st.s.a - sh->col0 >= 0 && st.s.a - sh->col0 < n ? st.s.a - sh->col0 : -1;
+    const float dya = *(const float *)lmloss_cpu_row(dy_a, i);
+    if (!dx) {
+      *part = ok ? lmloss_cpu_row_softmax_bwd_sum(yr, y->dtype, dr, dy->dtype, n, a, dya, log, NULL)
+                 : NAN;
+      continue;
+    }
+    void *o = lmloss_cpu_row_mut(dx, i);
+    if (!ok) {
+      lmloss_cpu_row_fill(o, dx->dtype, n, NAN);
+      continue;
+    }
+    const double c = *part, pa = 1.0 / (1.0 + (double)st.s.r);
+    lmloss_cpu_row_softmax_bwd(yr, y->dtype, dr, dy->dtype, n, log ? 0.0f : dya,
+                               (float)(log ? c + dya : c), log, o, dx->dtype);
+    if (a >= 0) lmloss_store(o, dx->dtype, a, (float)(log ? dya * (st.s.r * pa) - pa * c : pa * c));
+  }
+  return LMLOSS_OK;
+}

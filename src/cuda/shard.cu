@@ -399,6 +399,65 @@ __global__ void __launch_bounds__(SHARD_THREADS) softmax_kernel(LpFinish a) {
   });
 }
 
+/* The softmax backward over a shard (lmloss.h): R's rows are y. */
+struct SoftmaxBwd {
+  ShardRows R;
+  const void *dy;
+  lmloss_dtype gdt;
+  int64_t gs;
+  const float *state, *dya;
+  int64_t ss, das;
+  double *part; /* the partial sums: written without dx, read with it */
+  int64_t ps;
+  void *dx; /* NULL: the partials */
+  lmloss_dtype odt;
+  int64_t os;
+  int log;
+};
+
+/* One CTA a row: the partial sum over the shard's columns other than the
+ * argmax (terms in fp32, summed in double in a fixed tree), or dx from
+ * the summed partials; src/cpu/softmax.c's formulas. */
+__global__ void __launch_bounds__(SHARD_THREADS) softmax_bwd_kernel(SoftmaxBwd a) {
+  __shared__ double part[SHARD_THREADS];
+  const int64_t i = blockIdx.x, n = a.R.n;
+  const lmloss_rowstate st = lmloss_rowstate_unpack(a.state + i * a.ss, a.R.vocab);
+  const bool ok = lmloss_rowstate_ok(&st);
+  const int64_t at = st.s.a - a.R.col0 >= 0 && st.s.a - a.R.col0 < n ? st.s.a - a.R.col0 : -1;
+  const float dya = a.dya[i * a.das];
+  const void *yr = a.R.row(i);
+  const void *gr = (const char *)a.dy + (size_t)(i * a.gs) * lmloss_dtype_size(a.gdt);
+  if (!a.dx) {
+    double t = 0.0;
+    for (int64_t j = threadIdx.x; j < n; j += SHARD_THREADS) {
+      if (j == at) continue;
+      const float g = lmloss_load(gr, a.gdt, j);
+      t += a.log ? g : lmloss_load(yr, a.R.dt, j) * (dya - g);
+    }
+    part[threadIdx.x] = t;
+    __syncthreads();
+    for (int w = SHARD_THREADS / 2; w > 0; w >>= 1) {
+      if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) a.part[i * a.ps] = ok ? part[0] : NAN;
+    return;
+  }
+  if (!ok) {
+    fill_row(a.dx, a.odt, a.os, i, n, NAN);
+    return;
+  }
+  const double c = a.part[i * a.ps], pa = 1.0 / (1.0 + (double)st.s.r);
+  const float s = a.log ? 0.0f : dya, cf = (float)(a.log ? c + dya : c);
+  void *o = out_row(a.dx, a.odt, a.os, i);
+  for (int64_t j = threadIdx.x; j < n; j += SHARD_THREADS) {
+    const float v = lmloss_load(yr, a.R.dt, j), g = lmloss_load(gr, a.gdt, j);
+    float d = a.log ? g - expf(v) * cf : v * ((g - s) + cf);
+    if (j == at) d = (float)(a.log ? dya * (st.s.r * pa) - pa * c : pa * c);
+    lmloss_store(o, a.odt, j, d);
+  }
+}
+
 /* ---- host side ---- */
 
 ShardRows shard_rows(const lmloss_tensor *x, const lmloss_shard *sh, lmloss_transform tr) {
@@ -561,6 +620,31 @@ lmloss_status lmloss_cuda_softmax_finish(const lmloss_context *ctx, const lmloss
   return launch_rows(softmax_kernel, a, stream_of(ctx), "softmax finish");
 }
 
+lmloss_status lmloss_cuda_softmax_bwd(const lmloss_context *ctx, const lmloss_tensor *y,
+                                      const lmloss_tensor *dy, int log, const lmloss_shard *sh,
+                                      const lmloss_tensor *state, const lmloss_tensor *dy_a,
+                                      const lmloss_tensor *partials, const lmloss_tensor *dx) {
+  SoftmaxBwd a = {};
+  a.R = shard_rows(y, sh, lmloss_transform_default());
+  a.dy = dy->data;
+  a.gdt = dy->dtype;
+  a.gs = dy->row_stride;
+  a.state = (const float *)state->data;
+  a.ss = state->row_stride;
+  a.dya = (const float *)dy_a->data;
+  a.das = dy_a->row_stride;
+  a.part = (double *)partials->data;
+  a.ps = partials->row_stride;
+  if (dx) {
+    a.dx = dx->data;
+    a.odt = dx->dtype;
+    a.os = dx->row_stride;
+  }
+  a.log = log;
+  if (a.R.N > 0) softmax_bwd_kernel<<<(unsigned)a.R.N, SHARD_THREADS, 0, stream_of(ctx)>>>(a);
+  return check_launch(dx ? "softmax backward finish" : "softmax backward partials");
+}
+
 lmloss_status lmloss_cuda_state_merge(const lmloss_context *ctx, const lmloss_tensor *a,
                                       const lmloss_tensor *b, const lmloss_transform *tr,
                                       const lmloss_tensor *out) {
@@ -590,9 +674,9 @@ lmloss_status lmloss_cuda_div_finish(const lmloss_context *, const lmloss_div_in
                                      const lmloss_tensor *, int, void *, size_t);
 
 extern const lmloss_state_ops lmloss_cuda_states = {
-    lmloss_cuda_ce_state,   lmloss_cuda_ce_finish,      lmloss_cuda_lp_state,
-    lmloss_cuda_lp_finish,  lmloss_cuda_softmax_finish, lmloss_cuda_state_merge,
-    lmloss_cuda_div_state,  lmloss_cuda_div_merge,      lmloss_cuda_div_partials,
-    lmloss_cuda_div_finish,
+    lmloss_cuda_ce_state,     lmloss_cuda_ce_finish,      lmloss_cuda_lp_state,
+    lmloss_cuda_lp_finish,    lmloss_cuda_softmax_finish, lmloss_cuda_softmax_bwd,
+    lmloss_cuda_state_merge,  lmloss_cuda_div_state,      lmloss_cuda_div_merge,
+    lmloss_cuda_div_partials, lmloss_cuda_div_finish,
 };
 }

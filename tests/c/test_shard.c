@@ -281,6 +281,76 @@ static void run_ce(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
 
 /* ---- log-probs, entropy, their backward; softmax ---- */
 
+/* The softmax backward over the shards of split s (lmloss.h: dy at the
+ * merged state's argmax, each shard's partials summed, each finish) from
+ * the sharded forward's y into dx. */
+static lmloss_status softmax_backward_sharded(const lmloss_context *c, const split *s, int k,
+                                              const lmloss_tensor *y, const lmloss_tensor *dy,
+                                              const lmloss_tensor *hdy, const lmloss_tensor *merged,
+                                              int log, const lmloss_tensor *dx) {
+  const int64_t N = y->rows, V = y->cols;
+  lmloss_tensor hst = host_new(LMLOSS_F32, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
+  lmloss_tensor ha = host_new(LMLOSS_F32, N, 1, 1), hsum = host_new(LMLOSS_F64, N, 1, 1);
+  lmloss_tensor hpart = host_new(LMLOSS_F64, N, 1, 1);
+  dev_fetch(&hst, merged);
+  for (int64_t i = 0; i < N; i++) {
+    const double a = tget(&hst, i, 2);
+    tset(&ha, i, 0, a >= 0 && a < V ? tget(hdy, i, (int64_t)a) : 0.0);
+    tset(&hsum, i, 0, 0.0);
+  }
+  lmloss_tensor da = dev_clone(&ha), dp = dev_clone(&hpart), ds = dev_clone(&hsum);
+  lmloss_shard sh = {0, V, 0};
+  lmloss_status st = LMLOSS_OK;
+  for (int r = 0; r < k && !st; r++) {
+    lmloss_tensor yv = cols_view(y, s->col0[r], s->n[r]), gv = cols_view(dy, s->col0[r], s->n[r]);
+    sh.col0 = s->col0[r];
+    st = lmloss_softmax_backward_partials(c, &yv, &gv, log, &sh, merged, &da, &dp);
+    dev_fetch(&hpart, &dp);
+    for (int64_t i = 0; i < N; i++) /* the all-reduce */
+      tset(&hsum, i, 0, tget(&hsum, i, 0) + tget(&hpart, i, 0));
+  }
+  dev_free(&ds);
+  ds = dev_clone(&hsum);
+  for (int r = 0; r < k && !st; r++) {
+    lmloss_tensor yv = cols_view(y, s->col0[r], s->n[r]), gv = cols_view(dy, s->col0[r], s->n[r]);
+    lmloss_tensor ov = cols_view(dx, s->col0[r], s->n[r]);
+    sh.col0 = s->col0[r];
+    st = lmloss_softmax_backward_finish(c, &yv, &gv, log, &sh, merged, &da, &ds, &ov);
+  }
+  dev_free(&da), dev_free(&dp), dev_free(&ds);
+  host_free(&hst), host_free(&ha), host_free(&hsum), host_free(&hpart);
+  return st;
+}
+
+/* dx against the one-shot backward, entry by entry, with test_softmax's
+ * cancellation floors (testing.h); the argmax's is the others' sum. The
+ * one-shot form reads sum_k y_k dy_k from y as given, the sharded one
+ * takes sum_k y_k = 1 from the state: 16-bit y part them by their own
+ * rounding, so there the floors are of 2^-8. */
+static void close_softmax_grad(tgroup *g, const lmloss_tensor *got, const lmloss_tensor *ref,
+                               const lmloss_tensor *y, const lmloss_tensor *dy, int log) {
+  const double tol = y->dtype == LMLOSS_F32 ? TOL_CANCEL : 0x1p-8;
+  for (int64_t i = 0; i < ref->rows; i++) {
+    double sabs = 0, rest = 0;
+    int64_t a = 0;
+    for (int64_t j = 0; j < ref->cols; j++) {
+      const double yj = tget(y, i, j), dj = fabs(tget(dy, i, j));
+      sabs += log ? dj : dj * yj;
+      if (yj > tget(y, i, a)) a = j;
+    }
+    for (int64_t j = 0; j < ref->cols; j++) {
+      const double yj = tget(y, i, j), dj = fabs(tget(dy, i, j));
+      rest += j == a ? 0 : tol * (log ? dj + exp(yj) * sabs : yj * (dj + sabs));
+    }
+    for (int64_t j = 0; j < ref->cols; j++) {
+      const double yj = tget(y, i, j), dj = fabs(tget(dy, i, j));
+      const double fl = tol * (log ? dj + exp(yj) * sabs : yj * (dj + sabs));
+      tg_close(g, tget(got, i, j), tget(ref, i, j), ref->dtype, j == a ? fmax(fl, rest) : fl,
+               "softmax backward", i, j);
+    }
+  }
+}
+
 static void run_lp(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int order,
                    float temperature, float softcap, int special) {
   const split s = make_split(V, k);
@@ -359,7 +429,24 @@ static void run_lp(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
     free(exact);
     dev_fetch(&q1, &rs), dev_fetch(&q2, &gs);
     close_rows(g, &q2, &q1, "softmax");
-    host_free(&q1), host_free(&q2);
+    /* the backward from the sharded forward's y, against the one-shot
+     * backward from the same y */
+    lmloss_tensor hdy = host_new(dt, N, V, V);
+    for (int64_t i = 0; i < N; i++)
+      for (int64_t j = 0; j < V; j++)
+        tset(&hdy, i, j, 0.25 + rng_uniform());
+    lmloss_tensor ddy = dev_clone(&hdy), r1 = dev_clone(&hg), r2 = dev_clone(&hg);
+    s1 = lmloss_softmax_backward(&c, &gs, &ddy, special & 1, &r1);
+    s2 = softmax_backward_sharded(&c, &s, k, &gs, &ddy, &hdy, &su[0], special & 1, &r2);
+    if (ok2(g, s1, s2, "softmax backward")) {
+      dev_fetch(&q1, &r1);
+      lmloss_tensor q3 = host_clone(&hg);
+      dev_fetch(&q3, &r2);
+      close_softmax_grad(g, &q3, &q1, &q2, &hdy, special & 1);
+      host_free(&q3);
+    }
+    dev_free(&ddy), dev_free(&r1), dev_free(&r2);
+    host_free(&hdy), host_free(&q1), host_free(&q2);
   }
   for (int i = 0; i < k; i++)
     dev_free(&st[i]), dev_free(&su[i]);
@@ -421,6 +508,30 @@ static void bad_input(tgroup *g) {
           lmloss_log_probs_state(&c, &dx, &d2, NULL, &opt.transform, &sh, &ds) ==
               LMLOSS_ERR_BAD_SHAPE,
           "two indices a row over a shard");
+  /* the sharded softmax backward: partials F64, dy_a F32, dx required */
+  sh.col0 = 0, sh.vocab = 8;
+  lmloss_tensor p64 = host_new(LMLOSS_F64, 2, 1, 1), dp = dev_clone(&p64);
+  tg_true(g,
+          lmloss_softmax_backward_partials(&c, &dx, &dx, 0, &sh, &ds, &dfv, &dfv) ==
+              LMLOSS_ERR_BAD_DTYPE,
+          "F32 softmax partials");
+  tg_true(g,
+          lmloss_softmax_backward_partials(&c, &dx, &dx, 0, &sh, &ds, &dp, &dp) ==
+              LMLOSS_ERR_BAD_DTYPE,
+          "F64 dy_a");
+  tg_true(g,
+          lmloss_softmax_backward_partials(&c, &dx, &dx, 2, &sh, &ds, &dfv, &dp) ==
+              LMLOSS_ERR_BAD_OPTION,
+          "log 2");
+  tg_true(g,
+          lmloss_softmax_backward_finish(&c, &dx, &dx, 0, &sh, &ds, &dfv, &dp, NULL) ==
+              LMLOSS_ERR_NULL_POINTER,
+          "NULL dx");
+  tg_true(g,
+          lmloss_softmax_backward_finish(&c, &dx, &dx, 0, &sh, &ds, &dfv, &dp, &narrow) ==
+              LMLOSS_ERR_BAD_SHAPE,
+          "dx of another shape");
+  dev_free(&dp), host_free(&p64);
   in.logits = x, in.target = tgt;
   tg_true(g, lmloss_cross_entropy_state(&r, &in, &opt, &sh, &st) == LMLOSS_ERR_UNSUPPORTED,
           "REF has no row states");

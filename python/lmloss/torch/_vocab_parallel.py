@@ -242,54 +242,46 @@ class Softmax(torch.autograd.Function):
             _lib.check(S.softmax_finish(c, B.view(x, keep), shard.struct(), B.view(merged, keep),
                                         int(log), B.view(y, keep)))
         ctx.save_for_backward(y, merged)
-        ctx.args = log, shard
+        ctx.args = log, shard, run
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        # softmax: dx_j = y_j (dy_j - sum_k y_k dy_k); log: dx_j = dy_j -
-        # p_j sum_k dy_k. The sums span the ranks. At the argmax a they
-        # cancel on a confident row, so the others' sum is formed apart and
-        # 1 - p_a = R / (1 + R) comes from the merged state, as in the
-        # one-shot backward: log's dx_a = dy_a (1 - p_a) - p_a sum_{k != a}
-        # dy_k (one all-reduce: that sum and dy_a). Softmax's c = sum_{k !=
-        # a} y_k (dy_a - dy_k) gives dx_a = p_a c and dx_j = y_j ((dy_j -
-        # dy_a) + c); summed after dy_a is known it cancels only where the
-        # row's dy does, so it takes a first all-reduce of dy_a (4 bytes a
-        # row) before its own (8).
-        # The argmax entries (rows, cols) here are set apart by indexing,
-        # not by an [N, V_r] mask: each elementwise pass over the shard
-        # costs about what the one-shot call's whole backward does.
+        # lmloss.h's sharded softmax backward: dy at the merged state's
+        # argmax from the rank holding it, summed over the ranks; the
+        # partial sums of the other columns, summed; then dx, its argmax
+        # entry from the state's R. Softmax's partials read dy_a (they
+        # cancel only where dy does), so two all-reduces; log-softmax's
+        # do not, so one carries both.
         y, merged = ctx.saved_tensors
-        log, shard = ctx.args
-        dy32, y32 = dy.to(F32), y.to(F32)
+        log, shard, run = ctx.args
+        dy = dy.contiguous()
         a = merged[:, 2].round().long() - shard.col0
         rows = ((a >= 0) & (a < y.shape[1])).nonzero().squeeze(1)
-        cols = a[rows]
-        dy_a = y32.new_zeros((y.shape[0], 1))
-        dy_a[rows, 0] = dy32[rows, cols]
-        r = merged[:, 1:2].double()
-        p_a = 1.0 / (1.0 + r)
-        f64 = torch.float64
-        if log:
-            d = dy32.clone()
-            d[rows, cols] = 0.0
-            sums = torch.cat([d.sum(-1, keepdim=True, dtype=f64), dy_a.double()], 1)
-            _all_reduce(sums, shard)
-            s_other, dy_a = sums[:, 0:1], sums[:, 1:2]
-            dx = y32.exp().mul_(-(s_other + dy_a).to(F32)).add_(dy32)
-            dx_a = dy_a * (r * p_a) - p_a * s_other
-        else:
+        # log's partials and dy_a travel together (sums); softmax's alone
+        sums = torch.empty((y.shape[0], 2 if log else 1), dtype=torch.float64, device=y.device)
+        dy_a = torch.zeros(y.shape[0], dtype=F32, device=y.device)
+        dy_a[rows] = dy[rows, a[rows]].to(F32)
+        if not log:
             _all_reduce(dy_a, shard)
-            u = dy32 - dy_a
-            t = u * y32
-            t[rows, cols] = 0.0
-            c = -t.sum(-1, keepdim=True, dtype=f64)  # sum y_k (dy_a - dy_k): negation is exact
-            _all_reduce(c, shard)
-            dx = u.add_(c.to(F32)).mul_(y32)
-            dx_a = p_a * c
-        dx[rows, cols] = dx_a[rows, 0].to(F32)
-        return dx.to(y.dtype), None, None, None
+        partials = sums[:, :1]
+        keep = []
+        with B.context(y, *run) as c:
+            _lib.check(S.softmax_backward_partials(c, B.view(y, keep), B.view(dy, keep), int(log),
+                                                   shard.struct(), B.view(merged, keep),
+                                                   B.view(dy_a, keep), B.view(partials, keep)))
+        if log:
+            sums[:, 1] = dy_a
+        _all_reduce(sums, shard)
+        if log:
+            dy_a = sums[:, 1].to(F32)
+        dx = torch.empty_like(y)
+        with B.context(y, *run) as c:
+            _lib.check(S.softmax_backward_finish(c, B.view(y, keep), B.view(dy, keep), int(log),
+                                                 shard.struct(), B.view(merged, keep),
+                                                 B.view(dy_a, keep), B.view(partials, keep),
+                                                 B.view(dx, keep)))
+        return dx, None, None, None
 
 
 def _all_reduce(t, shard):
