@@ -329,8 +329,8 @@ typedef struct {
 /* Forward (and with outputs->dstudent the gradient, upstream
  * opt->grad_output). workspace: lmloss_cross_entropy_workspace_size(N)
  * bytes. A row whose student or teacher holds NaN or +inf, or only -inf,
- * reads NaN (its gradient row too). Errors as lmloss_cross_entropy;
- * UNSUPPORTED on a backend without divergences (CUDA, for now). */
+ * reads NaN (its gradient row too). Errors as lmloss_cross_entropy.
+ * Every backend (REF, CPU, CUDA) has them. */
 LMLOSS_API lmloss_status lmloss_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
                                            const lmloss_div_options *opt,
                                            const lmloss_div_outputs *out, void *workspace,

@@ -56,6 +56,20 @@ static double urand(void) { /* in [0, 1) */
   return (rng_state >> 8) * (1.0 / 16777216.0);
 }
 
+/* Logits uniform in [-2, 2); with a margin, each row's target (the first
+ * of its K indices) lifted that far above the rest. */
+static void random_rows(double *x, int64_t N, int64_t V, const double *tgt, int64_t K,
+                        double margin) {
+  for (int64_t i = 0; i < N; i++) {
+    double mx = -1e300;
+    for (int64_t j = 0; j < V; j++) {
+      x[i * V + j] = 4.0 * urand() - 2.0;
+      if (j != (int64_t)tgt[i * K]) mx = fmax(mx, x[i * V + j]);
+    }
+    if (margin > 0) x[i * V + (int64_t)tgt[i * K]] = mx + margin;
+  }
+}
+
 static lmloss_tensor make(cli_case *c, lmloss_dtype dt, int64_t rows, int64_t cols,
                           const double *host) {
   lmloss_tensor t = {NULL, dt, c->dev, rows, cols, cols};
@@ -94,14 +108,7 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
   }
   if (!cli_op_is_linear(op)) {
     double *x = cli_host_alloc((size_t)(N * V), sizeof(double), 0);
-    for (int64_t i = 0; i < N; i++) {
-      double mx = -1e300;
-      for (int64_t j = 0; j < V; j++) {
-        x[i * V + j] = 4.0 * urand() - 2.0;
-        if (j != (int64_t)tgt[i * K]) mx = fmax(mx, x[i * V + j]);
-      }
-      if (margin > 0) x[i * V + (int64_t)tgt[i * K]] = mx + margin;
-    }
+    random_rows(x, N, V, tgt, K, margin);
     if (op == OP_SOFTMAX_BWD) { /* the input is a softmax output: y = softmax(x) */
       for (int64_t i = 0; i < N; i++) {
         double m = -1e300, s = 0;
@@ -118,14 +125,7 @@ int cli_case_init(cli_case *c, cli_op op, int64_t N, int64_t V, int64_t H, lmlos
     }
     c->x = make(c, dt, N, V, x);
     if (cli_op_is_div(op)) { /* the teacher: its own rows, as peaked at the same targets */
-      for (int64_t i = 0; i < N; i++) {
-        double mx = -1e300;
-        for (int64_t j = 0; j < V; j++) {
-          x[i * V + j] = 4.0 * urand() - 2.0;
-          if (j != (int64_t)tgt[i * K]) mx = fmax(mx, x[i * V + j]);
-        }
-        if (margin > 0) x[i * V + (int64_t)tgt[i * K]] = mx + margin;
-      }
+      random_rows(x, N, V, tgt, K, margin);
       c->teacher = make(c, dt, N, V, x);
     }
     free(x);
