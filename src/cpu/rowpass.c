@@ -312,7 +312,9 @@ int64_t lmloss_cpu_row_argmax(const void *row, lmloss_dtype dt, int64_t V) {
 #pragma omp simd reduction(min : first)
     for (int i = 0; i < n; i++)
       first = v[i] == bm && i < first ? i : first;
-    mx = bm, at = j0 + first;
+    /* a block of only -inf or NaN: OpenMP may start the max at -FLT_MAX,
+     * which no element equals */
+    if (first < n) mx = bm, at = j0 + first;
   }
   return at;
 }

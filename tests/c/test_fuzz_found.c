@@ -12,6 +12,13 @@
  * - fuzz_logprob: a log-probs backward from saved statistics that are not
  *   of these logits (a max far below the row's) converted exp's exponent,
  *   +inf, to int in the CPU's row pass.
+ * - fuzz_softmax: a softmax backward whose y row holds only -inf or NaN:
+ *   the CPU's argmax took clang's OpenMP max (started at -FLT_MAX, which
+ *   no element equals) for a max and wrote the argmax entry one past the
+ *   row. Here the rows' padding holds a sentinel, so a build whose
+ *   OpenMP starts a max there (clang's) sees it without a sanitizer; gcc's
+ *   starts at -inf and never wrote past; the input is in fuzz_softmax's
+ *   corpus too.
  */
 #include "support/testing.h"
 
@@ -65,6 +72,25 @@ static void foreign_stats(tgroup *g) {
   }
 }
 
+/* y rows of only -inf and only NaN: dx's padding after each row stays. */
+static void no_max(tgroup *g) {
+  const float sentinel = 123.0f;
+  float y[4] = {-INFINITY, 0.0f, NAN, 0.0f}, dy[4] = {1.0f, 0.0f, 1.0f, 0.0f};
+  lmloss_tensor yt = {y, LMLOSS_F32, LMLOSS_CPU, 2, 1, 2},
+                gt = {dy, LMLOSS_F32, LMLOSS_CPU, 2, 1, 2};
+  lmloss_context ctx = lmloss_context_default();
+  ctx.backend = LMLOSS_BACKEND_CPU;
+  for (int log = 0; log < 2; log++) {
+    float dx[4] = {0.0f, sentinel, 0.0f, sentinel};
+    lmloss_tensor xt = {dx, LMLOSS_F32, LMLOSS_CPU, 2, 1, 2};
+    lmloss_status st = lmloss_softmax_backward(&ctx, &yt, &gt, log, &xt);
+    tg_true(g, st == LMLOSS_OK, "log %d: %s (%s)", log, lmloss_status_string(st),
+            lmloss_last_error());
+    tg_true(g, dx[1] == sentinel && dx[3] == sentinel, "log %d: wrote past a row (%g, %g)", log,
+            dx[1], dx[3]);
+  }
+}
+
 int main(void) {
   tb_init();
   tgroup g;
@@ -74,6 +100,9 @@ int main(void) {
   tg_end(&g);
   tg_begin(&g, "fuzz_logprob: a backward from statistics of other logits");
   foreign_stats(&g);
+  tg_end(&g);
+  tg_begin(&g, "fuzz_softmax: a backward whose rows hold no max");
+  no_max(&g);
   tg_end(&g);
   return test_finish();
 }
