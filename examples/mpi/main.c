@@ -20,9 +20,9 @@
  *
  * Every rank checks its results against the one-shot calls on the whole
  * rows: cross-entropy, log-probs with entropy (and their backward),
- * softmax and the JSD, on rows peaked by up to 1000 at a label that lies
- * on each rank in turn, where a sum of exp all-reduced in fp32 reads a
- * loss of 0. Exits 1 when they differ.
+ * softmax (and its backward) and the JSD, on rows peaked by up to 1000
+ * at a label that lies on each rank in turn, where a sum of exp
+ * all-reduced in fp32 reads a loss of 0. Exits 1 when they differ.
  */
 #include <lmloss.h>
 #include <math.h>
@@ -192,6 +192,24 @@ int main(int argc, char **argv) {
   CHECK(exchange(state, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_EXCHANGE_COLS, &tr, NULL, merged));
   CHECK(lmloss_softmax_finish(&ctx, &shard_x, &shard, &mt, 0, &gt));
   worst[2] = worst_of(g, n, g1, V, col0, N, n);
+  /* ... and its backward, the logits themselves the upstream dy: dy at
+   * the merged state's argmax (column 2) from the rank holding it, then
+   * the partial sums of the other columns, each summed over the ranks */
+  float *dx1 = malloc(sizeof(float) * N * V), *dx = malloc(sizeof(float) * N * n), dy_a[N];
+  double part[N];
+  const lmloss_tensor dyat = view(dy_a, LMLOSS_F32, N, 1, 1), pt = view(part, LMLOSS_F64, N, 1, 1);
+  const lmloss_tensor dx1t = view(dx1, LMLOSS_F32, N, V, V), dxt = view(dx, LMLOSS_F32, N, n, n);
+  CHECK(lmloss_softmax_backward(&ctx, &g1t, &whole, 0, &dx1t));
+  for (int64_t i = 0; i < N; i++) {
+    const int64_t a = (int64_t)merged[i * LMLOSS_ROW_STATE_COLS + 2] - col0;
+    dy_a[i] = a >= 0 && a < n ? x[i * V + col0 + a] : 0.0f;
+  }
+  MPI_Allreduce(MPI_IN_PLACE, dy_a, N, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  CHECK(lmloss_softmax_backward_partials(&ctx, &gt, &shard_x, 0, &shard, &mt, &dyat, &pt));
+  MPI_Allreduce(MPI_IN_PLACE, part, N, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  CHECK(lmloss_softmax_backward_finish(&ctx, &gt, &shard_x, 0, &shard, &mt, &dyat, &pt, &dxt));
+  worst[2] = fmax(worst[2], worst_of(dx, n, dx1, V, col0, N, n));
+  free(dx1), free(dx);
 
   /* The generalized JSD (beta 0.5) from a teacher near the student (row 0:
    * the student itself, exactly 0), per-row losses and this rank's
@@ -241,12 +259,14 @@ int main(int argc, char **argv) {
   int bad = 0;
   if (rank == 0) {
     printf("vocab-parallel over %d ranks, V = %d, %d rows, one exchange of 16 (CE, softmax) or "
-           "20 (log-probs + entropy) bytes a row; the JSD two, of 32 and 16\n",
+           "20 (log-probs + entropy) bytes a row; the softmax backward two, of 4 and 8; the JSD "
+           "two, of 32 and 16\n",
            world, V, N);
     for (int64_t i = 0; i < 6; i++)
       printf("  CE row %lld (margin %s): loss %.9g, one-shot %.9g\n", (long long)i,
              (const char *[]){"0", "5", "17", "30", "50", "1000"}[i], loss[i], loss1[i]);
-    const char *names[] = {"CE", "log-probs + entropy", "softmax", "JSD (beta 0.5)"};
+    const char *names[] = {"CE", "log-probs + entropy", "softmax and its backward",
+                           "JSD (beta 0.5)"};
     for (int f = 0; f < 4; f++) {
       printf("%s: worst relative difference from the one-shot call %.3g\n", names[f], all_worst[f]);
       bad |= !(all_worst[f] < 1e-5);
