@@ -21,6 +21,13 @@
 #   bench/gpu_check.sh kernels    the row kernels alone: their C tests,
 #                                 `lmloss check`, the issue's bandwidth
 #                                 cases and an ncu summary of each kernel
+#   bench/gpu_check.sh pending    what sessions without a GPU built and
+#                                 could not run: the C tests of the staged
+#                                 fp32 kernels, the shard phases (the
+#                                 softmax backward's kernel) and the
+#                                 divergences, memcheck on the shard test,
+#                                 `lmloss check`, the fp32 rows of 262144
+#                                 with options, the divergences in C
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -114,6 +121,26 @@ if [ "${1:-}" = "head" ]; then
   timeout 200 python3 bench/peers_gpu.py --issue --case linear-ce --out "$OUT" \
     >"$OUT/peers.log" 2>&1 || status=1
   cat "$OUT/peers.log"
+  exit $status
+fi
+
+if [ "${1:-}" = "pending" ]; then
+  status=0
+  for t in test_ce test_logprob test_softmax test_shard test_divergence test_divergence_shard; do
+    LMLOSS_TEST_BACKEND=cuda timeout 150 "$BUILD/$t" >"$OUT/$t.log" 2>&1 || status=1
+    echo "$t: $(grep -c '^ok' "$OUT/$t.log") ok, $(grep -c '^FAIL' "$OUT/$t.log") failed"
+    grep -A2 -m3 "mismatch\|failed" "$OUT/$t.log"
+  done
+  echo "== compute-sanitizer --tool memcheck test_shard"
+  LMLOSS_TEST_BACKEND=cuda timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 \
+    "$BUILD/test_shard" 2>&1 | grep -E "ERROR SUMMARY|^FAIL" | tail -3 || status=1
+  $L check | tail -2 || status=1
+  {
+    $L bench ce-grad logprob-bwd --device cuda --queue 5 --dtype f32 --shape 4096,262144
+    $L bench ce-grad logprob-bwd --plain --device cuda --queue 5 --dtype f32 --shape 4096,262144
+    $L bench kl reverse-kl jsd tvd --plain --device cuda --queue 5 --dtype bf16 \
+      --shape 8192,152064
+  } 2>/dev/null | tee "$OUT/bench-pending.txt"
   exit $status
 fi
 
