@@ -2,7 +2,8 @@
  * fuzz_shard.c - the row contract over a vocabulary split into 1 to 3
  * shards: each shard's state (cross-entropy or log-probs), the merge
  * (lmloss_row_state_merge, in place), sometimes states the input
- * corrupts, and every finish over each shard's columns, on the CPU
+ * corrupts, and every finish over each shard's columns (the softmax's
+ * backward phases too), on the CPU
  * backend; REF, which has no row states, must refuse them and write
  * nothing. Some inputs go on to the divergences over the same cuts:
  * states of a student and a teacher, their merge, the partials, the
@@ -189,6 +190,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     fz_outs w = {0};
     fz_watch(&w, &pool, &g), fz_watch(&w, &pool, &l), fz_watch(&w, &pool, &e);
     const int which = (int)fz_range(&in, 0, 1);
+    lmloss_tensor p; /* the softmax backward's partials, watched to fz_check */
     lmloss_status st2;
     if (ce == 1) {
       lmloss_ce_inputs ci = {xs, y, {0}, cw};
@@ -204,8 +206,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                                             with_index ? &l : NULL, &e)
                   : lmloss_log_probs_backward_finish(&cpu, &xs, ip, &mask, &tr, &sh, &merged,
                                                      with_index ? &up : NULL, &e, &g);
-    } else {
+    } else if (fz_chance(&in, 128)) {
       st2 = lmloss_softmax_finish(&cpu, &xs, &sh, &merged, which, &g);
+    } else { /* the backward's phases, y and dy the shard's logits (any floats) */
+      p = fz_tensor(&in, &pool, fz_dtype(&in, LMLOSS_F64), N, 1, V, 0);
+      fz_watch(&w, &pool, &p);
+      st2 = fz_chance(&in, 128)
+                ? lmloss_softmax_backward_partials(&cpu, &xs, &xs, which, &sh, &merged, &up, &p)
+                : lmloss_softmax_backward_finish(&cpu, &xs, &xs, which, &sh, &merged, &up, &p, &g);
     }
     fz_check(st2, &w, "finish on CPU");
   }
