@@ -1,8 +1,10 @@
-/* block.h - a row's block to fp32 and a gradient block back to its
- * dtype, for the CPU passes (vectorized: no per-element dtype switch). */
+/* block.h - a row's block to fp32, a gradient block back to its dtype,
+ * and a block's first max, for the CPU passes (vectorized: no
+ * per-element dtype switch). */
 #ifndef LMLOSS_CPU_BLOCK_H
 #define LMLOSS_CPU_BLOCK_H
 
+#include <math.h>
 #include <string.h>
 
 #include "math/dtype.h"
@@ -40,6 +42,28 @@ static inline void lmloss_cpu_store_block(void *out, lmloss_dtype odt, int64_t j
     for (int i = 0; i < n; i++)
       h[i] = lmloss_f32_to_f16(g[i]);
   }
+}
+
+/* The first index of the max of w[0, n) (n >= 1), the max into *m; NaN
+ * is never the max. OpenMP may start a max reduction at -FLT_MAX (clang's
+ * does), which a block of only -inf and NaN never reaches: its max is
+ * -inf, at its first -inf (0 when it holds none). Always inlined, so that
+ * each ISA clone of a caller vectorizes it. */
+static inline __attribute__((always_inline)) int lmloss_cpu_first_max(const float *w, int n,
+                                                                      float *m) {
+  float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+  for (int i = 0; i < n; i++)
+    mx = w[i] > mx ? w[i] : mx;
+  int a = n;
+  for (int pass = 0; pass < 2 && a == n; pass++) {
+    if (pass) mx = -INFINITY;
+#pragma omp simd reduction(min : a)
+    for (int i = 0; i < n; i++)
+      a = w[i] == mx && i < a ? i : a;
+  }
+  *m = mx;
+  return a < n ? a : 0;
 }
 
 #endif

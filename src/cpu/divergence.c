@@ -97,26 +97,14 @@ DIV_INLINE void block_check(pair_block *b) {
   b->bad = bad > 0, b->any_s = fs > 0, b->any_t = ft > 0;
 }
 
-DIV_INLINE int64_t first_max(const float *w, int n, float *m) {
-  float mx = -INFINITY;
-#pragma omp simd reduction(max : mx)
-  for (int i = 0; i < n; i++)
-    mx = w[i] > mx ? w[i] : mx;
-  int a = n - 1; /* the first column at the max, by a vectorized min */
-#pragma omp simd reduction(min : a)
-  for (int i = 0; i < n; i++)
-    a = w[i] == mx && i < a ? i : a;
-  *m = mx;
-  return a;
-}
-
 /* A block's statistics (its columns from j0). A row whose block holds
  * only -inf (no softcap) has max -inf there: its exponents are taken from
  * 0 instead, so they read 0, and merge() counts no mass for it. */
 DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, int64_t j0,
                                         float *restrict kes, float *restrict ket, int capped) {
   lmloss_div_stats s;
-  const int as = (int)first_max(b->ws, b->n, &s.ms), at = (int)first_max(b->wt, b->n, &s.mt);
+  const int as = lmloss_cpu_first_max(b->ws, b->n, &s.ms),
+            at = lmloss_cpu_first_max(b->wt, b->n, &s.mt);
   s.as = j0 + as, s.at = j0 + at, s.xs_a = b->xs[as], s.xt_a = b->xt[at];
   const float G = lmloss_div_stats_G(&jb->pr, &s);
   const float ms = s.ms > -INFINITY ? s.ms : 0.0f, mt = s.mt > -INFINITY ? s.mt : 0.0f;

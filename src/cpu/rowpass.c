@@ -303,18 +303,9 @@ int64_t lmloss_cpu_row_argmax(const void *row, lmloss_dtype dt, int64_t V) {
   for (int64_t j0 = 0; j0 < V; j0 += LMLOSS_CPU_BLOCK) {
     const int n = (int)(V - j0 < LMLOSS_CPU_BLOCK ? V - j0 : LMLOSS_CPU_BLOCK);
     const float *v = block_f32(row, dt, j0, n, buf);
-    float bm = -INFINITY;
-#pragma omp simd reduction(max : bm)
-    for (int i = 0; i < n; i++)
-      bm = v[i] > bm ? v[i] : bm;
-    if (!(bm > mx)) continue; /* an earlier block holds the first max */
-    int first = n;
-#pragma omp simd reduction(min : first)
-    for (int i = 0; i < n; i++)
-      first = v[i] == bm && i < first ? i : first;
-    /* a block of only -inf or NaN: OpenMP may start the max at -FLT_MAX,
-     * which no element equals */
-    if (first < n) mx = bm, at = j0 + first;
+    float bm;
+    const int first = lmloss_cpu_first_max(v, n, &bm);
+    if (bm > mx) mx = bm, at = j0 + first; /* else an earlier block holds the first max */
   }
   return at;
 }
