@@ -27,16 +27,24 @@ lmloss_status lmloss_softmax(const lmloss_context *ctx, const lmloss_tensor *x, 
   return ops->softmax(ctx, x, log, out);
 }
 
-lmloss_status lmloss_softmax_backward(const lmloss_context *ctx, const lmloss_tensor *y,
-                                      const lmloss_tensor *dy, int log, const lmloss_tensor *dx) {
-  const lmloss_backend_ops *ops;
+/* The backward's y, dy, log and (unless NULL: a shard's partials) dx. */
+static lmloss_status check_backward(const lmloss_tensor *y, const lmloss_tensor *dy, int log,
+                                    const lmloss_tensor *dx) {
   TRY(lmloss_check_tensor(y, "y", LMLOSS_FLOATS, -1, -1));
   if (y->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "y: V must be >= 1");
   if (log != 0 && log != 1) return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "log must be 0 or 1");
   TRY(lmloss_check_tensor(dy, "dy", LMLOSS_FLOATS, y->rows, y->cols));
+  if (!dx) return LMLOSS_OK;
   TRY(lmloss_check_tensor(dx, "dx", LMLOSS_FLOATS, y->rows, y->cols));
   TRY(lmloss_check_alias(dy, dx, "dx"));
-  TRY(lmloss_check_alias(y, dx, "dx"));
+  return lmloss_check_alias(y, dx, "dx");
+}
+
+lmloss_status lmloss_softmax_backward(const lmloss_context *ctx, const lmloss_tensor *y,
+                                      const lmloss_tensor *dy, int log, const lmloss_tensor *dx) {
+  const lmloss_backend_ops *ops;
+  if (!dx) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "dx is NULL");
+  TRY(check_backward(y, dy, log, dx));
   const lmloss_tensor *ts[] = {dy, dx};
   TRY(lmloss_check_device(ts, 2, y->device));
   TRY(lmloss_pick_backend(ctx, y->device, &ops));
@@ -62,18 +70,10 @@ static lmloss_status softmax_bwd_shard(const lmloss_context *ctx, const lmloss_t
                                        const lmloss_tensor *partials, const lmloss_tensor *dx) {
   const lmloss_backend_ops *ops;
   lmloss_shard sh;
-  TRY(lmloss_check_tensor(y, "y", LMLOSS_FLOATS, -1, -1));
-  if (y->cols < 1) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "y: V must be >= 1");
-  if (log != 0 && log != 1) return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "log must be 0 or 1");
-  TRY(lmloss_check_tensor(dy, "dy", LMLOSS_FLOATS, y->rows, y->cols));
+  TRY(check_backward(y, dy, log, dx));
   TRY(lmloss_check_shard(shard, y->rows, y->cols, state, LMLOSS_ROW_STATE_COLS, y->device, &sh));
   TRY(lmloss_check_tensor(dy_a, "dy_a", LMLOSS_MASK(LMLOSS_F32), y->rows, 1));
   TRY(lmloss_check_tensor(partials, "partials", LMLOSS_MASK(LMLOSS_F64), y->rows, 1));
-  if (dx) {
-    TRY(lmloss_check_tensor(dx, "dx", LMLOSS_FLOATS, y->rows, y->cols));
-    TRY(lmloss_check_alias(dy, dx, "dx"));
-    TRY(lmloss_check_alias(y, dx, "dx"));
-  }
   const lmloss_tensor *ts[] = {dy, dy_a, partials, dx ? dx : dy};
   TRY(lmloss_check_device(ts, 4, y->device));
   TRY(lmloss_pick_backend(ctx, y->device, &ops));
