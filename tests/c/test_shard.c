@@ -322,35 +322,6 @@ static lmloss_status softmax_backward_sharded(const lmloss_context *c, const spl
   return st;
 }
 
-/* dx against the one-shot backward, entry by entry, with test_softmax's
- * cancellation floors (testing.h); the argmax's is the others' sum. The
- * one-shot form reads sum_k y_k dy_k from y as given, the sharded one
- * takes sum_k y_k = 1 from the state: 16-bit y part them by their own
- * rounding, so there the floors are of 2^-8. */
-static void close_softmax_grad(tgroup *g, const lmloss_tensor *got, const lmloss_tensor *ref,
-                               const lmloss_tensor *y, const lmloss_tensor *dy, int log) {
-  const double tol = y->dtype == LMLOSS_F32 ? TOL_CANCEL : 0x1p-8;
-  for (int64_t i = 0; i < ref->rows; i++) {
-    double sabs = 0, rest = 0;
-    int64_t a = 0;
-    for (int64_t j = 0; j < ref->cols; j++) {
-      const double yj = tget(y, i, j), dj = fabs(tget(dy, i, j));
-      sabs += log ? dj : dj * yj;
-      if (yj > tget(y, i, a)) a = j;
-    }
-    for (int64_t j = 0; j < ref->cols; j++) {
-      const double yj = tget(y, i, j), dj = fabs(tget(dy, i, j));
-      rest += j == a ? 0 : tol * (log ? dj + exp(yj) * sabs : yj * (dj + sabs));
-    }
-    for (int64_t j = 0; j < ref->cols; j++) {
-      const double yj = tget(y, i, j), dj = fabs(tget(dy, i, j));
-      const double fl = tol * (log ? dj + exp(yj) * sabs : yj * (dj + sabs));
-      tg_close(g, tget(got, i, j), tget(ref, i, j), ref->dtype, j == a ? fmax(fl, rest) : fl,
-               "softmax backward", i, j);
-    }
-  }
-}
-
 static void run_lp(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int order,
                    float temperature, float softcap, int special) {
   const split s = make_split(V, k);
@@ -442,7 +413,11 @@ static void run_lp(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
       dev_fetch(&q1, &r1);
       lmloss_tensor q3 = host_clone(&hg);
       dev_fetch(&q3, &r2);
-      close_softmax_grad(g, &q3, &q1, &q2, &hdy, special & 1);
+      /* The one-shot form reads sum_k y_k dy_k from y as given, the
+       * sharded one takes sum_k y_k = 1 from the state: 16-bit y part
+       * them by their own rounding, so there the floors are of 2^-8. */
+      tg_close_softmax_grad(g, &q3, &q1, &q2, &hdy, special & 1,
+                            dt == LMLOSS_F32 ? TOL_CANCEL : 0x1p-8);
       host_free(&q3);
     }
     dev_free(&ddy), dev_free(&r1), dev_free(&r2);

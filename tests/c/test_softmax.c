@@ -59,27 +59,7 @@ static void run_case(tgroup *g, int64_t N, int64_t V, int64_t pad, int log, lmlo
     if (!inplace) dev_free(&dgx);
     if (tg_true(g, sr == LMLOSS_OK && sg == LMLOSS_OK, "backward status %s %s (%s)",
                 lmloss_status_string(sr), lmloss_status_string(sg), lmloss_last_error()))
-      for (int64_t i = 0; i < N; i++) {
-        /* cancellation floor: TOL_CANCEL |terms| (testing.h); argmax: the others' sum */
-        double sabs = 0, rest = 0;
-        int64_t a = 0;
-        for (int64_t j = 0; j < V; j++) {
-          double yj = tget(&yr, i, j), dj = fabs(tget(&up, i, j));
-          sabs += log ? dj : dj * yj;
-          if (yj > tget(&yr, i, a)) a = j;
-        }
-        for (int64_t j = 0; j < V; j++) {
-          double yj = tget(&yr, i, j), dj = fabs(tget(&up, i, j));
-          double fl = TOL_CANCEL * (log ? dj + exp(yj) * sabs : yj * (dj + sabs));
-          if (j != a) rest += fl;
-        }
-        for (int64_t j = 0; j < V; j++) {
-          double yj = tget(&yr, i, j), dj = fabs(tget(&up, i, j));
-          double fl = TOL_CANCEL * (log ? dj + exp(yj) * sabs : yj * (dj + sabs));
-          tg_close(g, tget(&gg, i, j), tget(&gr, i, j), odt, j == a ? fmax(fl, rest) : fl, "dx", i,
-                   j);
-        }
-      }
+      tg_close_softmax_grad(g, &gg, &gr, &yr, &up, log, TOL_CANCEL);
     host_free(&up), host_free(&gr), host_free(&gg);
   }
   if ((size_t)g->fails > before && before == 0)

@@ -243,3 +243,26 @@ lmloss_tensor cols_view(const lmloss_tensor *t, int64_t c0, int64_t n) {
   v.cols = n;
   return v;
 }
+
+void tg_close_softmax_grad(tgroup *g, const lmloss_tensor *got, const lmloss_tensor *ref,
+                           const lmloss_tensor *y, const lmloss_tensor *dy, int log, double tol) {
+  for (int64_t i = 0; i < ref->rows; i++) {
+    double sabs = 0, rest = 0;
+    int64_t a = 0;
+    for (int64_t j = 0; j < ref->cols; j++) {
+      const double yj = tget(y, i, j), dj = fabs(tget(dy, i, j));
+      sabs += log ? dj : dj * yj;
+      if (yj > tget(y, i, a)) a = j;
+    }
+    for (int64_t j = 0; j < ref->cols; j++) {
+      const double yj = tget(y, i, j), dj = fabs(tget(dy, i, j));
+      if (j != a) rest += tol * (log ? dj + exp(yj) * sabs : yj * (dj + sabs));
+    }
+    for (int64_t j = 0; j < ref->cols; j++) {
+      const double yj = tget(y, i, j), dj = fabs(tget(dy, i, j));
+      const double fl = tol * (log ? dj + exp(yj) * sabs : yj * (dj + sabs));
+      tg_close(g, tget(got, i, j), tget(ref, i, j), ref->dtype, j == a ? fmax(fl, rest) : fl, "dx",
+               i, j);
+    }
+  }
+}

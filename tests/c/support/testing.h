@@ -83,6 +83,12 @@ void host_free(lmloss_tensor *t);
 void tset(const lmloss_tensor *t, int64_t i, int64_t j, double v); /* rounds to dtype */
 double tget(const lmloss_tensor *t, int64_t i, int64_t j);
 int same_bytes(const lmloss_tensor *a, const lmloss_tensor *b); /* whole span */
+/* A softmax backward's dx (got) against ref, entry by entry (tg_close as
+ * "dx"), with the softmax backward's cancellation floors above at tol
+ * (TOL_CANCEL, or coarser where the inputs carry their own rounding),
+ * from the forward's y and the upstream dy; log: log-softmax. */
+void tg_close_softmax_grad(tgroup *g, const lmloss_tensor *got, const lmloss_tensor *ref,
+                           const lmloss_tensor *y, const lmloss_tensor *dy, int log, double tol);
 const char *dt_name(lmloss_dtype dt);
 
 /* ---- backend under test ---- */
