@@ -68,6 +68,21 @@ __device__ void fill_row(void *out, lmloss_dtype dt, int64_t os, int64_t i, int6
     lmloss_store(o, dt, j, v);
 }
 
+/* The sum over the CTA of each thread's t, in a fixed tree (bitwise the
+ * same run to run); every thread gets it. */
+__device__ double cta_sum(double t) {
+  __shared__ double part[SHARD_THREADS];
+  part[threadIdx.x] = t;
+  __syncthreads();
+  for (int w = SHARD_THREADS / 2; w > 0; w >>= 1) {
+    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  const double sum = part[0];
+  __syncthreads(); /* read by all before a next call writes part */
+  return sum;
+}
+
 /* f(j, v) over the columns j of a row this thread owns (j = threadIdx.x
  * + q SHARD_THREADS, in order), v the logit: UNROLL loads are issued
  * before their elements are used, so that a thread keeps several reads in
@@ -213,7 +228,6 @@ struct CeFinish {
 
 /* MEAN's denominator and the class weights' sum C, in a fixed order. */
 __global__ void __launch_bounds__(SHARD_THREADS) ce_sums_kernel(CeFinish a) {
-  __shared__ double part[2][SHARD_THREADS];
   double den = 0.0, C = 0.0;
   for (int64_t i = threadIdx.x; i < a.R.N; i += SHARD_THREADS) {
     const long long y = a.L.at(i);
@@ -221,15 +235,8 @@ __global__ void __launch_bounds__(SHARD_THREADS) ce_sums_kernel(CeFinish a) {
   }
   for (int64_t j = threadIdx.x; a.cw && j < a.R.vocab; j += SHARD_THREADS)
     C += a.cw[j * a.cws];
-  part[0][threadIdx.x] = den, part[1][threadIdx.x] = C;
-  __syncthreads();
-  for (int w = SHARD_THREADS / 2; w > 0; w >>= 1) {
-    if (threadIdx.x < w)
-      for (int q = 0; q < 2; q++)
-        part[q][threadIdx.x] += part[q][threadIdx.x + w];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) a.ws[0] = part[0][0], a.ws[1] = a.cw ? part[1][0] : (double)a.R.vocab;
+  den = cta_sum(den), C = cta_sum(C);
+  if (threadIdx.x == 0) a.ws[0] = den, a.ws[1] = a.cw ? C : (double)a.R.vocab;
 }
 
 __device__ __forceinline__ double ce_scale(const CeFinish &a) {
@@ -295,17 +302,11 @@ __global__ void __launch_bounds__(SHARD_THREADS) ce_finish_kernel(CeFinish a) {
 
 /* A reduced loss: the rows' losses summed in a fixed order. */
 __global__ void __launch_bounds__(SHARD_THREADS) ce_reduce_kernel(CeFinish a) {
-  __shared__ double part[SHARD_THREADS];
   double t = 0.0;
   for (int64_t i = threadIdx.x; i < a.R.N; i += SHARD_THREADS)
     t += a.ws[ROW_LOSS + i];
-  part[threadIdx.x] = t;
-  __syncthreads();
-  for (int w = SHARD_THREADS / 2; w > 0; w >>= 1) {
-    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) a.loss[0] = (float)(part[0] * ce_scale(a));
+  t = cta_sum(t);
+  if (threadIdx.x == 0) a.loss[0] = (float)(t * ce_scale(a));
 }
 
 /* ---- log-probs, entropy, softmax ---- */
@@ -419,7 +420,6 @@ struct SoftmaxBwd {
  * argmax (terms in fp32, summed in double in a fixed tree), or dx from
  * the summed partials; src/cpu/softmax.c's formulas. */
 __global__ void __launch_bounds__(SHARD_THREADS) softmax_bwd_kernel(SoftmaxBwd a) {
-  __shared__ double part[SHARD_THREADS];
   const int64_t i = blockIdx.x, n = a.R.n;
   const lmloss_rowstate st = lmloss_rowstate_unpack(a.state + i * a.ss, a.R.vocab);
   const bool ok = lmloss_rowstate_ok(&st);
@@ -434,13 +434,8 @@ __global__ void __launch_bounds__(SHARD_THREADS) softmax_bwd_kernel(SoftmaxBwd a
       const float g = lmloss_load(gr, a.gdt, j);
       t += a.log ? g : lmloss_load(yr, a.R.dt, j) * (dya - g);
     }
-    part[threadIdx.x] = t;
-    __syncthreads();
-    for (int w = SHARD_THREADS / 2; w > 0; w >>= 1) {
-      if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
-      __syncthreads();
-    }
-    if (threadIdx.x == 0) a.part[i * a.ps] = ok ? part[0] : NAN;
+    t = cta_sum(t);
+    if (threadIdx.x == 0) a.part[i * a.ps] = ok ? t : NAN;
     return;
   }
   if (!ok) {
