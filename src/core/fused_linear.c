@@ -11,11 +11,13 @@ lmloss_head_options lmloss_head_options_default(void) {
   return o;
 }
 
-/* Shared checks of the CE entry points. */
+/* Shared checks of the CE entry points; V, the vocabulary's width (the
+ * head's rows, or a shard's vocabulary: targets and class weights are the
+ * whole vocabulary's). */
 static lmloss_status check_ce(const lmloss_head *head, const lmloss_tensor *target,
                               const lmloss_tensor *tw, const lmloss_tensor *cw,
-                              const lmloss_ce_options *opt) {
-  const int64_t N = head->hidden.rows, V = head->weight.rows;
+                              const lmloss_ce_options *opt, int64_t V) {
+  const int64_t N = head->hidden.rows;
   TRY(lmloss_check_ce_labels(target, tw, cw, opt, N, V));
   const lmloss_tensor *ts[] = {&head->hidden, &head->weight, &head->bias, target, tw, cw};
   TRY(lmloss_check_device(ts, 6, head->hidden.device));
@@ -36,7 +38,8 @@ lmloss_linear_cross_entropy(const lmloss_context *ctx, const lmloss_head *head,
   TRY(lmloss_check_head(head, hopt));
   TRY(lmloss_check_head_grads(head, grads));
   if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
-  TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt));
+  TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt,
+               head->weight.rows));
   const int64_t N = head->hidden.rows;
   if (wants(&out->dlogits))
     return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dlogits must be absent: the fused head never "
@@ -63,7 +66,8 @@ lmloss_status lmloss_linear_cross_entropy_backward(
     const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
   TRY(lmloss_check_head(head, hopt));
   TRY(lmloss_check_head_grads(head, grads));
-  TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt));
+  TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt,
+               head->weight.rows));
   if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
   TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
                           opt->reduction == LMLOSS_REDUCE_NONE ? head->hidden.rows : 1, 1));
@@ -78,6 +82,120 @@ lmloss_status lmloss_linear_cross_entropy_backward(
                   .hopt = hopt,
                   .dloss = dloss,
                   .grads = grads};
+  return lmloss_linear_run(&j, ws, ws_bytes);
+}
+
+/* Shared checks of the sharded CE entry points (weight: the shard's rows):
+ * the shard resolved into *sh, its states, F32 heads on a backend with
+ * row states. */
+static lmloss_status check_ce_shard(const lmloss_context *ctx, const lmloss_head *head,
+                                    const lmloss_tensor *target, const lmloss_tensor *tw,
+                                    const lmloss_tensor *cw, const lmloss_ce_options *opt,
+                                    const lmloss_head_options *hopt, const lmloss_shard *shard,
+                                    const lmloss_tensor *state, lmloss_shard *sh) {
+  TRY(lmloss_check_head(head, hopt));
+  TRY(lmloss_check_shard(shard, head->hidden.rows, head->weight.rows, state, LMLOSS_ROW_STATE_COLS,
+                         head->hidden.device, sh));
+  TRY(check_ce(head, target, opt_tensor(tw), opt_tensor(cw), opt, sh->vocab));
+  /* a 16-bit head's rounded dlogits need the exact entries the one-shot
+   * row op keeps (linear_loop.c); a shard's finish keeps none */
+  if (head->hidden.dtype != LMLOSS_F32 || head->weight.dtype != LMLOSS_F32)
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "a sharded fused head takes F32 hidden and weight");
+  const lmloss_backend_ops *ops;
+  TRY(lmloss_pick_backend(ctx, head->hidden.device, &ops));
+  return lmloss_check_supports(ops, LMLOSS_CAN_ROW_STATES, "row states");
+}
+
+/* The merged states a finish reads share no byte with its gradients. */
+static lmloss_status state_apart(const lmloss_tensor *state, const lmloss_head_grads *g) {
+  if (!g) return LMLOSS_OK;
+  TRY(lmloss_check_disjoint(&g->dhidden, "dhidden", state, "state"));
+  TRY(lmloss_check_disjoint(&g->dweight, "dweight", state, "state"));
+  return lmloss_check_disjoint(&g->dbias, "dbias", state, "state");
+}
+
+lmloss_status
+lmloss_linear_cross_entropy_state(const lmloss_context *ctx, const lmloss_head *head,
+                                  const lmloss_tensor *target, const lmloss_tensor *token_weight,
+                                  const lmloss_tensor *class_weight, const lmloss_ce_options *opt,
+                                  const lmloss_head_options *hopt, const lmloss_shard *shard,
+                                  const lmloss_tensor *state, void *ws, size_t ws_bytes) {
+  lmloss_shard sh;
+  TRY(check_ce_shard(ctx, head, target, token_weight, class_weight, opt, hopt, shard, state, &sh));
+  linear_job j = {.table = &lmloss_ce_state_job,
+                  .ctx = ctx,
+                  .head = head,
+                  .labels = target,
+                  .tw = opt_tensor(token_weight),
+                  .cw = opt_tensor(class_weight),
+                  .opt = opt,
+                  .tr = &opt->transform,
+                  .hopt = hopt,
+                  .shard = &sh,
+                  .state = state};
+  return lmloss_linear_run(&j, ws, ws_bytes);
+}
+
+lmloss_status
+lmloss_linear_cross_entropy_finish(const lmloss_context *ctx, const lmloss_head *head,
+                                   const lmloss_tensor *target, const lmloss_tensor *token_weight,
+                                   const lmloss_tensor *class_weight, const lmloss_ce_options *opt,
+                                   const lmloss_head_options *hopt, const lmloss_shard *shard,
+                                   const lmloss_tensor *state, const lmloss_ce_outputs *out,
+                                   const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
+  lmloss_shard sh;
+  TRY(check_ce_shard(ctx, head, target, token_weight, class_weight, opt, hopt, shard, state, &sh));
+  TRY(lmloss_check_head_grads(head, grads));
+  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
+  if (wants(&out->dlogits))
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dlogits must be absent: the fused head never "
+                                             "materializes the logits");
+  TRY(lmloss_check_ce_rows(out, head->hidden.rows, opt->reduction));
+  if (wants(&out->entropy) && !sh.entropy)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "an entropy output needs states with shard.entropy");
+  TRY(state_apart(state, has_grads(grads) ? grads : NULL));
+  linear_job j = {.table = &lmloss_ce_forward_job,
+                  .ctx = ctx,
+                  .head = head,
+                  .labels = target,
+                  .tw = opt_tensor(token_weight),
+                  .cw = opt_tensor(class_weight),
+                  .opt = opt,
+                  .tr = &opt->transform,
+                  .hopt = hopt,
+                  .out = out,
+                  .grads = has_grads(grads) ? grads : NULL,
+                  .shard = &sh,
+                  .state = state};
+  return lmloss_linear_run(&j, ws, ws_bytes);
+}
+
+lmloss_status lmloss_linear_cross_entropy_backward_finish(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *target,
+    const lmloss_tensor *token_weight, const lmloss_tensor *class_weight,
+    const lmloss_ce_options *opt, const lmloss_head_options *hopt, const lmloss_shard *shard,
+    const lmloss_tensor *state, const lmloss_tensor *dloss, const lmloss_head_grads *grads,
+    void *ws, size_t ws_bytes) {
+  lmloss_shard sh;
+  TRY(check_ce_shard(ctx, head, target, token_weight, class_weight, opt, hopt, shard, state, &sh));
+  TRY(lmloss_check_head_grads(head, grads));
+  if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
+  TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
+                          opt->reduction == LMLOSS_REDUCE_NONE ? head->hidden.rows : 1, 1));
+  TRY(state_apart(state, grads));
+  linear_job j = {.table = &lmloss_ce_backward_job,
+                  .ctx = ctx,
+                  .head = head,
+                  .labels = target,
+                  .tw = opt_tensor(token_weight),
+                  .cw = opt_tensor(class_weight),
+                  .opt = opt,
+                  .tr = &opt->transform,
+                  .hopt = hopt,
+                  .dloss = dloss,
+                  .grads = grads,
+                  .shard = &sh,
+                  .state = state};
   return lmloss_linear_run(&j, ws, ws_bytes);
 }
 

@@ -29,6 +29,10 @@ typedef struct {
   const lmloss_tensor *dloss, *logp, *entropy, *dlogp, *dentropy;
   const lmloss_tensor *stats; /* log-probs: saved (forward) or given (backward) */
   const lmloss_head_grads *grads;
+  /* a sharded head (weight: the shard's rows): the resolved shard, and the
+   * row states its state call writes or its finish reads (merged) */
+  const lmloss_shard *shard;
+  const lmloss_tensor *state;
 } linear_job;
 
 /* The row op of one chunk: its n compact rows (list, from compact row
@@ -69,6 +73,7 @@ struct linear_job_table {
 };
 
 extern const linear_job_table lmloss_ce_forward_job, lmloss_ce_backward_job;
+extern const linear_job_table lmloss_ce_state_job; /* a shard's states (no gradient) */
 extern const linear_job_table lmloss_lp_forward_job, lmloss_lp_backward_job;
 extern const linear_job_table lmloss_lp_keep_forward_job, lmloss_lp_keep_backward_job;
 

@@ -1,18 +1,21 @@
 /*
  * linear_jobs.c - the fused head's kinds of job (linear_job.h): for
- * cross-entropy and the log-probs, forward and backward, and the kept
- * log-probs, which rows each selects, its row op on a chunk's logits
- * (the backend's logits op, so the numerics are exactly those of the
- * logits ops), the outputs it scatters, and what it fills or sums
- * outside the chunks.
+ * cross-entropy and the log-probs, forward and backward, the kept
+ * log-probs, and cross-entropy over a sharded vocabulary (a shard's
+ * states; its forward and backward from merged states), which rows each
+ * selects, its row op on a chunk's logits (the backend's logits op, so
+ * the numerics are exactly those of the logits ops), the outputs it
+ * scatters, and what it fills or sums outside the chunks.
  */
+#include <math.h>
 #include <string.h>
 
 #include "linear_job.h"
 
 /* The per-row compact buffers of a chunk (n <= p->slot_rows rows), each in a
  * slot of the aux area: labels [rows, K] x 8 bytes, five scalar slots of
- * 8 bytes a row, then [rows, K] floats; aux_per_row covers it. */
+ * 8 bytes a row, [rows, K] floats, the statistics, then the states;
+ * aux_per_row covers it. */
 typedef struct {
   lmloss_tensor labels;  /* target or index, gathered */
   lmloss_tensor row;     /* F32: loss (NONE), dloss, entropy (log-probs), dentropy */
@@ -22,6 +25,7 @@ typedef struct {
   lmloss_tensor argmax;  /* I64 */
   lmloss_tensor per_k;   /* F32 [n, K]: logp, dlogp */
   lmloss_tensor stats;   /* F32 [n, LMLOSS_ROW_STATS], log-probs' */
+  lmloss_tensor state;   /* F32 [n, LMLOSS_ROW_STATE_COLS], a shard's */
 } chunk_slots;
 
 /* The chunk's slots, its labels gathered into theirs. */
@@ -39,8 +43,10 @@ static lmloss_status chunk_slots_of(const linear_job *j, const lmloss_linear_pri
   s->entropy = lmloss_ws_view(aux + scalars + 3 * R * 8, LMLOSS_F32, dev, n, 1);
   s->argmax = lmloss_ws_view(aux + scalars + 4 * R * 8, LMLOSS_I64, dev, n, 1);
   s->per_k = lmloss_ws_view(aux + scalars + 5 * R * 8, LMLOSS_F32, dev, n, K);
-  s->stats = lmloss_ws_view(aux + scalars + 5 * R * 8 + R * (size_t)K * 4, LMLOSS_F32, dev, n,
-                            LMLOSS_ROW_STATS);
+  const size_t stats = scalars + 5 * R * 8 + R * (size_t)K * 4;
+  s->stats = lmloss_ws_view(aux + stats, LMLOSS_F32, dev, n, LMLOSS_ROW_STATS);
+  s->state = lmloss_ws_view(aux + stats + R * LMLOSS_ROW_STATS * 4, LMLOSS_F32, dev, n,
+                            LMLOSS_ROW_STATE_COLS);
   if (!j->labels || p->K == 0) return LMLOSS_OK;
   s->labels.dtype = j->labels->dtype;
   s->labels.row_stride = s->labels.cols;
@@ -100,8 +106,14 @@ static lmloss_status ce_forward_rows(const linear_job *j, const lmloss_backend_o
   if (wants(&out->entropy)) co.entropy = sl.entropy;
   if (wants(&out->argmax)) co.argmax = sl.argmax;
   if (ch->dl) co.dlogits = *ch->dl;
-  TRY(ops->cross_entropy(j->ctx, &in, &o, &co, ws + p->ce_ws,
-                         lmloss_cross_entropy_workspace_size(ch->n), ch->keep));
+  const size_t ce_bytes = lmloss_cross_entropy_workspace_size(ch->n);
+  if (j->shard) {
+    TRY(L->gather_rows(j->ctx, j->state, ch->list, &sl.state));
+    TRY(ops->states->ce_finish(j->ctx, &in, &o, j->shard, &sl.state, &co, NULL, ch->dl,
+                               ws + p->ce_ws, ce_bytes));
+  } else {
+    TRY(ops->cross_entropy(j->ctx, &in, &o, &co, ws + p->ce_ws, ce_bytes, ch->keep));
+  }
   if (per_row) TRY(L->scatter_rows(j->ctx, &sl.row, ch->list, &out->loss));
   if (wants(&out->lse)) TRY(L->scatter_rows(j->ctx, &sl.lse, ch->list, &out->lse));
   if (wants(&out->entropy)) TRY(L->scatter_rows(j->ctx, &sl.entropy, ch->list, &out->entropy));
@@ -121,8 +133,42 @@ static lmloss_status ce_backward_rows(const linear_job *j, const lmloss_backend_
     d = sl.row;
     TRY(L->gather_rows(j->ctx, j->dloss, ch->list, &d));
   }
-  return ops->cross_entropy_backward(j->ctx, &in, &o, &d, ch->dl, ws + p->ce_ws,
-                                     lmloss_cross_entropy_workspace_size(ch->n), ch->keep);
+  const size_t ce_bytes = lmloss_cross_entropy_workspace_size(ch->n);
+  if (!j->shard)
+    return ops->cross_entropy_backward(j->ctx, &in, &o, &d, ch->dl, ws + p->ce_ws, ce_bytes,
+                                       ch->keep);
+  TRY(L->gather_rows(j->ctx, j->state, ch->list, &sl.state));
+  return ops->states->ce_finish(j->ctx, &in, &o, j->shard, &sl.state, NULL, &d, ch->dl,
+                                ws + p->ce_ws, ce_bytes);
+}
+
+/* A shard's states of the chunk's rows, scattered into the call's. */
+static lmloss_status ce_state_rows(const linear_job *j, const lmloss_backend_ops *ops,
+                                   const linear_plan *p, char *ws, const linear_chunk *ch) {
+  const lmloss_linear_prims *L = ops->linear;
+  chunk_slots sl;
+  lmloss_ce_inputs in;
+  lmloss_ce_options o;
+  TRY(ce_chunk(j, L, p, ws, ch, &sl, &in, &o));
+  TRY(ops->states->ce_state(j->ctx, &in, &o, j->shard, &sl.state));
+  return L->scatter_rows(j->ctx, &sl.state, ch->list, j->state);
+}
+
+/* The rows no chunk visits (the ignored ones): the empty state, as
+ * lmloss_cross_entropy_state writes it (m -inf, a -1, no label). */
+static lmloss_status ce_state_fill(const linear_job *j, const lmloss_linear_prims *L) {
+  static const struct {
+    int col;
+    double v;
+  } set[] = {{0, -INFINITY}, {2, -1.0}, {3, NAN}};
+  TRY(L->fill(j->ctx, j->state, 0.0));
+  for (int i = 0; i < 3; i++) {
+    lmloss_tensor c = *j->state;
+    c.data = (float *)c.data + set[i].col;
+    c.cols = 1;
+    TRY(L->fill(j->ctx, &c, set[i].v));
+  }
+  return LMLOSS_OK;
 }
 
 static lmloss_status ce_fill(const linear_job *j, const lmloss_linear_prims *L) {
@@ -147,6 +193,8 @@ static lmloss_status ce_sum_chunks(const linear_job *j, const lmloss_linear_prim
 const linear_job_table lmloss_ce_forward_job = {
     .select = ce_select, .rows = ce_forward_rows, .fill = ce_fill, .finish = ce_sum_chunks};
 const linear_job_table lmloss_ce_backward_job = {.select = ce_select, .rows = ce_backward_rows};
+const linear_job_table lmloss_ce_state_job = {
+    .select = ce_select, .rows = ce_state_rows, .fill = ce_state_fill};
 
 /* ------------------------------------------------------------------ */
 /* Log-probs                                                            */

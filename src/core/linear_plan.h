@@ -50,8 +50,8 @@ static inline int has_grads(const lmloss_head_grads *g) {
 static inline int64_t wide_chunk_rows(int64_t left) { return left / 3 - left / 3 % 128; }
 
 /* Bytes of small per-row buffers (chunk_slots): K * 8 + 5 * 8 + K * 4 +
- * LMLOSS_ROW_STATS * 4. */
-static inline size_t aux_per_row(int64_t K) { return 64 + (size_t)K * 16; }
+ * LMLOSS_ROW_STATS * 4 + LMLOSS_ROW_STATE_COLS * 4. */
+static inline size_t aux_per_row(int64_t K) { return 96 + (size_t)K * 16; }
 
 /* Bytes of the vocab tiles' buffers: a block of `rows` hidden rows
  * (when gathered), their logits slab for `cols` columns, its 16-bit
