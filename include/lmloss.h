@@ -651,37 +651,39 @@ LMLOSS_API lmloss_status lmloss_cross_entropy_backward_finish(
     const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *dloss,
     const lmloss_tensor *dlogits, void *workspace, size_t workspace_bytes);
 
+/* The exchange of a sharded call: replace each row of state [N,
+ * LMLOSS_ROW_STATE_COLS] (this shard's states, on the call's device, in
+ * the order of the call's stream) with the merged states of every shard:
+ * an all-gather and lmloss_row_state_merge, or an all-reduce whose op
+ * merges. user is the call's. Return LMLOSS_OK, or a status the call
+ * returns. */
+typedef lmloss_status (*lmloss_exchange_fn)(void *user, const lmloss_tensor *state);
+
 /* The fused head's cross-entropy over a sharded vocabulary (Megatron's
  * layout): head->weight [V_r, H] (and bias [V_r]) are the shard's rows,
  * columns [col0, col0 + V_r) of the logits; hidden [N, H] is the whole
  * batch's on every rank; target and class_weight are the whole
- * vocabulary's. The logits exist a chunk of rows at a time, as in
- * lmloss_linear_cross_entropy (the same options, budget and workspace:
- * lmloss_linear_workspace_size of this head), and are computed in both
- * calls: a logits GEMM more than the one-shot head, for one exchange.
- *   1. lmloss_linear_cross_entropy_state: the shard's states [N,
- *      LMLOSS_ROW_STATE_COLS] (ignored rows: the empty state);
- *   2. the exchange and merge, as above;
- *   3. lmloss_linear_cross_entropy_finish with the merged states: the
- *      outputs of lmloss_cross_entropy_finish (whole rows) and, with
- *      grads, this shard's part of dhidden (sum it over the ranks, as
- *      Megatron does) and dweight / dbias of the shard's rows, at upstream
- *      opt->grad_output; or _backward_finish with dloss.
- * F32 hidden and weight only (LMLOSS_ERR_UNSUPPORTED otherwise: a 16-bit
- * head's rounded gradient needs exact entries a shard's finish does not
- * keep); the backends with states. */
-LMLOSS_API lmloss_status lmloss_linear_cross_entropy_state(
+ * vocabulary's. One call: the shard's states into state [N,
+ * LMLOSS_ROW_STATE_COLS] (ignored rows: the empty state), exchange(user,
+ * state), which leaves the merged states there, then the outputs of
+ * lmloss_cross_entropy_finish (whole rows) and, with grads, this shard's
+ * part of dhidden (sum it over the ranks, as Megatron does) and dweight /
+ * dbias of the shard's rows at upstream opt->grad_output. The logits exist
+ * a chunk of rows at a time, as in lmloss_linear_cross_entropy (the same
+ * options, budget and workspace: lmloss_linear_workspace_size of this
+ * head and grads); where the rows take more than one chunk, they are
+ * computed in both passes (one logits GEMM more than the one-shot head).
+ * _backward_finish takes the merged states and dloss (a per-row loss's
+ * backward). F32 hidden and weight only (LMLOSS_ERR_UNSUPPORTED otherwise:
+ * a 16-bit head's rounded gradient needs exact entries that a shard's
+ * finish does not keep); the backends with states. */
+LMLOSS_API lmloss_status lmloss_linear_cross_entropy_sharded(
     const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *target,
     const lmloss_tensor *token_weight, const lmloss_tensor *class_weight,
     const lmloss_ce_options *opt, const lmloss_head_options *hopt, const lmloss_shard *shard,
-    const lmloss_tensor *state, void *workspace, size_t workspace_bytes);
-
-LMLOSS_API lmloss_status lmloss_linear_cross_entropy_finish(
-    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *target,
-    const lmloss_tensor *token_weight, const lmloss_tensor *class_weight,
-    const lmloss_ce_options *opt, const lmloss_head_options *hopt, const lmloss_shard *shard,
-    const lmloss_tensor *state, const lmloss_ce_outputs *out, const lmloss_head_grads *grads,
-    void *workspace, size_t workspace_bytes);
+    lmloss_exchange_fn exchange, void *user, const lmloss_tensor *state,
+    const lmloss_ce_outputs *out, const lmloss_head_grads *grads, void *workspace,
+    size_t workspace_bytes);
 
 LMLOSS_API lmloss_status lmloss_linear_cross_entropy_backward_finish(
     const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *target,

@@ -63,12 +63,12 @@ for exe in "$prefix/build-hello/hello" "$prefix/hello-pc" "$prefix/bin/lmloss"; 
     { echo "$exe does not load the installed liblmloss"; exit 1; }
 done
 if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
-  echo "== examples/mpi: vocab-parallel CE, log-probs + entropy, softmax and its backward, JSD over 2, 3 and 4 MPI ranks, against the installed package"
+  echo "== examples/mpi: vocab-parallel CE, log-probs + entropy, softmax and its backward, JSD, the fused head over 2, 3 and 4 MPI ranks, against the installed package"
   cmake -S examples/mpi -B "$prefix/build-mpi" -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
   cmake --build "$prefix/build-mpi" >/dev/null
   for np in 2 3 4; do
     mpirun --allow-run-as-root --oversubscribe -np "$np" "$prefix/build-mpi/vocab_parallel" |
-      tail -n 3
+      tail -n 5
   done
 else
   echo "== examples/mpi skipped: no mpicc/mpirun (Debian: openmpi-bin libopenmpi-dev)"

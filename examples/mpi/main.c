@@ -18,9 +18,13 @@
  * keeps a quantity a column in the fp32 gradient as it sums, and
  * lmloss_divergence_finish_grad completes it from the student's row alone.
  *
+ * The fused head (lmloss_linear_cross_entropy_sharded, the rank's rows of
+ * the head's weight) takes one call, which calls back for the exchange.
+ *
  * Every rank checks its results against the one-shot calls on the whole
  * rows: cross-entropy, log-probs with entropy (and their backward),
- * softmax (and its backward) and the JSD, on rows peaked by up to 1000
+ * softmax (and its backward), the JSD and the fused head's CE (dhidden
+ * summed over the ranks), on rows peaked by up to 1000
  * at a label that lies on each rank in turn, where a sum of exp
  * all-reduced in fp32 reads a loss of 0. Exits 1 when they differ.
  */
@@ -85,7 +89,7 @@ static lmloss_status exchange(const float *state, int S, int cols, const lmloss_
 }
 
 /* The worst relative difference of got [rows, cols] (row stride gs) from
- * ref's columns [c0, c0 + cols) (row stride rs, V columns a row), each
+ * ref's columns [c0, c0 + cols) (rs columns a row), each
  * row's difference against the largest magnitude of its whole ref row: a
  * gradient entry that cancels (the entropy's crosses 0) carries the
  * rounding of its row's terms, not of its own size. */
@@ -94,7 +98,7 @@ static double worst_of(const float *got, int64_t gs, const float *ref, int64_t r
   double w = 0;
   for (int64_t i = 0; i < rows; i++) {
     double scale = 0, err = 0;
-    for (int64_t j = 0; j < (rs == 1 ? 1 : V); j++)
+    for (int64_t j = 0; j < rs; j++)
       scale = fmax(scale, fabs(ref[i * rs + j]));
     for (int64_t j = 0; j < cols; j++)
       if (got[i * gs + j] != ref[i * rs + c0 + j])
@@ -102,6 +106,17 @@ static double worst_of(const float *got, int64_t gs, const float *ref, int64_t r
     if (err > 0) w = fmax(w, err / scale);
   }
   return w;
+}
+
+/* The fused head's exchange (lmloss_exchange_fn; user: the transform):
+ * step 2, inside its call. */
+static lmloss_status head_exchange(void *user, const lmloss_tensor *state) {
+  float *merged = malloc(sizeof(float) * N * LMLOSS_ROW_STATE_COLS);
+  const lmloss_status s = exchange(state->data, LMLOSS_ROW_STATE_COLS,
+                                   LMLOSS_ROW_STATE_EXCHANGE_COLS, user, NULL, merged);
+  memcpy(state->data, merged, sizeof(float) * N * LMLOSS_ROW_STATE_COLS);
+  free(merged);
+  return s;
 }
 
 #define CHECK(call)                                                                                \
@@ -143,7 +158,7 @@ int main(int argc, char **argv) {
   const lmloss_tensor st = view(state, LMLOSS_F32, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
   const lmloss_tensor mt =
       view(merged, LMLOSS_F32, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
-  double worst[4] = {0, 0, 0, 0}; /* CE, log-probs, softmax, JSD */
+  double worst[5] = {0, 0, 0, 0, 0}; /* CE, log-probs, softmax, JSD, the fused head */
 
   /* Cross-entropy: the loss of every row, the gradient of this rank's columns */
   lmloss_ce_options opt = lmloss_ce_options_default();
@@ -254,8 +269,43 @@ int main(int argc, char **argv) {
   worst[3] = exact ? worst[3] : INFINITY;
   free(t), free(dstate), free(dmerged), free(partials), free(wire), free(sums);
 
-  double all_worst[4];
-  MPI_Reduce(worst, all_worst, 4, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
+  /* The fused head's CE (mean): hidden [N, HD] the same on every rank, the
+   * rank's rows of W [V, HD]; one call, whose exchange is step 2 above;
+   * dhidden summed over the ranks */
+  enum { HD = 32 };
+  float *hid = malloc(sizeof(float) * N * HD), *w = malloc(sizeof(float) * V * HD);
+  float *dh1 = malloc(sizeof(float) * N * HD), *dh = malloc(sizeof(float) * N * HD);
+  float *dw1 = malloc(sizeof(float) * V * HD), *dw = malloc(sizeof(float) * n * HD), hl1, hl;
+  for (int64_t i = 0; i < N * HD; i++)
+    hid[i] = logit(i, -1) / 2;
+  for (int64_t j = 0; j < V * HD; j++)
+    w[j] = logit(-1, j) / 2;
+  const lmloss_head head1 = {view(hid, LMLOSS_F32, N, HD, HD), view(w, LMLOSS_F32, V, HD, HD)},
+                    head = {head1.hidden, view(w + col0 * HD, LMLOSS_F32, n, HD, HD)};
+  const lmloss_head_grads hg1 = {view(dh1, LMLOSS_F32, N, HD, HD),
+                                 view(dw1, LMLOSS_F32, V, HD, HD)},
+                          hg = {view(dh, LMLOSS_F32, N, HD, HD), view(dw, LMLOSS_F32, n, HD, HD)};
+  const lmloss_head_options ho = lmloss_head_options_default();
+  const lmloss_tensor tgt = view(target, LMLOSS_I64, N, 1, 1);
+  lmloss_ce_outputs ho1 = {.loss = view(&hl1, LMLOSS_F32, 1, 1, 1)}, hout = ho1;
+  hout.loss.data = &hl;
+  opt.reduction = LMLOSS_REDUCE_MEAN, shard.entropy = 0;
+  size_t hb1, hb;
+  CHECK(lmloss_linear_workspace_size(&head1, &ho, &hg1, 1, &hb1));
+  CHECK(lmloss_linear_workspace_size(&head, &ho, &hg, 1, &hb));
+  void *hws = malloc(hb1 > hb ? hb1 : hb);
+  CHECK(
+      lmloss_linear_cross_entropy(&ctx, &head1, &tgt, NULL, NULL, &opt, &ho, &ho1, &hg1, hws, hb1));
+  CHECK(lmloss_linear_cross_entropy_sharded(&ctx, &head, &tgt, NULL, NULL, &opt, &ho, &shard,
+                                            head_exchange, &opt.transform, &st, &hout, &hg, hws,
+                                            hb));
+  MPI_Allreduce(MPI_IN_PLACE, dh, N * HD, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  worst[4] = fmax(fmax(worst_of(&hl, 1, &hl1, 1, 0, 1, 1), worst_of(dh, HD, dh1, HD, 0, N, HD)),
+                  worst_of(dw, HD, dw1 + col0 * HD, HD, 0, n, HD));
+  free(hid), free(w), free(dh1), free(dh), free(dw1), free(dw), free(hws);
+
+  double all_worst[5];
+  MPI_Reduce(worst, all_worst, 5, MPI_DOUBLE, MPI_MAX, 0, MPI_COMM_WORLD);
   int bad = 0;
   if (rank == 0) {
     printf("vocab-parallel over %d ranks, V = %d, %d rows, one exchange of 16 (CE, softmax) or "
@@ -266,8 +316,8 @@ int main(int argc, char **argv) {
       printf("  CE row %lld (margin %s): loss %.9g, one-shot %.9g\n", (long long)i,
              (const char *[]){"0", "5", "17", "30", "50", "1000"}[i], loss[i], loss1[i]);
     const char *names[] = {"CE", "log-probs + entropy", "softmax and its backward",
-                           "JSD (beta 0.5)"};
-    for (int f = 0; f < 4; f++) {
+                           "JSD (beta 0.5)", "the fused head's CE, dhidden and dweight"};
+    for (int f = 0; f < 5; f++) {
       printf("%s: worst relative difference from the one-shot call %.3g\n", names[f], all_worst[f]);
       bad |= !(all_worst[f] < 1e-5);
     }

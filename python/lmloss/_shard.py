@@ -56,6 +56,16 @@ softmax_backward_finish = _proto("lmloss_softmax_backward_finish", _Ctx, _T, _T,
                                  _T, _T, _T, _T)
 merge = _proto("lmloss_row_state_merge", _Ctx, _T, _T, _Tr, _T)
 
+# The fused head's cross-entropy over a shard of the head's rows.
+_HEAD = (_P(_lib.Head), _T, _T, _T, _CEO, _P(_lib.HeadOptions), _S)
+_WS = (ctypes.c_void_p, ctypes.c_size_t)
+EXCHANGE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _T)  # lmloss_exchange_fn
+EXCHANGE_FAILED = 10  # what an exchange that raised returns (LMLOSS_ERR_DEVICE_FAILURE)
+linear_ce_sharded = _proto("lmloss_linear_cross_entropy_sharded", _Ctx, *_HEAD, EXCHANGE_FN,
+                           ctypes.c_void_p, _T, _P(_lib.CEOutputs), _P(_lib.HeadGrads), *_WS)
+linear_ce_backward_finish = _proto("lmloss_linear_cross_entropy_backward_finish", _Ctx, *_HEAD,
+                                   _T, _T, _P(_lib.HeadGrads), *_WS)
+
 # ---------------------------------------------------------------- divergences
 
 _DI, _DO = _P(_lib.DivInputs), _P(_lib.DivOptions)

@@ -114,14 +114,25 @@ static lmloss_status state_apart(const lmloss_tensor *state, const lmloss_head_g
   return lmloss_check_disjoint(&g->dbias, "dbias", state, "state");
 }
 
-lmloss_status
-lmloss_linear_cross_entropy_state(const lmloss_context *ctx, const lmloss_head *head,
-                                  const lmloss_tensor *target, const lmloss_tensor *token_weight,
-                                  const lmloss_tensor *class_weight, const lmloss_ce_options *opt,
-                                  const lmloss_head_options *hopt, const lmloss_shard *shard,
-                                  const lmloss_tensor *state, void *ws, size_t ws_bytes) {
+lmloss_status lmloss_linear_cross_entropy_sharded(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *target,
+    const lmloss_tensor *token_weight, const lmloss_tensor *class_weight,
+    const lmloss_ce_options *opt, const lmloss_head_options *hopt, const lmloss_shard *shard,
+    lmloss_exchange_fn exchange, void *user, const lmloss_tensor *state,
+    const lmloss_ce_outputs *out, const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
   lmloss_shard sh;
   TRY(check_ce_shard(ctx, head, target, token_weight, class_weight, opt, hopt, shard, state, &sh));
+  TRY(lmloss_check_head_grads(head, grads));
+  if (!exchange) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "exchange is NULL");
+  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
+  if (wants(&out->dlogits))
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dlogits must be absent: the fused head never "
+                                             "materializes the logits");
+  TRY(lmloss_check_ce_rows(out, head->hidden.rows, opt->reduction));
+  if (wants(&out->entropy) && !sh.entropy)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "an entropy output needs states with shard.entropy");
+  const lmloss_head_grads *g = has_grads(grads) ? grads : NULL;
+  TRY(state_apart(state, g));
   linear_job j = {.table = &lmloss_ce_state_job,
                   .ctx = ctx,
                   .head = head,
@@ -131,42 +142,14 @@ lmloss_linear_cross_entropy_state(const lmloss_context *ctx, const lmloss_head *
                   .opt = opt,
                   .tr = &opt->transform,
                   .hopt = hopt,
-                  .shard = &sh,
-                  .state = state};
-  return lmloss_linear_run(&j, ws, ws_bytes);
-}
-
-lmloss_status
-lmloss_linear_cross_entropy_finish(const lmloss_context *ctx, const lmloss_head *head,
-                                   const lmloss_tensor *target, const lmloss_tensor *token_weight,
-                                   const lmloss_tensor *class_weight, const lmloss_ce_options *opt,
-                                   const lmloss_head_options *hopt, const lmloss_shard *shard,
-                                   const lmloss_tensor *state, const lmloss_ce_outputs *out,
-                                   const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
-  lmloss_shard sh;
-  TRY(check_ce_shard(ctx, head, target, token_weight, class_weight, opt, hopt, shard, state, &sh));
-  TRY(lmloss_check_head_grads(head, grads));
-  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
-  if (wants(&out->dlogits))
-    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dlogits must be absent: the fused head never "
-                                             "materializes the logits");
-  TRY(lmloss_check_ce_rows(out, head->hidden.rows, opt->reduction));
-  if (wants(&out->entropy) && !sh.entropy)
-    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "an entropy output needs states with shard.entropy");
-  TRY(state_apart(state, has_grads(grads) ? grads : NULL));
-  linear_job j = {.table = &lmloss_ce_forward_job,
-                  .ctx = ctx,
-                  .head = head,
-                  .labels = target,
-                  .tw = opt_tensor(token_weight),
-                  .cw = opt_tensor(class_weight),
-                  .opt = opt,
-                  .tr = &opt->transform,
-                  .hopt = hopt,
                   .out = out,
-                  .grads = has_grads(grads) ? grads : NULL,
                   .shard = &sh,
-                  .state = state};
+                  .state = state,
+                  .plan_grads = g};
+  TRY(lmloss_linear_run(&j, ws, ws_bytes));
+  const lmloss_status s = exchange(user, state);
+  if (s != LMLOSS_OK) return lmloss_fail(s, "the exchange returned %s", lmloss_status_string(s));
+  j.table = &lmloss_ce_forward_job, j.grads = g, j.plan_grads = NULL, j.logits_ready = 1;
   return lmloss_linear_run(&j, ws, ws_bytes);
 }
 

@@ -30,9 +30,14 @@ typedef struct {
   const lmloss_tensor *stats; /* log-probs: saved (forward) or given (backward) */
   const lmloss_head_grads *grads;
   /* a sharded head (weight: the shard's rows): the resolved shard, and the
-   * row states its state call writes or its finish reads (merged) */
+   * row states its state pass writes or its finish reads (merged) */
   const lmloss_shard *shard;
   const lmloss_tensor *state;
+  /* the sharded forward's passes plan for the finish's gradients (state
+   * pass: plan_grads, grads NULL), so that the logits of a batch that fits
+   * one chunk stay in the slab for the finish (logits_ready) */
+  const lmloss_head_grads *plan_grads;
+  int logits_ready;
 } linear_job;
 
 /* The row op of one chunk: its n compact rows (list, from compact row

@@ -353,7 +353,8 @@ lmloss_status lmloss_linear_run(const linear_job *j, void *ws, size_t ws_bytes) 
                          "(lmloss_linear_log_probs_keep_size answers 0)",
                          (long long)h->hidden.rows);
   } else {
-    TRY(lmloss_linear_make_plan(h, j->hopt, j->grads, j->labels ? j->labels->cols : 0, &p));
+    TRY(lmloss_linear_make_plan(h, j->hopt, j->plan_grads ? j->plan_grads : j->grads,
+                                j->labels ? j->labels->cols : 0, &p));
   }
   TRY(grads_apart(h, j->grads));
   if (!ws) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
@@ -401,7 +402,7 @@ lmloss_status lmloss_linear_run(const linear_job *j, void *ws, size_t ws_bytes) 
     lmloss_tensor hc = lmloss_ws_view(hid, h->hidden.dtype, dev, n, H);
     lmloss_tensor slab = lmloss_ws_view(slab_at, LMLOSS_F32, dev, n, V);
     TRY(L->gather_rows(j->ctx, &h->hidden, lc, &hc));
-    TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
+    if (!(j->logits_ready && nchunks == 1)) TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
     char *dlo = store ? sb + p.store + (size_t)(in_group * V) * p.dls : w + p.dl;
     lmloss_tensor dl = p.dl_separate ? lmloss_ws_view(dlo, h->weight.dtype, dev, n, V) : slab;
     lmloss_grad_keep kept_at, *keep = row_grad ? keep_at(&p, w, first, &kept_at) : NULL;

@@ -162,24 +162,64 @@ static lmloss_status one_shot(const dev_call *d, int none, outs *o) {
   return s;
 }
 
-/* The k shards' states, merged (left to right, right to left or as a
- * tree by `order`) into st[0]. */
-static lmloss_status merged_states(tgroup *g, const dev_call *d, const split *sp, int order,
-                                   lmloss_tensor *st) {
+/* The exchange of the test's calls, one shard at a time: a first round
+ * copies each shard's states out (collect) and stops its call with a
+ * status; a second copies the merged states in. */
+typedef struct {
+  lmloss_tensor *collect;
+  const lmloss_tensor *merged;
+} exch;
+
+static lmloss_status exchange(void *user, const lmloss_tensor *state) {
+  const exch *x = user;
+  lmloss_tensor h = fetched(x->collect ? state : x->merged);
+  dev_put(x->collect ? x->collect->data : state->data, h.data, tensor_bytes(&h));
+  host_free(&h);
+  return x->collect ? LMLOSS_ERR_UNSUPPORTED : LMLOSS_OK;
+}
+
+/* Shard c's call (x: its exchange): its outputs into o (the whole
+ * rows'), its dhidden into dh, its rows of dweight and dbias into o's,
+ * its states into st; with none, the backward with dloss after it. */
+static lmloss_status sharded(const dev_call *d, const split *sp, int c, int none, outs *o,
+                             const lmloss_tensor *dh, const lmloss_tensor *st, exch *x) {
   lmloss_context ctx = tb_ctx();
-  lmloss_status s = LMLOSS_OK;
-  const int k = sp->k;
-  for (int c = 0; c < k && !s; c++) {
-    const lmloss_head h = {d->head.hidden, rows_view(&d->head.weight, sp->col0[c], sp->n[c]),
-                           rows_view(&d->head.bias, sp->col0[c], sp->n[c])};
-    const lmloss_shard sh = {sp->col0[c], d->head.weight.rows, 1};
-    const size_t wsb = ws_size(d, &h, NULL);
-    void *ws = dev_alloc_bytes(wsb);
-    s = lmloss_linear_cross_entropy_state(&ctx, &h, &d->target, NULL, &d->cw, &d->opt, &d->ho, &sh,
-                                          &st[c], ws, wsb);
+  const lmloss_head h = {d->head.hidden, rows_view(&d->head.weight, sp->col0[c], sp->n[c]),
+                         rows_view(&d->head.bias, sp->col0[c], sp->n[c])};
+  const lmloss_shard sh = {sp->col0[c], d->head.weight.rows, 1};
+  const lmloss_head_grads gr = {*dh, rows_view(&o->dw, sp->col0[c], sp->n[c]),
+                                rows_view(&o->db, sp->col0[c], sp->n[c]), 0};
+  const size_t wsb = ws_size(d, &h, none ? NULL : &gr);
+  void *ws = dev_alloc_bytes(wsb);
+  lmloss_ce_outputs out = {o->loss, o->lse, o->ent, o->amax, {0}};
+  lmloss_status s =
+      lmloss_linear_cross_entropy_sharded(&ctx, &h, &d->target, NULL, &d->cw, &d->opt, &d->ho, &sh,
+                                          exchange, x, st, &out, none ? NULL : &gr, ws, wsb);
+  if (!s && none) {
     dev_free_bytes(ws);
+    const size_t wsg = ws_size(d, &h, &gr);
+    ws = dev_alloc_bytes(wsg);
+    s = lmloss_linear_cross_entropy_backward_finish(&ctx, &h, &d->target, NULL, &d->cw, &d->opt,
+                                                    &d->ho, &sh, st, &d->dloss, &gr, ws, wsg);
   }
-  for (int c = 0; c < k && !s; c++) { /* an ignored row's: the empty state, packed */
+  dev_free_bytes(ws);
+  return s;
+}
+
+/* The k shards' states (the first round: each call stopped by its
+ * exchange with that status), merged (left to right, right to left or as
+ * a tree by `order`) into st[0]. */
+static lmloss_status merged_states(tgroup *g, const dev_call *d, const split *sp, int order,
+                                   int none, outs *o, const lmloss_tensor *dh,
+                                   const lmloss_tensor *work, lmloss_tensor *st) {
+  lmloss_context ctx = tb_ctx();
+  const int k = sp->k;
+  for (int c = 0; c < k; c++) {
+    exch x = {&st[c], NULL};
+    const lmloss_status s = sharded(d, sp, c, none, o, &dh[c], work, &x);
+    if (!tg_true(g, s == LMLOSS_ERR_UNSUPPORTED, "the exchange's status back: %d", s)) return s;
+  }
+  for (int c = 0; c < k; c++) { /* an ignored row's: the empty state, packed */
     lmloss_tensor h = fetched(&st[c]), t = fetched(&d->target);
     static const double empty[LMLOSS_ROW_STATE_COLS] = {-INFINITY, 0, -1, NAN, 0, 0, 0, 0};
     for (int64_t r = 0; r < h.rows; r++)
@@ -188,6 +228,7 @@ static lmloss_status merged_states(tgroup *g, const dev_call *d, const split *sp
     host_free(&h), host_free(&t);
   }
   const lmloss_transform *tr = &d->opt.transform;
+  lmloss_status s = LMLOSS_OK;
   if (order == 0)
     for (int i = 1; i < k && !s; i++)
       s = lmloss_row_state_merge(&ctx, &st[0], &st[i], tr, &st[0]);
@@ -198,30 +239,6 @@ static lmloss_status merged_states(tgroup *g, const dev_call *d, const split *sp
     for (int w = 1; w < k && !s; w *= 2)
       for (int i = 0; i + w < k && !s; i += 2 * w)
         s = lmloss_row_state_merge(&ctx, &st[i], &st[i + w], tr, &st[i]);
-  return s;
-}
-
-/* Shard c's finish from the merged states: its outputs into o (the
- * whole rows'), its dhidden into dh, its rows of dweight and dbias into
- * o's. */
-static lmloss_status finish(const dev_call *d, const split *sp, int c, const lmloss_tensor *st,
-                            int none, outs *o, const lmloss_tensor *dh) {
-  lmloss_context ctx = tb_ctx();
-  const lmloss_head h = {d->head.hidden, rows_view(&d->head.weight, sp->col0[c], sp->n[c]),
-                         rows_view(&d->head.bias, sp->col0[c], sp->n[c])};
-  const lmloss_shard sh = {sp->col0[c], d->head.weight.rows, 1};
-  const lmloss_head_grads gr = {*dh, rows_view(&o->dw, sp->col0[c], sp->n[c]),
-                                rows_view(&o->db, sp->col0[c], sp->n[c]), 0};
-  const size_t wsb = ws_size(d, &h, &gr);
-  void *ws = dev_alloc_bytes(wsb);
-  lmloss_ce_outputs out = {o->loss, o->lse, o->ent, o->amax, {0}};
-  lmloss_status s =
-      lmloss_linear_cross_entropy_finish(&ctx, &h, &d->target, NULL, &d->cw, &d->opt, &d->ho, &sh,
-                                         st, &out, none ? NULL : &gr, ws, wsb);
-  if (!s && none)
-    s = lmloss_linear_cross_entropy_backward_finish(&ctx, &h, &d->target, NULL, &d->cw, &d->opt,
-                                                    &d->ho, &sh, st, &d->dloss, &gr, ws, wsb);
-  dev_free_bytes(ws);
   return s;
 }
 
@@ -239,17 +256,18 @@ static void run_case(tgroup *g, const sh_case *c, int k, int order) {
   outs ref = outs_new(c, &hd.hidden), got = outs_new(c, &hd.hidden);
   lmloss_status s = one_shot(&d, none, &ref);
   const split sp = make_split(c->V, k);
-  lmloss_tensor st[8], dh[8];
-  for (int i = 0; i < k; i++) {
-    lmloss_tensor h = host_new(LMLOSS_F32, c->N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
-    host_poison(&h), st[i] = dev_clone(&h), host_free(&h);
-    dh[i] = dev_clone(&hd.hidden);
-  }
-  if (!s) s = merged_states(g, &d, &sp, order, st);
+  lmloss_tensor st[8], dh[8], work;
+  lmloss_tensor h = host_new(LMLOSS_F32, c->N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS);
+  host_poison(&h), work = dev_clone(&h);
+  for (int i = 0; i < k; i++)
+    st[i] = dev_clone(&h), dh[i] = dev_clone(&hd.hidden);
+  host_free(&h);
+  if (!s) s = merged_states(g, &d, &sp, order, none, &got, dh, &work, st);
   lmloss_tensor rl = fetched(&ref.loss), rlse = fetched(&ref.lse), rent = fetched(&ref.ent);
   lmloss_tensor ramax = fetched(&ref.amax);
   for (int i = 0; i < k && !s; i++) {
-    if ((s = finish(&d, &sp, i, &st[0], none, &got, &dh[i])) != LMLOSS_OK) break;
+    exch x = {NULL, &st[0]};
+    if ((s = sharded(&d, &sp, i, none, &got, &dh[i], &work, &x)) != LMLOSS_OK) break;
     lmloss_tensor gl = fetched(&got.loss), glse = fetched(&got.lse), gent = fetched(&got.ent);
     lmloss_tensor gamax = fetched(&got.amax);
     for (int64_t r = 0; r < rl.rows; r++)
@@ -291,6 +309,7 @@ static void run_case(tgroup *g, const sh_case *c, int k, int order) {
   host_free(&rl), host_free(&rlse), host_free(&rent), host_free(&ramax);
   for (int i = 0; i < k; i++)
     dev_free(&st[i]), dev_free(&dh[i]);
+  dev_free(&work);
   outs_free(&ref), outs_free(&got);
   dev_free(&d.head.hidden), dev_free(&d.head.weight), dev_free(&d.head.bias);
   dev_free(&d.target), dev_free(&d.cw), dev_free(&d.dloss);
@@ -312,34 +331,44 @@ static void bad_input(tgroup *g) {
   lmloss_tensor dh = dev_clone(&hid), dhid = dev_clone(&hid), dw = dev_clone(&w);
   lmloss_tensor dw16 = dev_clone(&w16), dh16 = dev_clone(&h16h), dt = dev_clone(&t);
   lmloss_tensor dst = dev_clone(&st);
+  const lmloss_tensor over = {
+      dh.data, LMLOSS_F32, dh.device, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS};
   lmloss_tensor dent = dev_clone(&ent), dloss = dev_clone(&loss);
   const lmloss_ce_options opt = lmloss_ce_options_default();
   const lmloss_head_options ho = lmloss_head_options_default();
   const lmloss_head h = {dhid, dw, {0}}, h16 = {dh16, dw16, {0}};
   size_t wsb = 0;
-  lmloss_linear_workspace_size(&h, &ho, NULL, 1, &wsb);
+  lmloss_linear_workspace_size(&h, &ho, &(lmloss_head_grads){dh, {0}, {0}, 0}, 1, &wsb);
   void *ws = dev_alloc_bytes(wsb + (1 << 20));
   wsb += 1 << 20;
   const lmloss_shard in = {0, 2 * V, 0}, out_of = {V + 1, 2 * V, 0};
-  lmloss_status s =
-      lmloss_linear_cross_entropy_state(&ctx, &h16, &dt, NULL, NULL, &opt, &ho, &in, &dst, ws, wsb);
-  tg_true(g, s == LMLOSS_ERR_UNSUPPORTED, "16-bit head: status %d", s);
-  s = lmloss_linear_cross_entropy_state(&ctx, &h, &dt, NULL, NULL, &opt, &ho, &out_of, &dst, ws,
-                                        wsb);
-  tg_true(g, s == LMLOSS_ERR_BAD_SHAPE, "shard outside the vocabulary: status %d", s);
-  s = lmloss_linear_cross_entropy_state(&ctx, &h, &dt, NULL, NULL, &opt, &ho, &in, &dst, ws, wsb);
-  tg_true(g, s == LMLOSS_OK, "a valid shard: status %d (%s)", s, lmloss_last_error());
-  lmloss_ce_outputs out = {dloss, {0}, dent, {0}, {0}};
-  s = lmloss_linear_cross_entropy_finish(&ctx, &h, &dt, NULL, NULL, &opt, &ho, &in, &dst, &out,
-                                         NULL, ws, wsb);
-  tg_true(g, s == LMLOSS_ERR_BAD_OPTION, "entropy without shard.entropy: status %d", s);
-  const lmloss_tensor over = {
-      dh.data, LMLOSS_F32, dh.device, N, LMLOSS_ROW_STATE_COLS, LMLOSS_ROW_STATE_COLS};
+  lmloss_ce_outputs out = {dloss, {0}, {0}, {0}, {0}};
   const lmloss_head_grads gr = {dh, {0}, {0}, 0};
-  out.entropy = (lmloss_tensor){0};
-  s = lmloss_linear_cross_entropy_finish(&ctx, &h, &dt, NULL, NULL, &opt, &ho, &in, &over, &out,
-                                         &gr, ws, wsb);
-  tg_true(g, s != LMLOSS_OK, "states over dhidden: status %d", s);
+  exch keep_own = {NULL, &dst}; /* merged = this shard's own states */
+  const struct {
+    const lmloss_head *h;
+    const lmloss_shard *sh;
+    lmloss_exchange_fn fn;
+    int entropy;
+    const lmloss_tensor *st;
+    lmloss_status want;
+    const char *what;
+  } bad[] = {
+      {&h16, &in, exchange, 0, &dst, LMLOSS_ERR_UNSUPPORTED, "a 16-bit head"},
+      {&h, &out_of, exchange, 0, &dst, LMLOSS_ERR_BAD_SHAPE, "a shard outside the vocabulary"},
+      {&h, &in, NULL, 0, &dst, LMLOSS_ERR_NULL_POINTER, "no exchange"},
+      {&h, &in, exchange, 1, &dst, LMLOSS_ERR_BAD_OPTION, "entropy without shard.entropy"},
+      {&h, &in, exchange, 0, &over, LMLOSS_ERR_BAD_SHAPE, "states over dhidden"},
+      {&h, &in, exchange, 0, &dst, LMLOSS_OK, "a valid call"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    out.entropy = bad[i].entropy ? dent : (lmloss_tensor){0};
+    const lmloss_status s =
+        lmloss_linear_cross_entropy_sharded(&ctx, bad[i].h, &dt, NULL, NULL, &opt, &ho, bad[i].sh,
+                                            bad[i].fn, &keep_own, bad[i].st, &out, &gr, ws, wsb);
+    tg_true(g, s == bad[i].want, "%s: status %d, want %d (%s)", bad[i].what, s, bad[i].want,
+            lmloss_last_error());
+  }
   dev_free_bytes(ws);
   lmloss_tensor *dev[] = {&dh, &dhid, &dw, &dw16, &dh16, &dt, &dst, &dent, &dloss};
   for (int i = 0; i < 9; i++)

@@ -236,8 +236,8 @@ def _check_head(world, rank, uneven, V):
         dict(reduction="sum", label_smoothing=0.1, softcap=10.0, logit_scale=40.0),
         dict(num_items=17, z_loss=1e-3),
     ]
-    # the shard's logits in chunks of 5 rows (then recomputed) or one chunk
-    budgets = (None, 5 * (e - s) * 12, 1, None)
+    # the shard's logits in chunks of a few rows (then recomputed) or one chunk
+    budgets = (None, 16 << 10, 8 << 10, None)
     for case, budget in zip(cases, budgets):
         def run(fn, ww, bb):
             hh, w2, b2 = (t.detach().clone().requires_grad_(True) for t in (h, ww, bb))
@@ -332,6 +332,17 @@ def _check_bf16(world, rank, uneven, V):
         _close(got, ref, "bf16 %s" % name)
         _close(ggot.float(), gref[:, s:e].float(), "bf16 %s grad" % name, rtol=2 ** -8,
                atol=1e-30)
+    # a 16-bit head's (torch's GEMMs, its logits rounded to bf16): against
+    # the F32 head on the same rounded inputs, to that rounding
+    _, _, _, _, h, w, _ = _head_case(world, rank, uneven, V, 17)
+    h, w = h.bfloat16(), w.bfloat16()
+    out = []
+    for dt, ww, extra in ((torch.float32, w, {}), (torch.bfloat16, w[s:e], shard)):
+        hh, w2 = h.to(dt).requires_grad_(True), ww.to(dt).requires_grad_(True)
+        LT.linear_cross_entropy(hh, w2, y, **extra).backward()
+        out.append((hh.grad.float(), w2.grad.float()))
+    _close(out[1][0], out[0][0], "bf16 head dhidden", rtol=3e-2, atol=1e-3)
+    _close(out[1][1], out[0][1][s:e], "bf16 head dweight", rtol=3e-2, atol=1e-3)
 
 
 def _worker(rank, world, init):

@@ -27,6 +27,7 @@ from .. import _lib
 from .. import _shard as S
 from . import _bridge as B
 from . import _div_ops as DO
+from . import _linear_ops as LO
 from . import _ops as O
 
 F32 = torch.float32
@@ -528,6 +529,75 @@ class LinearCrossEntropy(torch.autograd.Function):
         return _head_grads(acc, g, shard, h, w, b) + (None,) * 7
 
 
+class LinearCrossEntropyF32(torch.autograd.Function):
+    """LinearCrossEntropy of an F32 head through the library's own chunk
+    loop and GEMMs (lmloss_linear_cross_entropy_sharded, which calls back
+    for the exchange; torch's GEMMs are the slower ones on CPU ranks). The
+    gradients come with the forward for a scalar loss; a per-row loss's
+    backward runs lmloss_linear_cross_entropy_backward_finish with dloss."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, target, tw, cw, fopts, iopts, shard, budget):
+        opt, run = O._ce_opt(fopts, iopts), O.run_args(iopts)
+        n, none = h.shape[0], opt.reduction == _lib.REDUCTIONS["none"]
+        need = 0 if none else LO._need(ctx, b)
+        grads, state = LO._grads(h, w, b, need), h.new_empty((n, S.STATE_COLS), dtype=F32)
+        loss, keep, raised = h.new_empty((n,) if none else (), dtype=F32), [], []
+
+        def merge(user, view):  # the C call's exchange: state's rows become the merged ones
+            try:
+                state.copy_(exchange(state, _ce_cols(opt, False), shard, opt.transform, run))
+                return 0
+            except BaseException as e:  # raised again once the C call has returned
+                raised.append(e)
+                return S.EXCHANGE_FAILED
+
+        with B.context(h, *run) as c:
+            args, gs, ws = _head_args((h, w, b, target, tw, cw), opt, shard, budget,
+                                      grads if need else None, keep)
+            out = _lib.CEOutputs(loss=B.view(loss.reshape(-1), keep))
+            status = S.linear_ce_sharded(c, *args, S.EXCHANGE_FN(merge), None,
+                                         B.view(state, keep), out, gs, *ws[1:])
+        if raised:
+            raise raised[0]
+        _lib.check(status)
+        ctx.save_for_backward(h, w, b, target, tw, cw, state)
+        ctx.args = fopts, iopts, shard, budget, grads, need
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        h, w, b, target, tw, cw, merged = ctx.saved_tensors
+        fopts, iopts, shard, budget, grads, need = ctx.args
+        opt = O._ce_opt(fopts, iopts)
+        if opt.reduction == _lib.REDUCTIONS["none"]:
+            need, keep = LO._need(ctx, b), []
+            grads = LO._grads(h, w, b, need)
+            with B.context(h, *O.run_args(iopts)) as c:
+                args, gs, ws = _head_args((h, w, b, target, tw, cw), opt, shard, budget, grads,
+                                          keep)
+                up = B.view(dloss.reshape(-1).to(F32).contiguous(), keep)
+                _lib.check(S.linear_ce_backward_finish(c, *args, B.view(merged, keep), up, gs,
+                                                       *ws[1:]))
+        else:
+            grads = tuple(g * dloss if g.numel() else g for g in grads)
+        if need & LO.NEED_DH and shard.world > 1:
+            dist.all_reduce(grads[0], group=shard.group)
+        return LO._back(grads, need, 7)
+
+
+def _head_args(head, opt, shard, budget, grads, keep):
+    """A sharded head call's arguments from the head through the shard,
+    its grads struct (None: no gradient) and its workspace (buffer,
+    address, bytes); what the call reads is appended to keep."""
+    h, w, b, target, tw, cw = head
+    hd, hopt = LO._head(h, w, b, keep), LO._hopt(budget)
+    gs = B.ptr(LO._grads_struct(grads, keep)) if grads is not None else None
+    ws = LO._workspace(h.device, _lib.linear_workspace_size, hd, hopt, gs, 1)
+    return ((hd, B.view(target, keep), B.ptr(B.view(tw, keep)), B.ptr(B.view(cw, keep)), opt,
+             hopt, shard.struct()), gs, ws)
+
+
 def _plan(h, w, budget):
     """Row chunks whose logits, their gradient and a float a column fit the budget."""
     n = h.shape[0]
@@ -799,9 +869,9 @@ def linear_cross_entropy(hidden, weight, target, *, process_group, bias=None, vo
     fopts, iopts = O.ce_args(ignore_index, label_smoothing, z_loss, logit_scale,
                              float(softcap or 0.0), temperature, red, items, dft,
                              B.backend_code(backend), num_threads)
-    loss = LinearCrossEntropy.apply(h, w, b, Fn._index(target).reshape(-1),
-                                    Fn._f32(token_weight), Fn._f32(class_weight), fopts, iopts,
-                                    shard, Fn._budget(memory_budget))
+    head = LinearCrossEntropyF32 if h.dtype == w.dtype == F32 else LinearCrossEntropy
+    loss = head.apply(h, w, b, Fn._index(target).reshape(-1), Fn._f32(token_weight),
+                      Fn._f32(class_weight), fopts, iopts, shard, Fn._budget(memory_budget))
     return Fn._finish(loss, None, None, None, hidden.shape[:-1], red, divisor, 0)[0]
 
 
