@@ -126,7 +126,8 @@ fi
 
 if [ "${1:-}" = "pending" ]; then
   status=0
-  for t in test_ce test_logprob test_softmax test_shard test_divergence test_divergence_shard; do
+  for t in test_ce test_logprob test_softmax test_shard test_shard_head test_divergence \
+    test_divergence_shard; do
     LMLOSS_TEST_BACKEND=cuda timeout 150 "$BUILD/$t" >"$OUT/$t.log" 2>&1 || status=1
     echo "$t: $(grep -c '^ok' "$OUT/$t.log") ok, $(grep -c '^FAIL' "$OUT/$t.log") failed"
     grep -A2 -m3 "mismatch\|failed" "$OUT/$t.log"

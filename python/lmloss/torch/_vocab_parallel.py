@@ -579,8 +579,12 @@ class LinearCrossEntropyF32(torch.autograd.Function):
                 up = B.view(dloss.reshape(-1).to(F32).contiguous(), keep)
                 _lib.check(S.linear_ce_backward_finish(c, *args, B.view(merged, keep), up, gs,
                                                        *ws[1:]))
-        else:
-            grads = tuple(g * dloss if g.numel() else g for g in grads)
+        else:  # formed at an upstream of 1 (lmloss_scale returns at once for 1)
+            grads, run = ctx.args[4], O.run_args(iopts)
+            ctx.args = None
+            for g in grads:
+                if g.numel():
+                    B.scale_(g, dloss, *run)
         if need & LO.NEED_DH and shard.world > 1:
             dist.all_reduce(grads[0], group=shard.group)
         return LO._back(grads, need, 7)
