@@ -3,8 +3,9 @@ on the same work per rank:
     python3 bench/vocab_parallel_cpu.py [ranks] [N] [V] [op]
 op: ce (default), logprob (log-probs of the label with the entropy, the
 loss their sum), softmax or log_softmax (the loss its sum of squares),
-kl, jsd (beta 0.5), tvd, or head (the fused head's CE: hidden [N, 256]
-replicated, the rank's rows of W; dhidden all-reduced).
+kl, jsd (beta 0.5), tvd, head (the fused head's CE: hidden [N, 256]
+replicated, the rank's rows of W; dhidden all-reduced) or head-logprob
+(its log-probs of the label with the entropy, the loss their sum).
 
 Each rank runs lmloss.torch's op (forward + backward) with process_group
 on its [N, V / ranks] shard, one thread each; the reference is the
@@ -70,14 +71,18 @@ def _op(name, y, teacher, **kw):
 H = 256  # the fused head's width
 
 
-def _head_step(h, w, y, **kw):
+def _head_step(op, h, w, y, **kw):
     def run():
         hh, ww = h.detach().requires_grad_(True), w.detach().requires_grad_(True)
-        LT.linear_cross_entropy(hh, ww, y, **kw).backward()
+        if op == "head":
+            LT.linear_cross_entropy(hh, ww, y, **kw).backward()
+            return
+        logp, ent = LT.linear_log_probs(hh, ww, y, entropy=True, **kw)
+        (logp.sum() + ent.sum()).backward()
     return run
 
 
-def _head(rank, world, n, v):
+def _head(op, rank, world, n, v):
     """The fused head's steps: a rank's shard of W, and one process's head
     of V / world rows on the same hidden."""
     g = torch.Generator().manual_seed(4)
@@ -85,15 +90,15 @@ def _head(rank, world, n, v):
     w = torch.randn(v, H, generator=g) / H ** 0.5
     y = torch.randint(v, (n,), generator=g)
     c = v // world
-    return (_head_step(h, w[rank * c:(rank + 1) * c].contiguous(), y,
+    return (_head_step(op, h, w[rank * c:(rank + 1) * c].contiguous(), y,
                        process_group=dist.group.WORLD),
-            _head_step(h, w[:c].contiguous(), y % c, num_threads=1))
+            _head_step(op, h, w[:c].contiguous(), y % c, num_threads=1))
 
 
 def _steps(rank, world, n, v, op):
     """The rank's sharded step and the one-shot step on a block of its size."""
-    if op == "head":
-        return _head(rank, world, n, v)
+    if op in ("head", "head-logprob"):
+        return _head(op, rank, world, n, v)
     x, y = _rows(n, v, 0)
     t = x + torch.randn(n, v, generator=torch.Generator().manual_seed(2))
     w = v // world
