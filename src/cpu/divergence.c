@@ -97,33 +97,6 @@ DIV_INLINE void block_check(pair_block *b) {
   b->bad = bad > 0, b->any_s = fs > 0, b->any_t = ft > 0;
 }
 
-/* A block's statistics (its columns from j0). A row whose block holds
- * only -inf (no softcap) has max -inf there: its exponents are taken from
- * 0 instead, so they read 0, and merge() counts no mass for it. */
-DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, int64_t j0,
-                                        float *restrict kes, float *restrict ket, int capped) {
-  lmloss_div_stats s;
-  const int as = lmloss_cpu_first_max(b->ws, b->n, &s.ms),
-            at = lmloss_cpu_first_max(b->wt, b->n, &s.mt);
-  s.as = j0 + as, s.at = j0 + at, s.xs_a = b->xs[as], s.xt_a = b->xt[at];
-  const float G = lmloss_div_stats_G(&jb->pr, &s);
-  const float ms = s.ms > -INFINITY ? s.ms : 0.0f, mt = s.mt > -INFINITY ? s.mt : 0.0f;
-  const float *restrict ws = b->ws, *restrict wt = b->wt, *restrict xs = b->xs,
-                        *restrict xt = b->xt;
-  double rs = 0.0, rt = 0.0, d = 0.0;
-#pragma omp simd reduction(+ : rs, rt, d)
-  for (int i = 0; i < b->n; i++) {
-    float es, et, di;
-    lmloss_div_stats_terms(&jb->pr, capped, ws[i], wt[i], xs[i], xt[i], ms, mt, G, &es, &et, &di);
-    rs += i == as ? 0.0f : es;
-    rt += i == at ? 0.0f : et;
-    d += di;
-    if (kes) kes[i] = es, ket[i] = et;
-  }
-  s.rs = rs, s.rt = rt, s.d = d;
-  return s;
-}
-
 /* The running statistics' sums run in float lanes: column i of a run of
  * LMLOSS_DIV_RUN adds into lane i % DIV_LANES, and each run's lanes add
  * into double lanes. The order is written out, not left to the
@@ -138,29 +111,28 @@ typedef struct {
   int bad[DIV_LANES];
 } stat_lanes;
 
-/* Column i's terms into lane l. */
+/* Column i's terms into lane l (R's without the columns as and at). */
 DIV_INLINE void lane_add(const div_job *jb, const pair_block *b, stat_lanes *ln, int i, int l,
-                         float ms, float mt, float G, float *restrict kes, float *restrict ket,
-                         int capped) {
+                         float ms, float mt, float G, int as, int at, float *restrict kes,
+                         float *restrict ket, int capped) {
   float es, et, di;
   lmloss_div_stats_terms(&jb->pr, capped, b->ws[i], b->wt[i], b->xs[i], b->xt[i], ms, mt, G, &es,
                          &et, &di);
-  ln->rs[l] += es, ln->rt[l] += et, ln->d[l] += di;
+  ln->rs[l] += i == as ? 0.0f : es, ln->rt[l] += i == at ? 0.0f : et, ln->d[l] += di;
   if (kes) kes[i] = es, ket[i] = et;
   ln->mbs[l] = b->ws[i] > ln->mbs[l] ? b->ws[i] : ln->mbs[l];
   ln->mbt[l] = b->wt[i] > ln->mbt[l] ? b->wt[i] : ln->mbt[l];
   ln->bad[l] += !(b->xs[i] < INFINITY) | !(b->xt[i] < INFINITY);
 }
 
-/* A block against the running statistics st of the blocks before it,
- * where both rows have a max: its terms are taken against st's maxes and
- * G, so they add to st's sums as they are. Added when neither row's max
- * rises and no raw logit is NaN or +inf (returns 1); else nothing is, and
- * the block takes block_stats' way. So a row's common block costs one
- * loop, with no pass of its own for the maxes or the checks. */
-DIV_INLINE int running_block(const div_job *jb, const pair_block *b, lmloss_div_stats *st,
-                             float *restrict kes, float *restrict ket, int capped) {
-  const float ms = st->ms, mt = st->mt, G = lmloss_div_stats_G(&jb->pr, st);
+/* A block's terms against the maxes ms, mt and G (R's without the
+ * columns as and at; -1: none) into st's sums; returns 0 and adds nothing
+ * where a max rises above ms or mt or a raw logit is NaN or +inf, as soon
+ * as a run of LMLOSS_DIV_RUN columns shows it (a max rises in about ln B
+ * of a row's B blocks: a good share of a short row's). */
+DIV_INLINE int block_sums(const div_job *jb, const pair_block *b, lmloss_div_stats *st, float ms,
+                          float mt, float G, int as, int at, float *restrict kes,
+                          float *restrict ket, int capped) {
   stat_lanes ln;
   double rs[DIV_LANES], rt[DIV_LANES], d[DIV_LANES];
   for (int l = 0; l < DIV_LANES; l++) {
@@ -175,25 +147,52 @@ DIV_INLINE int running_block(const div_job *jb, const pair_block *b, lmloss_div_
     for (; i0 + DIV_LANES <= r1; i0 += DIV_LANES) {
 #pragma omp simd
       for (int l = 0; l < DIV_LANES; l++)
-        lane_add(jb, b, &ln, i0 + l, l, ms, mt, G, kes, ket, capped);
+        lane_add(jb, b, &ln, i0 + l, l, ms, mt, G, as, at, kes, ket, capped);
     }
     for (int i = i0; i < r1; i++)
-      lane_add(jb, b, &ln, i, i - i0, ms, mt, G, kes, ket, capped);
-#pragma omp simd
-    for (int l = 0; l < DIV_LANES; l++)
+      lane_add(jb, b, &ln, i, i - i0, ms, mt, G, as, at, kes, ket, capped);
+    int stop = 0; /* a run that raises a max ends the block's loop early */
+#pragma omp simd reduction(+ : stop)
+    for (int l = 0; l < DIV_LANES; l++) {
       rs[l] += ln.rs[l], rt[l] += ln.rt[l], d[l] += ln.d[l];
+      stop += ln.bad[l] + (ln.mbs[l] > ms) + (ln.mbt[l] > mt);
+    }
+    if (stop) return 0;
   }
-  float mbs = -INFINITY, mbt = -INFINITY;
-  int bad = 0;
   double srs = 0.0, srt = 0.0, sd = 0.0;
-  for (int l = 0; l < DIV_LANES; l++) {
-    mbs = ln.mbs[l] > mbs ? ln.mbs[l] : mbs, mbt = ln.mbt[l] > mbt ? ln.mbt[l] : mbt;
-    bad += ln.bad[l];
+  for (int l = 0; l < DIV_LANES; l++)
     srs += rs[l], srt += rt[l], sd += d[l];
-  }
-  if (bad || mbs > ms || mbt > mt) return 0;
   st->rs += srs, st->rt += srt, st->d += sd;
   return 1;
+}
+
+/* A block against the running statistics st of the blocks before it,
+ * where both rows have a max: its terms are taken against st's maxes and
+ * G, so they add to st's sums as they are. Added when neither row's max
+ * rises and no raw logit is NaN or +inf (returns 1); else nothing is, and
+ * the block takes block_stats' way. So a row's common block costs one
+ * loop, with no pass of its own for the maxes or the checks. */
+DIV_INLINE int running_block(const div_job *jb, const pair_block *b, lmloss_div_stats *st,
+                             float *restrict kes, float *restrict ket, int capped) {
+  return block_sums(jb, b, st, st->ms, st->mt, lmloss_div_stats_G(&jb->pr, st), -1, -1, kes, ket,
+                    capped);
+}
+
+/* A block's statistics (its columns from j0), its sums in block_sums'
+ * lanes. A row whose block holds only -inf (no softcap) has max -inf
+ * there: its exponents are taken from 0 instead, so they read 0, and
+ * merge() counts no mass for it. A block with a NaN or +inf raw logit
+ * adds no sums: block_check has flagged its row. */
+DIV_INLINE lmloss_div_stats block_stats(const div_job *jb, const pair_block *b, int64_t j0,
+                                        float *restrict kes, float *restrict ket, int capped) {
+  lmloss_div_stats s;
+  const int as = lmloss_cpu_first_max(b->ws, b->n, &s.ms),
+            at = lmloss_cpu_first_max(b->wt, b->n, &s.mt);
+  s.as = j0 + as, s.at = j0 + at, s.xs_a = b->xs[as], s.xt_a = b->xt[at];
+  s.rs = s.rt = s.d = 0.0;
+  const float ms = s.ms > -INFINITY ? s.ms : 0.0f, mt = s.mt > -INFINITY ? s.mt : 0.0f;
+  block_sums(jb, b, &s, ms, mt, lmloss_div_stats_G(&jb->pr, &s), as, at, kes, ket, capped);
+  return s;
 }
 
 /* A row pair's statistics, constants and the loss sweep's sums (in double). */
