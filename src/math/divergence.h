@@ -113,22 +113,10 @@ LMLOSS_DIV_HD float lmloss_softplus(float x) {
 }
 
 /* phi(x) = x - 1 + e^-x >= 0, the KL summand per unit of mass, for
- * |x| < 1 by its series x^2 (1/2 - x/6 + ... + x^10/12!) (error 2e-10 of
- * phi at |x| = 1), where x + expm1(-x) would cancel. Pure arithmetic, so
- * the CPU's loops vectorize over it. */
-LMLOSS_DIV_HD float lmloss_phi_series(float x) {
-  float s = fmaf(-x, 1.0f / 479001600.0f, 1.0f / 39916800.0f); /* 1/12!, 1/11! */
-  s = fmaf(s, -x, 1.0f / 3628800.0f);
-  s = fmaf(s, -x, 1.0f / 362880.0f);
-  s = fmaf(s, -x, 1.0f / 40320.0f);
-  s = fmaf(s, -x, 1.0f / 5040.0f);
-  s = fmaf(s, -x, 1.0f / 720.0f);
-  s = fmaf(s, -x, 1.0f / 120.0f);
-  s = fmaf(s, -x, 1.0f / 24.0f);
-  s = fmaf(s, -x, 1.0f / 6.0f);
-  s = fmaf(s, -x, 0.5f);
-  return x * x * s;
-}
+ * |x| < 1 as x^2 times expm1's tail at -x (lmloss_vexpm1_tail), where
+ * x + expm1(-x) would cancel. Pure arithmetic, so the CPU's loops
+ * vectorize over it. */
+LMLOSS_DIV_HD float lmloss_phi_series(float x) { return x * x * lmloss_vexpm1_tail(-x); }
 
 /* a log(a / b) - a + b with x = log(a / b): a summand of KL(a || b)
  * whose row sum is the divergence, each one >= 0. a phi(x) by its series
