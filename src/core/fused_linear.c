@@ -29,6 +29,42 @@ static const lmloss_tensor *opt_tensor(const lmloss_tensor *t) {
   return t ? t : &none;
 }
 
+/* A CE job's fields every entry point sets; each adds its outputs,
+ * upstream, gradients and shard. */
+static linear_job ce_job(const linear_job_table *table, const lmloss_context *ctx,
+                         const lmloss_head *head, const lmloss_tensor *target,
+                         const lmloss_tensor *tw, const lmloss_tensor *cw,
+                         const lmloss_ce_options *opt, const lmloss_head_options *hopt) {
+  const linear_job j = {.table = table,
+                        .ctx = ctx,
+                        .head = head,
+                        .labels = target,
+                        .tw = opt_tensor(tw),
+                        .cw = opt_tensor(cw),
+                        .opt = opt,
+                        .tr = &opt->transform,
+                        .hopt = hopt};
+  return j;
+}
+
+/* A forward's outputs: no dlogits, the loss's rows as opt reduces. */
+static lmloss_status check_ce_outputs(const lmloss_head *head, const lmloss_ce_options *opt,
+                                      const lmloss_ce_outputs *out) {
+  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
+  if (wants(&out->dlogits))
+    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dlogits must be absent: the fused head never "
+                                             "materializes the logits");
+  return lmloss_check_ce_rows(out, head->hidden.rows, opt->reduction);
+}
+
+/* A backward's gradients (at least one) and dloss. */
+static lmloss_status check_ce_upstream(const lmloss_head *head, const lmloss_ce_options *opt,
+                                       const lmloss_tensor *dloss, const lmloss_head_grads *g) {
+  if (!has_grads(g)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
+  return lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
+                             opt->reduction == LMLOSS_REDUCE_NONE ? head->hidden.rows : 1, 1);
+}
+
 lmloss_status
 lmloss_linear_cross_entropy(const lmloss_context *ctx, const lmloss_head *head,
                             const lmloss_tensor *target, const lmloss_tensor *token_weight,
@@ -40,22 +76,10 @@ lmloss_linear_cross_entropy(const lmloss_context *ctx, const lmloss_head *head,
   if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
   TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt,
                head->weight.rows));
-  const int64_t N = head->hidden.rows;
-  if (wants(&out->dlogits))
-    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dlogits must be absent: the fused head never "
-                                             "materializes the logits");
-  TRY(lmloss_check_ce_rows(out, N, opt->reduction));
-  linear_job j = {.table = &lmloss_ce_forward_job,
-                  .ctx = ctx,
-                  .head = head,
-                  .labels = target,
-                  .tw = opt_tensor(token_weight),
-                  .cw = opt_tensor(class_weight),
-                  .opt = opt,
-                  .tr = &opt->transform,
-                  .hopt = hopt,
-                  .out = out,
-                  .grads = has_grads(grads) ? grads : NULL};
+  TRY(check_ce_outputs(head, opt, out));
+  linear_job j =
+      ce_job(&lmloss_ce_forward_job, ctx, head, target, token_weight, class_weight, opt, hopt);
+  j.out = out, j.grads = has_grads(grads) ? grads : NULL;
   return lmloss_linear_run(&j, ws, ws_bytes);
 }
 
@@ -68,20 +92,10 @@ lmloss_status lmloss_linear_cross_entropy_backward(
   TRY(lmloss_check_head_grads(head, grads));
   TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt,
                head->weight.rows));
-  if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
-  TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
-                          opt->reduction == LMLOSS_REDUCE_NONE ? head->hidden.rows : 1, 1));
-  linear_job j = {.table = &lmloss_ce_backward_job,
-                  .ctx = ctx,
-                  .head = head,
-                  .labels = target,
-                  .tw = opt_tensor(token_weight),
-                  .cw = opt_tensor(class_weight),
-                  .opt = opt,
-                  .tr = &opt->transform,
-                  .hopt = hopt,
-                  .dloss = dloss,
-                  .grads = grads};
+  TRY(check_ce_upstream(head, opt, dloss, grads));
+  linear_job j =
+      ce_job(&lmloss_ce_backward_job, ctx, head, target, token_weight, class_weight, opt, hopt);
+  j.dloss = dloss, j.grads = grads;
   return lmloss_linear_run(&j, ws, ws_bytes);
 }
 
@@ -124,28 +138,15 @@ lmloss_status lmloss_linear_cross_entropy_sharded(
   TRY(check_ce_shard(ctx, head, target, token_weight, class_weight, opt, hopt, shard, state, &sh));
   TRY(lmloss_check_head_grads(head, grads));
   if (!exchange) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "exchange is NULL");
-  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
-  if (wants(&out->dlogits))
-    return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "dlogits must be absent: the fused head never "
-                                             "materializes the logits");
-  TRY(lmloss_check_ce_rows(out, head->hidden.rows, opt->reduction));
+  TRY(check_ce_outputs(head, opt, out));
   if (wants(&out->entropy) && !sh.entropy)
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "an entropy output needs states with shard.entropy");
   const lmloss_head_grads *g = has_grads(grads) ? grads : NULL;
   TRY(state_apart(state, g));
-  linear_job j = {.table = &lmloss_ce_state_job,
-                  .ctx = ctx,
-                  .head = head,
-                  .labels = target,
-                  .tw = opt_tensor(token_weight),
-                  .cw = opt_tensor(class_weight),
-                  .opt = opt,
-                  .tr = &opt->transform,
-                  .hopt = hopt,
-                  .out = out,
-                  .shard = &sh,
-                  .state = state,
-                  .plan_grads = g};
+  /* the state pass plans as the finish does: one chunk's logits stay */
+  linear_job j =
+      ce_job(&lmloss_ce_state_job, ctx, head, target, token_weight, class_weight, opt, hopt);
+  j.out = out, j.shard = &sh, j.state = state, j.plan_grads = g;
   TRY(lmloss_linear_run(&j, ws, ws_bytes));
   const lmloss_status s = exchange(user, state);
   if (s != LMLOSS_OK) return lmloss_fail(s, "the exchange returned %s", lmloss_status_string(s));
@@ -162,23 +163,11 @@ lmloss_status lmloss_linear_cross_entropy_backward_finish(
   lmloss_shard sh;
   TRY(check_ce_shard(ctx, head, target, token_weight, class_weight, opt, hopt, shard, state, &sh));
   TRY(lmloss_check_head_grads(head, grads));
-  if (!has_grads(grads)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "no gradient requested");
-  TRY(lmloss_check_tensor(dloss, "dloss", LMLOSS_MASK(LMLOSS_F32),
-                          opt->reduction == LMLOSS_REDUCE_NONE ? head->hidden.rows : 1, 1));
+  TRY(check_ce_upstream(head, opt, dloss, grads));
   TRY(state_apart(state, grads));
-  linear_job j = {.table = &lmloss_ce_backward_job,
-                  .ctx = ctx,
-                  .head = head,
-                  .labels = target,
-                  .tw = opt_tensor(token_weight),
-                  .cw = opt_tensor(class_weight),
-                  .opt = opt,
-                  .tr = &opt->transform,
-                  .hopt = hopt,
-                  .dloss = dloss,
-                  .grads = grads,
-                  .shard = &sh,
-                  .state = state};
+  linear_job j =
+      ce_job(&lmloss_ce_backward_job, ctx, head, target, token_weight, class_weight, opt, hopt);
+  j.dloss = dloss, j.grads = grads, j.shard = &sh, j.state = state;
   return lmloss_linear_run(&j, ws, ws_bytes);
 }
 
