@@ -133,7 +133,7 @@ if [ "${1:-}" = "pending" ]; then
     grep -A2 -m3 "mismatch\|failed" "$OUT/$t.log"
   done
   echo "== compute-sanitizer --tool memcheck test_shard"
-  LMLOSS_TEST_BACKEND=cuda timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 \
+  LMLOSS_TEST_BACKEND=cuda timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 \
     "$BUILD/test_shard" 2>&1 | grep -E "ERROR SUMMARY|^FAIL" | tail -3 || status=1
   $L check | tail -2 || status=1
   {
