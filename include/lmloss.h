@@ -652,11 +652,12 @@ LMLOSS_API lmloss_status lmloss_cross_entropy_backward_finish(
     const lmloss_tensor *dlogits, void *workspace, size_t workspace_bytes);
 
 /* The exchange of a sharded call: replace each row of state [N,
- * LMLOSS_ROW_STATE_COLS] (this shard's states, on the call's device, in
- * the order of the call's stream) with the merged states of every shard:
- * an all-gather and lmloss_row_state_merge, or an all-reduce whose op
- * merges. user is the call's. Return LMLOSS_OK, or a status the call
- * returns. */
+ * LMLOSS_ROW_STATE_COLS] (this shard's states, on the call's device; on
+ * CUDA written by work on the context's stream, which the exchange's own
+ * work must follow, as NCCL on that stream does) with the merged states
+ * of every shard: an all-gather and lmloss_row_state_merge, or an
+ * all-reduce whose op merges. user is the call's. Return LMLOSS_OK, or a
+ * status the call returns. */
 typedef lmloss_status (*lmloss_exchange_fn)(void *user, const lmloss_tensor *state);
 
 /* The fused head's cross-entropy over a sharded vocabulary (Megatron's
