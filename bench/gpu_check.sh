@@ -24,8 +24,9 @@
 #   bench/gpu_check.sh pending    what sessions without a GPU built and
 #                                 could not run: the C tests of the staged
 #                                 fp32 kernels, the shard phases (the
-#                                 softmax backward's kernel) and the
-#                                 divergences, memcheck on the shard test,
+#                                 softmax backward's kernel), the sharded
+#                                 fused head and the divergences, memcheck
+#                                 on the shard test,
 #                                 `lmloss check`, the fp32 rows of 262144
 #                                 with options, the divergences in C
 set -u
