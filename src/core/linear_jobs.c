@@ -7,10 +7,10 @@
  * the numerics are exactly those of the logits ops), the outputs it
  * scatters, and what it fills or sums outside the chunks.
  */
-#include <math.h>
 #include <string.h>
 
 #include "linear_job.h"
+#include "math/rowstate.h"
 
 /* The per-row compact buffers of a chunk (n <= p->slot_rows rows), each in a
  * slot of the aux area: labels [rows, K] x 8 bytes, five scalar slots of
@@ -154,19 +154,17 @@ static lmloss_status ce_state_rows(const linear_job *j, const lmloss_backend_ops
   return L->scatter_rows(j->ctx, &sl.state, ch->list, j->state);
 }
 
-/* The rows no chunk visits (the ignored ones): the empty state, as
- * lmloss_cross_entropy_state writes it (m -inf, a -1, no label). */
+/* The rows no chunk visits (the ignored ones): the empty state, packed
+ * as lmloss_cross_entropy_state writes it. */
 static lmloss_status ce_state_fill(const linear_job *j, const lmloss_linear_prims *L) {
-  static const struct {
-    int col;
-    double v;
-  } set[] = {{0, -INFINITY}, {2, -1.0}, {3, NAN}};
-  TRY(L->fill(j->ctx, j->state, 0.0));
-  for (int i = 0; i < 3; i++) {
-    lmloss_tensor c = *j->state;
-    c.data = (float *)c.data + set[i].col;
-    c.cols = 1;
-    TRY(L->fill(j->ctx, &c, set[i].v));
+  const lmloss_rowstate empty = lmloss_rowstate_empty();
+  float v[LMLOSS_ROW_STATE_COLS];
+  lmloss_rowstate_pack(&empty, v);
+  for (int c = 0; c < LMLOSS_ROW_STATE_COLS; c++) {
+    lmloss_tensor col = *j->state;
+    col.data = (float *)col.data + c;
+    col.cols = 1;
+    TRY(L->fill(j->ctx, &col, v[c]));
   }
   return LMLOSS_OK;
 }
