@@ -487,7 +487,8 @@ def _scale(opt, target, cw):
 
 class LinearCrossEntropy(torch.autograd.Function):
     """Cross-entropy of logits = hidden [N, H] weight_r [V_r, H]^T (+ bias_r):
-    rank r's rows of the head, hidden replicated. The logits exist a chunk
+    rank r's rows of a 16-bit head (an F32 one takes LinearCrossEntropyF32),
+    hidden replicated, composed here on torch's GEMMs. The logits exist a chunk
     of rows at a time, within the memory budget. The states of every chunk
     are exchanged once; a second pass over the chunks finishes the loss
     and, for a scalar loss, the gradients (the logits are recomputed when
@@ -580,8 +581,7 @@ class LinearCrossEntropyF32(torch.autograd.Function):
                 _lib.check(S.linear_ce_backward_finish(c, *args, B.view(merged, keep), up, gs,
                                                        *ws[1:]))
         else:  # formed at an upstream of 1 (lmloss_scale returns at once for 1)
-            grads, run = ctx.args[4], O.run_args(iopts)
-            ctx.args = None
+            run, ctx.args = O.run_args(iopts), None
             for g in grads:
                 if g.numel():
                     B.scale_(g, dloss, *run)
