@@ -310,7 +310,7 @@ int main(int argc, char **argv) {
   if (rank == 0) {
     printf("vocab-parallel over %d ranks, V = %d, %d rows, one exchange of 16 (CE, softmax) or "
            "20 (log-probs + entropy) bytes a row; the softmax backward two, of 4 and 8; the JSD "
-           "two, of 32 and 16\n",
+           "two, of 32 and 16; the fused head one, of 16, inside its call\n",
            world, V, N);
     for (int64_t i = 0; i < 6; i++)
       printf("  CE row %lld (margin %s): loss %.9g, one-shot %.9g\n", (long long)i,
