@@ -651,13 +651,14 @@ LMLOSS_API lmloss_status lmloss_cross_entropy_backward_finish(
     const lmloss_shard *shard, const lmloss_tensor *state, const lmloss_tensor *dloss,
     const lmloss_tensor *dlogits, void *workspace, size_t workspace_bytes);
 
-/* The exchange of a sharded call: replace each row of state [N,
- * LMLOSS_ROW_STATE_COLS] (this shard's states, on the call's device; on
- * CUDA written by work on the context's stream, which the exchange's own
- * work must follow, as NCCL on that stream does) with the merged states
- * of every shard: an all-gather and lmloss_row_state_merge, or an
- * all-reduce whose op merges. user is the call's. Return LMLOSS_OK, or a
- * status the call returns. */
+/* The exchange of a sharded call: it replaces each row of state [N,
+ * LMLOSS_ROW_STATE_COLS] (this shard's states, on the call's device) with
+ * the merged states of every shard, by an all-gather and
+ * lmloss_row_state_merge or an all-reduce whose op merges. On CUDA the
+ * states are written on the context's stream, so the exchange's work must
+ * follow it there (as NCCL enqueued on that stream does). user is the
+ * pointer given to the call. A status other than LMLOSS_OK ends the call
+ * with that status. */
 typedef lmloss_status (*lmloss_exchange_fn)(void *user, const lmloss_tensor *state);
 
 /* The fused head's cross-entropy over a sharded vocabulary (Megatron's

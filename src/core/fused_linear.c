@@ -73,10 +73,9 @@ lmloss_linear_cross_entropy(const lmloss_context *ctx, const lmloss_head *head,
                             const lmloss_head_grads *grads, void *ws, size_t ws_bytes) {
   TRY(lmloss_check_head(head, hopt));
   TRY(lmloss_check_head_grads(head, grads));
-  if (!out) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "outputs is NULL");
+  TRY(check_ce_outputs(head, opt, out));
   TRY(check_ce(head, target, opt_tensor(token_weight), opt_tensor(class_weight), opt,
                head->weight.rows));
-  TRY(check_ce_outputs(head, opt, out));
   linear_job j =
       ce_job(&lmloss_ce_forward_job, ctx, head, target, token_weight, class_weight, opt, hopt);
   j.out = out, j.grads = has_grads(grads) ? grads : NULL;
@@ -146,11 +145,12 @@ lmloss_status lmloss_linear_cross_entropy_sharded(
   /* the state pass plans as the finish does: one chunk's logits stay */
   linear_job j =
       ce_job(&lmloss_ce_state_job, ctx, head, target, token_weight, class_weight, opt, hopt);
-  j.out = out, j.shard = &sh, j.state = state, j.plan_grads = g;
+  j.shard = &sh, j.state = state, j.plan_grads = g;
   TRY(lmloss_linear_run(&j, ws, ws_bytes));
   const lmloss_status s = exchange(user, state);
   if (s != LMLOSS_OK) return lmloss_fail(s, "the exchange returned %s", lmloss_status_string(s));
-  j.table = &lmloss_ce_forward_job, j.grads = g, j.plan_grads = NULL, j.logits_ready = 1;
+  j.table = &lmloss_ce_forward_job, j.out = out, j.grads = g, j.plan_grads = NULL;
+  j.logits_ready = 1;
   return lmloss_linear_run(&j, ws, ws_bytes);
 }
 

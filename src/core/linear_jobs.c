@@ -88,6 +88,19 @@ static lmloss_status ce_chunk(const linear_job *j, const lmloss_linear_prims *L,
   return L->gather_rows(j->ctx, j->tw, ch->list, &sl->weight);
 }
 
+/* A shard's finish of the chunk's rows from their merged states: the
+ * forward's outputs co or the backward's upstream d, the gradient into
+ * ch->dl. */
+static lmloss_status shard_finish(const linear_job *j, const lmloss_backend_ops *ops,
+                                  const linear_plan *p, char *ws, const linear_chunk *ch,
+                                  chunk_slots *sl, const lmloss_ce_inputs *in,
+                                  const lmloss_ce_options *o, const lmloss_ce_outputs *co,
+                                  const lmloss_tensor *d) {
+  TRY(ops->linear->gather_rows(j->ctx, j->state, ch->list, &sl->state));
+  return ops->states->ce_finish(j->ctx, in, o, j->shard, &sl->state, co, d, ch->dl, ws + p->ce_ws,
+                                lmloss_cross_entropy_workspace_size(ch->n));
+}
+
 static lmloss_status ce_forward_rows(const linear_job *j, const lmloss_backend_ops *ops,
                                      const linear_plan *p, char *ws, const linear_chunk *ch) {
   const lmloss_linear_prims *L = ops->linear;
@@ -106,14 +119,11 @@ static lmloss_status ce_forward_rows(const linear_job *j, const lmloss_backend_o
   if (wants(&out->entropy)) co.entropy = sl.entropy;
   if (wants(&out->argmax)) co.argmax = sl.argmax;
   if (ch->dl) co.dlogits = *ch->dl;
-  const size_t ce_bytes = lmloss_cross_entropy_workspace_size(ch->n);
-  if (j->shard) {
-    TRY(L->gather_rows(j->ctx, j->state, ch->list, &sl.state));
-    TRY(ops->states->ce_finish(j->ctx, &in, &o, j->shard, &sl.state, &co, NULL, ch->dl,
-                               ws + p->ce_ws, ce_bytes));
-  } else {
-    TRY(ops->cross_entropy(j->ctx, &in, &o, &co, ws + p->ce_ws, ce_bytes, ch->keep));
-  }
+  if (j->shard)
+    TRY(shard_finish(j, ops, p, ws, ch, &sl, &in, &o, &co, NULL));
+  else
+    TRY(ops->cross_entropy(j->ctx, &in, &o, &co, ws + p->ce_ws,
+                           lmloss_cross_entropy_workspace_size(ch->n), ch->keep));
   if (per_row) TRY(L->scatter_rows(j->ctx, &sl.row, ch->list, &out->loss));
   if (wants(&out->lse)) TRY(L->scatter_rows(j->ctx, &sl.lse, ch->list, &out->lse));
   if (wants(&out->entropy)) TRY(L->scatter_rows(j->ctx, &sl.entropy, ch->list, &out->entropy));
@@ -133,13 +143,9 @@ static lmloss_status ce_backward_rows(const linear_job *j, const lmloss_backend_
     d = sl.row;
     TRY(L->gather_rows(j->ctx, j->dloss, ch->list, &d));
   }
-  const size_t ce_bytes = lmloss_cross_entropy_workspace_size(ch->n);
-  if (!j->shard)
-    return ops->cross_entropy_backward(j->ctx, &in, &o, &d, ch->dl, ws + p->ce_ws, ce_bytes,
-                                       ch->keep);
-  TRY(L->gather_rows(j->ctx, j->state, ch->list, &sl.state));
-  return ops->states->ce_finish(j->ctx, &in, &o, j->shard, &sl.state, NULL, &d, ch->dl,
-                                ws + p->ce_ws, ce_bytes);
+  if (j->shard) return shard_finish(j, ops, p, ws, ch, &sl, &in, &o, NULL, &d);
+  return ops->cross_entropy_backward(j->ctx, &in, &o, &d, ch->dl, ws + p->ce_ws,
+                                     lmloss_cross_entropy_workspace_size(ch->n), ch->keep);
 }
 
 /* A shard's states of the chunk's rows, scattered into the call's. */

@@ -75,15 +75,6 @@ static void data_free(sh_data *d) {
   host_free(&d->target), host_free(&d->cw), host_free(&d->dloss);
 }
 
-/* Rows [r0, r0 + n) of a tensor as a view. */
-static lmloss_tensor rows_view(const lmloss_tensor *t, int64_t r0, int64_t n) {
-  lmloss_tensor v = *t;
-  if (!v.data) return v;
-  v.data = (char *)t->data + (size_t)(r0 * t->row_stride) * (t->dtype == LMLOSS_I64 ? 8 : 4);
-  v.rows = n;
-  return v;
-}
-
 /* A call's outputs and gradients, on the device under test. */
 typedef struct {
   lmloss_tensor loss, lse, ent, amax, dh, dw, db;

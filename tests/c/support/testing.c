@@ -237,6 +237,13 @@ split make_split(int64_t V, int k) {
   return s;
 }
 
+lmloss_tensor rows_view(const lmloss_tensor *t, int64_t r0, int64_t n) {
+  lmloss_tensor v = *t;
+  if (v.data) v.data = (char *)t->data + (size_t)(r0 * t->row_stride) * dsize(t->dtype);
+  v.rows = n;
+  return v;
+}
+
 lmloss_tensor cols_view(const lmloss_tensor *t, int64_t c0, int64_t n) {
   lmloss_tensor v = *t;
   v.data = (char *)t->data + (size_t)c0 * dsize(t->dtype);

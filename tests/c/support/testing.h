@@ -113,12 +113,14 @@ void fill_logits(const lmloss_tensor *x, double sigma, const int64_t *target, do
 
 /* Vocabulary shards for the tests of the row contract: k (<= 8) uneven
  * shards of V columns at distinct random cuts, and columns [c0, c0 + n)
- * of a tensor as a view. */
+ * (rows [r0, r0 + n): a shard of a head's weight) of a tensor as a view;
+ * an absent tensor stays absent. */
 typedef struct {
   int k;
   int64_t col0[8], n[8];
 } split;
 split make_split(int64_t V, int k);
 lmloss_tensor cols_view(const lmloss_tensor *t, int64_t c0, int64_t n);
+lmloss_tensor rows_view(const lmloss_tensor *t, int64_t r0, int64_t n);
 
 #endif
