@@ -92,7 +92,8 @@ template <Hint H> __device__ __forceinline__ uint4 ld16(const void *p) {
 
 /* Vector v of a row (elements j0 = v * NV ...): 16-byte load when the row
  * is aligned and the vector complete, else element loads padded with -inf
- * (which adds nothing to any statistic). */
+ * (which adds nothing to any statistic; under softcap, where a logit of
+ * -inf is -cap, Acc::xform keeps the padding at -inf). */
 template <typename T, Hint H>
 __device__ __forceinline__ Raw<T> load_vec(const T *row, int64_t j0, int64_t V, bool aligned) {
   constexpr int NV = elt<T>::NV;

@@ -74,17 +74,30 @@ struct Acc {
     look = false;
   }
 
-  /* The transform of a loaded vector, checking the raw logits: NaN and
-   * +inf make the row non-finite even where softcap would map them to a
-   * finite w; -inf is legal (softcap maps it to -cap), but a row of only
-   * -inf is non-finite (without softcap that is the empty state). */
-  template <int NV> __device__ __forceinline__ void xform(const Xf &X, float *x) {
+  /* The transform of a loaded vector (its first column at j0(), computed
+   * only where needed), checking the raw logits: NaN and +inf make the
+   * row non-finite even where softcap would map them to a finite w; -inf
+   * is legal (softcap maps it to -cap), but a row of only -inf is
+   * non-finite (without softcap that is the empty state). The lanes past
+   * V are padding, not logits: -inf there stays -inf, adding nothing. */
+  template <int NV, typename J0>
+  __device__ __forceinline__ void xform(const Xf &X, float *x, J0 j0, int64_t V) {
     if (X.f.cap > 0.0f) {
+      bool ninf = false;
 #pragma unroll
       for (int i = 0; i < NV; i++) {
         if (x[i] != x[i] || x[i] == INFINITY) bad = 1;
-        if (x[i] > -INFINITY) fin = 1;
+        if (x[i] > -INFINITY)
+          fin = 1;
+        else
+          ninf = true;
         x[i] = lmloss_xform_w(&X.f, x[i]);
+      }
+      if (ninf && j0() + NV > V) {
+        const int64_t jb = j0();
+#pragma unroll
+        for (int i = 0; i < NV; i++)
+          if (jb + i >= V) x[i] = -INFINITY;
       }
     }
   }
@@ -584,10 +597,10 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
         r.u = st.lds(q);
         float w[NV];
         unpack<In, NV>(r, w);
-        if (CAP) acc.xform<NV>(X, w);
         const int v = ti + q * Bi;
-        acc.vec<T, true, NV>(
-            X, w, [&] { return p.ch.jb + (int64_t)v * NV; }, p.V, sm.on, sm.cw, sm.cws, slot_hit);
+        auto j0 = [&] { return p.ch.jb + (int64_t)v * NV; };
+        if (CAP) acc.xform<NV>(X, w, j0, p.V);
+        acc.vec<T, true, NV>(X, w, j0, p.V, sm.on, sm.cw, sm.cws, slot_hit);
       };
       /* The slot holding the thread's first max is added after the others,
        * by every thread that has one at once: inside the loop the warp ran
@@ -608,9 +621,9 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
     auto step = [&](int64_t v, const Raw<In> &rv) {
       float w[NV];
       unpack<In, NV>(rv, w);
-      if (CAP) acc.xform<NV>(X, w);
-      acc.vec<T, false, NV>(
-          X, w, [&] { return p.ch.jb + v * NV; }, p.V, sm.on, sm.cw, sm.cws, false);
+      auto j0 = [&] { return p.ch.jb + v * NV; };
+      if (CAP) acc.xform<NV>(X, w, j0, p.V);
+      acc.vec<T, false, NV>(X, w, j0, p.V, sm.on, sm.cw, sm.cws, false);
     };
     /* Batches of four vectors per lane, the warp in step: the warp's max
      * over the batch is raised once for every lane before the batch is
