@@ -30,11 +30,12 @@ namespace lmc {
 
 namespace cg = cooperative_groups;
 
-constexpr int DIV_BS = 512; /* threads of a CTA */
 constexpr int DIV_NV = 8;   /* columns a thread takes at a time */
+constexpr int DIV_BS = 512; /* threads of a CTA, two an SM */
 constexpr int DIV_WARPS = DIV_BS / 32;
 /* Columns a CTA's chunk holds at least before a row is split over a
- * cluster, and the largest cluster. */
+ * cluster, and the largest cluster. Smaller CTAs, more of them an SM,
+ * in clusters of 16 (design.md), were slower. */
 constexpr int64_t DIV_MIN_CHUNK = 16384;
 constexpr int DIV_MAX_CS = 8;
 
@@ -142,10 +143,13 @@ __device__ __forceinline__ void store8(void *row, lmloss_dtype dt, int64_t j, in
     if (j + e < V) p[e] = h[e];
 }
 
-/* A row's max of w and its first column (a = LLONG_MAX: none yet). */
+/* A row's max of w, its first column (a = LLONG_MAX: none yet), and the
+ * raw logits of both rows there (x of its own row, o of the other), read
+ * with it so that no CTA loads them again after the merge. */
 struct MaxAt {
   float m;
   long long a;
+  float x, o;
 };
 __device__ __forceinline__ MaxAt max_at(MaxAt x, MaxAt y) {
   return y.m > x.m || (y.m == x.m && y.a < x.a) ? y : x;
@@ -156,6 +160,8 @@ __device__ __forceinline__ MaxAt shfl_max_at(MaxAt x) {
     MaxAt y;
     y.m = __shfl_down_sync(0xffffffffu, x.m, off);
     y.a = __shfl_down_sync(0xffffffffu, x.a, off);
+    y.x = __shfl_down_sync(0xffffffffu, x.x, off);
+    y.o = __shfl_down_sync(0xffffffffu, x.o, off);
     x = max_at(x, y);
   }
   return x;
@@ -172,6 +178,8 @@ struct Extent {
 struct DivShared {
   Extent ext, ext_cta[DIV_WARPS];
   double sums[DIV_WARPS][7], tot_b[3], tot_c[7];
+  /* the cluster's slots of one exchange, read in by one warp */
+  alignas(16) unsigned char gathered[DIV_MAX_CS][sizeof(Extent) > 56 ? sizeof(Extent) : 56];
 };
 
 /* This CTA's Extent from its threads' (every thread gets it). */
@@ -218,19 +226,26 @@ template <int K> __device__ void cta_sums(float (&v)[K], DivShared &sh, double *
 }
 
 /* The cluster's merge of each CTA's slot, in rank order (cs = 1: this
- * CTA's own). The caller's cluster barrier makes every slot visible. */
+ * CTA's own), the same in every CTA. The caller's cluster barrier makes
+ * every slot visible; lane k of the first warp reads rank k's, so that
+ * the cluster's reads take one round trip, not cs, and one warp's, not
+ * every warp's. */
 template <typename T, typename F>
-__device__ __forceinline__ T cluster_merge(const DivArgs &a, T *slot, F merge) {
-  T r = *slot;
+__device__ __forceinline__ T cluster_merge(const DivArgs &a, T *slot, DivShared &sh, F merge) {
+  static_assert(sizeof(T) <= sizeof(sh.gathered[0]), "a slot fits its gathered place");
 #if defined(LMLOSS_SM90)
   if (a.cs > 1) {
-    cg::cluster_group cl = cg::this_cluster();
-    r = *cl.map_shared_rank(slot, 0);
+    T *g = (T *)sh.gathered;
+    if ((int)threadIdx.x < a.cs)
+      g[threadIdx.x] = *cg::this_cluster().map_shared_rank(slot, (int)threadIdx.x);
+    __syncthreads();
+    T r = g[0];
     for (int k = 1; k < a.cs; k++)
-      r = merge(r, *cl.map_shared_rank(slot, k));
+      r = merge(r, g[k]);
+    return r;
   }
 #endif
-  return r;
+  return *slot;
 }
 
 __device__ __forceinline__ void cluster_sync(const DivArgs &a) {
@@ -282,16 +297,17 @@ __device__ __forceinline__ bool in_vector(int64_t c, int64_t j) {
   return (uint64_t)(c - j) < (uint64_t)DIV_NV;
 }
 
-/* The first column from j (a vector's) where w is m; LLONG_MAX for j < 0. */
+/* The first of a vector's columns (from j, left of them in the chunk)
+ * where w of its own raw logits x is m, with both rows' logits there (o:
+ * the other row's). */
 template <bool GENERAL>
-__device__ long long first_of(const void *row, lmloss_dtype dt, const lmloss_xform *f, int64_t j,
-                              int64_t je, float m) {
-  if (j < 0) return LLONG_MAX;
-  float x[DIV_NV];
-  load8(row, dt, j, je, x);
-  for (int e = 0; e < DIV_NV && j + e < je; e++)
-    if (w_of<GENERAL>(f, x[e]) == m) return j + e;
-  return LLONG_MAX;
+__device__ __forceinline__ MaxAt first_in(const lmloss_xform *f, const float *x, const float *o,
+                                          int64_t j, int left, float m) {
+  MaxAt r = {m, LLONG_MAX, 0.0f, 0.0f};
+#pragma unroll
+  for (int e = DIV_NV - 1; e >= 0; e--)
+    if (e < left && w_of<GENERAL>(f, x[e]) == m) r.a = j + e, r.x = x[e], r.o = o[e];
+  return r;
 }
 
 /* K sums of the cluster's columns from each thread's floats (v), the
@@ -301,7 +317,7 @@ template <int K>
 __device__ Sums<K> cluster_sums(const DivArgs &a, float (&v)[K], DivShared &sh, double *slot) {
   cta_sums<K>(v, sh, slot);
   cluster_sync(a);
-  return cluster_merge(a, (Sums<K> *)slot, [](Sums<K> x, const Sums<K> &z) {
+  return cluster_merge(a, (Sums<K> *)slot, sh, [](Sums<K> x, const Sums<K> &z) {
     for (int k = 0; k < K; k++)
       x.v[k] += z.v[k];
     return x;
@@ -362,8 +378,10 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
   /* 1. the maxes and first argmaxes of w. A NaN or +inf logit: the flags
    * with a softcap (which bounds w); without, +inf is the max and a NaN
    * makes sweep 2's sums NaN, which costs the plain sweeps nothing. */
-  Extent e = {{-INFINITY, LLONG_MAX}, {-INFINITY, LLONG_MAX}, 0, 0, 0};
-  int64_t js = -1, jt = -1; /* the first vectors that hold the thread's maxes */
+  /* the label's logit, read before any CTA of the cluster writes a
+   * gradient over the student, its load in flight during the sweep */
+  const float xs_y = y >= 0 ? lmloss_load(rs, a.sdt, y) : 0.0f;
+  Extent e = {{-INFINITY, LLONG_MAX, 0.0f, 0.0f}, {-INFINITY, LLONG_MAX, 0.0f, 0.0f}, 0, 0, 0};
   for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
     float vs = -INFINITY, vt = -INFINITY;
     for_each(left, false, [&](int k, auto) {
@@ -374,14 +392,14 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
       vs = fmaxf(vs, w_of<GENERAL>(&a.pr.fs, xs[k])),
       vt = fmaxf(vt, w_of<GENERAL>(&a.pr.ft, xt[k]));
     });
-    if (vs > e.s.m) e.s.m = vs, js = j;
-    if (vt > e.t.m) e.t.m = vt, jt = j;
+    /* a thread's max rises about ln n times in its n vectors: the argmax
+     * is looked for then, in the registers, not read again after */
+    if (vs > e.s.m) e.s = first_in<GENERAL>(&a.pr.fs, xs, xt, j, left, vs);
+    if (vt > e.t.m) e.t = first_in<GENERAL>(&a.pr.ft, xt, xs, j, left, vt);
   });
-  e.s.a = first_of<GENERAL>(rs, a.sdt, &a.pr.fs, js, je, e.s.m);
-  e.t.a = first_of<GENERAL>(rt, a.tdt, &a.pr.ft, jt, je, e.t.m);
   cta_extent(e, sh);
   cluster_sync(a);
-  e = cluster_merge(a, &sh.ext, [](Extent x, const Extent &z) {
+  e = cluster_merge(a, &sh.ext, sh, [](Extent x, const Extent &z) {
     x.s = max_at(x.s, z.s), x.t = max_at(x.t, z.t);
     x.bad |= z.bad, x.any_s |= z.any_s, x.any_t |= z.any_t;
     return x;
@@ -398,9 +416,7 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
   if (e.bad || !e.any_s || !e.any_t || bad_label) return fail();
   const float ms = e.s.m, mt = e.t.m, ks = a.pr.fs.k;
   const long long as = e.s.a, at = e.t.a;
-  /* read before any CTA of the cluster writes a gradient over the student */
-  const float xs_a = lmloss_load(rs, a.sdt, as), xt_at = lmloss_load(rt, a.tdt, at);
-  const float xt_as = lmloss_load(rt, a.tdt, as), xs_y = y >= 0 ? lmloss_load(rs, a.sdt, y) : 0.0f;
+  const float xs_a = e.s.x, xt_at = e.t.x, xt_as = e.s.o;
   const float G = lmloss_div_gap(&a.pr, a.pr.capped, mt, xt_at, ms, xs_a);
   /* 2. R of each row and D = Rt - Rs below the maxes */
   float b3[3] = {0.0f, 0.0f, 0.0f};
