@@ -97,6 +97,10 @@ static void run_case(tgroup *g, const lp_case *c) {
       tset(&x, 2, j, -INFINITY);
     for (int64_t j = 0; j < V; j++)
       if (j != t0[3] && rng_uniform() < 0.3) tset(&x, 3, j, -INFINITY);
+    /* the index alone finite: under softcap the row's mass off it is the
+     * -inf columns' -cap terms, and a vector's padding must not add */
+    for (int64_t j = 0; j < V && N >= 6; j++)
+      if (j != t0[4]) tset(&x, 4, j, -INFINITY);
   }
   if (c->mask) {
     mask = host_new(LMLOSS_BOOL, N, 1, 1);
@@ -324,12 +328,13 @@ int main(void) {
     run_case(&g, &c);
   }
   tg_end(&g);
-  tg_begin(&g, "log-probs ties, NaN/+inf/all -inf rows, -inf");
+  tg_begin(&g, "log-probs ties, NaN/+inf/all -inf rows, -inf, softcap");
   for (int k = 0; k < 12; k++) {
     lp_case c = base(6, k % 2 ? 17 : 1003, k % 3 ? 1 : 2);
     c.ties = k < 4, c.nonfinite = k >= 4, c.xdt = c.odt = fdts[k % 3];
     c.dent = k % 2, c.dlogp = 1, c.mask = k % 4 == 1, c.margin = k % 3 ? 30 : -1;
     c.saved = (k / 2) % 2;
+    c.tr.softcap = k % 4 == 2 ? 20.0f : 0.0f;
     rng_seed(1300 + k);
     run_case(&g, &c);
   }
