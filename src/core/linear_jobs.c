@@ -161,12 +161,15 @@ static lmloss_status ce_state_rows(const linear_job *j, const lmloss_backend_ops
 }
 
 /* The rows no chunk visits (the ignored ones): the empty state, packed
- * as lmloss_cross_entropy_state writes it. */
+ * as lmloss_cross_entropy_state writes it; one fill of 0, then a fill of
+ * each column that differs. */
 static lmloss_status ce_state_fill(const linear_job *j, const lmloss_linear_prims *L) {
   const lmloss_rowstate empty = lmloss_rowstate_empty();
   float v[LMLOSS_ROW_STATE_COLS];
   lmloss_rowstate_pack(&empty, v);
+  TRY(L->fill(j->ctx, j->state, 0.0));
   for (int c = 0; c < LMLOSS_ROW_STATE_COLS; c++) {
+    if (v[c] == 0.0f) continue;
     lmloss_tensor col = *j->state;
     col.data = (float *)col.data + c;
     col.cols = 1;

@@ -34,8 +34,7 @@ constexpr int DIV_NV = 8;   /* columns a thread takes at a time */
 constexpr int DIV_BS = 512; /* threads of a CTA, two an SM */
 constexpr int DIV_WARPS = DIV_BS / 32;
 /* Columns a CTA's chunk holds at least before a row is split over a
- * cluster, and the largest cluster. Smaller CTAs, more of them an SM,
- * in clusters of 16 (design.md), were slower. */
+ * cluster, and the largest cluster. */
 constexpr int64_t DIV_MIN_CHUNK = 16384;
 constexpr int DIV_MAX_CS = 8;
 
@@ -174,12 +173,17 @@ struct Extent {
   int bad, any_s, any_t;
 };
 
+/* K sums of a row's columns, one slot of an exchange. */
+template <int K> struct Sums { double v[K]; };
+
 /* What a CTA shares with its cluster, one slot per exchange. */
 struct DivShared {
   Extent ext, ext_cta[DIV_WARPS];
   double sums[DIV_WARPS][7], tot_b[3], tot_c[7];
   /* the cluster's slots of one exchange, read in by one warp */
-  alignas(16) unsigned char gathered[DIV_MAX_CS][sizeof(Extent) > 56 ? sizeof(Extent) : 56];
+  alignas(
+      16) unsigned char gathered[DIV_MAX_CS][sizeof(Extent) > sizeof(Sums<7>) ? sizeof(Extent)
+                                                                              : sizeof(Sums<7>)];
 };
 
 /* This CTA's Extent from its threads' (every thread gets it). */
@@ -312,7 +316,6 @@ __device__ __forceinline__ MaxAt first_in(const lmloss_xform *f, const float *x,
 
 /* K sums of the cluster's columns from each thread's floats (v), the
  * same doubles in every CTA; slot holds this CTA's. */
-template <int K> struct Sums { double v[K]; };
 template <int K>
 __device__ Sums<K> cluster_sums(const DivArgs &a, float (&v)[K], DivShared &sh, double *slot) {
   cta_sums<K>(v, sh, slot);
