@@ -369,7 +369,8 @@ typedef struct {
    * store) for one dhidden and one dweight GEMM a group of rows: three
    * GEMMs. The store may take what a V x H fp32 accumulator would, beside
    * 256 MiB of chunk buffers (the logits slab of a chunk of rows, per-row
-   * scalars); every other call takes 256 MiB.
+   * scalars); lmloss_linear_divergence takes 400 MiB (its chunks hold two
+   * fp32 slabs), every other call 256 MiB.
    * Any other value bounds the whole workspace (lmloss_linear_workspace_size
    * never asks for more): three GEMMs when a store of all rows fits, or of
    * groups of at least 1024 rows with dweight summed over groups in fp32 (a

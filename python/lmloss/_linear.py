@@ -5,7 +5,7 @@ logits.
 logits = hidden [..., H] x weight[V, H]^T (+ bias [V]) are formed in row
 chunks whose transient buffers fit `memory_budget` bytes (None = the C
 default: the fastest schedule, lmloss.h's lmloss_head_options; the
-divergences' 256 MiB); rows the loss ignores (ignore_index, mask 0) never reach
+divergences' 400 MiB); rows the loss ignores (ignore_index, mask 0) never reach
 a GEMM. hidden, weight and bias share one dtype: float32 (float64 is
 computed in float32) on the CPU; bf16/fp16 heads need the CUDA backend
 (LMLOSS_ERR_UNSUPPORTED here). Gradients come back as float32 for fp32

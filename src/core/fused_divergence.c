@@ -27,7 +27,7 @@ typedef struct {
 static lmloss_status plan(const lmloss_head *s, const lmloss_head *t,
                           const lmloss_head_options *hopt, div_plan *p) {
   const int64_t N = s->hidden.rows, V = s->weight.rows, Hs = s->hidden.cols, Ht = t->hidden.cols;
-  const size_t budget = hopt->memory_budget ? hopt->memory_budget : LMLOSS_HEAD_DEFAULT_BUDGET;
+  const size_t budget = hopt->memory_budget ? hopt->memory_budget : LMLOSS_DIV_HEAD_DEFAULT_BUDGET;
   memset(p, 0, sizeof *p);
   size_t off = 0;
   p->list = off, off += lmloss_ws_up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */

@@ -101,6 +101,11 @@ lmloss_status lmloss_check_head_grads(const lmloss_head *head, const lmloss_head
 /* The chunk buffers' bytes at memory_budget 0 (the fastest schedule: the
  * fused head's store may add what a V x H fp32 accumulator would take). */
 #define LMLOSS_HEAD_DEFAULT_BUDGET ((size_t)256 << 20)
+/* The two fused heads' default: at V = 152k two fp32 slabs a row leave
+ * 256 MiB chunks of 128 rows, and every chunk reads both heads and reads
+ * and writes dweight again; 400 MiB, the transient memory the heads are
+ * allowed beside their inputs and gradients, holds 256. */
+#define LMLOSS_DIV_HEAD_DEFAULT_BUDGET ((size_t)400 << 20)
 /* The fewest rows a group of the fused head's store may hold when dW sums
  * over groups (plan_store in linear_plan.c says why). */
 #define LMLOSS_HEAD_MIN_GROUP 1024

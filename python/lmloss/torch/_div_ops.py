@@ -11,9 +11,9 @@ call, then by the product) unless the upstream is 1, as the fused head's.
 
 Options travel as two lists (_ops.ce_args says why): fopts [beta, the
 student's logit_scale, softcap, temperature, the teacher's three,
-soft_weight, hard_weight]; iopts CE's layout with the kind in dft's place
-[ignore_index, kind, backend, num_threads, reduction], so _ops' readers
-of it serve both.
+soft_weight, hard_weight, num_items (0: none)]; iopts CE's layout with
+the kind in dft's place [ignore_index, kind, backend, num_threads,
+reduction], so _ops' readers of it serve both.
 """
 
 from typing import Optional
@@ -30,7 +30,7 @@ KIND_NAMES = tuple(_lib.DIV_KINDS)  # index = C code
 
 
 def div_args(kind, beta, student, teacher, soft_weight, hard_weight, ignore_index, reduction,
-             backend, num_threads):
+             backend, num_threads, num_items=None):
     """The options as (fopts, iopts); student and teacher are (logit_scale,
     softcap, temperature) as _divergence.sides() returns them. kind and
     reduction are checked by the caller."""
@@ -41,7 +41,8 @@ def div_args(kind, beta, student, teacher, soft_weight, hard_weight, ignore_inde
                 f("temperature", temperature)]
 
     return ([f("beta", beta)] + side(*student) + side(*teacher)
-            + [f("soft_weight", soft_weight), f("hard_weight", hard_weight)],
+            + [f("soft_weight", soft_weight), f("hard_weight", hard_weight),
+               0.0 if num_items is None else f("num_items", num_items)],
             [_lib.int64_option("ignore_index", ignore_index), KIND_NAMES.index(kind),
              int(backend), _lib.int_option("num_threads", num_threads),
              REDUCTION_NAMES.index(reduction)])
@@ -49,7 +50,7 @@ def div_args(kind, beta, student, teacher, soft_weight, hard_weight, ignore_inde
 
 def _div_opt(fopts, iopts):
     return div_options(KIND_NAMES[iopts[1]], fopts[0], iopts[0], fopts[1:4], fopts[4:7],
-                       fopts[7], fopts[8], _reduction_name(iopts), None)
+                       fopts[7], fopts[8], _reduction_name(iopts), fopts[9] or None)
 
 
 def _inputs(student, teacher, label, keep):

@@ -14,9 +14,13 @@ elementwise terms of the rows that labels keep):
   "none"       per-row values [...], rows labels drop 0 (TRL returns the
                elementwise [.., V] tensor there)
 and num_items_in_batch (a number or tensor) -> sum / num_items_in_batch
-whatever the reduction, as TRL. The C call reduces to a sum (or per-row
-values) and the divisions run in torch on the device, so nothing reads
-back to the host.
+whatever the reduction, as TRL. The C call divides where it can (a
+divisor known on the host; batchmean's rows kept, which it counts on the
+device), so that a backward from the loss scales the gradient the forward
+formed by 1, which costs no pass over it and rounds a 16-bit one once;
+other divisions (a tensor num_items, mean's rows kept times V, and the
+sharded heads', whose chunks sum first) run in torch on the device.
+Nothing reads back to the host.
 
 process_group= (torch.distributed, as cross_entropy's): the logits are this
 rank's vocabulary shard [..., V_r] of both models (Megatron's layout,
@@ -59,6 +63,7 @@ class _Logits:
     """What _distill differentiates: the student's and teacher's logits [..., V]."""
 
     name = "student_logits"
+    divides = True  # the C call divides the sum (_c_division)
 
     def __init__(self, student_logits, teacher_logits):
         if teacher_logits.shape != student_logits.shape:
@@ -113,19 +118,35 @@ def _distill(pair, labels, kind, beta, temperature, reduction, num_items, teache
     lead = pair.lead
     label = None if labels is None else _target(labels, lead, pair.like, pair.name, "labels")
     per_row = reduction == "none" and num_items is None
+    divisor = c_reduction = items = None
+    if not per_row:
+        # size(0) of the logits [..., V] (the student's [V] alone: V), as TRL reads it
+        size0 = (tuple(lead) + (pair.v,))[0]
+        divisor = _divisor(reduction, num_items, label, ignore_index, lead.numel(), pair.v,
+                           size0, pair.like.device)
+        c_reduction, items = _c_division(pair, divisor, reduction, num_items, label)
     fopts, iopts = D.div_args(kind, beta, *sides(logit_scale, softcap, temperature,
                                                  teacher_logit_scale, teacher_softcap,
                                                  teacher_temperature),
                               soft_weight, hard_weight, ignore_index,
-                              "none" if per_row else "sum", backend_code(backend), num_threads)
+                              "none" if per_row else c_reduction or "sum",
+                              backend_code(backend), num_threads, items)
     loss = pair.loss(label, fopts, iopts, per_row)
     if per_row:
         return loss.reshape(lead)
-    # size(0) of the logits [..., V] (the student's [V] alone: V), as TRL reads it
-    size0 = (tuple(lead) + (pair.v,))[0]
-    divisor = _divisor(reduction, num_items, label, ignore_index, lead.numel(), pair.v, size0,
-                       loss.device)
-    return loss if divisor is None else loss / divisor
+    return loss if divisor is None or c_reduction else loss / divisor
+
+
+def _c_division(pair, divisor, reduction, num_items, label):
+    """(the C call's reduction, its num_items) when it can divide by divisor
+    itself (module docstring), else (None, None)."""
+    if divisor is None or not pair.divides:
+        return None, None
+    if not isinstance(divisor, Tensor):
+        return ("sum", divisor) if divisor > 0 else (None, None)  # not NaN or 0 either
+    if reduction == "batchmean" and num_items is None and label is not None:
+        return "mean", None  # C's mean is over the rows not ignored, 0 when none is
+    return None, None
 
 
 def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor,

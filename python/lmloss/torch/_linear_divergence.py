@@ -36,6 +36,7 @@ class _Heads:
     """What _distill differentiates: the student's head and the teacher's."""
 
     name = "student_hidden"
+    divides = True  # the C call divides the sum (_divergence._c_division)
 
     def __init__(self, student_hidden, student_weight, student_bias, teacher_hidden,
                  teacher_weight, teacher_bias, labels, memory_budget):
@@ -74,6 +75,8 @@ class _ShardHeads(_Heads):
     """_Heads whose weights (and biases) are this rank's rows of the
     vocabulary (Megatron's layout), hidden replicated: the loss through the
     vocab-parallel op, v the whole vocabulary's width."""
+
+    divides = False  # its chunks finish apart: "mean" would count a chunk's rows
 
     def __init__(self, *args, process_group, vocab_start, vocab_size, entropy):
         super().__init__(*args)
@@ -121,7 +124,7 @@ def linear_generalized_jsd(student_hidden: Tensor, student_weight: Tensor,
     [V]) and teacher_hidden [..., Ht] teacher_weight[V, Ht]^T (+
     teacher_bias [V]); labels [...]. "batchmean" without labels divides by
     student_hidden.size(0), the logits' size(0). memory_budget: bytes for
-    the per-chunk buffers of both heads (None = 256 MiB).
+    the per-chunk buffers of both heads (None = 400 MiB).
 
     return_entropy=True returns (loss, entropy): the student's entropy
     -sum_j p_j log p_j per row (float32 [...], ignored rows 0, no

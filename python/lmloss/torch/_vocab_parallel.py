@@ -460,6 +460,7 @@ class Divergence(torch.autograd.Function):
 # ---------------------------------------------------------------- the fused head, W split by rows
 
 DEFAULT_BUDGET = 256 << 20  # lmloss_head_options' default
+DIV_HEADS_BUDGET = 400 << 20  # lmloss_linear_divergence's
 
 
 def _none(opt):
@@ -727,7 +728,7 @@ class LinearDivergence(torch.autograd.Function):
                 want_entropy):
         opt, run, sh = DO._div_opt(fopts, iopts), O.run_args(iopts), shard.struct()
         n = hs.shape[0]
-        chunks = _plan(hs, ws, (budget or DEFAULT_BUDGET) // 2)  # both heads' logits
+        chunks = _plan(hs, ws, (budget or DIV_HEADS_BUDGET) // 2)  # both heads' logits
         kept = _pair_logits(hs, ws, bs, ht, wt, bt, 0, n) if len(chunks) == 1 else None
         state = hs.new_empty((n, S.DIV_STATE_COLS), dtype=F32)
         for i0, i1 in chunks:
