@@ -4,14 +4,12 @@
  * cross-entropy as a hard term: the CPU's sweeps (cpu/divergence.c), each
  * column by the same formulas (math/divergence.h, math/vmath.h).
  *
- * One row pair a cluster of cs CTAs (cs = 1 for short rows or below
- * sm_90), each CTA a chunk of the columns. The chunk is read once per
- * sweep: the maxes and argmaxes, the sums R and D below them, the loss
- * sweep (with the forward KL's gradient), and the other kinds' gradient.
- * The rows a cluster works on at once fit in L2, so only the first sweep
- * reads HBM. Each sweep's CTA results are exchanged through distributed
- * shared memory and merged in rank order, the same in every CTA, so the
- * results are bitwise reproducible.
+ * One row pair a CTA, read once per sweep: the maxes and argmaxes, the
+ * sums R and D below them, the loss sweep (with the forward KL's
+ * gradient), and the other kinds' gradient. A row split over a cluster
+ * of CTAs paid a cluster barrier and exchange a sweep, which cost more
+ * than its rows' L2 hits saved (docs/design.md). Each sweep's sums are
+ * merged in a fixed order, so the results are bitwise reproducible.
  *
  * Launch sequence on the caller's stream, nothing allocated:
  *   [div_count]    MEAN: the rows not ignored, into the workspace header;
@@ -21,22 +19,14 @@
  * (double), then the row losses [N] (double). A label outside [0, V) that
  * is not ignore_index gives NaN for its row.
  */
-#include <cooperative_groups.h>
-
 #include "common.cuh"
 #include "math/divstate.h"
 
 namespace lmc {
 
-namespace cg = cooperative_groups;
-
 constexpr int DIV_NV = 8;   /* columns a thread takes at a time */
 constexpr int DIV_BS = 512; /* threads of a CTA, two an SM */
 constexpr int DIV_WARPS = DIV_BS / 32;
-/* Columns a CTA's chunk holds at least before a row is split over a
- * cluster, and the largest cluster. */
-constexpr int64_t DIV_MIN_CHUNK = 16384;
-constexpr int DIV_MAX_CS = 8;
 
 struct DivArgs {
   const void *s, *t;
@@ -61,8 +51,6 @@ struct DivArgs {
   float *loss, *div, *ce, *ent; /* outputs (NONE: loss [N]) */
   int64_t los, dvs, ces, ens;
   double *count, *row_loss; /* workspace */
-  int cs;
-  int64_t chunk;
 };
 
 /* Eight columns of a row from j (16-byte loads where the row allows),
@@ -173,17 +161,10 @@ struct Extent {
   int bad, any_s, any_t;
 };
 
-/* K sums of a row's columns, one slot of an exchange. */
-template <int K> struct Sums { double v[K]; };
-
-/* What a CTA shares with its cluster, one slot per exchange. */
+/* What a CTA's warps share: their Extents and sums, and the CTA's. */
 struct DivShared {
   Extent ext, ext_cta[DIV_WARPS];
-  double sums[DIV_WARPS][7], tot_b[3], tot_c[7];
-  /* the cluster's slots of one exchange, read in by one warp */
-  alignas(
-      16) unsigned char gathered[DIV_MAX_CS][sizeof(Extent) > sizeof(Sums<7>) ? sizeof(Extent)
-                                                                              : sizeof(Sums<7>)];
+  double sums[DIV_WARPS][7], tot[7];
 };
 
 /* This CTA's Extent from its threads' (every thread gets it). */
@@ -207,13 +188,26 @@ __device__ Extent cta_extent(Extent e, DivShared &sh) {
   return sh.ext;
 }
 
-/* This CTA's sums of K per-thread floats, in double, into tot (every
- * thread reads them after the call). */
-template <int K> __device__ void cta_sums(float (&v)[K], DivShared &sh, double *tot) {
+/* K sums of a row's columns. */
+template <int K> struct Sums { double v[K]; };
+
+/* A vector's float sums added to a thread's doubles: a thread sums about
+ * V / 4096 vectors, too many terms for fp32 lanes to keep the loss to
+ * its 1e-5; only the slots its kind uses (used(k)), so the others cost
+ * no double add. */
+template <int K, typename U>
+__device__ __forceinline__ void add_vector(double (&acc)[K], const float (&v)[K], U used) {
+#pragma unroll
+  for (int k = 0; k < K; k++)
+    if (used(k)) acc[k] += v[k];
+}
+
+/* This CTA's sums of K per-thread doubles, the same in every thread. */
+template <int K> __device__ Sums<K> cta_sums(const double (&v)[K], DivShared &sh) {
   const int w = threadIdx.x >> 5;
 #pragma unroll
   for (int k = 0; k < K; k++) {
-    float x = v[k];
+    double x = v[k];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1)
       x += __shfl_down_sync(0xffffffffu, x, off);
@@ -224,38 +218,14 @@ template <int K> __device__ void cta_sums(float (&v)[K], DivShared &sh, double *
     double s = 0.0;
     for (int i = 0; i < DIV_WARPS; i++)
       s += sh.sums[i][threadIdx.x];
-    tot[threadIdx.x] = s;
+    sh.tot[threadIdx.x] = s;
   }
   __syncthreads();
-}
-
-/* The cluster's merge of each CTA's slot, in rank order (cs = 1: this
- * CTA's own), the same in every CTA. The caller's cluster barrier makes
- * every slot visible; lane k of the first warp reads rank k's, so that
- * the cluster's reads take one round trip, not cs, and one warp's, not
- * every warp's. */
-template <typename T, typename F>
-__device__ __forceinline__ T cluster_merge(const DivArgs &a, T *slot, DivShared &sh, F merge) {
-  static_assert(sizeof(T) <= sizeof(sh.gathered[0]), "a slot fits its gathered place");
-#if defined(LMLOSS_SM90)
-  if (a.cs > 1) {
-    T *g = (T *)sh.gathered;
-    if ((int)threadIdx.x < a.cs)
-      g[threadIdx.x] = *cg::this_cluster().map_shared_rank(slot, (int)threadIdx.x);
-    __syncthreads();
-    T r = g[0];
-    for (int k = 1; k < a.cs; k++)
-      r = merge(r, g[k]);
-    return r;
-  }
-#endif
-  return *slot;
-}
-
-__device__ __forceinline__ void cluster_sync(const DivArgs &a) {
-#if defined(LMLOSS_SM90)
-  if (a.cs > 1) cg::this_cluster().sync();
-#endif
+  Sums<K> r;
+#pragma unroll
+  for (int k = 0; k < K; k++)
+    r.v[k] = sh.tot[k];
+  return r;
 }
 
 /* w of a raw logit: a softcap's tanh only in the general kernels
@@ -265,16 +235,17 @@ template <bool GENERAL> __device__ __forceinline__ float w_of(const lmloss_xform
 }
 
 /* The vectors of a sweep: fn(j, xs, xt, left) for each eight columns from
- * j of this CTA's chunk [jb, je), both rows' raw logits (0 at or past
- * je), left = je - j of them in the chunk (8 or more: all). */
+ * j of the row, both rows' raw logits (0 at or past V), left = V - j of
+ * them in the row (8 or more: all). */
 template <typename F>
 __device__ __forceinline__ void for_vectors(const DivArgs &a, const void *rs, const void *rt,
-                                            int64_t jb, int64_t je, F fn) {
-  for (int64_t j = jb + (int64_t)threadIdx.x * DIV_NV; j < je; j += (int64_t)DIV_BS * DIV_NV) {
+                                            F fn) {
+  const int64_t V = a.V;
+  for (int64_t j = (int64_t)threadIdx.x * DIV_NV; j < V; j += (int64_t)DIV_BS * DIV_NV) {
     float xs[DIV_NV], xt[DIV_NV];
-    load8(rs, a.sdt, j, je, xs);
-    load8(rt, a.tdt, j, je, xt);
-    fn(j, xs, xt, (int)(je - j < DIV_NV ? je - j : DIV_NV));
+    load8(rs, a.sdt, j, V, xs);
+    load8(rt, a.tdt, j, V, xt);
+    fn(j, xs, xt, (int)(V - j < DIV_NV ? V - j : DIV_NV));
   }
 }
 
@@ -301,7 +272,7 @@ __device__ __forceinline__ bool in_vector(int64_t c, int64_t j) {
   return (uint64_t)(c - j) < (uint64_t)DIV_NV;
 }
 
-/* The first of a vector's columns (from j, left of them in the chunk)
+/* The first of a vector's columns (from j, left of them in the row)
  * where w of its own raw logits x is m, with both rows' logits there (o:
  * the other row's). */
 template <bool GENERAL>
@@ -314,31 +285,16 @@ __device__ __forceinline__ MaxAt first_in(const lmloss_xform *f, const float *x,
   return r;
 }
 
-/* K sums of the cluster's columns from each thread's floats (v), the
- * same doubles in every CTA; slot holds this CTA's. */
-template <int K>
-__device__ Sums<K> cluster_sums(const DivArgs &a, float (&v)[K], DivShared &sh, double *slot) {
-  cta_sums<K>(v, sh, slot);
-  cluster_sync(a);
-  return cluster_merge(a, (Sums<K> *)slot, sh, [](Sums<K> x, const Sums<K> &z) {
-    for (int k = 0; k < K; k++)
-      x.v[k] += z.v[k];
-    return x;
-  });
-}
-
-/* One row pair per cluster, of the kind K; GENERAL: a softcap on either
+/* One row pair per CTA, of the kind K; GENERAL: a softcap on either
  * side or a k of each (the transforms' modes then read at run time), else
  * one k and no softcap (LMLOSS_DIV_ONE_K). */
 template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
   __shared__ DivShared sh;
-  const int64_t i = blockIdx.x / a.cs;
-  const int rank = (int)(blockIdx.x % a.cs);
-  const int64_t jb = rank * a.chunk, je = jb + a.chunk < a.V ? jb + a.chunk : a.V;
+  const int64_t i = blockIdx.x;
   const void *rs = (const char *)a.s + i * a.ss * (int64_t)lmloss_dtype_size(a.sdt);
   const void *rt = (const char *)a.t + i * a.ts * (int64_t)lmloss_dtype_size(a.tdt);
   void *rd = a.dx ? (char *)a.dx + i * a.dxs * (int64_t)lmloss_dtype_size(a.dxt) : nullptr;
-  const bool lead = rank == 0 && threadIdx.x == 0;
+  const bool lead = threadIdx.x == 0;
   /* the label: y = -1 without; an ignored row; one outside [0, V) */
   long long y = -1;
   bool ignored = false, bad_label = false;
@@ -369,10 +325,10 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
 #pragma unroll
     for (int e = 0; e < DIV_NV; e++)
       g[e] = v;
-    for (int64_t j = jb + (int64_t)threadIdx.x * DIV_NV; j < je; j += (int64_t)DIV_BS * DIV_NV)
-      store8(rd, a.dxt, j, je, g);
+    for (int64_t j = (int64_t)threadIdx.x * DIV_NV; j < a.V; j += (int64_t)DIV_BS * DIV_NV)
+      store8(rd, a.dxt, j, a.V, g);
   };
-  if (ignored) { /* the same decision in every CTA of the cluster */
+  if (ignored) {
     fill(0.0f);
     finish(0.0, 0.0, 0.0);
     return;
@@ -381,11 +337,11 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
   /* 1. the maxes and first argmaxes of w. A NaN or +inf logit: the flags
    * with a softcap (which bounds w); without, +inf is the max and a NaN
    * makes sweep 2's sums NaN, which costs the plain sweeps nothing. */
-  /* the label's logit, read before any CTA of the cluster writes a
-   * gradient over the student, its load in flight during the sweep */
+  /* the label's logit, read before any thread writes a gradient over
+   * the student, its load in flight during the sweep */
   const float xs_y = y >= 0 ? lmloss_load(rs, a.sdt, y) : 0.0f;
   Extent e = {{-INFINITY, LLONG_MAX, 0.0f, 0.0f}, {-INFINITY, LLONG_MAX, 0.0f, 0.0f}, 0, 0, 0};
-  for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
+  for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
     float vs = -INFINITY, vt = -INFINITY;
     for_each(left, false, [&](int k, auto) {
       if (GENERAL) {
@@ -400,13 +356,7 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
     if (vs > e.s.m) e.s = first_in<GENERAL>(&a.pr.fs, xs, xt, j, left, vs);
     if (vt > e.t.m) e.t = first_in<GENERAL>(&a.pr.ft, xt, xs, j, left, vt);
   });
-  cta_extent(e, sh);
-  cluster_sync(a);
-  e = cluster_merge(a, &sh.ext, sh, [](Extent x, const Extent &z) {
-    x.s = max_at(x.s, z.s), x.t = max_at(x.t, z.t);
-    x.bad |= z.bad, x.any_s |= z.any_s, x.any_t |= z.any_t;
-    return x;
-  });
+  e = cta_extent(e, sh);
   if (!GENERAL) {
     e.bad = e.s.m == INFINITY || e.t.m == INFINITY;
     e.any_s = e.s.m > -INFINITY, e.any_t = e.t.m > -INFINITY;
@@ -414,7 +364,6 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
   auto fail = [&]() {
     fill(NAN);
     finish(NAN, NAN, NAN);
-    cluster_sync(a); /* no CTA leaves while another reads its slot */
   };
   if (e.bad || !e.any_s || !e.any_t || bad_label) return fail();
   const float ms = e.s.m, mt = e.t.m, ks = a.pr.fs.k;
@@ -422,18 +371,20 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
   const float xs_a = e.s.x, xt_at = e.t.x, xt_as = e.s.o;
   const float G = lmloss_div_gap(&a.pr, a.pr.capped, mt, xt_at, ms, xs_a);
   /* 2. R of each row and D = Rt - Rs below the maxes */
-  float b3[3] = {0.0f, 0.0f, 0.0f};
-  for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
+  double b3[3] = {0.0, 0.0, 0.0};
+  for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
+    float v[3] = {0.0f, 0.0f, 0.0f};
     for_each(left, in_vector(as, j) || in_vector(at, j), [&](int k, auto check) {
       float es, et, d;
       lmloss_div_stats_terms(&a.pr, mode, w_of<GENERAL>(&a.pr.fs, xs[k]),
                              w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k], ms, mt, G, &es, &et, &d);
-      b3[0] += check.on && j + k == as ? 0.0f : es;
-      b3[1] += check.on && j + k == at ? 0.0f : et;
-      b3[2] += d;
+      v[0] += check.on && j + k == as ? 0.0f : es;
+      v[1] += check.on && j + k == at ? 0.0f : et;
+      v[2] += d;
     });
+    add_vector(b3, v, [](int) { return true; });
   });
-  const Sums<3> st = cluster_sums<3>(a, b3, sh, sh.tot_b);
+  const Sums<3> st = cta_sums<3>(b3, sh);
   if (!GENERAL && !(isfinite(st.v[0]) && isfinite(st.v[1]) && isfinite(st.v[2]))) return fail();
   const lmloss_div_row r = lmloss_div_row_make(&a.pr, ms, mt, (float)st.v[0], (float)st.v[1],
                                                (float)st.v[2], as, xs_a, xt_at, xt_as);
@@ -448,41 +399,44 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
   /* 3. the loss sweep, with the forward KL's gradient; each kind sums
    * only what it reads, the entropy only when asked for */
   const bool fused = rd && K == LMLOSS_DIV_KL, want_ent = a.ent != nullptr;
-  float c7[7] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
-    float g[DIV_NV];
+  /* the slots of c7 a kind sums: the divergence, rev, mix, pos, neg, eq
+   * (lmloss_div_terms), the entropy */
+  const auto used = [want_ent](int k) {
+    return k == 0 || (k == 1 && K == LMLOSS_DIV_REVERSE_KL) || (k == 2 && K == LMLOSS_DIV_JSD) ||
+           (k >= 3 && k <= 5 && K == LMLOSS_DIV_TVD) || (k == 6 && want_ent);
+  };
+  double c7[7] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+  for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
+    float g[DIV_NV], v[7] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     for_each(left, in_vector(as, j) || in_vector(y, j), [&](int k, auto check) {
       const lmloss_div_col c = column(xs, xt, k);
       const lmloss_div_terms t =
           lmloss_div_loss_terms(&a.pr, &r, &c, !(check.on && j + k == as) && c.p != 0.0f, K);
-      c7[0] += t.div;
-      if (K == LMLOSS_DIV_REVERSE_KL) c7[1] += t.rev;
-      if (K == LMLOSS_DIV_JSD) c7[2] += t.mix;
-      if (K == LMLOSS_DIV_TVD) c7[3] += t.pos, c7[4] += t.neg, c7[5] += t.eq;
-      if (want_ent) c7[6] += t.ent;
+      v[0] += t.div, v[1] += t.rev, v[2] += t.mix;
+      v[3] += t.pos, v[4] += t.neg, v[5] += t.eq, v[6] += t.ent;
       if (fused)
         g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p, t.h, xs[k], mode);
     });
-    if (fused) store8(rd, a.dxt, j, je, g);
+    add_vector(c7, v, used);
+    if (fused) store8(rd, a.dxt, j, a.V, g);
   });
-  const Sums<7> lo = cluster_sums<7>(a, c7, sh, sh.tot_c);
+  const Sums<7> lo = cta_sums<7>(c7, sh);
   float es_y = 0.0f;
   if (y >= 0) es_y = y == as ? 0.0f : (w_of<GENERAL>(&a.pr.fs, xs_y) - ms) * ks;
   finish(lo.v[0], y >= 0 ? (double)r.l1s - es_y : 0.0, lo.v[6]);
   /* 4. the other kinds' gradient */
   if (rd && !fused) {
     lmloss_div_grad_sums(&gc, lo.v[1], lo.v[2], lo.v[3], lo.v[4], lo.v[5]);
-    for_vectors(a, rs, rt, jb, je, [&](int64_t j, const float *xs, const float *xt, int left) {
+    for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
       float g[DIV_NV];
       for_each(left, in_vector(y, j), [&](int k, auto check) {
         const lmloss_div_col c = column(xs, xt, k);
         g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p,
                                     lmloss_div_grad_kind(&a.pr, &r, &gc, &c, K), xs[k], mode);
       });
-      store8(rd, a.dxt, j, je, g);
+      store8(rd, a.dxt, j, a.V, g);
     });
   }
-  cluster_sync(a); /* no CTA leaves while another reads its slots */
 }
 
 __global__ void div_count(DivArgs a) {
@@ -518,9 +472,9 @@ static lmloss_status launch_rows(const DivArgs &a, int kind, cudaStream_t st) {
                        : kind == LMLOSS_DIV_REVERSE_KL ? pick<LMLOSS_DIV_REVERSE_KL>(a)
                        : kind == LMLOSS_DIV_TVD        ? pick<LMLOSS_DIV_TVD>(a)
                                                        : pick<LMLOSS_DIV_JSD>(a);
-  cudaLaunchAttribute attr[1];
-  const cudaLaunchConfig_t cfg = cluster_launch((unsigned)(a.N * a.cs), DIV_BS, 0, a.cs, st, attr);
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, k, a);
+  void *args[] = {(void *)&a};
+  const cudaError_t e =
+      cudaLaunchKernel((const void *)k, dim3((unsigned)a.N), dim3(DIV_BS), args, 0, st);
   if (e != cudaSuccess)
     return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA divergence: %s", cudaGetErrorString(e));
   return check_launch("divergence");
@@ -529,9 +483,7 @@ static lmloss_status launch_rows(const DivArgs &a, int kind, cudaStream_t st) {
 static lmloss_status run_div(const lmloss_context *ctx, const lmloss_div_inputs *in,
                              const lmloss_div_options *opt, const lmloss_div_outputs *out,
                              const lmloss_tensor *dloss, const lmloss_tensor *dx, void *ws) {
-  DevInfo d;
-  lmloss_status s = dev_info(&d);
-  if (s != LMLOSS_OK) return s;
+  lmloss_status s;
   const cudaStream_t st = stream_of(ctx);
   DivArgs a = {};
   a.s = in->student.data, a.t = in->teacher.data;
@@ -568,14 +520,6 @@ static lmloss_status run_div(const lmloss_context *ctx, const lmloss_div_inputs 
       return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA memset: %s", cudaGetErrorString(e));
     return LMLOSS_OK;
   }
-  /* a cluster per row where the row is long; the chunk whole vectors */
-  int cs = 1;
-  if (d.cc_major >= 9) {
-    const int64_t want = (a.V + DIV_MIN_CHUNK - 1) / DIV_MIN_CHUNK;
-    cs = want < DIV_MAX_CS ? (int)want : DIV_MAX_CS;
-  }
-  a.cs = cs;
-  a.chunk = ((a.V + cs - 1) / cs + DIV_NV - 1) / DIV_NV * DIV_NV;
   if (opt->reduction == LMLOSS_REDUCE_MEAN) {
     div_count<<<1, 1024, 0, st>>>(a);
     if ((s = check_launch("divergence count")) != LMLOSS_OK) return s;
