@@ -411,6 +411,29 @@ TORCH_FNS = {"kl": (lambda s, t, **k: lt.kl_div(s, t, **k), 0.5),
              "jsd": (lambda s, t, **k: lt.generalized_jsd(s, t, beta=0.9, **k), 0.9)}
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(labels=True), dict(num_items_in_batch=7),
+                                dict(reduction="mean")], ids=["batchmean", "batchmean-labels",
+                                                              "num-items", "mean"])
+@pytest.mark.parametrize("kind", list(TORCH_FNS))
+def test_torch_bf16_gradient_is_rounded_once(kind, kw):
+    """The C call divides the sum (batchmean by the rows or the rows kept, a
+    number num_items, mean without labels): a bf16 student's gradient is
+    its fp32 one rounded once, never rounded at the sum and again after the
+    division by an upstream of 1 / N."""
+    fn, _ = TORCH_FNS[kind]
+    rng = np.random.default_rng(21)
+    s, t = tensors(rng, (3, 5), 257, torch.bfloat16)
+    kw = dict(kw)
+    if kw.pop("labels", False):
+        kw["labels"] = torch.from_numpy(labels_for(rng, (3, 5), 257))
+    grads = []
+    for x in (s.detach().float(), s.detach()):
+        x.requires_grad_()
+        fn(x, t.float(), **kw).backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[1], grads[0].bfloat16()), kw
+
+
 @pytest.mark.parametrize("backend", ["cpu", "ref"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", list(TORCH_FNS))

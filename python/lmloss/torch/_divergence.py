@@ -63,7 +63,7 @@ class _Logits:
     """What _distill differentiates: the student's and teacher's logits [..., V]."""
 
     name = "student_logits"
-    divides = True  # the C call divides the sum (_c_division)
+    divides = True  # the C call divides the sum (_division)
 
     def __init__(self, student_logits, teacher_logits):
         if teacher_logits.shape != student_logits.shape:
@@ -118,35 +118,33 @@ def _distill(pair, labels, kind, beta, temperature, reduction, num_items, teache
     lead = pair.lead
     label = None if labels is None else _target(labels, lead, pair.like, pair.name, "labels")
     per_row = reduction == "none" and num_items is None
-    divisor = c_reduction = items = None
-    if not per_row:
-        # size(0) of the logits [..., V] (the student's [V] alone: V), as TRL reads it
-        size0 = (tuple(lead) + (pair.v,))[0]
-        divisor = _divisor(reduction, num_items, label, ignore_index, lead.numel(), pair.v,
-                           size0, pair.like.device)
-        c_reduction, items = _c_division(pair, divisor, reduction, num_items, label)
+    c_reduction, items, divisor = (("none", None, None) if per_row else
+                                   _division(pair, reduction, num_items, label, ignore_index))
     fopts, iopts = D.div_args(kind, beta, *sides(logit_scale, softcap, temperature,
                                                  teacher_logit_scale, teacher_softcap,
                                                  teacher_temperature),
-                              soft_weight, hard_weight, ignore_index,
-                              "none" if per_row else c_reduction or "sum",
+                              soft_weight, hard_weight, ignore_index, c_reduction,
                               backend_code(backend), num_threads, items)
     loss = pair.loss(label, fopts, iopts, per_row)
     if per_row:
         return loss.reshape(lead)
-    return loss if divisor is None or c_reduction else loss / divisor
+    return loss if divisor is None else loss / divisor
 
 
-def _c_division(pair, divisor, reduction, num_items, label):
-    """(the C call's reduction, its num_items) when it can divide by divisor
-    itself (module docstring), else (None, None)."""
-    if divisor is None or not pair.divides:
-        return None, None
-    if not isinstance(divisor, Tensor):
-        return ("sum", divisor) if divisor > 0 else (None, None)  # not NaN or 0 either
-    if reduction == "batchmean" and num_items is None and label is not None:
-        return "mean", None  # C's mean is over the rows not ignored, 0 when none is
-    return None, None
+def _division(pair, reduction, num_items, label, ignore_index):
+    """(the C call's reduction, its num_items, what torch divides its sum
+    by after it, or None): the C call divides where it can (module
+    docstring)."""
+    if pair.divides and reduction == "batchmean" and num_items is None and label is not None:
+        return "mean", None, None  # C's mean is over the rows not ignored, 0 when none is
+    lead = pair.lead
+    # size(0) of the logits [..., V] (the student's [V] alone: V), as TRL reads it
+    size0 = (tuple(lead) + (pair.v,))[0]
+    divisor = _divisor(reduction, num_items, label, ignore_index, lead.numel(), pair.v, size0,
+                       pair.like.device)
+    if pair.divides and divisor is not None and not isinstance(divisor, Tensor) and divisor > 0:
+        return "sum", divisor, None  # a NaN or 0 divides in torch, as it always did
+    return "sum", None, divisor
 
 
 def generalized_jsd(student_logits: Tensor, teacher_logits: Tensor,

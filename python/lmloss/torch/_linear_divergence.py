@@ -36,7 +36,7 @@ class _Heads:
     """What _distill differentiates: the student's head and the teacher's."""
 
     name = "student_hidden"
-    divides = True  # the C call divides the sum (_divergence._c_division)
+    divides = True  # the C call divides the sum (_divergence._division)
 
     def __init__(self, student_hidden, student_weight, student_bias, teacher_hidden,
                  teacher_weight, teacher_bias, labels, memory_budget):
