@@ -477,6 +477,29 @@ static void fused_case(tgroup *g, const lmloss_div_options *o, int labels, size_
   host_free(&gr.dhidden), host_free(&gr.dweight), host_free(&gr.dbias);
 }
 
+/* The two heads' default budget at the seed's shape (N 2048, Hs 2048, Ht
+ * 2560, V 151936): more than 256 MiB, which held chunks of 128 rows
+ * there, and no more than the 400 MiB the heads may take beside their
+ * inputs and gradients; an explicit budget bounds the workspace. A size
+ * query reads no data. */
+static void default_budget(tgroup *g) {
+  static float none;
+  const int64_t N = 2048, V = 151936, Hs = 2048, Ht = 2560;
+  const lmloss_head s = {
+      {&none, LMLOSS_F32, LMLOSS_CPU, N, Hs, Hs}, {&none, LMLOSS_F32, LMLOSS_CPU, V, Hs, Hs}, {0}};
+  const lmloss_head t = {
+      {&none, LMLOSS_F32, LMLOSS_CPU, N, Ht, Ht}, {&none, LMLOSS_F32, LMLOSS_CPU, V, Ht, Ht}, {0}};
+  lmloss_head_options hopt = lmloss_head_options_default();
+  size_t fb = 0;
+  lmloss_status st = lmloss_linear_divergence_workspace_size(&s, &t, &hopt, &fb);
+  tg_true(g, st == LMLOSS_OK && fb > ((size_t)256 << 20) && fb <= ((size_t)400 << 20),
+          "default: %s, %zu bytes", lmloss_status_string(st), fb);
+  hopt.memory_budget = (size_t)256 << 20;
+  st = lmloss_linear_divergence_workspace_size(&s, &t, &hopt, &fb);
+  tg_true(g, st == LMLOSS_OK && fb <= hopt.memory_budget, "256 MiB: %s, %zu bytes",
+          lmloss_status_string(st), fb);
+}
+
 /* A temperature near FLT_MIN takes k x w past FLT_MAX, so the gaps of far
  * rows overflow: each row's divergence reads what REF's reads (inf for
  * the KLs, a finite one for the bounded kinds), never NaN. fuzz_divergence
@@ -587,6 +610,9 @@ int main(void) {
       rng_seed(9900 + 10 * k + r);
       fused_case(&g, &o, r != 3 || o.hard_weight > 0, (k + r) % 2 ? 0 : 40000);
     }
+  tg_end(&g);
+  tg_begin(&g, "two fused heads: the default budget at the seed's shape");
+  default_budget(&g);
   tg_end(&g);
   tg_begin(&g, "bad arguments leave every output untouched");
   bad_input(&g);
