@@ -658,8 +658,7 @@ LMLOSS_API lmloss_status lmloss_cross_entropy_backward_finish(
  * lmloss_row_state_merge or an all-reduce whose op merges. On CUDA the
  * states are written on the context's stream, so the exchange's work must
  * be ordered after that work on the stream. user is the pointer given to
- * the call. A status other than LMLOSS_OK ends the call
- * with that status. */
+ * the call. A status other than LMLOSS_OK ends the call with that status. */
 typedef lmloss_status (*lmloss_exchange_fn)(void *user, const lmloss_tensor *state);
 
 /* The fused head's cross-entropy over a sharded vocabulary (Megatron's
