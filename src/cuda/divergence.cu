@@ -4,12 +4,13 @@
  * cross-entropy as a hard term: the CPU's sweeps (cpu/divergence.c), each
  * column by the same formulas (math/divergence.h, math/vmath.h).
  *
- * One row pair a CTA, read once per sweep: the maxes and argmaxes, the
- * sums R and D below them, the loss sweep (with the forward KL's
- * gradient), and the other kinds' gradient. A row split over a cluster
- * of CTAs paid a cluster barrier and exchange a sweep, which cost more
- * than its rows' L2 hits saved (docs/design.md). Each sweep's sums are
- * merged in a fixed order, so the results are bitwise reproducible.
+ * One row pair a CTA, read once per sweep: the statistics (the maxes and
+ * argmaxes, then the sums R and D below them; in one sweep for wide rows,
+ * online_stats), the loss sweep (with the forward KL's gradient), and the
+ * other kinds' gradient. A row split over a cluster of CTAs paid a
+ * cluster barrier and exchange a sweep, which cost more than its rows' L2
+ * hits saved (docs/design.md). Each sweep's sums are merged in a fixed
+ * order, so the results are bitwise reproducible.
  *
  * Launch sequence on the caller's stream, nothing allocated:
  *   [div_count]    MEAN: the rows not ignored, into the workspace header;
@@ -27,6 +28,14 @@ namespace lmc {
 constexpr int DIV_NV = 8;   /* columns a thread takes at a time */
 constexpr int DIV_BS = 512; /* threads of a CTA, two an SM */
 constexpr int DIV_WARPS = DIV_BS / 32;
+/* Rows of at least this many columns take their statistics in one sweep
+ * (online_stats), but for the JSD: each warp then takes 16 steps or more,
+ * and a step whose max rises costs about as much as a step
+ * (docs/benchmarks-history.md: the one sweep was faster at 152064 columns
+ * and slower at 32768, where a warp takes eight steps and about four
+ * rise). The JSD's sweeps are bound by their instructions, so the read
+ * the one sweep saves does not pay for its rises there. */
+constexpr int64_t DIV_ONLINE_MIN_COLS = 16 * DIV_BS * DIV_NV;
 
 struct DivArgs {
   const void *s, *t;
@@ -161,10 +170,22 @@ struct Extent {
   int bad, any_s, any_t;
 };
 
-/* What a CTA's warps share: their Extents and sums, and the CTA's. */
+/* The statistics of some of a row pair's columns (a warp's, or the whole
+ * row's: math/divstate.h), the teacher's raw logit at the student's
+ * argmax, and the flags. */
+struct PairStats {
+  lmloss_div_stats st;
+  float xt_as;
+  int flags; /* LMLOSS_PAIR_* */
+};
+
+/* What a CTA's warps share: their Extents and sums, and the CTA's (two
+ * sweeps); their running maxes and statistics, and the row's (one). */
 struct DivShared {
   Extent ext, ext_cta[DIV_WARPS];
   double sums[DIV_WARPS][7], tot[7];
+  PairStats part[DIV_WARPS], row;
+  MaxAt top[DIV_WARPS][2]; /* a warp's running maxes (online_stats) */
 };
 
 /* This CTA's Extent from its threads' (every thread gets it). */
@@ -285,10 +306,208 @@ __device__ __forceinline__ MaxAt first_in(const lmloss_xform *f, const float *x,
   return r;
 }
 
+/* The max over the warp's lanes, in every lane. */
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+/* The warp's first column where w of its own raw logits x is m (the
+ * warp's max v of a lane's vector: lanes hold increasing columns), with
+ * both rows' logits there, in every lane. */
+template <bool GENERAL>
+__device__ __forceinline__ MaxAt warp_first(const lmloss_xform *f, const float *x, const float *o,
+                                            int64_t j, int left, float v, float m) {
+  const int src = __ffs(__ballot_sync(0xffffffffu, v == m)) - 1;
+  MaxAt r = first_in<GENERAL>(f, x, o, j, left, m);
+  r.a = __shfl_sync(0xffffffffu, r.a, src);
+  r.x = __shfl_sync(0xffffffffu, r.x, src);
+  r.o = __shfl_sync(0xffffffffu, r.o, src);
+  return r;
+}
+
+/* Statistics at the maxes s and t, their sums 0. */
+__device__ __forceinline__ lmloss_div_stats stats_at(const MaxAt &s, const MaxAt &t) {
+  lmloss_div_stats st;
+  st.ms = s.m, st.mt = t.m, st.xs_a = s.x, st.xt_a = t.x, st.as = s.a, st.at = t.a;
+  st.rs = st.rt = st.d = 0.0;
+  return st;
+}
+
+template <typename T> __device__ __forceinline__ T shfl_down(T v, int off) {
+  return __shfl_down_sync(0xffffffffu, v, off);
+}
+
+/* Part x's statistics merged with the part of the lane off above. */
+__device__ __forceinline__ PairStats merge_down(const lmloss_div_pair *pr, const PairStats &x,
+                                                int off) {
+  PairStats y;
+  y.st.ms = shfl_down(x.st.ms, off), y.st.mt = shfl_down(x.st.mt, off);
+  y.st.xs_a = shfl_down(x.st.xs_a, off), y.st.xt_a = shfl_down(x.st.xt_a, off);
+  y.st.as = shfl_down(x.st.as, off), y.st.at = shfl_down(x.st.at, off);
+  y.st.rs = shfl_down(x.st.rs, off), y.st.rt = shfl_down(x.st.rt, off);
+  y.st.d = shfl_down(x.st.d, off);
+  y.xt_as = shfl_down(x.xt_as, off), y.flags = shfl_down(x.flags, off);
+  PairStats o;
+  o.st = lmloss_div_stats_merge(pr, &x.st, &y.st);
+  o.xt_as = o.st.as == x.st.as ? x.xt_as : y.xt_as;
+  o.flags = x.flags | y.flags;
+  return o;
+}
+
+/* The row pair's statistics in one sweep (as the CPU's running blocks,
+ * a warp's step of 256 columns a block): each warp keeps both rows' maxes
+ * over the columns it has swept, the same in its lanes, and each lane its
+ * sums against them; a step whose warp max rises above a row's first
+ * moves the lanes' sums to the new maxes (lmloss_div_stats_move, the 1 of
+ * each old argmax added in lane 0). A warp's maxes rise in about 2 ln n
+ * of its n steps. The warps' parts then merge in a fixed tree. Every
+ * thread gets the row's statistics. */
+template <bool GENERAL>
+__device__ PairStats online_stats(const DivArgs &a, const void *rs, const void *rt, int mode,
+                                  DivShared &sh) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int64_t V = a.V;
+  /* the maxes with their columns stay in shared memory, out of the
+   * loop's registers; the loop keeps the maxes, and those the exponents
+   * are taken from (0 for a side of only -inf so far) */
+  MaxAt *const top = sh.top[w];
+  if (lane == 0) top[0] = top[1] = MaxAt{-INFINITY, LLONG_MAX, 0.0f, 0.0f};
+  __syncwarp();
+  float ms = -INFINITY, mt = -INFINITY, G = 0.0f, es0 = 0.0f, et0 = 0.0f;
+  long long as = LLONG_MAX, at = LLONG_MAX; /* the columns a step that rose found */
+  double b3[3] = {0.0, 0.0, 0.0};           /* Rs, Rt, D */
+  int flags = 0;
+  for (int64_t j0 = (int64_t)(threadIdx.x & ~31) * DIV_NV; j0 < V; j0 += (int64_t)DIV_BS * DIV_NV) {
+    const int64_t j = j0 + lane * DIV_NV;
+    float xs[DIV_NV], xt[DIV_NV];
+    load8(rs, a.sdt, j, V, xs);
+    load8(rt, a.tdt, j, V, xt);
+    const int left = (int)(V - j < DIV_NV ? V - j : DIV_NV); /* <= 0: none */
+    float vs = -INFINITY, vt = -INFINITY;
+    for_each(left, false, [&](int k, auto) {
+      if (GENERAL) {
+        const bool bad =
+            (xs[k] != xs[k]) | (xs[k] == INFINITY) | (xt[k] != xt[k]) | (xt[k] == INFINITY);
+        flags |= (bad ? LMLOSS_PAIR_BAD : 0) | (xs[k] > -INFINITY ? LMLOSS_PAIR_ANY_S : 0) |
+                 (xt[k] > -INFINITY ? LMLOSS_PAIR_ANY_T : 0);
+      }
+      vs = fmaxf(vs, w_of<GENERAL>(&a.pr.fs, xs[k])),
+      vt = fmaxf(vt, w_of<GENERAL>(&a.pr.ft, xt[k]));
+    });
+    const float Ws = warp_max(vs), Wt = warp_max(vt);
+    const bool rise = Ws > ms || Wt > mt;
+    if (rise) {
+      const MaxAt os = top[0], ot = top[1];
+      const MaxAt ns = Ws > ms ? warp_first<GENERAL>(&a.pr.fs, xs, xt, j, left, vs, Ws) : os;
+      const MaxAt nt = Wt > mt ? warp_first<GENERAL>(&a.pr.ft, xt, xs, j, left, vt, Wt) : ot;
+      const lmloss_div_stats p = stats_at(os, ot), o = stats_at(ns, nt);
+      G = lmloss_div_stats_G(&a.pr, &o);
+      const lmloss_div_move mv = lmloss_div_stats_move(&a.pr, &p, &o, G);
+      const double one = lane == 0 ? 1.0 : 0.0, r0 = b3[0], r1 = b3[1];
+      b3[0] = mv.cs * (mv.one_s * one + r0);
+      b3[1] = mv.ct * (mv.one_t * one + r1);
+      b3[2] = mv.cd * (one + r1) + mv.cr * (one + r0) + mv.ce * b3[2];
+      __syncwarp();
+      if (lane == 0) top[0] = ns, top[1] = nt;
+      __syncwarp();
+      ms = ns.m, mt = nt.m, as = ns.a, at = nt.a;
+      es0 = ms > -INFINITY ? ms : 0.0f, et0 = mt > -INFINITY ? mt : 0.0f;
+    }
+    float v[3] = {0.0f, 0.0f, 0.0f};
+    for_each(left, rise && (in_vector(as, j) || in_vector(at, j)), [&](int k, auto check) {
+      float es, et, d;
+      lmloss_div_stats_terms(&a.pr, mode, w_of<GENERAL>(&a.pr.fs, xs[k]),
+                             w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k], es0, et0, G, &es, &et,
+                             &d);
+      v[0] += check.on && j + k == as ? 0.0f : es;
+      v[1] += check.on && j + k == at ? 0.0f : et;
+      v[2] += d;
+    });
+    add_vector(b3, v, [](int) { return true; });
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1)
+    b3[0] += shfl_down(b3[0], off), b3[1] += shfl_down(b3[1], off), b3[2] += shfl_down(b3[2], off);
+  flags = (__any_sync(0xffffffffu, flags & LMLOSS_PAIR_BAD) ? LMLOSS_PAIR_BAD : 0) |
+          (__any_sync(0xffffffffu, flags & LMLOSS_PAIR_ANY_S) ? LMLOSS_PAIR_ANY_S : 0) |
+          (__any_sync(0xffffffffu, flags & LMLOSS_PAIR_ANY_T) ? LMLOSS_PAIR_ANY_T : 0);
+  if (lane == 0) {
+    PairStats &p = sh.part[w];
+    p.st = stats_at(top[0], top[1]);
+    p.st.rs = b3[0], p.st.rt = b3[1], p.st.d = b3[2];
+    p.xt_as = top[0].o, p.flags = flags;
+  }
+  __syncthreads();
+  if (w == 0) {
+    PairStats x = sh.part[lane < DIV_WARPS ? lane : 0];
+#pragma unroll
+    for (int off = DIV_WARPS / 2; off > 0; off >>= 1)
+      x = merge_down(&a.pr, x, off);
+    if (lane == 0) sh.row = x;
+  }
+  __syncthreads();
+  return sh.row;
+}
+
+/* The row pair's statistics in two sweeps: the maxes and first argmaxes
+ * (with the flags), then the sums against them. Every thread gets them. */
+template <bool GENERAL>
+__device__ PairStats swept_stats(const DivArgs &a, const void *rs, const void *rt, int mode,
+                                 DivShared &sh) {
+  Extent e = {{-INFINITY, LLONG_MAX, 0.0f, 0.0f}, {-INFINITY, LLONG_MAX, 0.0f, 0.0f}, 0, 0, 0};
+  for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
+    float vs = -INFINITY, vt = -INFINITY;
+    for_each(left, false, [&](int k, auto) {
+      if (GENERAL) {
+        e.bad |= (xs[k] != xs[k]) | (xs[k] == INFINITY) | (xt[k] != xt[k]) | (xt[k] == INFINITY);
+        e.any_s |= xs[k] > -INFINITY, e.any_t |= xt[k] > -INFINITY;
+      }
+      vs = fmaxf(vs, w_of<GENERAL>(&a.pr.fs, xs[k])),
+      vt = fmaxf(vt, w_of<GENERAL>(&a.pr.ft, xt[k]));
+    });
+    /* a thread's max rises about ln n times in its n vectors: the argmax
+     * is looked for then, in the registers, not read again after */
+    if (vs > e.s.m) e.s = first_in<GENERAL>(&a.pr.fs, xs, xt, j, left, vs);
+    if (vt > e.t.m) e.t = first_in<GENERAL>(&a.pr.ft, xt, xs, j, left, vt);
+  });
+  e = cta_extent(e, sh);
+  PairStats ps;
+  ps.st = stats_at(e.s, e.t);
+  ps.xt_as = e.s.o;
+  ps.flags = (e.bad ? LMLOSS_PAIR_BAD : 0) | (e.any_s ? LMLOSS_PAIR_ANY_S : 0) |
+             (e.any_t ? LMLOSS_PAIR_ANY_T : 0);
+  /* a row without a finite max on a side is decided by the flags: its
+   * sums are not read */
+  if (!(e.s.m > -INFINITY && e.t.m > -INFINITY && e.s.m < INFINITY && e.t.m < INFINITY)) return ps;
+  const float ms = e.s.m, mt = e.t.m;
+  const long long as = e.s.a, at = e.t.a;
+  const float G = lmloss_div_stats_G(&a.pr, &ps.st);
+  double b3[3] = {0.0, 0.0, 0.0};
+  for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
+    float v[3] = {0.0f, 0.0f, 0.0f};
+    for_each(left, in_vector(as, j) || in_vector(at, j), [&](int k, auto check) {
+      float es, et, d;
+      lmloss_div_stats_terms(&a.pr, mode, w_of<GENERAL>(&a.pr.fs, xs[k]),
+                             w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k], ms, mt, G, &es, &et, &d);
+      v[0] += check.on && j + k == as ? 0.0f : es;
+      v[1] += check.on && j + k == at ? 0.0f : et;
+      v[2] += d;
+    });
+    add_vector(b3, v, [](int) { return true; });
+  });
+  const Sums<3> sums = cta_sums<3>(b3, sh);
+  ps.st.rs = sums.v[0], ps.st.rt = sums.v[1], ps.st.d = sums.v[2];
+  return ps;
+}
+
 /* One row pair per CTA, of the kind K; GENERAL: a softcap on either
  * side or a k of each (the transforms' modes then read at run time), else
  * one k and no softcap (LMLOSS_DIV_ONE_K). */
-template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
+template <int K, bool GENERAL, bool ONLINE>
+__global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
   __shared__ DivShared sh;
   const int64_t i = blockIdx.x;
   const void *rs = (const char *)a.s + i * a.ss * (int64_t)lmloss_dtype_size(a.sdt);
@@ -334,60 +553,31 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
     return;
   }
   const int mode = GENERAL ? a.mode : LMLOSS_DIV_ONE_K;
-  /* 1. the maxes and first argmaxes of w. A NaN or +inf logit: the flags
-   * with a softcap (which bounds w); without, +inf is the max and a NaN
-   * makes sweep 2's sums NaN, which costs the plain sweeps nothing. */
   /* the label's logit, read before any thread writes a gradient over
    * the student, its load in flight during the sweep */
   const float xs_y = y >= 0 ? lmloss_load(rs, a.sdt, y) : 0.0f;
-  Extent e = {{-INFINITY, LLONG_MAX, 0.0f, 0.0f}, {-INFINITY, LLONG_MAX, 0.0f, 0.0f}, 0, 0, 0};
-  for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
-    float vs = -INFINITY, vt = -INFINITY;
-    for_each(left, false, [&](int k, auto) {
-      if (GENERAL) {
-        e.bad |= (xs[k] != xs[k]) | (xs[k] == INFINITY) | (xt[k] != xt[k]) | (xt[k] == INFINITY);
-        e.any_s |= xs[k] > -INFINITY, e.any_t |= xt[k] > -INFINITY;
-      }
-      vs = fmaxf(vs, w_of<GENERAL>(&a.pr.fs, xs[k])),
-      vt = fmaxf(vt, w_of<GENERAL>(&a.pr.ft, xt[k]));
-    });
-    /* a thread's max rises about ln n times in its n vectors: the argmax
-     * is looked for then, in the registers, not read again after */
-    if (vs > e.s.m) e.s = first_in<GENERAL>(&a.pr.fs, xs, xt, j, left, vs);
-    if (vt > e.t.m) e.t = first_in<GENERAL>(&a.pr.ft, xt, xs, j, left, vt);
-  });
-  e = cta_extent(e, sh);
-  if (!GENERAL) {
-    e.bad = e.s.m == INFINITY || e.t.m == INFINITY;
-    e.any_s = e.s.m > -INFINITY, e.any_t = e.t.m > -INFINITY;
-  }
   auto fail = [&]() {
     fill(NAN);
     finish(NAN, NAN, NAN);
   };
-  if (e.bad || !e.any_s || !e.any_t || bad_label) return fail();
-  const float ms = e.s.m, mt = e.t.m, ks = a.pr.fs.k;
-  const long long as = e.s.a, at = e.t.a;
-  const float xs_a = e.s.x, xt_at = e.t.x, xt_as = e.s.o;
-  const float G = lmloss_div_gap(&a.pr, a.pr.capped, mt, xt_at, ms, xs_a);
-  /* 2. R of each row and D = Rt - Rs below the maxes */
-  double b3[3] = {0.0, 0.0, 0.0};
-  for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
-    float v[3] = {0.0f, 0.0f, 0.0f};
-    for_each(left, in_vector(as, j) || in_vector(at, j), [&](int k, auto check) {
-      float es, et, d;
-      lmloss_div_stats_terms(&a.pr, mode, w_of<GENERAL>(&a.pr.fs, xs[k]),
-                             w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k], ms, mt, G, &es, &et, &d);
-      v[0] += check.on && j + k == as ? 0.0f : es;
-      v[1] += check.on && j + k == at ? 0.0f : et;
-      v[2] += d;
-    });
-    add_vector(b3, v, [](int) { return true; });
-  });
-  const Sums<3> st = cta_sums<3>(b3, sh);
-  if (!GENERAL && !(isfinite(st.v[0]) && isfinite(st.v[1]) && isfinite(st.v[2]))) return fail();
-  const lmloss_div_row r = lmloss_div_row_make(&a.pr, ms, mt, (float)st.v[0], (float)st.v[1],
-                                               (float)st.v[2], as, xs_a, xt_at, xt_as);
+  /* 1. the statistics: both rows' maxes and first argmaxes of w, R of
+   * each row and D = Rt - Rs below the maxes. A NaN or +inf logit: the
+   * flags with a softcap (which bounds w); without, +inf is the max and a
+   * NaN makes the sums NaN, which costs the plain sweeps nothing. */
+  const PairStats ps = ONLINE ? online_stats<GENERAL>(a, rs, rt, mode, sh)
+                              : swept_stats<GENERAL>(a, rs, rt, mode, sh);
+  const lmloss_div_stats &st = ps.st;
+  const int flags = GENERAL ? ps.flags
+                            : (st.ms == INFINITY || st.mt == INFINITY ? LMLOSS_PAIR_BAD : 0) |
+                                  (st.ms > -INFINITY ? LMLOSS_PAIR_ANY_S : 0) |
+                                  (st.mt > -INFINITY ? LMLOSS_PAIR_ANY_T : 0);
+  if (!lmloss_pair_flags_ok(flags) || bad_label) return fail();
+  if (!GENERAL && !(isfinite(st.rs) && isfinite(st.rt) && isfinite(st.d))) return fail();
+  const float ms = st.ms;
+  const long long as = st.as;
+  const float ks = a.pr.fs.k;
+  const lmloss_div_row r = lmloss_div_row_make(&a.pr, st.ms, st.mt, (float)st.rs, (float)st.rt,
+                                               (float)st.d, as, st.xs_a, st.xt_a, ps.xt_as);
   lmloss_div_grad gc = {};
   gc.y = y, gc.soft = a.soft, gc.scale = (float)(up * factor);
   gc.hard = y >= 0 ? a.hard : 0.0f;
@@ -397,29 +587,36 @@ template <int K, bool GENERAL> __global__ void __launch_bounds__(DIV_BS, 2) div_
                              w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k]);
   };
   /* 3. the loss sweep, with the forward KL's gradient; each kind sums
-   * only what it reads, the entropy only when asked for */
-  const bool fused = rd && K == LMLOSS_DIV_KL, want_ent = a.ent != nullptr;
-  /* the slots of c7 a kind sums: the divergence, rev, mix, pos, neg, eq
-   * (lmloss_div_terms), the entropy */
-  const auto used = [want_ent](int k) {
-    return k == 0 || (k == 1 && K == LMLOSS_DIV_REVERSE_KL) || (k == 2 && K == LMLOSS_DIV_JSD) ||
-           (k >= 3 && k <= 5 && K == LMLOSS_DIV_TVD) || (k == 6 && want_ent);
-  };
+   * only what it reads, the entropy only in the copy that is asked for
+   * it (its terms cost instructions a column, not only an add) */
+  const bool fused = rd && K == LMLOSS_DIV_KL;
   double c7[7] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-  for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
-    float g[DIV_NV], v[7] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    for_each(left, in_vector(as, j) || in_vector(y, j), [&](int k, auto check) {
-      const lmloss_div_col c = column(xs, xt, k);
-      const lmloss_div_terms t =
-          lmloss_div_loss_terms(&a.pr, &r, &c, !(check.on && j + k == as) && c.p != 0.0f, K);
-      v[0] += t.div, v[1] += t.rev, v[2] += t.mix;
-      v[3] += t.pos, v[4] += t.neg, v[5] += t.eq, v[6] += t.ent;
-      if (fused)
-        g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p, t.h, xs[k], mode);
+  auto loss_sweep = [&](auto want_ent) {
+    /* the slots of c7 a kind sums: the divergence, rev, mix, pos, neg, eq
+     * (lmloss_div_terms), the entropy */
+    const auto used = [](int k) {
+      return k == 0 || (k == 1 && K == LMLOSS_DIV_REVERSE_KL) || (k == 2 && K == LMLOSS_DIV_JSD) ||
+             (k >= 3 && k <= 5 && K == LMLOSS_DIV_TVD) || (k == 6 && decltype(want_ent)::on);
+    };
+    for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
+      float g[DIV_NV], v[7] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for_each(left, in_vector(as, j) || in_vector(y, j), [&](int k, auto check) {
+        const lmloss_div_col c = column(xs, xt, k);
+        const lmloss_div_terms t =
+            lmloss_div_loss_terms(&a.pr, &r, &c, !(check.on && j + k == as) && c.p != 0.0f, K);
+        v[0] += t.div, v[1] += t.rev, v[2] += t.mix;
+        v[3] += t.pos, v[4] += t.neg, v[5] += t.eq, v[6] += t.ent;
+        if (fused)
+          g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p, t.h, xs[k], mode);
+      });
+      add_vector(c7, v, used);
+      if (fused) store8(rd, a.dxt, j, a.V, g);
     });
-    add_vector(c7, v, used);
-    if (fused) store8(rd, a.dxt, j, a.V, g);
-  });
+  };
+  if (a.ent)
+    loss_sweep(Tested<true>());
+  else
+    loss_sweep(Tested<false>());
   const Sums<7> lo = cta_sums<7>(c7, sh);
   float es_y = 0.0f;
   if (y >= 0) es_y = y == as ? 0.0f : (w_of<GENERAL>(&a.pr.fs, xs_y) - ms) * ks;
@@ -462,9 +659,14 @@ __global__ void div_finalize(DivArgs a) {
   }
 }
 
+template <int K, bool GENERAL> static void (*pick_stats(const DivArgs &a))(DivArgs) {
+  if constexpr (K != LMLOSS_DIV_JSD)
+    if (a.V >= DIV_ONLINE_MIN_COLS) return div_rows<K, GENERAL, true>;
+  return div_rows<K, GENERAL, false>;
+}
 template <int K> static void (*pick(const DivArgs &a))(DivArgs) {
   const bool general = a.pr.fs.cap > 0.0f || a.pr.ft.cap > 0.0f || a.pr.fs.k != a.pr.ft.k;
-  return general ? div_rows<K, true> : div_rows<K, false>;
+  return general ? pick_stats<K, true>(a) : pick_stats<K, false>(a);
 }
 
 static lmloss_status launch_rows(const DivArgs &a, int kind, cudaStream_t st) {

@@ -37,15 +37,44 @@ LMLOSS_DIV_HD void lmloss_div_stats_terms(const lmloss_div_pair *pr, int capped,
   *d = lmloss_pair_d_of(*es, *et, dg);
 }
 
+/* How a part's sums move to the maxes of a state o that holds it (G:
+ * o's): Rs' = cs (one_s + Rs), Rt' = ct (one_t + Rt) and D' = cd (1 + Rt)
+ * + cr (1 + Rs) + ce D. one_s is 1 where o's student argmax lies outside
+ * the part (the part's own argmax then counts in R) and 0 where it is the
+ * part's (cs is then 1); one_t likewise. D moves as e^(As_P - As)
+ * (expm1(G_P - G) St_P + D_P), through lmloss_pair_d_of so neither factor
+ * overflows. A part of only -inf on a side (max -inf, no softcap) counts
+ * no mass there, and its D is then the difference of the sides' sums.
+ * The CPU's blocks and CUDA's warps move their running sums so. */
+typedef struct {
+  double cs, ct, cd, cr, ce;
+  int one_s, one_t;
+} lmloss_div_move;
+
+LMLOSS_DIV_HD lmloss_div_move lmloss_div_stats_move(const lmloss_div_pair *pr,
+                                                    const lmloss_div_stats *p,
+                                                    const lmloss_div_stats *o, float G) {
+  lmloss_div_move m;
+  const int no_s = !(p->ms > -INFINITY), no_t = !(p->mt > -INFINITY); /* only -inf there */
+  const float ds = (p->ms - o->ms) * pr->fs.k, dt = (p->mt - o->mt) * pr->ft.k;
+  m.cs = no_s ? 0.0 : expf(ds), m.ct = no_t ? 0.0 : expf(dt);
+  m.one_s = p->as != o->as, m.one_t = p->at != o->at;
+  if (no_s || no_t) {
+    m.cd = m.ct, m.cr = -m.cs, m.ce = 0.0;
+  } else {
+    m.cd = lmloss_pair_d_of((float)m.cs, (float)m.ct,
+                            lmloss_pair_dg(lmloss_div_stats_G(pr, p), G, ds, dt));
+    m.cr = 0.0, m.ce = m.cs;
+  }
+  return m;
+}
+
 /* Two parts of a row: each row's max-split merge (a tie keeps the lower
- * column, so parts merge in any order), and D = sum over parts of
- * e^(As_P - As) (expm1(G_P - G) St_P + D_P), through lmloss_pair_d_of so
- * neither factor overflows. A part of only -inf on a side (max -inf, no
- * softcap) counts no mass there. */
+ * column, so parts merge in any order), each part's sums moved to the
+ * merged maxes. */
 LMLOSS_DIV_HD lmloss_div_stats lmloss_div_stats_merge(const lmloss_div_pair *pr,
                                                       const lmloss_div_stats *x,
                                                       const lmloss_div_stats *y) {
-  const float ks = pr->fs.k, kt = pr->ft.k;
   lmloss_div_stats o = *x;
   if (y->ms > x->ms || (y->ms == x->ms && y->as < x->as))
     o.ms = y->ms, o.as = y->as, o.xs_a = y->xs_a;
@@ -56,18 +85,10 @@ LMLOSS_DIV_HD lmloss_div_stats lmloss_div_stats_merge(const lmloss_div_pair *pr,
   o.rs = o.rt = o.d = 0.0;
   for (int i = 0; i < 2; i++) {
     const lmloss_div_stats *p = parts[i];
-    const int no_s = !(p->ms > -INFINITY), no_t = !(p->mt > -INFINITY); /* only -inf there */
-    const float ds = (p->ms - o.ms) * ks, dt = (p->mt - o.mt) * kt;
-    const double es = no_s ? 0.0 : expf(ds), et = no_t ? 0.0 : expf(dt);
-    o.rs += no_s ? 0.0 : p->as == o.as ? p->rs : (1.0 + p->rs) * es;
-    o.rt += no_t ? 0.0 : p->at == o.at ? p->rt : (1.0 + p->rt) * et;
-    if (no_s || no_t) /* D = St - Ss with one of them 0 */
-      o.d += et * (no_t ? 0.0 : 1.0 + p->rt) - es * (no_s ? 0.0 : 1.0 + p->rs);
-    else
-      o.d += lmloss_pair_d_of((float)es, (float)et,
-                              lmloss_pair_dg(lmloss_div_stats_G(pr, p), G, ds, dt)) *
-                 (1.0 + p->rt) +
-             es * p->d;
+    const lmloss_div_move m = lmloss_div_stats_move(pr, p, &o, G);
+    o.rs += m.cs * (m.one_s + p->rs);
+    o.rt += m.ct * (m.one_t + p->rt);
+    o.d += m.cd * (1.0 + p->rt) + m.cr * (1.0 + p->rs) + m.ce * p->d;
   }
   return o;
 }
