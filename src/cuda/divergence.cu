@@ -596,7 +596,7 @@ __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
      * (lmloss_div_terms), the entropy */
     const auto used = [](int k) {
       return k == 0 || (k == 1 && K == LMLOSS_DIV_REVERSE_KL) || (k == 2 && K == LMLOSS_DIV_JSD) ||
-             (k >= 3 && k <= 5 && K == LMLOSS_DIV_TVD) || (k == 6 && decltype(want_ent)::on);
+             (k >= 3 && k <= 5 && K == LMLOSS_DIV_TVD) || (k == 6 && decltype(want_ent)::value);
     };
     for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
       float g[DIV_NV], v[7] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
@@ -614,9 +614,9 @@ __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
     });
   };
   if (a.ent)
-    loss_sweep(Tested<true>());
+    loss_sweep(std::true_type());
   else
-    loss_sweep(Tested<false>());
+    loss_sweep(std::false_type());
   const Sums<7> lo = cta_sums<7>(c7, sh);
   float es_y = 0.0f;
   if (y >= 0) es_y = y == as ? 0.0f : (w_of<GENERAL>(&a.pr.fs, xs_y) - ms) * ks;
