@@ -26,8 +26,8 @@
 #                                 fp32 kernels, the shard phases (the
 #                                 softmax backward's kernel), the sharded
 #                                 fused head and the divergences, memcheck
-#                                 on the shard test,
-#                                 `lmloss check`, the fp32 rows of 262144
+#                                 on the shard test, racecheck on the
+#                                 divergences' test, `lmloss check`, the fp32 rows of 262144
 #                                 with options, the divergences in C
 set -u
 cd "$(dirname "$0")/.."
@@ -136,6 +136,10 @@ if [ "${1:-}" = "pending" ]; then
   echo "== compute-sanitizer --tool memcheck test_shard"
   LMLOSS_TEST_BACKEND=cuda timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 \
     "$BUILD/test_shard" 2>&1 | grep -E "ERROR SUMMARY|^FAIL" | tail -3 || status=1
+  echo "== compute-sanitizer --tool racecheck test_divergence (the one-sweep statistics)"
+  LMLOSS_TEST_BACKEND=cuda timeout 150 compute-sanitizer --tool racecheck --error-exitcode 99 \
+    "$BUILD/test_divergence" 2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" | tail -3 ||
+    status=1
   $L check | tail -2 || status=1
   {
     $L bench ce-grad logprob-bwd --device cuda --queue 5 --dtype f32 --shape 4096,262144
