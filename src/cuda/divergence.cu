@@ -209,6 +209,13 @@ __device__ Extent cta_extent(Extent e, DivShared &sh) {
   return sh.ext;
 }
 
+/* The warp's flags (LMLOSS_PAIR_*) from its lanes', in every lane. */
+__device__ __forceinline__ int warp_flags(int f) {
+  return (__any_sync(0xffffffffu, f & LMLOSS_PAIR_BAD) ? LMLOSS_PAIR_BAD : 0) |
+         (__any_sync(0xffffffffu, f & LMLOSS_PAIR_ANY_S) ? LMLOSS_PAIR_ANY_S : 0) |
+         (__any_sync(0xffffffffu, f & LMLOSS_PAIR_ANY_T) ? LMLOSS_PAIR_ANY_T : 0);
+}
+
 /* K sums of a row's columns. */
 template <int K> struct Sums { double v[K]; };
 
@@ -306,6 +313,41 @@ __device__ __forceinline__ MaxAt first_in(const lmloss_xform *f, const float *x,
   return r;
 }
 
+/* Both rows' maxes of w over a vector's columns (-inf: none) into vs
+ * and vt; with GENERAL, their flags (LMLOSS_PAIR_*) into flags. */
+template <bool GENERAL>
+__device__ __forceinline__ void vector_max(const DivArgs &a, const float *xs, const float *xt,
+                                           int left, float &vs, float &vt, int &flags) {
+  vs = vt = -INFINITY;
+  for_each(left, false, [&](int k, auto) {
+    if (GENERAL)
+      flags |= ((xs[k] != xs[k]) | (xs[k] == INFINITY) | (xt[k] != xt[k]) | (xt[k] == INFINITY)) *
+                   LMLOSS_PAIR_BAD |
+               (xs[k] > -INFINITY) * LMLOSS_PAIR_ANY_S | (xt[k] > -INFINITY) * LMLOSS_PAIR_ANY_T;
+    vs = fmaxf(vs, w_of<GENERAL>(&a.pr.fs, xs[k]));
+    vt = fmaxf(vt, w_of<GENERAL>(&a.pr.ft, xt[k]));
+  });
+}
+
+/* A vector's terms of R and D (math/divstate.h) against the exponents'
+ * maxes ms, mt and G, into the thread's sums b3 (Rs, Rt, D); R leaves out
+ * the columns as and at, which only a marked vector may hold. */
+template <bool GENERAL>
+__device__ __forceinline__ void
+vector_sums(const DivArgs &a, int mode, const float *xs, const float *xt, int64_t j, int left,
+            bool marked, float ms, float mt, float G, long long as, long long at, double (&b3)[3]) {
+  float v[3] = {0.0f, 0.0f, 0.0f};
+  for_each(left, marked, [&](int k, auto check) {
+    float es, et, d;
+    lmloss_div_stats_terms(&a.pr, mode, w_of<GENERAL>(&a.pr.fs, xs[k]),
+                           w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k], ms, mt, G, &es, &et, &d);
+    v[0] += check.on && j + k == as ? 0.0f : es;
+    v[1] += check.on && j + k == at ? 0.0f : et;
+    v[2] += d;
+  });
+  add_vector(b3, v, [](int) { return true; });
+}
+
 /* The max over the warp's lanes, in every lane. */
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
@@ -386,20 +428,12 @@ __device__ PairStats online_stats(const DivArgs &a, const void *rs, const void *
     load8(rs, a.sdt, j, V, xs);
     load8(rt, a.tdt, j, V, xt);
     const int left = (int)(V - j < DIV_NV ? V - j : DIV_NV); /* <= 0: none */
-    float vs = -INFINITY, vt = -INFINITY;
-    for_each(left, false, [&](int k, auto) {
-      if (GENERAL) {
-        const bool bad =
-            (xs[k] != xs[k]) | (xs[k] == INFINITY) | (xt[k] != xt[k]) | (xt[k] == INFINITY);
-        flags |= (bad ? LMLOSS_PAIR_BAD : 0) | (xs[k] > -INFINITY ? LMLOSS_PAIR_ANY_S : 0) |
-                 (xt[k] > -INFINITY ? LMLOSS_PAIR_ANY_T : 0);
-      }
-      vs = fmaxf(vs, w_of<GENERAL>(&a.pr.fs, xs[k])),
-      vt = fmaxf(vt, w_of<GENERAL>(&a.pr.ft, xt[k]));
-    });
-    const float Ws = warp_max(vs), Wt = warp_max(vt);
-    const bool rise = Ws > ms || Wt > mt;
+    float vs, vt;
+    vector_max<GENERAL>(a, xs, xt, left, vs, vt, flags);
+    /* one vote a step; the warp's maxes by shuffles only where one rises */
+    const bool rise = __any_sync(0xffffffffu, vs > ms || vt > mt);
     if (rise) {
+      const float Ws = warp_max(vs), Wt = warp_max(vt);
       const MaxAt os = top[0], ot = top[1];
       const MaxAt ns = Ws > ms ? warp_first<GENERAL>(&a.pr.fs, xs, xt, j, left, vs, Ws) : os;
       const MaxAt nt = Wt > mt ? warp_first<GENERAL>(&a.pr.ft, xt, xs, j, left, vt, Wt) : ot;
@@ -416,24 +450,13 @@ __device__ PairStats online_stats(const DivArgs &a, const void *rs, const void *
       ms = ns.m, mt = nt.m, as = ns.a, at = nt.a;
       es0 = ms > -INFINITY ? ms : 0.0f, et0 = mt > -INFINITY ? mt : 0.0f;
     }
-    float v[3] = {0.0f, 0.0f, 0.0f};
-    for_each(left, rise && (in_vector(as, j) || in_vector(at, j)), [&](int k, auto check) {
-      float es, et, d;
-      lmloss_div_stats_terms(&a.pr, mode, w_of<GENERAL>(&a.pr.fs, xs[k]),
-                             w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k], es0, et0, G, &es, &et,
-                             &d);
-      v[0] += check.on && j + k == as ? 0.0f : es;
-      v[1] += check.on && j + k == at ? 0.0f : et;
-      v[2] += d;
-    });
-    add_vector(b3, v, [](int) { return true; });
+    vector_sums<GENERAL>(a, mode, xs, xt, j, left, rise && (in_vector(as, j) || in_vector(at, j)),
+                         es0, et0, G, as, at, b3);
   }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1)
     b3[0] += shfl_down(b3[0], off), b3[1] += shfl_down(b3[1], off), b3[2] += shfl_down(b3[2], off);
-  flags = (__any_sync(0xffffffffu, flags & LMLOSS_PAIR_BAD) ? LMLOSS_PAIR_BAD : 0) |
-          (__any_sync(0xffffffffu, flags & LMLOSS_PAIR_ANY_S) ? LMLOSS_PAIR_ANY_S : 0) |
-          (__any_sync(0xffffffffu, flags & LMLOSS_PAIR_ANY_T) ? LMLOSS_PAIR_ANY_T : 0);
+  flags = warp_flags(flags);
   if (lane == 0) {
     PairStats &p = sh.part[w];
     p.st = stats_at(top[0], top[1]);
@@ -458,21 +481,19 @@ template <bool GENERAL>
 __device__ PairStats swept_stats(const DivArgs &a, const void *rs, const void *rt, int mode,
                                  DivShared &sh) {
   Extent e = {{-INFINITY, LLONG_MAX, 0.0f, 0.0f}, {-INFINITY, LLONG_MAX, 0.0f, 0.0f}, 0, 0, 0};
+  int flags = 0;
   for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
-    float vs = -INFINITY, vt = -INFINITY;
-    for_each(left, false, [&](int k, auto) {
-      if (GENERAL) {
-        e.bad |= (xs[k] != xs[k]) | (xs[k] == INFINITY) | (xt[k] != xt[k]) | (xt[k] == INFINITY);
-        e.any_s |= xs[k] > -INFINITY, e.any_t |= xt[k] > -INFINITY;
-      }
-      vs = fmaxf(vs, w_of<GENERAL>(&a.pr.fs, xs[k])),
-      vt = fmaxf(vt, w_of<GENERAL>(&a.pr.ft, xt[k]));
-    });
+    float vs, vt;
+    vector_max<GENERAL>(a, xs, xt, left, vs, vt, flags);
     /* a thread's max rises about ln n times in its n vectors: the argmax
      * is looked for then, in the registers, not read again after */
     if (vs > e.s.m) e.s = first_in<GENERAL>(&a.pr.fs, xs, xt, j, left, vs);
     if (vt > e.t.m) e.t = first_in<GENERAL>(&a.pr.ft, xt, xs, j, left, vt);
   });
+  /* Extent keeps three ints: one of flags there had ptxas spill in the
+   * loss sweeps that follow */
+  e.bad = flags & LMLOSS_PAIR_BAD, e.any_s = flags & LMLOSS_PAIR_ANY_S;
+  e.any_t = flags & LMLOSS_PAIR_ANY_T;
   e = cta_extent(e, sh);
   PairStats ps;
   ps.st = stats_at(e.s, e.t);
@@ -487,16 +508,8 @@ __device__ PairStats swept_stats(const DivArgs &a, const void *rs, const void *r
   const float G = lmloss_div_stats_G(&a.pr, &ps.st);
   double b3[3] = {0.0, 0.0, 0.0};
   for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
-    float v[3] = {0.0f, 0.0f, 0.0f};
-    for_each(left, in_vector(as, j) || in_vector(at, j), [&](int k, auto check) {
-      float es, et, d;
-      lmloss_div_stats_terms(&a.pr, mode, w_of<GENERAL>(&a.pr.fs, xs[k]),
-                             w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k], ms, mt, G, &es, &et, &d);
-      v[0] += check.on && j + k == as ? 0.0f : es;
-      v[1] += check.on && j + k == at ? 0.0f : et;
-      v[2] += d;
-    });
-    add_vector(b3, v, [](int) { return true; });
+    vector_sums<GENERAL>(a, mode, xs, xt, j, left, in_vector(as, j) || in_vector(at, j), ms, mt, G,
+                         as, at, b3);
   });
   const Sums<3> sums = cta_sums<3>(b3, sh);
   ps.st.rs = sums.v[0], ps.st.rt = sums.v[1], ps.st.d = sums.v[2];
