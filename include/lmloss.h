@@ -1207,6 +1207,53 @@ LMLOSS_API lmloss_status lmloss_preference_backward(
     const lmloss_tensor *dloss, const lmloss_tensor *dchosen, const lmloss_tensor *drejected,
     void *workspace, size_t workspace_bytes);
 
+/* The DPO family through the fused head, in one call that also forms the
+ * gradients (at upstream 1: lmloss_linear_scale_grads scales them).
+ * hidden [N, H] holds 2P sequences of T = N / (2P) tokens, the P chosen
+ * completions first and then the P rejected (TRL's concatenated batch);
+ * index [N, 1] their tokens; mask (optional BOOL [N]) the tokens that
+ * count (completion tokens). Each sequence's log-prob sum is formed from
+ * the head's logits, and the objective's gradient with respect to it is
+ * applied in the same call, a group of whole pairs at a time: the head
+ * runs three GEMMs, never holds N x V logits, and keeps at most one
+ * group's gradient rows (16-bit heads: in dweight's own bytes where it is
+ * 16-bit, and the workspace). The types that couple pairs (AOT,
+ * AOT_UNPAIRED, SFT) need every pair in one group. dbias is not formed. */
+typedef struct {
+  int64_t pairs;              /* P >= 1 */
+  lmloss_tensor ref_chosen;   /* optional F32 [P] (absent: 0) */
+  lmloss_tensor ref_rejected; /* optional F32 [P] */
+  lmloss_tensor weight;       /* optional F32 [P]: each pair's (WPO) */
+} lmloss_linear_pref_inputs;
+
+typedef struct {
+  lmloss_tensor loss;      /* required F32 [1] */
+  lmloss_tensor metrics;   /* optional F32 [LMLOSS_PREF_METRICS] */
+  lmloss_tensor pair_loss; /* optional F32 [P], as lmloss_pref_outputs */
+  lmloss_tensor chosen;    /* optional F32 [P]: the policy's log-prob sums */
+  lmloss_tensor rejected;  /* optional F32 [P] */
+  lmloss_tensor logp;      /* optional F32 [N, 1]: each token's (0 where masked) */
+} lmloss_linear_pref_outputs;
+
+/* Workspace bytes of lmloss_linear_preference for these shapes, options
+ * and gradients; 0 where no group of one pair (of all pairs, for a type
+ * that couples them) fits the budget. */
+LMLOSS_API lmloss_status lmloss_linear_preference_size(const lmloss_head *head,
+                                                       const lmloss_head_options *hopt,
+                                                       const lmloss_head_grads *grads,
+                                                       int64_t pairs,
+                                                       const lmloss_pref_options *opt,
+                                                       size_t *bytes);
+
+/* UNSUPPORTED where _size answers 0. Errors otherwise as
+ * lmloss_linear_log_probs' and lmloss_preference's. */
+LMLOSS_API lmloss_status lmloss_linear_preference(
+    const lmloss_context *ctx, const lmloss_head *head, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *transform, const lmloss_head_options *hopt,
+    const lmloss_linear_pref_inputs *in, const lmloss_pref_options *opt,
+    const lmloss_linear_pref_outputs *out, const lmloss_head_grads *grads, void *workspace,
+    size_t workspace_bytes);
+
 /* KTOTrainer's losses over N unpaired completions, from the policy's
  * sequence log-prob sums and the reference's (absent: 0), lr = logp -
  * ref: desirable ones (label 1) desirable_weight (1 - sigmoid(beta (lr -

@@ -163,6 +163,16 @@ class PrefOutputs(ctypes.Structure):
                 ("drejected", Tensor), ("pair_loss", Tensor)]
 
 
+class LinearPrefInputs(ctypes.Structure):
+    _fields_ = [("pairs", _c_int64), ("ref_chosen", Tensor), ("ref_rejected", Tensor),
+                ("weight", Tensor)]
+
+
+class LinearPrefOutputs(ctypes.Structure):
+    _fields_ = [("loss", Tensor), ("metrics", Tensor), ("pair_loss", Tensor), ("chosen", Tensor),
+                ("rejected", Tensor), ("logp", Tensor)]
+
+
 class KTOOptions(ctypes.Structure):
     _fields_ = [("loss_type", ctypes.c_int), ("beta", ctypes.c_double),
                 ("desirable_weight", ctypes.c_double), ("undesirable_weight", ctypes.c_double)]
@@ -208,7 +218,8 @@ STRUCTS = {"lmloss_tensor": Tensor, "lmloss_context": Context, "lmloss_transform
            "lmloss_grpo_outputs": GRPOOutputs, "lmloss_pref_options": PrefOptions,
            "lmloss_pref_inputs": PrefInputs, "lmloss_pref_outputs": PrefOutputs,
            "lmloss_kto_options": KTOOptions, "lmloss_kto_inputs": KTOInputs,
-           "lmloss_kto_outputs": KTOOutputs}
+           "lmloss_kto_outputs": KTOOutputs, "lmloss_linear_pref_inputs": LinearPrefInputs,
+           "lmloss_linear_pref_outputs": LinearPrefOutputs}
 
 _P = ctypes.POINTER
 _status = ctypes.c_int
@@ -288,6 +299,13 @@ linear_log_probs_backward_kept = _proto("lmloss_linear_log_probs_backward_kept",
                                         _P(Context), _P(Head), _P(Tensor), _P(Tensor),
                                         _P(Transform), _P(HeadOptions), _P(Tensor),
                                         _P(HeadGrads), ctypes.c_void_p, ctypes.c_size_t)
+linear_preference_size = _proto("lmloss_linear_preference_size", _status, _P(Head),
+                                _P(HeadOptions), _P(HeadGrads), _c_int64, _P(PrefOptions),
+                                _P(ctypes.c_size_t))
+linear_preference = _proto("lmloss_linear_preference", _status, _P(Context), _P(Head), _P(Tensor),
+                           _P(Tensor), _P(Transform), _P(HeadOptions), _P(LinearPrefInputs),
+                           _P(PrefOptions), _P(LinearPrefOutputs), _P(HeadGrads),
+                           ctypes.c_void_p, ctypes.c_size_t)
 linear_divergence_workspace_size = _proto("lmloss_linear_divergence_workspace_size", _status,
                                           _P(Head), _P(Head), _P(HeadOptions),
                                           _P(ctypes.c_size_t))

@@ -82,6 +82,36 @@ extern const linear_job_table lmloss_ce_state_job; /* a shard's states (no gradi
 extern const linear_job_table lmloss_lp_forward_job, lmloss_lp_backward_job;
 extern const linear_job_table lmloss_lp_keep_forward_job, lmloss_lp_keep_backward_job;
 
+/* What the row op keeps (S entries a row: the labels' columns and the
+ * argmax) for compact rows first.. (16-bit heads, NULL otherwise): coef,
+ * from which the vocab tiles recompute the gradient, and the exact
+ * entries. The tiles put those back (a recomputed logit one ulp off the
+ * max would move dk_a off its exact 0, an error of the whole entropy
+ * gradient there), the dhidden GEMMs add what rounding dlogits took from
+ * them, and dbias sums them in place of their rounded values. */
+lmloss_grad_keep *lmloss_linear_keep_at(const linear_plan *p, char *ws, int64_t first,
+                                        lmloss_grad_keep *k);
+
+/* dhidden of a store's n rows, compact rows first.. (their own list: dl,
+ * their rounded gradient rows; hg, their hidden rows): through fp32 in
+ * blocks of the chunk region, the exact entries put back, each row scaled
+ * by its s (optional [n, 1]), rounded into hg once dW has read it, and
+ * scattered into j's dhidden. */
+lmloss_status lmloss_linear_store_dhidden(const linear_job *j, const lmloss_linear_prims *L,
+                                          const linear_plan *p, char *w, const int64_t *list,
+                                          int64_t first, const lmloss_tensor *dl,
+                                          const lmloss_tensor *hg, const lmloss_tensor *s);
+
+/* A call's dweight and dbias share no byte with what it reads or with
+ * each other: dweight may hold the store (dw_store_rows) while the inputs
+ * are read. Not asked of a size or plan query, whose tensors point at no
+ * data. */
+lmloss_status lmloss_linear_grads_apart(const lmloss_head *head, const lmloss_head_grads *g);
+
+/* dweight's first LMLOSS_WS_ALIGN-aligned byte, where a store in its bytes
+ * starts (a caller's dweight need not start at an aligned one). */
+char *lmloss_linear_dw_base(const lmloss_tensor *dweight);
+
 /* Runs a checked job in the workspace ws (linear_loop.c). */
 lmloss_status lmloss_linear_run(const linear_job *j, void *ws, size_t ws_bytes);
 

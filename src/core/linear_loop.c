@@ -36,11 +36,7 @@
 
 #include "linear_job.h"
 
-/* A call's dweight and dbias share no byte with what it reads or with
- * each other: dweight may hold the store (dw_store_rows) while the inputs
- * are read. Not asked of a size or plan query, whose tensors point at no
- * data. */
-static lmloss_status grads_apart(const lmloss_head *head, const lmloss_head_grads *g) {
+lmloss_status lmloss_linear_grads_apart(const lmloss_head *head, const lmloss_head_grads *g) {
   if (!g) return LMLOSS_OK;
   const lmloss_tensor *read[] = {&head->hidden, &head->weight, &head->bias, &g->dhidden};
   const char *read_name[] = {"hidden", "weight", "bias", "dhidden"};
@@ -51,23 +47,8 @@ static lmloss_status grads_apart(const lmloss_head *head, const lmloss_head_grad
   return lmloss_check_disjoint(&g->dweight, "dweight", &g->dbias, "dbias");
 }
 
-/* Rows first..first+n of t. */
-static lmloss_tensor rows_of(const lmloss_tensor *t, int64_t first, int64_t n) {
-  lmloss_tensor v = *t;
-  v.data = (char *)t->data + (size_t)(first * t->row_stride) * lmloss_dtype_size(t->dtype);
-  v.rows = n;
-  return v;
-}
-
-/* What the row op keeps (S entries a row: the labels' columns and the
- * argmax) for compact rows first.. (16-bit heads, NULL
- * otherwise): coef, from which the vocab tiles recompute the gradient,
- * and the exact entries. The tiles put those back (a recomputed logit one
- * ulp off the max would move dk_a off its exact 0, an error of the whole
- * entropy gradient there), chunk_dhidden adds what rounding dlogits took
- * from them, and dbias sums them in place of their rounded values. */
-static lmloss_grad_keep *keep_at(const linear_plan *p, char *ws, int64_t first,
-                                 lmloss_grad_keep *k) {
+lmloss_grad_keep *lmloss_linear_keep_at(const linear_plan *p, char *ws, int64_t first,
+                                        lmloss_grad_keep *k) {
   if (!p->dl_separate) return NULL;
   k->coef = (lmloss_grad_coef *)(ws + p->coef) + first;
   k->cols = (int64_t *)(ws + p->cols) + first * p->S;
@@ -117,43 +98,42 @@ static int64_t chunk_at(const linear_plan *p, int64_t V, int64_t M, int64_t firs
   return wide;
 }
 
-/* Where the store's offsets count from: the workspace, or dweight's first
- * aligned byte (a caller's dweight need not start at an aligned one). */
-static char *store_base(const linear_job *j, const linear_plan *p, char *w) {
-  if (!p->store_in_dw) return w;
-  char *d = (char *)j->grads->dweight.data;
+char *lmloss_linear_dw_base(const lmloss_tensor *dweight) {
+  char *d = (char *)dweight->data;
   return d + (LMLOSS_WS_ALIGN - (uintptr_t)d % LMLOSS_WS_ALIGN) % LMLOSS_WS_ALIGN;
 }
 
-/* dhidden of a store's n compact rows from first on (dl, their rounded
- * gradient rows; hg, their hidden rows): through fp32 in blocks of the
- * chunk region, the exact entries put back, each row scaled by its s
- * (optional [n, 1]), rounded into hg once dW has read it, and scattered. */
-static lmloss_status store_dhidden(const linear_job *j, const lmloss_linear_prims *L,
-                                   const linear_plan *p, char *w, const int64_t *list,
-                                   int64_t first, const lmloss_tensor *dl, const lmloss_tensor *hg,
-                                   const lmloss_tensor *s) {
+/* Where the store's offsets count from: the workspace, or dweight's. */
+static char *store_base(const linear_job *j, const linear_plan *p, char *w) {
+  return p->store_in_dw ? lmloss_linear_dw_base(&j->grads->dweight) : w;
+}
+
+lmloss_status lmloss_linear_store_dhidden(const linear_job *j, const lmloss_linear_prims *L,
+                                          const linear_plan *p, char *w, const int64_t *list,
+                                          int64_t first, const lmloss_tensor *dl,
+                                          const lmloss_tensor *hg, const lmloss_tensor *s) {
   const lmloss_head *h = j->head;
   const int64_t n = dl->rows, H = h->hidden.cols;
   const int64_t B = (int64_t)((p->total - p->region) / ((size_t)H * 4));
   for (int64_t b0 = 0; b0 < n; b0 += B) {
     const int64_t bn = n - b0 < B ? n - b0 : B;
     const lmloss_tensor acc = lmloss_ws_view(w + p->region, LMLOSS_F32, h->hidden.device, bn, H);
-    const lmloss_tensor dlb = rows_of(dl, b0, bn), hb = rows_of(hg, b0, bn);
+    const lmloss_tensor dlb = lmloss_rows_of(dl, b0, bn), hb = lmloss_rows_of(hg, b0, bn);
     lmloss_grad_keep kept;
     TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dlb, &h->weight, 0.0f, &acc));
-    TRY(L->restore_entries(j->ctx, keep_at(p, w, first + b0, &kept), &h->weight, &acc));
+    const lmloss_grad_keep *keep = lmloss_linear_keep_at(p, w, first + b0, &kept);
+    if (keep) TRY(L->restore_entries(j->ctx, keep, &h->weight, &acc));
     if (s) {
-      const lmloss_tensor sb = rows_of(s, b0, bn);
+      const lmloss_tensor sb = lmloss_rows_of(s, b0, bn);
       TRY(L->scale_rows(j->ctx, &acc, &sb));
     }
     TRY(L->cast(j->ctx, &acc, &hb));
   }
-  return L->scatter_rows(j->ctx, hg, list + first, &j->grads->dhidden);
+  return L->scatter_rows(j->ctx, hg, list, &j->grads->dhidden);
 }
 
 /* dhidden and dW of a store's group: its n compact rows from first on,
- * whose dlogits and hidden rows the store holds (dhidden: store_dhidden).
+ * whose dlogits and hidden rows the store holds (dhidden: lmloss_linear_store_dhidden).
  * beta: 0 for the first group, unless dW is added to the caller's. */
 static lmloss_status group_grads(const linear_job *j, const lmloss_linear_prims *L,
                                  const linear_plan *p, char *w, const int64_t *list, int64_t first,
@@ -171,7 +151,7 @@ static lmloss_status group_grads(const linear_job *j, const lmloss_linear_prims 
     TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hg, beta, &dw));
   }
   if (!wants(&g->dhidden)) return LMLOSS_OK;
-  return store_dhidden(j, L, p, w, list, first, &dl, &hg, NULL);
+  return lmloss_linear_store_dhidden(j, L, p, w, list + first, first, &dl, &hg, NULL);
 }
 
 /* The kept log-probs backward (lmloss_linear_log_probs_keep): the store
@@ -193,7 +173,7 @@ static lmloss_status kept_grads(const linear_job *j, const lmloss_linear_prims *
     TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hg, g->accumulate ? 1.0f : 0.0f, &g->dweight));
   }
   if (!wants(&g->dhidden)) return LMLOSS_OK;
-  return store_dhidden(j, L, p, w, list, 0, &dl, &hg, &s);
+  return lmloss_linear_store_dhidden(j, L, p, w, list, 0, &dl, &hg, &s);
 }
 
 /* The log-probs backward from saved statistics (see the file comment):
@@ -284,31 +264,33 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
   const int64_t nb = (M + t.rows - 1) / t.rows;
   for (int64_t j0 = 0; j0 < V; j0 += t.cols) {
     const int64_t tc = V - j0 < t.cols ? V - j0 : t.cols;
-    const lmloss_tensor wt = rows_of(&h->weight, j0, tc), dwt = rows_of(&j->grads->dweight, j0, tc);
+    const lmloss_tensor wt = lmloss_rows_of(&h->weight, j0, tc),
+                        dwt = lmloss_rows_of(&j->grads->dweight, j0, tc);
     const lmloss_tensor acc = t.acc_f32 ? lmloss_ws_view(w + t.acc, LMLOSS_F32, dev, tc, H) : dwt;
     for (int64_t b = 0; b < nb; b++) {
       const int64_t first = b * t.rows, n = M - first < t.rows ? M - first : t.rows;
       lmloss_tensor hb = t.gathered ? lmloss_ws_view(w + t.hid, h->hidden.dtype, dev, n, H)
-                                    : rows_of(&h->hidden, first, n);
+                                    : lmloss_rows_of(&h->hidden, first, n);
       lmloss_tensor slab = lmloss_ws_view(w + t.slab, LMLOSS_F32, dev, n, tc);
       slab.row_stride = t.cols; /* the last, narrower tile keeps the rows' alignment */
       if (t.gathered && (nb > 1 || j0 == 0))
         TRY(L->gather_rows(j->ctx, &h->hidden, list + first, &hb));
-      const lmloss_tensor bt = wants(bias) ? rows_of(bias, j0, tc) : (lmloss_tensor){0};
+      const lmloss_tensor bt = wants(bias) ? lmloss_rows_of(bias, j0, tc) : (lmloss_tensor){0};
       TRY(L->logits(j->ctx, &hb, &wt, &bt, &slab));
       lmloss_tensor dl =
           lmloss_ws_view(w + t.dl, h->weight.dtype, dev, n, tc);         /* a 16-bit head's */
       dl.row_stride = t.inplace ? t.cols * 4 / (int64_t)p->dls : t.cols; /* the slab's rows */
-      lmloss_grad_keep kept, *keep = keep_at(p, w, first, &kept);
+      lmloss_grad_keep kept, *keep = lmloss_linear_keep_at(p, w, first, &kept);
       if (saved) {
-        lmloss_tensor st = rows_of(&saved->stats, first, n), ix, dlp, dent;
+        lmloss_tensor st = lmloss_rows_of(&saved->stats, first, n), ix, dlp, dent;
         if (j->labels)
-          ix = rows_of(&saved->index, first, n), dlp = rows_of(&saved->dlogp, first, n);
-        if (j->dentropy) dent = rows_of(&saved->dent, first, n);
+          ix = lmloss_rows_of(&saved->index, first, n),
+          dlp = lmloss_rows_of(&saved->dlogp, first, n);
+        if (j->dentropy) dent = lmloss_rows_of(&saved->dent, first, n);
         TRY(L->lp_tile_grad(j->ctx, &slab, j0, V, j->tr, j->labels ? &ix : NULL,
                             j->labels ? &dlp : NULL, j->dentropy ? &dent : NULL, &st, keep, &dl));
         if (wants(&saved->acc)) {
-          const lmloss_tensor ah = rows_of(&saved->acc, first, n);
+          const lmloss_tensor ah = lmloss_rows_of(&saved->acc, first, n);
           TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dl, &wt, j0 == 0 ? 0.0f : 1.0f, &ah));
         }
       } else {
@@ -324,7 +306,7 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
    * entries, rounded to hidden's dtype; scattered through the gathered
    * hidden rows' buffer (the tiles took all M rows in one block) */
   lmloss_grad_keep kept;
-  TRY(L->restore_entries(j->ctx, keep_at(p, w, 0, &kept), &h->weight, &saved->acc));
+  TRY(L->restore_entries(j->ctx, lmloss_linear_keep_at(p, w, 0, &kept), &h->weight, &saved->acc));
   if (!t.gathered) return L->cast(j->ctx, &saved->acc, &j->grads->dhidden);
   lmloss_tensor dh = lmloss_ws_view(w + t.hid, h->hidden.dtype, dev, M, H);
   TRY(L->cast(j->ctx, &saved->acc, &dh));
@@ -356,7 +338,7 @@ lmloss_status lmloss_linear_run(const linear_job *j, void *ws, size_t ws_bytes) 
     TRY(lmloss_linear_make_plan(h, j->hopt, j->plan_grads ? j->plan_grads : j->grads,
                                 j->labels ? j->labels->cols : 0, &p));
   }
-  TRY(grads_apart(h, j->grads));
+  TRY(lmloss_linear_grads_apart(h, j->grads));
   if (!ws) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
   if (ws_bytes < p.total)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",
@@ -405,7 +387,8 @@ lmloss_status lmloss_linear_run(const linear_job *j, void *ws, size_t ws_bytes) 
     if (!(j->logits_ready && nchunks == 1)) TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
     char *dlo = store ? sb + p.store + (size_t)(in_group * V) * p.dls : w + p.dl;
     lmloss_tensor dl = p.dl_separate ? lmloss_ws_view(dlo, h->weight.dtype, dev, n, V) : slab;
-    lmloss_grad_keep kept_at, *keep = row_grad ? keep_at(&p, w, first, &kept_at) : NULL;
+    lmloss_grad_keep kept_at,
+        *keep = row_grad ? lmloss_linear_keep_at(&p, w, first, &kept_at) : NULL;
     const linear_chunk ch = {lc, c, n, &slab, row_grad ? &dl : NULL, keep, scale};
     TRY(jt->rows(j, ops, &p, w, &ch));
     if (!want_grad) continue;

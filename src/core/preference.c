@@ -21,7 +21,7 @@ size_t lmloss_preference_workspace_size(int64_t pairs) {
   return LMLOSS_PREF_WS_HEADER + (size_t)(pairs > 0 ? pairs : 0) * 8 * sizeof(double);
 }
 
-static lmloss_status check_options(const lmloss_pref_options *o) {
+lmloss_status lmloss_check_pref_options(const lmloss_pref_options *o) {
   for (int k = 0; k < LMLOSS_PREF_TYPES; k++)
     if (!isfinite(o->loss_weights[k]))
       return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "loss_weights[%d] is not finite", k);
@@ -60,7 +60,7 @@ static lmloss_status check_inputs(const lmloss_context *ctx, const lmloss_pref_i
   TRY(lmloss_check_optional(&in->chosen_tokens, "chosen_tokens", f32, P, 1));
   TRY(lmloss_check_optional(&in->rejected_tokens, "rejected_tokens", f32, P, 1));
   TRY(lmloss_check_optional(&in->weight, "weight", f32, P, 1));
-  TRY(check_options(opt));
+  TRY(lmloss_check_pref_options(opt));
   const double *w = opt->loss_weights;
   if ((w[LMLOSS_PREF_IPO] != 0.0 || w[LMLOSS_PREF_SIGMOID_NORM] != 0.0) &&
       !(lmloss_present(&in->chosen_tokens) && lmloss_present(&in->rejected_tokens)))

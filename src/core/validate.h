@@ -93,6 +93,9 @@ lmloss_status lmloss_check_shard(const lmloss_shard *sh, int64_t N, int64_t cols
 lmloss_status lmloss_check_div_options(const lmloss_div_options *o);
 lmloss_div_options lmloss_div_resolve(const lmloss_div_options *opt);
 
+/* The DPO family's options (preference.c). */
+lmloss_status lmloss_check_pref_options(const lmloss_pref_options *o);
+
 /* A fused head's tensors and options, and the gradients of one (each
  * optional; F32 or the weight's dtype for dweight and dbias). */
 lmloss_status lmloss_check_head(const lmloss_head *head, const lmloss_head_options *hopt);

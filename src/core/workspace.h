@@ -21,6 +21,14 @@ static inline lmloss_tensor lmloss_ws_view(void *data, lmloss_dtype dt, lmloss_d
   return t;
 }
 
+/* Rows first..first+n of t. */
+static inline lmloss_tensor lmloss_rows_of(const lmloss_tensor *t, int64_t first, int64_t n) {
+  lmloss_tensor v = *t;
+  v.data = (char *)t->data + (size_t)(first * t->row_stride) * lmloss_dtype_size(t->dtype);
+  v.rows = n;
+  return v;
+}
+
 /* Rows of a chunk: what the budget holds beyond `fixed` bytes at
  * `per_row` bytes a row, at most N (at least 1 for N = 0), and whole
  * GEMM tiles of 128 above that; 0 when not one row fits. */

@@ -151,8 +151,20 @@ static lmloss_status scale(const lmloss_context *ctx, const lmloss_tensor *t, co
   return LMLOSS_OK;
 }
 
+static lmloss_status scale_rows(const lmloss_context *ctx, const lmloss_tensor *t,
+                                const lmloss_tensor *s) {
+#pragma omp parallel for num_threads(lmloss_cpu_threads(ctx))
+  for (int64_t r = 0; r < t->rows; r++) {
+    void *row = lmloss_cpu_row_mut(t, r);
+    const float a = *lmloss_cpu_f32_at(s, r);
+    for (int64_t j = 0; j < t->cols; j++)
+      lmloss_store(row, t->dtype, j, lmloss_load(row, t->dtype, j) * a);
+  }
+  return LMLOSS_OK;
+}
+
 /* restore_entries, tile_grad and lp_tile_grad: 16-bit heads only. */
 const lmloss_linear_prims lmloss_cpu_linear = {
     gemm, select_rows, gather_rows, scatter_rows, fill, logits, colsum,
-    sum,  cast,        scale,       NULL,         NULL, NULL,   NULL,
+    sum,  cast,        scale,       NULL,         NULL, NULL,   scale_rows,
 };

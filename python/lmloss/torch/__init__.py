@@ -31,7 +31,9 @@ differentiable w.r.t. them and the entropies, with every GRPOConfig option;
 grpo_loss_on_logits the same from the logits, in one pass on CUDA where
 the options allow;
 dpo_loss and kto_loss (_preference.py) DPOTrainer's and KTOTrainer's on
-sequence log-prob sums.
+sequence log-prob sums; linear_dpo_loss (_linear_preference.py) DPOTrainer's
+from the hidden states through the fused head, a group of whole pairs at a
+time (three GEMMs).
 
 The ops are registered with torch.library (namespace ``lmloss``: see
 _ops.py, _linear_ops.py and _div_ops.py) with fake impls from symbolic
@@ -49,6 +51,7 @@ from ._functional import (cross_entropy, entropy, entropy_from_logits, linear_cr
                           linear_log_probs, linear_plan, log_probs, log_softmax,
                           selective_log_softmax, softmax)
 from ._linear_divergence import linear_generalized_jsd, linear_kl_div, linear_tvd
+from ._linear_preference import linear_dpo_loss
 from ._modules import (CrossEntropyLoss, LinearCrossEntropyLoss, LinearGeneralizedJSD,
                        LinearLogProbs)
 
@@ -56,5 +59,6 @@ __all__ = ["CrossEntropyLoss", "LinearCrossEntropyLoss", "LinearGeneralizedJSD",
            "cross_entropy", "dpo_loss", "entropy", "entropy_from_logits", "generalized_jsd",
            "grpo_loss", "grpo_loss_on_logits", "kto_loss",
            "kl_div",
-           "linear_cross_entropy", "linear_generalized_jsd", "linear_kl_div", "linear_log_probs",
+           "linear_cross_entropy", "linear_dpo_loss", "linear_generalized_jsd", "linear_kl_div",
+           "linear_log_probs",
            "linear_plan", "linear_tvd", "log_probs", "log_softmax", "selective_log_softmax", "softmax", "tvd"]
