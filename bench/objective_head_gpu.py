@@ -20,6 +20,8 @@ them), without a gradient.
 DPO (--case dpo): 4 pairs of 2048-token chosen and rejected completions
 (N = 16384), the sigmoid loss on sequence log-prob sums against
 precomputed reference sums.
+  lmloss pairs  lmloss.torch.linear_dpo_loss: the fused DPO head, a group
+                of whole pairs at a time (default budget)
   lmloss        linear_log_probs then lmloss.torch.dpo_loss (default
                 budget; and with a budget that holds the store of all rows)
   torch         the logits materialized, log-softmax at the tokens
@@ -135,8 +137,12 @@ def dpo_impls(b, t, gen):
         c, r = sums(torch_logps(h, w, y))
         return -F.logsigmoid(0.1 * ((c - rc) - (r - rr))).mean()
 
+    def lmloss_pairs(h, w, y, rc, rr):
+        return lt.linear_dpo_loss(h.reshape(2 * b, t, -1), w, y, None, rc, rr)
+
     store = 2 * 2 * b * t * (V + H) + (1 << 30)  # the store of all rows and room beside it
-    out = {"lmloss": lmloss_dpo(None), "lmloss kept": lmloss_dpo(store), "torch": torch_dpo}
+    out = {"lmloss pairs": lmloss_pairs, "lmloss": lmloss_dpo(None),
+           "lmloss kept": lmloss_dpo(store), "torch": torch_dpo}
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
         ld = LigerFusedLinearDPOLoss(use_ref_model=False)
