@@ -460,6 +460,12 @@ lmloss_status lmloss_linear_preference(const lmloss_context *ctx, const lmloss_h
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",
                        ws_bytes, c.q.lp.total);
   c.w = ws;
+  if (c.q.in_dw > 0) { /* the plan assumed dweight's worst alignment; its own may hold a row more */
+    const lmloss_tensor *dw = &c.grads->dweight;
+    const size_t skip = (size_t)(lmloss_linear_dw_base(dw) - (char *)dw->data);
+    const size_t bytes = (size_t)dw->rows * dw->cols * lmloss_dtype_size(dw->dtype) - skip;
+    c.q.in_dw = (int64_t)(bytes / ((size_t)head->weight.rows * c.q.lp.dls));
+  }
   const lmloss_linear_prims *L = c.ops->linear;
   const lmloss_device dev = head->hidden.device;
   const int64_t N = head->hidden.rows, V = head->weight.rows;
