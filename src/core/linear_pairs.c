@@ -44,7 +44,7 @@ static size_t pair_layout(const lmloss_head *head, int64_t P, int64_t k, int64_t
   q->per_group = k, q->cap = 2 * T * k;
   const int64_t cap = q->cap, in_dw = q->in_dw < cap ? q->in_dw : cap;
   size_t off = 0;
-  p->list = off, off += lmloss_ws_up((size_t)(N + T + 2) * 8); /* + T + 2: select_rows' */
+  p->list = off, off += lmloss_ws_up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
   if (p->dl_separate) {
     p->coef = off, off += lmloss_ws_up((size_t)cap * sizeof(lmloss_grad_coef));
     p->cols = off, off += lmloss_ws_up((size_t)cap * p->S * 8);
@@ -113,7 +113,7 @@ static void pair_make_plan(const lmloss_head *head, const lmloss_head_options *h
   if (c > 128) c -= c % 128;
   while (c > min_c && pair_layout(head, P, k, c, q) > E)
     c -= c > 128 ? 128 : 1;
-  pair_layout(head, P, k < P ? k : P, c > min_c ? c : min_c, q);
+  pair_layout(head, P, k, c > min_c ? c : min_c, q);
 }
 
 /* A call: its arguments, backend, plan and workspace. */
@@ -180,32 +180,50 @@ static lmloss_tensor store_rows(const pair_call *c, int64_t first, int64_t n) {
   return lmloss_ws_view(at, c->head->weight.dtype, c->head->hidden.device, n, V);
 }
 
-/* A sequence's rows in the store: first..first+n, its list there too. */
+/* A sequence's rows in the store: first..first+n. */
 typedef struct {
   int64_t seq, first, n;
 } seq_rows;
 
-/* The group's sequences (the chosen of pairs g0..g1, then the rejected)
- * through the row op, chunk by chunk, their rows into the store from row
- * 0 on (without gradients, each chunk in place): where each one's rows
- * went into segs, their count into *rows. */
-static lmloss_status group_rows(const pair_call *c, int64_t g0, int64_t g1, seq_rows *segs,
-                                int64_t *rows) {
+/* Sequence s's list: its selected rows (compact, from its first row),
+ * from entry s T of the call's list. */
+static const int64_t *seq_list(const pair_call *c, int64_t s) {
+  return (const int64_t *)(c->w + c->q.lp.list) + s * c->q.T;
+}
+
+/* Each sequence's rows that count, selected once for the call (their
+ * count to the host: the call's only synchronizations, before any GEMM),
+ * into count[s] and, as a float, its token count. */
+static lmloss_status select_sequences(const pair_call *c, int64_t *count) {
+  const lmloss_linear_prims *L = c->ops->linear;
+  for (int64_t s = 0; s < 2 * c->in->pairs; s++) {
+    seq_view v;
+    seq_view_make(c, s, &v);
+    double wsum;
+    TRY(L->select_rows(c->ctx, &v.mask, 0, NULL, (int64_t *)seq_list(c, s), &count[s], &wsum));
+    const lmloss_tensor tok = f32_at(c, c->q.tokens, s, 1);
+    TRY(L->fill(c->ctx, &tok, (double)count[s]));
+  }
+  return LMLOSS_OK;
+}
+
+/* The group's sequences (the chosen of pairs g0..g1, then the rejected;
+ * count[s] rows each) through the row op, chunk by chunk, their rows into
+ * the store from row 0 on (without gradients, each chunk in place): where
+ * each one's rows went into segs, their count into *rows. */
+static lmloss_status group_rows(const pair_call *c, int64_t g0, int64_t g1, const int64_t *count,
+                                seq_rows *segs, int64_t *rows) {
   const lmloss_linear_prims *L = c->ops->linear;
   const pair_plan *q = &c->q;
   const lmloss_device dev = c->head->hidden.device;
   const int64_t H = c->head->hidden.cols, V = c->head->weight.rows, P = c->in->pairs;
-  int64_t pos = 0, k = 0;
+  int64_t pos = 0, k = 0, n;
   for (int side = 0; side < 2; side++) {
     for (int64_t i = g0; i < g1; i++, k++) {
+      const int64_t s = side * P + i, m = count[s], *list = seq_list(c, s);
       seq_view v;
-      seq_view_make(c, side * P + i, &v);
-      int64_t *list = (int64_t *)(c->w + q->lp.list) + pos, m, n;
-      double wsum;
-      TRY(L->select_rows(c->ctx, &v.mask, 0, NULL, list, &m, &wsum));
-      const lmloss_tensor tok = f32_at(c, q->tokens, side * P + i, 1);
-      TRY(L->fill(c->ctx, &tok, (double)m));
-      segs[k] = (seq_rows){side * P + i, pos, m};
+      seq_view_make(c, s, &v);
+      segs[k] = (seq_rows){s, pos, m};
       for (int64_t first = 0; first < m; first += n, pos += n) {
         n = m - first < q->lp.rows ? m - first : q->lp.rows;
         if (q->grad && pos < q->in_dw && pos + n > q->in_dw) n = q->in_dw - pos;
@@ -292,16 +310,16 @@ static lmloss_status group_grads(const pair_call *c, int64_t g0, int64_t g1, con
     }
   }
   if (!wants(&g->dhidden)) return LMLOSS_OK;
-  const int64_t *list = (const int64_t *)(c->w + q->lp.list);
-  for (int64_t k = 0; k < nseq;
-       k++) { /* each sequence's rows, split where the store's parts meet */
+  for (int64_t k = 0; k < nseq; k++) { /* each sequence, split where the store's parts meet */
     seq_view v;
     seq_view_make(c, segs[k].seq, &v);
+    const int64_t *list = seq_list(c, segs[k].seq);
     for (int64_t a = segs[k].first, end = a + segs[k].n, b; a < end; a = b) {
       b = a < A && end > A ? A : end;
       const lmloss_tensor dl = store_rows(c, a, b - a), hk = lmloss_rows_of(&hg, a, b - a);
       const lmloss_tensor sk = lmloss_rows_of(&s, a, b - a);
-      TRY(lmloss_linear_store_dhidden(&v.job, L, &q->lp, c->w, list + a, a, &dl, &hk, &sk));
+      TRY(lmloss_linear_store_dhidden(&v.job, L, &q->lp, c->w, list + (a - segs[k].first), a, &dl,
+                                      &hk, &sk));
     }
   }
   return LMLOSS_OK;
@@ -333,15 +351,17 @@ static lmloss_status pairs_finish(const pair_call *c, const lmloss_linear_pref_o
   return wants(&out->logp) ? L->cast(c->ctx, &c->logp, &out->logp) : LMLOSS_OK;
 }
 
-/* The groups, then the finish. */
-static lmloss_status run_groups(const pair_call *c, seq_rows *segs,
+/* The sequences' selection, the groups, then the finish; count (2P) and
+ * segs (two a pair of a group): host memory. */
+static lmloss_status run_groups(const pair_call *c, int64_t *count, seq_rows *segs,
                                 const lmloss_linear_pref_outputs *out) {
   const int64_t P = c->in->pairs;
   int any_rows = 0;
+  TRY(select_sequences(c, count));
   for (int64_t g0 = 0; g0 < P; g0 += c->q.per_group) {
     const int64_t g1 = g0 + c->q.per_group < P ? g0 + c->q.per_group : P;
     int64_t rows;
-    TRY(group_rows(c, g0, g1, segs, &rows));
+    TRY(group_rows(c, g0, g1, count, segs, &rows));
     const float beta = !any_rows && !(c->grads && c->grads->accumulate) ? 0.0f : 1.0f;
     TRY(group_grads(c, g0, g1, segs, rows, beta));
     any_rows |= rows > 0;
@@ -468,7 +488,7 @@ lmloss_status lmloss_linear_preference(const lmloss_context *ctx, const lmloss_h
   }
   const lmloss_linear_prims *L = c.ops->linear;
   const lmloss_device dev = head->hidden.device;
-  const int64_t N = head->hidden.rows, V = head->weight.rows;
+  const int64_t N = head->hidden.rows, V = head->weight.rows, P = in->pairs;
   c.logp = lmloss_ws_view(c.w + c.q.logp, LMLOSS_F32, dev, N, 1);
   TRY(L->fill(ctx, &c.logp, 0.0));
   c.bias = head->bias; /* the logits GEMMs take an F32 bias */
@@ -481,10 +501,13 @@ lmloss_status lmloss_linear_preference(const lmloss_context *ctx, const lmloss_h
     const lmloss_tensor ones = f32_at(&c, c.q.ones, 0, c.q.cap > c.q.T ? c.q.cap : c.q.T);
     TRY(L->fill(ctx, &ones, 1.0));
   }
-  /* where each sequence's rows lie in a group's store (host memory) */
+  int64_t *count = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)P);
   seq_rows *segs = (seq_rows *)malloc(sizeof(seq_rows) * 2 * (size_t)c.q.per_group);
-  if (!segs) return lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "the pair head: no host memory");
-  const lmloss_status s = run_groups(&c, segs, out);
-  free(segs);
+  lmloss_status s = LMLOSS_OK;
+  if (!count || !segs)
+    s = lmloss_fail(LMLOSS_ERR_OUT_OF_MEMORY, "the pair head: no host memory");
+  else
+    s = run_groups(&c, count, segs, out);
+  free(count), free(segs);
   return s;
 }
