@@ -17,7 +17,9 @@ instead of logits and never materializes the [N, V] logits; linear_plan
 says its schedule and memory for given shapes. divergence
 takes a student's and a teacher's logits [..., V] (KL either way, TRL's
 generalized JSD, TVD) and differentiates the student; linear_divergence
-the same through two fused heads.
+the same through two fused heads. linear_dpo_loss is DPOTrainer's loss
+from the hidden states of chosen and rejected completions, fused with the
+head.
 """
 
 __version__ = "0.1.0"
@@ -28,9 +30,9 @@ from ._divergence import DivergenceResult, divergence
 from ._grpo import GRPOResult, grpo_loss
 from ._lib import Error
 from ._lib import path as library_path
-from ._linear import (LinearCrossEntropyResult, LinearDivergenceResult, LinearPlan,
-                      linear_cross_entropy, linear_divergence, linear_log_probs,
-                      linear_log_probs_backward, linear_plan)
+from ._linear import (LinearCrossEntropyResult, LinearDivergenceResult, LinearDPOResult,
+                      LinearPlan, linear_cross_entropy, linear_divergence, linear_dpo_loss,
+                      linear_log_probs, linear_log_probs_backward, linear_plan)
 from ._logprob import entropy, log_probs, log_probs_backward, selective_log_softmax
 from ._preference import DPOResult, KTOResult, dpo_loss, kto_loss
 from ._softmax import log_softmax, softmax, softmax_backward
@@ -51,9 +53,10 @@ def cpu_isa() -> str:
 
 
 __all__ = ["CrossEntropyResult", "DivergenceResult", "DPOResult", "Error", "GRPOResult",
-           "KTOResult", "LinearCrossEntropyResult", "LinearDivergenceResult", "LinearPlan",
+           "KTOResult", "LinearCrossEntropyResult", "LinearDivergenceResult", "LinearDPOResult",
+           "LinearPlan",
            "cpu_isa", "cross_entropy", "divergence", "dpo_loss", "entropy", "grpo_loss",
-           "has_cuda", "kto_loss", "library_path", "linear_cross_entropy", "linear_divergence",
+           "has_cuda", "kto_loss", "library_path", "linear_cross_entropy", "linear_divergence", "linear_dpo_loss",
            "linear_log_probs", "linear_log_probs_backward", "linear_plan", "log_probs",
            "log_probs_backward", "log_softmax", "selective_log_softmax", "softmax",
            "softmax_backward", "__version__"]

@@ -343,3 +343,70 @@ def linear_divergence(student_hidden: ArrayLike, student_weight: ArrayLike,
                                       None if ce is None else ce.reshape(lead),
                                       ent.reshape(lead))
     return (loss, dh, dw, db) if grad else loss
+
+
+LinearDPOResult = collections.namedtuple(
+    "LinearDPOResult", "loss dhidden dweight chosen_logps rejected_logps metrics")
+LinearDPOResult.__doc__ = """Returned by linear_dpo_loss: loss (float); dhidden and
+dweight (None without grad=True); chosen_logps and rejected_logps (float32 [P]), the
+policy's sequence sums; metrics, a dict as dpo_loss's."""
+
+
+def linear_dpo_loss(hidden: ArrayLike, weight: ArrayLike, index: ArrayLike,
+                    mask: Optional[ArrayLike] = None,
+                    ref_chosen_logps: Optional[ArrayLike] = None,
+                    ref_rejected_logps: Optional[ArrayLike] = None, *,
+                    loss_type="sigmoid", loss_weights=None, beta: float = 0.1,
+                    label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
+                    f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05,
+                    simpo_gamma: float = 0.5, weight_per_pair: Optional[ArrayLike] = None,
+                    grad: bool = False, memory_budget: Optional[int] = None,
+                    backend: str = "auto", num_threads: int = 0) -> LinearDPOResult:
+    """TRL's DPOTrainer loss (dpo_loss's options; the mean over pairs)
+    through the fused head: hidden [2P, T, H] of the concatenated batch
+    (the P chosen completions first, then the P rejected), weight [V, H],
+    index [2P, T] the tokens each position predicts, mask [2P, T] the ones
+    that count, ref_*_logps [P] the reference's sums, weight_per_pair [P]
+    (WPO). The head runs three GEMMs, a group of whole pairs at a time,
+    within memory_budget (lmloss_linear_preference); grad=True returns the
+    gradients of hidden and weight. Raises lmloss.Error (UNSUPPORTED where
+    no group of one pair fits the budget, or of every pair for aot,
+    aot_unpaired and sft)."""
+    from ._preference import METRIC_NAMES, pref_struct, pref_values
+    opt = pref_struct(*pref_values(loss_type, loss_weights, beta, label_smoothing,
+                                   f_divergence_type, f_alpha_divergence_coef, discopop_tau,
+                                   simpo_gamma))
+    idx = native(as_array(index))
+    if idx.ndim != 2 or idx.shape[0] % 2:
+        raise shape_error("index must be [2P, T] (the chosen, then the rejected), got shape %s"
+                          % (idx.shape,))
+    p = idx.shape[0] // 2
+    ctx = _lib.make_context(backend, num_threads)
+    head, hopt = _Head(hidden, weight, None), _options(memory_budget)
+    if head.x.lead != idx.shape:
+        raise shape_error("hidden %s and index %s disagree" % (head.x.lead, idx.shape))
+    n, lead, keep = head.n, head.x.lead, []
+    idx_t = optional_vector(idx, n, lead, "index", "index", keep)
+    mask_t = optional_vector(mask, n, lead, "mask", "mask", keep)
+    pairs = (p,)
+    ins = _lib.LinearPrefInputs(p, optional_vector(ref_chosen_logps, p, pairs, "ref_chosen_logps",
+                                                   "f32", keep),
+                                optional_vector(ref_rejected_logps, p, pairs,
+                                                "ref_rejected_logps", "f32", keep),
+                                optional_vector(weight_per_pair, p, pairs, "weight_per_pair",
+                                                "f32", keep))
+    loss, loss_t = out_vector(1)
+    metrics, metrics_t = out_vector(_lib.PREF_METRICS)
+    chosen, chosen_t = out_vector(p)
+    rejected, rejected_t = out_vector(p)
+    outs = _lib.LinearPrefOutputs(loss=loss_t, metrics=metrics_t, chosen=chosen_t,
+                                  rejected=rejected_t)
+    (dh, dw, _), grads = head.grads(dbias=False) if grad else ((None, None, None), None)
+    ws, ws_ptr, ws_bytes = _workspace(_lib.linear_preference_size, head.t, hopt, grads, p, opt)
+    if ws_bytes == 0:
+        raise _lib.Error("LMLOSS_ERR_UNSUPPORTED", "linear_dpo_loss: no group of pairs fits "
+                         "memory_budget (raise it, or use linear_log_probs and dpo_loss)")
+    _lib.check(_lib.linear_preference(ctx, head.t, idx_t, mask_t, _lib.transform_default(), hopt,
+                                      ins, opt, outs, grads, ws_ptr, ws_bytes))
+    return LinearDPOResult(float(loss[0]), dh, dw, chosen, rejected,
+                           dict(zip(METRIC_NAMES, (float(v) for v in metrics))))

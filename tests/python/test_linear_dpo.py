@@ -128,6 +128,20 @@ def test_frozen_head_and_second_backward():
         assert abs(lt.linear_dpo_loss(hid, w, y, None, rc, rr).item() - ref[0].item()) < 1e-5
 
 
+def test_numpy_matches_torch():
+    p, t, h, v = 2, 6, 8, 31
+    hid, w, y, m, rc, rr, pw = inputs(p, t, h, v, seed=3)
+    ref = reference(hid, w, y, m, rc, rr, weight=pw, loss_type="ipo")
+    r = lmloss.linear_dpo_loss(hid.numpy(), w.numpy(), y.numpy(), m.numpy(), rc.numpy(),
+                               rr.numpy(), loss_type="ipo", weight_per_pair=pw.numpy(), grad=True)
+    assert abs(r.loss - ref[0].item()) < 1e-5 * (1 + abs(ref[0].item()))
+    assert rel(torch.from_numpy(r.chosen_logps), ref[1]) < 1e-5
+    assert rel(torch.from_numpy(r.dhidden), ref[3]) < 1e-4
+    assert rel(torch.from_numpy(r.dweight), ref[4]) < 1e-4
+    assert r.metrics["pairs"] == p
+    assert lmloss.linear_dpo_loss(hid.numpy(), w.numpy(), y.numpy()).dhidden is None
+
+
 def test_bad_input_says_what():
     hid, w, y, m, rc, rr, _ = inputs(2, 4, 8, 29)
     with pytest.raises(lmloss.Error, match=r"\[2P, T\]"):
@@ -143,6 +157,8 @@ def test_bad_input_says_what():
         lt.linear_dpo_loss(hid, w, bad, None, rc, rr)
     with pytest.raises(lmloss.Error, match="ref_chosen"):
         lt.linear_dpo_loss(hid, w, y, m, rc[:1], rr)
+    with pytest.raises(lmloss.Error, match="index"):
+        lmloss.linear_dpo_loss(hid.numpy(), w.numpy(), y.numpy()[:3])
 
 
 @pytest.mark.cuda
