@@ -14,7 +14,7 @@ heads, else in the head's dtype; dhidden is shaped like hidden.
 
 import collections
 import ctypes
-from typing import Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -356,7 +356,8 @@ def linear_dpo_loss(hidden: ArrayLike, weight: ArrayLike, index: ArrayLike,
                     mask: Optional[ArrayLike] = None,
                     ref_chosen_logps: Optional[ArrayLike] = None,
                     ref_rejected_logps: Optional[ArrayLike] = None, *,
-                    loss_type="sigmoid", loss_weights=None, beta: float = 0.1,
+                    loss_type: Union[str, Sequence[str]] = "sigmoid",
+                    loss_weights: Optional[Sequence[float]] = None, beta: float = 0.1,
                     label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
                     f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05,
                     simpo_gamma: float = 0.5, weight_per_pair: Optional[ArrayLike] = None,
