@@ -28,7 +28,9 @@
 #                                 fused head and the divergences, memcheck
 #                                 on the shard test, racecheck on the
 #                                 divergences' test, `lmloss check`, the fp32 rows of 262144
-#                                 with options, the divergences in C
+#                                 with options, the divergences in C; the
+#                                 DPO head: its C and CUDA pytest tests,
+#                                 memcheck, its bench against its peers
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -128,7 +130,7 @@ fi
 if [ "${1:-}" = "pending" ]; then
   status=0
   for t in test_ce test_logprob test_softmax test_shard test_shard_head test_divergence \
-    test_divergence_shard; do
+    test_divergence_shard test_linear_preference test_fused_linear; do
     LMLOSS_TEST_BACKEND=cuda timeout 150 "$BUILD/$t" >"$OUT/$t.log" 2>&1 || status=1
     echo "$t: $(grep -c '^ok' "$OUT/$t.log") ok, $(grep -c '^FAIL' "$OUT/$t.log") failed"
     grep -A2 -m3 "mismatch\|failed" "$OUT/$t.log"
@@ -136,6 +138,9 @@ if [ "${1:-}" = "pending" ]; then
   echo "== compute-sanitizer --tool memcheck test_shard"
   LMLOSS_TEST_BACKEND=cuda timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 \
     "$BUILD/test_shard" 2>&1 | grep -E "ERROR SUMMARY|^FAIL" | tail -3 || status=1
+  echo "== compute-sanitizer --tool memcheck test_linear_preference (the DPO head)"
+  LMLOSS_TEST_BACKEND=cuda timeout 120 compute-sanitizer --tool memcheck --error-exitcode 99 \
+    "$BUILD/test_linear_preference" 2>&1 | grep -E "ERROR SUMMARY|^FAIL" | tail -3 || status=1
   echo "== compute-sanitizer --tool racecheck test_divergence (the one-sweep statistics)"
   LMLOSS_TEST_BACKEND=cuda timeout 150 compute-sanitizer --tool racecheck --error-exitcode 99 \
     "$BUILD/test_divergence" 2>&1 | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|^FAIL" | tail -3 ||
@@ -147,6 +152,9 @@ if [ "${1:-}" = "pending" ]; then
     $L bench kl reverse-kl jsd tvd --plain --device cuda --queue 5 --dtype bf16 \
       --shape 8192,152064
   } 2>/dev/null | tee "$OUT/bench-pending.txt"
+  python_env
+  timeout 120 python3 -m pytest -q -m cuda tests/python/test_linear_dpo.py | tail -2 || status=1
+  (cd bench && timeout 200 python3 objective_head_gpu.py --case dpo) | tee "$OUT/dpo.txt"
   exit $status
 fi
 
