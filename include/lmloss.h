@@ -1224,13 +1224,16 @@ typedef struct {
   lmloss_tensor ref_chosen;   /* optional F32 [P] (absent: 0) */
   lmloss_tensor ref_rejected; /* optional F32 [P] */
   lmloss_tensor weight;       /* optional F32 [P]: each pair's (WPO) */
+  int average;                /* 1: each sequence's mean log-prob over its tokens
+                                 that count (0 for none) in place of its sum:
+                                 CPO's and ORPO's average_log_prob, SimPO's */
 } lmloss_linear_pref_inputs;
 
 typedef struct {
   lmloss_tensor loss;      /* required F32 [1] */
   lmloss_tensor metrics;   /* optional F32 [LMLOSS_PREF_METRICS] */
   lmloss_tensor pair_loss; /* optional F32 [P], as lmloss_pref_outputs */
-  lmloss_tensor chosen;    /* optional F32 [P]: the policy's log-prob sums */
+  lmloss_tensor chosen;    /* optional F32 [P]: the policy's log-prob sums (means) */
   lmloss_tensor rejected;  /* optional F32 [P] */
   lmloss_tensor logp;      /* optional F32 [N, 1]: each token's (0 where masked) */
 } lmloss_linear_pref_outputs;
@@ -1238,12 +1241,9 @@ typedef struct {
 /* Workspace bytes of lmloss_linear_preference for these shapes, options
  * and gradients; 0 where no group of one pair (of all pairs, for a type
  * that couples them) fits the budget. */
-LMLOSS_API lmloss_status lmloss_linear_preference_size(const lmloss_head *head,
-                                                       const lmloss_head_options *hopt,
-                                                       const lmloss_head_grads *grads,
-                                                       int64_t pairs,
-                                                       const lmloss_pref_options *opt,
-                                                       size_t *bytes);
+LMLOSS_API lmloss_status lmloss_linear_preference_size(
+    const lmloss_head *head, const lmloss_head_options *hopt, const lmloss_head_grads *grads,
+    int64_t pairs, const lmloss_pref_options *opt, size_t *bytes);
 
 /* UNSUPPORTED where _size answers 0. Errors otherwise as
  * lmloss_linear_log_probs' and lmloss_preference's. */

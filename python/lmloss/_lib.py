@@ -165,7 +165,7 @@ class PrefOutputs(ctypes.Structure):
 
 class LinearPrefInputs(ctypes.Structure):
     _fields_ = [("pairs", _c_int64), ("ref_chosen", Tensor), ("ref_rejected", Tensor),
-                ("weight", Tensor)]
+                ("weight", Tensor), ("average", ctypes.c_int)]
 
 
 class LinearPrefOutputs(ctypes.Structure):

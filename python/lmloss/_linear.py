@@ -361,14 +361,16 @@ def linear_dpo_loss(hidden: ArrayLike, weight: ArrayLike, index: ArrayLike,
                     label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
                     f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05,
                     simpo_gamma: float = 0.5, weight_per_pair: Optional[ArrayLike] = None,
-                    grad: bool = False, memory_budget: Optional[int] = None,
+                    average_log_prob: bool = False, grad: bool = False,
+                    memory_budget: Optional[int] = None,
                     backend: str = "auto", num_threads: int = 0) -> LinearDPOResult:
     """TRL's DPOTrainer loss (dpo_loss's options; the mean over pairs)
     through the fused head: hidden [2P, T, H] of the concatenated batch
     (the P chosen completions first, then the P rejected), weight [V, H],
     index [2P, T] the tokens each position predicts, mask [2P, T] the ones
     that count, ref_*_logps [P] the reference's sums, weight_per_pair [P]
-    (WPO). The head runs three GEMMs, a group of whole pairs at a time,
+    (WPO); average_log_prob: sequences' means in place of their sums
+    (CPO's and ORPO's). The head runs three GEMMs, a group of whole pairs at a time,
     within memory_budget (lmloss_linear_preference); grad=True returns the
     gradients of hidden and weight. Raises lmloss.Error (UNSUPPORTED where
     no group of one pair fits the budget, or of every pair for aot,
@@ -395,7 +397,7 @@ def linear_dpo_loss(hidden: ArrayLike, weight: ArrayLike, index: ArrayLike,
                                 optional_vector(ref_rejected_logps, p, pairs,
                                                 "ref_rejected_logps", "f32", keep),
                                 optional_vector(weight_per_pair, p, pairs, "weight_per_pair",
-                                                "f32", keep))
+                                                "f32", keep), int(bool(average_log_prob)))
     loss, loss_t = out_vector(1)
     metrics, metrics_t = out_vector(_lib.PREF_METRICS)
     chosen, chosen_t = out_vector(p)

@@ -27,7 +27,7 @@ typedef struct {
   int64_t T, per_group, cap; /* a sequence's rows; pairs a group; a group's rows */
   int64_t in_dw;             /* the store's first rows, whose gradient lies in dweight */
   int grad, acc;             /* gradients wanted; dW summed in the fp32 accumulator */
-  size_t seqs, dseq, tokens, scalar, ones, up, logp, bias32, pref, acc_w, ghid, store, hid;
+  size_t seqs, dseq, tokens, inv, scalar, ones, up, logp, bias32, pref, acc_w, ghid, store, hid;
 } pair_plan;
 
 /* The types whose terms couple pairs: one group must hold them all. */
@@ -54,6 +54,7 @@ static size_t pair_layout(const lmloss_head *head, int64_t P, int64_t k, int64_t
   q->seqs = off, off += lmloss_ws_up((size_t)P * 8);
   q->dseq = off, off += lmloss_ws_up((size_t)P * 8);
   q->tokens = off, off += lmloss_ws_up((size_t)P * 8);
+  q->inv = off, off += lmloss_ws_up((size_t)P * 8); /* 1 / tokens (average) */
   q->scalar = off, off += LMLOSS_WS_ALIGN;
   q->ones = off, off += lmloss_ws_up((size_t)(cap > T ? cap : T) * 4);
   q->up = off, off += lmloss_ws_up((size_t)cap * 4);
@@ -201,8 +202,9 @@ static lmloss_status select_sequences(const pair_call *c, int64_t *count) {
     seq_view_make(c, s, &v);
     double wsum;
     TRY(L->select_rows(c->ctx, &v.mask, 0, NULL, (int64_t *)seq_list(c, s), &count[s], &wsum));
-    const lmloss_tensor tok = f32_at(c, c->q.tokens, s, 1);
+    const lmloss_tensor tok = f32_at(c, c->q.tokens, s, 1), inv = f32_at(c, c->q.inv, s, 1);
     TRY(L->fill(c->ctx, &tok, (double)count[s]));
+    if (c->in->average) TRY(L->fill(c->ctx, &inv, count[s] ? 1.0 / (double)count[s] : 0.0));
   }
   return LMLOSS_OK;
 }
@@ -272,10 +274,12 @@ static lmloss_status group_grads(const pair_call *c, int64_t g0, int64_t g1, con
   const lmloss_device dev = c->head->hidden.device;
   const int64_t H = c->head->hidden.cols, V = c->head->weight.rows, P = c->in->pairs;
   const int64_t T = q->T, nseq = 2 * (g1 - g0);
-  for (int64_t k = 0; k < nseq; k++) {
+  for (int64_t k = 0; k < nseq; k++) { /* each sequence's sum, or mean */
     const lmloss_tensor lp = lmloss_rows_of(&c->logp, segs[k].seq * T, T);
     const lmloss_tensor sum = f32_at(c, q->seqs, segs[k].seq, 1);
     TRY(L->sum(c->ctx, &lp, &sum));
+    if (c->in->average)
+      TRY(L->scale(c->ctx, &sum, (const float *)f32_at(c, q->inv, segs[k].seq, 1).data));
   }
   if (!q->grad) return LMLOSS_OK;
   const lmloss_pref_inputs x = pairs_in(c, g0, g1 - g0);
@@ -289,6 +293,8 @@ static lmloss_status group_grads(const pair_call *c, int64_t g0, int64_t g1, con
     if (segs[k].n == 0) continue;
     const lmloss_tensor ones = f32_at(c, q->ones, 0, segs[k].n);
     const lmloss_tensor d = f32_at(c, q->dseq, segs[k].seq, 1);
+    if (c->in->average) /* d loss / d sum = d loss / d mean / tokens */
+      TRY(L->scale(c->ctx, &d, (const float *)f32_at(c, q->inv, segs[k].seq, 1).data));
     const lmloss_tensor s = f32_at(c, q->up, segs[k].first, segs[k].n);
     TRY(L->gemm(c->ctx, 0, 0, 1.0f, &ones, &d, 0.0f, &s));
   }
@@ -413,6 +419,8 @@ static lmloss_status check_pair_tensors(const lmloss_head *head, const lmloss_te
   if (!wants(index)) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "index: data is NULL");
   if (index->cols != 1)
     return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "index: the pair head takes K = 1");
+  if (in->average != 0 && in->average != 1)
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION, "average must be 0 or 1, got %d", in->average);
   TRY(lmloss_check_lp_labels(index, mask, tr, N, V));
   TRY(lmloss_check_optional(&in->ref_chosen, "ref_chosen", f32, P, 1));
   TRY(lmloss_check_optional(&in->ref_rejected, "ref_rejected", f32, P, 1));

@@ -34,15 +34,16 @@ def inputs(p, t, h, v, device="cpu", dtype=torch.float32, seed=0, masked=True):
             (hid.to(dtype), w.to(dtype), y, m, rc, rr, pw)]
 
 
-def reference(hid, w, y, m, rc, rr, **kw):
-    """(loss, chosen sums, rejected sums, dhidden, dweight) in float64."""
+def reference(hid, w, y, m, rc, rr, average=False, **kw):
+    """(loss, chosen sums, rejected sums, dhidden, dweight) in float64;
+    average: the sequences' means."""
     p = y.shape[0] // 2
     h64 = hid.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_()
     mask = torch.ones_like(y, dtype=torch.float64) if m is None else m.double()
     lp = torch.log_softmax(h64 @ w64.T, -1).gather(-1, y[..., None])[..., 0] * mask
-    s = lp.sum(-1)
     tok = mask.sum(-1)
+    s = lp.sum(-1) / tok.clamp_min(1) if average else lp.sum(-1)
     loss = lt.dpo_loss(s[:p], s[p:], rc, rr, chosen_tokens=tok[:p], rejected_tokens=tok[p:], **kw)
     loss.backward()
     return loss.double(), s[:p].detach(), s[p:].detach(), h64.grad, w64.grad
@@ -81,6 +82,8 @@ CASES = [
     ("aot+sft", {"loss_type": ["aot", "sft"], "loss_weights": [1.0, 0.5]}),
     ("apo_zero", {"loss_type": "apo_zero"}),
     ("bco_pair", {"loss_type": "bco_pair", "beta": 0.3}),
+    ("simpo means", {"loss_type": "simpo", "average": True, "simpo_gamma": 0.3}),
+    ("orpo+sft means", {"loss_type": ["orpo", "sft"], "average": True}),
 ]
 
 
@@ -89,20 +92,24 @@ CASES = [
 def test_matches_the_composite_loss(name, cfg, budget):
     p, t, h, v = 3, 5, 16, 37
     hid, w, y, m, rc, rr, pw = inputs(p, t, h, v, seed=len(name))
-    kw = {k: x for k, x in cfg.items() if k != "weight"}
+    kw = {k: x for k, x in cfg.items() if k not in ("weight", "average")}
+    avg = cfg.get("average", False)
     kw.setdefault("loss_type", name if name in ("ipo", "robust") else "sigmoid")
     weight = pw if cfg.get("weight") else None
-    ref = reference(hid, w, y, m, rc, rr, weight=weight, **kw)
-    couples = "aot" in kw["loss_type"]
+    if avg:  # no empty completion: its mean would be 0, ORPO's log odds of it infinite
+        m[p] = True
+    ref = reference(hid, w, y, m, rc, rr, weight=weight, average=avg, **kw)
+    couples = any(t in kw["loss_type"] for t in ("aot", "sft"))
     mb = None if budget == "default" else least_budget(hid, w, p)
     hl, wl = hid.clone().requires_grad_(), w.clone().requires_grad_()
     if couples and mb is not None:  # groups of one pair cannot hold a coupled type
         with pytest.raises(lmloss.Error, match="all pairs"):
             lt.linear_dpo_loss(hl, wl, y, m, rc, rr, weight_per_pair=weight, memory_budget=mb,
-                               **kw)
+                               average_log_prob=avg, **kw)
         return
     loss, extra = lt.linear_dpo_loss(hl, wl, y, m, rc, rr, weight_per_pair=weight,
-                                     memory_budget=mb, return_metrics=True, **kw)
+                                     memory_budget=mb, average_log_prob=avg, return_metrics=True,
+                                     **kw)
     (3.0 * loss).backward()
     scale = float(0.1 * (ref[1].abs().sum() + ref[2].abs().sum()))
     assert abs(loss.item() - ref[0].item()) <= 1e-5 * (scale + abs(ref[0].item()))
@@ -110,7 +117,8 @@ def test_matches_the_composite_loss(name, cfg, budget):
     assert rel(extra["rejected_logps"], ref[2]) < 1e-5
     assert rel(hl.grad, 3.0 * ref[3]) < 1e-4
     assert rel(wl.grad, 3.0 * ref[4]) < 1e-4
-    assert (hl.grad[p] == 0).all()  # the masked completion
+    if not avg:
+        assert (hl.grad[p] == 0).all()  # the masked completion
 
 
 def test_frozen_head_and_second_backward():

@@ -53,7 +53,8 @@ def _call(hidden, weight, bias, index, mask, ref_chosen, ref_rejected, pair_weig
                              % ("all pairs (the loss type couples them)"
                                 if any(fopts[_lib.PREF_TYPES.index(t)]
                                        for t in ("aot", "aot_unpaired", "sft")) else "one pair"))
-        inputs = _lib.LinearPrefInputs(pairs, v(ref_chosen), v(ref_rejected), v(pair_weight))
+        inputs = _lib.LinearPrefInputs(pairs, v(ref_chosen), v(ref_rejected), v(pair_weight),
+                                        iopts[4])
         out = _lib.LinearPrefOutputs(v(outs[0].reshape(1)), v(outs[1]), v(outs[2]), v(outs[3]),
                                      v(outs[4]))
         _lib.check(_lib.linear_preference(ctx, head, v(index), v(mask),
@@ -74,7 +75,7 @@ def linear_preference(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], in
     """loss (0-d), metrics [LMLOSS_PREF_METRICS], each pair's terms, the
     chosen and rejected sums [P], then the (hidden, weight, bias)
     gradients in `need` at an upstream gradient of 1 ([0] otherwise).
-    iopts: [f-divergence, P, backend, num_threads]."""
+    iopts: [f-divergence, P, backend, num_threads, average]."""
     return _call(hidden, weight, bias, index, mask, ref_chosen, ref_rejected, pair_weight, fopts,
                  iopts, memory_budget, need)
 
@@ -115,7 +116,8 @@ def linear_dpo_loss(hidden: Tensor, weight: Tensor, index: Tensor,
                     label_smoothing: float = 0.0, f_divergence_type: str = "reverse_kl",
                     f_alpha_divergence_coef: float = 0.5, discopop_tau: float = 0.05,
                     simpo_gamma: float = 0.5, weight_per_pair: Optional[Tensor] = None,
-                    memory_budget: Optional[int] = None, return_metrics: bool = False,
+                    average_log_prob: bool = False, memory_budget: Optional[int] = None,
+                    return_metrics: bool = False,
                     backend: str = "auto", num_threads: int = 0
                     ) -> Union[Tensor, Tuple[Tensor, dict]]:
     """TRL's DPOTrainer loss (lmloss.dpo_loss lists the options; the mean
@@ -128,10 +130,13 @@ def linear_dpo_loss(hidden: Tensor, weight: Tensor, index: Tensor,
     (the forward forms the gradients, the backward scales them), within
     memory_budget (None: that of the three-GEMM cross-entropy). The types
     that couple pairs (aot, aot_unpaired, sft) need every pair in one
-    group. Differentiable w.r.t. hidden and weight (not bias). Returns the
+    group. average_log_prob: each sequence's mean log-prob over its tokens
+    that count in place of its sum (CPOTrainer's and ORPOTrainer's, for
+    "simpo", "cpo_ipo", "orpo"; 0 for a completion with none).
+    Differentiable w.r.t. hidden and weight (not bias). Returns the
     float32 0-d loss, or (loss, metrics) with return_metrics: float32
     tensors, "metrics" [8] as dpo_loss's, "chosen_logps" and
-    "rejected_logps" [P] the policy's sums (detached)."""
+    "rejected_logps" [P] the policy's sums or means (detached)."""
     fopts, fdiv = pref_values(loss_type, loss_weights, beta, label_smoothing, f_divergence_type,
                               f_alpha_divergence_coef, discopop_tau, simpo_gamma)
     if hidden.dim() == 3 and index.dim() == 2 and hidden.shape[:2] != index.shape:
@@ -153,7 +158,8 @@ def linear_dpo_loss(hidden: Tensor, weight: Tensor, index: Tensor,
     need = 0
     if torch.is_grad_enabled():
         need = (NEED_DH if h.requires_grad else 0) | (NEED_DW if w.requires_grad else 0)
-    iopts = [fdiv, pairs, B.backend_code(backend), _lib.int_option("num_threads", num_threads)]
+    iopts = [fdiv, pairs, B.backend_code(backend), _lib.int_option("num_threads", num_threads),
+             int(bool(average_log_prob))]
     loss, metrics, _, chosen, rejected, *_ = linear_preference(
         h, w, b, idx, _mask(mask), vec(ref_chosen_logps), vec(ref_rejected_logps),
         vec(weight_per_pair), fopts, iopts, _budget(memory_budget), need)
