@@ -5,7 +5,9 @@
  * all that the kinds do differently: which rows they select, the row op
  * of a chunk and the outputs it scatters, the fill of the rows no chunk
  * visits, the reduced loss. The chunk loop (linear_loop.c) holds what
- * they share: the plan, the GEMMs, the store, the vocab tiles.
+ * they share: the plan, the GEMMs, the store, the vocab tiles. The DPO
+ * pair head (linear_pairs.c) runs the kept forward's row op and the
+ * store's dhidden below, a sequence at a time, in a loop of its own.
  */
 #ifndef LMLOSS_CORE_LINEAR_JOB_H
 #define LMLOSS_CORE_LINEAR_JOB_H
