@@ -21,6 +21,7 @@ typedef struct {
   double mask_frac, margin;
   int refs, weight, grads, accumulate; /* grads: 0 none, 1 all, 2 dhidden, 3 dweight */
   int average;                         /* sequences' means in place of their sums */
+  int pad;                             /* elements past each row of hidden, weight and grads */
   double weights[LMLOSS_PREF_TYPES];   /* 0 everywhere: sigmoid */
   size_t budget;                       /* 0: default; 1: the least that fits */
 } pc_case;
@@ -38,9 +39,9 @@ static pc_outs outs_new(const pc_case *c, const head_data *hd) {
   o.pairs = host_new(LMLOSS_F32, c->P, 1, 1);
   o.chosen = host_new(LMLOSS_F32, c->P, 1, 1), o.rejected = host_new(LMLOSS_F32, c->P, 1, 1);
   o.logp = host_new(LMLOSS_F32, N, 1, 1);
-  o.dh = c->grads == 1 || c->grads == 2 ? host_new(c->dt, N, hd->H, hd->H) : (lmloss_tensor){0};
-  o.dw =
-      c->grads == 1 || c->grads == 3 ? host_new(c->dwdt, hd->V, hd->H, hd->H) : (lmloss_tensor){0};
+  const int64_t H = hd->H, S = H + c->pad; /* padded rows: dweight then holds no store */
+  o.dh = c->grads == 1 || c->grads == 2 ? host_new(c->dt, N, H, S) : (lmloss_tensor){0};
+  o.dw = c->grads == 1 || c->grads == 3 ? host_new(c->dwdt, hd->V, H, S) : (lmloss_tensor){0};
   lmloss_tensor *all[] = {&o.loss, &o.metrics, &o.pairs, &o.chosen, &o.rejected, &o.logp, &o.dh};
   for (int k = 0; k < 7; k++)
     if (all[k]->data) host_poison(all[k]);
@@ -79,7 +80,7 @@ static void inputs_new(const pc_case *c, pc_inputs *x) {
   int64_t *tv = xcalloc((size_t)N, sizeof(int64_t));
   for (int64_t i = 0; i < N; i++)
     tv[i] = rng_int(c->V);
-  head_new(&x->hd, N, c->V, c->H0, c->dt, 0, 0, c->margin >= 0 ? tv : NULL, c->margin, 2.0);
+  head_new(&x->hd, N, c->V, c->H0, c->dt, 0, c->pad, c->margin >= 0 ? tv : NULL, c->margin, 2.0);
   x->idx = host_new(LMLOSS_I64, N, 1, 1);
   for (int64_t i = 0; i < N; i++)
     tset(&x->idx, i, 0, (double)tv[i]);
@@ -367,8 +368,8 @@ int main(void) {
   tg_begin(&g, "linear preference against the float64 oracle");
   const pc_case base = {
       .P = 3, .T = 5, .V = 37, .H0 = 16, .dt = dt, .dwdt = dt, .margin = -1, .refs = 1, .grads = 1};
-  pc_case cases[14];
-  for (int k = 0; k < 14; k++)
+  pc_case cases[15];
+  for (int k = 0; k < 15; k++)
     cases[k] = base;
   cases[1].mask_frac = 0.3, cases[1].weight = 1, cases[1].V = 101, cases[1].P = 4, cases[1].T = 7;
   cases[1].weights[LMLOSS_PREF_IPO] = 0.5, cases[1].weights[LMLOSS_PREF_SIGMOID] = 1.0;
@@ -390,7 +391,8 @@ int main(void) {
   cases[12].mask_frac = 0.3, cases[12].budget = 1;
   cases[13].refs = 0, cases[13].average = 1, cases[13].weights[LMLOSS_PREF_ORPO] = 1.0;
   cases[13].mask_frac = 0.3, cases[13].budget = 1, cases[13].P = 4;
-  for (int k = 0; k < 14; k++) {
+  cases[14].pad = 3, cases[14].budget = 1, cases[14].mask_frac = 0.2; /* strided rows */
+  for (int k = 0; k < 15; k++) {
     rng_seed(9100 + k);
     run_case(&g, &cases[k]);
   }
