@@ -56,7 +56,7 @@ static size_t pair_layout(const lmloss_head *head, int64_t P, int64_t k, int64_t
   q->tokens = off, off += lmloss_ws_up((size_t)P * 8);
   q->inv = off, off += lmloss_ws_up((size_t)P * 8); /* 1 / tokens (average) */
   q->scalar = off, off += LMLOSS_WS_ALIGN;
-  q->ones = off, off += lmloss_ws_up((size_t)(cap > T ? cap : T) * 4);
+  q->ones = off, off += lmloss_ws_up((size_t)T * 4); /* a sequence's rows */
   q->up = off, off += lmloss_ws_up((size_t)cap * 4);
   q->logp = off, off += lmloss_ws_up((size_t)N * 4);
   q->bias32 = off, off += wants(&head->bias) ? lmloss_ws_up((size_t)V * 4) : 0;
@@ -332,8 +332,8 @@ static lmloss_status group_grads(const pair_call *c, int64_t g0, int64_t g1, con
 }
 
 /* After the groups: dW's sum cast once (or zeros where no row was
- * supervised), the loss and metrics over all pairs, the sums and
- * log-probs asked for. */
+ * supervised), the loss and metrics over all pairs, the sums asked for
+ * (the log-probs went where the call keeps them: its output, if given). */
 static lmloss_status pairs_finish(const pair_call *c, const lmloss_linear_pref_outputs *out,
                                   int any_rows) {
   const lmloss_linear_prims *L = c->ops->linear;
@@ -353,8 +353,7 @@ static lmloss_status pairs_finish(const pair_call *c, const lmloss_linear_pref_o
   TRY(c->ops->preference(c->ctx, &x, c->opt, &po, NULL, NULL, NULL, c->w + q->pref,
                          lmloss_preference_workspace_size(P)));
   if (wants(&out->chosen)) TRY(L->cast(c->ctx, &x.chosen, &out->chosen));
-  if (wants(&out->rejected)) TRY(L->cast(c->ctx, &x.rejected, &out->rejected));
-  return wants(&out->logp) ? L->cast(c->ctx, &c->logp, &out->logp) : LMLOSS_OK;
+  return wants(&out->rejected) ? L->cast(c->ctx, &x.rejected, &out->rejected) : LMLOSS_OK;
 }
 
 /* The sequences' selection, the groups, then the finish; count (2P) and
@@ -443,9 +442,15 @@ static lmloss_status check_pair_tensors(const lmloss_head *head, const lmloss_te
   return lmloss_check_indices(index, mask, V, 0, 0, "index");
 }
 
-/* The outputs share no byte with dweight, which may hold the store. */
-static lmloss_status outputs_apart(const lmloss_head_grads *g,
+/* The outputs share no byte with dweight, which may hold the store, and
+ * the log-probs, written as the groups go, none with the inputs they read. */
+static lmloss_status outputs_apart(const lmloss_head *head, const lmloss_tensor *index,
+                                   const lmloss_head_grads *g,
                                    const lmloss_linear_pref_outputs *out) {
+  const lmloss_tensor *read[] = {&head->hidden, &head->weight, index};
+  const char *read_name[] = {"hidden", "weight", "index"};
+  for (int r = 0; r < 3; r++)
+    TRY(lmloss_check_disjoint(&out->logp, "logp", read[r], read_name[r]));
   if (!g) return LMLOSS_OK;
   const lmloss_tensor *o[] = {&out->loss,   &out->metrics,  &out->pair_loss,
                               &out->chosen, &out->rejected, &out->logp};
@@ -482,7 +487,7 @@ lmloss_status lmloss_linear_preference(const lmloss_context *ctx, const lmloss_h
                        "(lmloss_linear_preference_size answers 0)",
                        couples_pairs(opt) ? "all pairs (the type couples them)" : "one pair");
   TRY(lmloss_linear_grads_apart(head, c.grads));
-  TRY(outputs_apart(c.grads, out));
+  TRY(outputs_apart(head, index, c.grads, out));
   if (!ws) return lmloss_fail(LMLOSS_ERR_NULL_POINTER, "workspace is NULL");
   if (ws_bytes < c.q.lp.total)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL, "workspace has %zu bytes, needs %zu",
@@ -497,7 +502,7 @@ lmloss_status lmloss_linear_preference(const lmloss_context *ctx, const lmloss_h
   const lmloss_linear_prims *L = c.ops->linear;
   const lmloss_device dev = head->hidden.device;
   const int64_t N = head->hidden.rows, V = head->weight.rows, P = in->pairs;
-  c.logp = lmloss_ws_view(c.w + c.q.logp, LMLOSS_F32, dev, N, 1);
+  c.logp = wants(&out->logp) ? out->logp : lmloss_ws_view(c.w + c.q.logp, LMLOSS_F32, dev, N, 1);
   TRY(L->fill(ctx, &c.logp, 0.0));
   c.bias = head->bias; /* the logits GEMMs take an F32 bias */
   if (wants(&head->bias) && head->bias.dtype != LMLOSS_F32) {
@@ -506,7 +511,7 @@ lmloss_status lmloss_linear_preference(const lmloss_context *ctx, const lmloss_h
   }
   if (c.grads && wants(&c.grads->dhidden)) TRY(L->fill(ctx, &c.grads->dhidden, 0.0));
   if (c.q.grad) {
-    const lmloss_tensor ones = f32_at(&c, c.q.ones, 0, c.q.cap > c.q.T ? c.q.cap : c.q.T);
+    const lmloss_tensor ones = f32_at(&c, c.q.ones, 0, c.q.T);
     TRY(L->fill(ctx, &ones, 1.0));
   }
   int64_t *count = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)P);

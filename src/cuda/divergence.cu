@@ -382,7 +382,9 @@ template <typename T> __device__ __forceinline__ T shfl_down(T v, int off) {
   return __shfl_down_sync(0xffffffffu, v, off);
 }
 
-/* Part x's statistics merged with the part of the lane off above. */
+/* Part x's statistics merged with the part of the lane off above (not
+ * through lmloss_div_state_merge: its struct had ptxas spill more in the
+ * one sweep's loop). */
 __device__ __forceinline__ PairStats merge_down(const lmloss_div_pair *pr, const PairStats &x,
                                                 int off) {
   PairStats y;

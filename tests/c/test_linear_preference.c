@@ -342,6 +342,11 @@ static void bad_input(tgroup *g) {
          LMLOSS_ERR_NULL_POINTER, "outputs NULL");
   expect(g, lmloss_linear_preference(&ctx, &h, &di, NULL, &tr, &ho, &in, &opt, &out, NULL, ws, 64),
          LMLOSS_ERR_WORKSPACE_TOO_SMALL, "a workspace of 64 bytes");
+  lmloss_linear_pref_outputs over = out; /* log-probs written over the hidden rows they read */
+  over.logp = (lmloss_tensor){h.hidden.data, LMLOSS_F32, h.hidden.device, 12, 1, 1};
+  expect(g,
+         lmloss_linear_preference(&ctx, &h, &di, NULL, &tr, &ho, &in, &opt, &over, NULL, ws, wsb),
+         LMLOSS_ERR_BAD_SHAPE, "logp over hidden");
   if (!tb_is_cuda()) { /* an index out of range, read on the host */
     tset(&idx, 5, 0, 17.0);
     lmloss_tensor bad = dev_clone(&idx);
