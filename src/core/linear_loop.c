@@ -99,8 +99,7 @@ static int64_t chunk_at(const linear_plan *p, int64_t V, int64_t M, int64_t firs
 }
 
 char *lmloss_linear_dw_base(const lmloss_tensor *dweight) {
-  char *d = (char *)dweight->data;
-  return d + (LMLOSS_WS_ALIGN - (uintptr_t)d % LMLOSS_WS_ALIGN) % LMLOSS_WS_ALIGN;
+  return lmloss_ws_ptr_up((char *)dweight->data);
 }
 
 /* Where the store's offsets count from: the workspace, or dweight's. */

@@ -37,6 +37,13 @@ static int couples_pairs(const lmloss_pref_options *o) {
          w[LMLOSS_PREF_SFT] != 0.0;
 }
 
+/* The most rows of a wide chunk (group_rows): its logits and its rows of
+ * the store within the group's store, and one sequence at most. */
+static int64_t wide_rows(const pair_plan *q, int64_t T) {
+  const int64_t w = q->cap * q->lp.dls / (q->lp.dls + 4);
+  return w < T ? w : T;
+}
+
 /* The layout for groups of k pairs and chunks of c rows; its total. */
 static size_t pair_layout(const lmloss_head *head, int64_t P, int64_t k, int64_t c, pair_plan *q) {
   const int64_t N = head->hidden.rows, H = head->hidden.cols, V = head->weight.rows, T = q->T;
@@ -67,9 +74,10 @@ static size_t pair_layout(const lmloss_head *head, int64_t P, int64_t k, int64_t
   p->region = off;
   q->hid = off, off += q->grad ? 0 : lmloss_ws_up((size_t)c * H * p->hs);
   p->slab = off, off += lmloss_ws_up((size_t)c * V * 4);
-  p->aux = off, off += lmloss_ws_up((size_t)c * aux_per_row(1));
-  p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(c));
-  p->rows = p->slot_rows = c;
+  p->rows = c;
+  p->slot_rows = q->grad && wide_rows(q, T) > c ? wide_rows(q, T) : c;
+  p->aux = off, off += lmloss_ws_up((size_t)p->slot_rows * aux_per_row(1));
+  p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(p->slot_rows));
   const size_t dh_row = p->region + lmloss_ws_up((size_t)H * 4); /* dhidden's fp32 block */
   return p->total = off > dh_row ? off : dh_row;
 }
@@ -170,15 +178,45 @@ static void seq_view_make(const pair_call *c, int64_t s, seq_view *v) {
                         .grads = &v->grads};
 }
 
-/* Store rows first..first+n (in one part of it: dweight's bytes or the
- * workspace's). */
-static lmloss_tensor store_rows(const pair_call *c, int64_t first, int64_t n) {
+/* Where store row r lies (in one part of it: dweight's bytes, rows
+ * 0..in_dw, or the workspace's, the rest up to cap). */
+static char *store_at(const pair_call *c, int64_t r) {
   const pair_plan *q = &c->q;
-  const int64_t V = c->head->weight.rows;
-  const size_t row = (size_t)V * q->lp.dls;
-  char *at = first < q->in_dw ? lmloss_linear_dw_base(&c->grads->dweight) + (size_t)first * row
-                              : c->w + q->store + (size_t)(first - q->in_dw) * row;
-  return lmloss_ws_view(at, c->head->weight.dtype, c->head->hidden.device, n, V);
+  const size_t row = (size_t)c->head->weight.rows * q->lp.dls;
+  return r < q->in_dw ? lmloss_linear_dw_base(&c->grads->dweight) + (size_t)r * row
+                      : c->w + q->store + (size_t)(r - q->in_dw) * row;
+}
+
+/* Store rows first..first+n (in one part of it). */
+static lmloss_tensor store_rows(const pair_call *c, int64_t first, int64_t n) {
+  return lmloss_ws_view(store_at(c, first), c->head->weight.dtype, c->head->hidden.device, n,
+                        c->head->weight.rows);
+}
+
+/* A chunk of up to `left` rows of a sequence from store row pos: n rows
+ * (none across the store's parts), and where their fp32 logits go. The
+ * store's rows not yet written lie free until the group's gradients: a
+ * chunk there is wide (up to wide_rows, in whole tiles of 128 unless it
+ * ends the sequence), its logits in the free rows after its own, so the
+ * logits GEMMs and row passes run on wide chunks where the slab would
+ * have cut them short; then chunks take the slab. */
+static int64_t chunk_at(const pair_call *c, int64_t pos, int64_t left, char **slab_at) {
+  const pair_plan *q = &c->q;
+  const size_t row = (size_t)c->head->weight.rows * q->lp.dls;
+  const int64_t end = pos < q->in_dw ? q->in_dw : q->cap; /* this part's end */
+  int64_t n = left < q->lp.rows ? left : q->lp.rows;
+  if (pos + n > end) n = end - pos;
+  *slab_at = c->w + q->lp.slab;
+  const size_t room = (size_t)(end - pos) * row;
+  int64_t w = room > LMLOSS_WS_ALIGN
+                  ? (int64_t)((room - LMLOSS_WS_ALIGN) / (row + (size_t)c->head->weight.rows * 4))
+                  : 0;
+  w = w < q->lp.slot_rows ? w : q->lp.slot_rows;
+  if (w < left) w -= w % 128;
+  w = w < left ? w : left;
+  if (w < 128 || w <= n) return n;
+  *slab_at = lmloss_ws_ptr_up(store_at(c, pos + w));
+  return w;
 }
 
 /* A sequence's rows in the store: first..first+n. */
@@ -227,11 +265,12 @@ static lmloss_status group_rows(const pair_call *c, int64_t g0, int64_t g1, cons
       seq_view_make(c, s, &v);
       segs[k] = (seq_rows){s, pos, m};
       for (int64_t first = 0; first < m; first += n, pos += n) {
-        n = m - first < q->lp.rows ? m - first : q->lp.rows;
-        if (q->grad && pos < q->in_dw && pos + n > q->in_dw) n = q->in_dw - pos;
+        char *slab_at = c->w + q->lp.slab;
+        n = q->grad ? chunk_at(c, pos, m - first, &slab_at)
+                    : (m - first < q->lp.rows ? m - first : q->lp.rows);
         char *hid = q->grad ? c->w + q->ghid + (size_t)pos * H * q->lp.hs : c->w + q->hid;
         const lmloss_tensor hc = lmloss_ws_view(hid, c->head->hidden.dtype, dev, n, H);
-        const lmloss_tensor slab = lmloss_ws_view(c->w + q->lp.slab, LMLOSS_F32, dev, n, V);
+        const lmloss_tensor slab = lmloss_ws_view(slab_at, LMLOSS_F32, dev, n, V);
         TRY(L->gather_rows(c->ctx, &v.head.hidden, list + first, &hc));
         TRY(L->logits(c->ctx, &hc, &c->head->weight, &c->bias, &slab));
         const lmloss_tensor dl = q->grad ? store_rows(c, pos, n) : slab;

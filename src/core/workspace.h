@@ -14,6 +14,11 @@ static inline size_t lmloss_ws_up(size_t x) {
   return (x + LMLOSS_WS_ALIGN - 1) / LMLOSS_WS_ALIGN * LMLOSS_WS_ALIGN;
 }
 
+/* The first address from p on the boundary. */
+static inline char *lmloss_ws_ptr_up(char *p) {
+  return p + (LMLOSS_WS_ALIGN - (uintptr_t)p % LMLOSS_WS_ALIGN) % LMLOSS_WS_ALIGN;
+}
+
 /* A dense row-major view of workspace bytes. */
 static inline lmloss_tensor lmloss_ws_view(void *data, lmloss_dtype dt, lmloss_device dev,
                                            int64_t rows, int64_t cols) {

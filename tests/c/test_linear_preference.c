@@ -373,8 +373,8 @@ int main(void) {
   tg_begin(&g, "linear preference against the float64 oracle");
   const pc_case base = {
       .P = 3, .T = 5, .V = 37, .H0 = 16, .dt = dt, .dwdt = dt, .margin = -1, .refs = 1, .grads = 1};
-  pc_case cases[15];
-  for (int k = 0; k < 15; k++)
+  pc_case cases[16];
+  for (int k = 0; k < 16; k++)
     cases[k] = base;
   cases[1].mask_frac = 0.3, cases[1].weight = 1, cases[1].V = 101, cases[1].P = 4, cases[1].T = 7;
   cases[1].weights[LMLOSS_PREF_IPO] = 0.5, cases[1].weights[LMLOSS_PREF_SIGMOID] = 1.0;
@@ -397,7 +397,10 @@ int main(void) {
   cases[13].refs = 0, cases[13].average = 1, cases[13].weights[LMLOSS_PREF_ORPO] = 1.0;
   cases[13].mask_frac = 0.3, cases[13].budget = 1, cases[13].P = 4;
   cases[14].pad = 3, cases[14].budget = 1, cases[14].mask_frac = 0.2; /* strided rows */
-  for (int k = 0; k < 15; k++) {
+  /* a sequence longer than the slab's chunks: wide chunks in the free store */
+  cases[15].T = 600, cases[15].P = 1, cases[15].V = 300, cases[15].H0 = 32, cases[15].budget = 1;
+  cases[15].mask_frac = 0.05;
+  for (int k = 0; k < 16; k++) {
     rng_seed(9100 + k);
     run_case(&g, &cases[k]);
   }
