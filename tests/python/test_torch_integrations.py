@@ -259,11 +259,40 @@ def test_fused_head_kernel_matches_logits_forms():
         torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-5)
 
 
+def test_fused_head_kernel_mean_logits(monkeypatch):
+    """mean_logits by linearity (hidden times W's column means): against
+    the logits' own mean in float64, and against TRL's kernel (its torch
+    form on the CPU) on the same inputs; a softcap goes to TRL's kernel,
+    or fails plainly without it."""
+    g = torch.Generator().manual_seed(7)
+    hs = torch.randn(30, 16, generator=g)
+    w = torch.randn(103, 16, generator=g) * 0.3
+    b = torch.randn(103, generator=g)
+    y = torch.randint(0, 103, (30,), generator=g)
+    outputs = ("log_probs", "entropy", "mean_logits", "is_top1")
+    got = ltrl.ChunkedLogProbFunction.apply(hs, w, b, y, 0.7, 4096, None, 1.3, outputs)
+    want = ((hs.double() @ w.double().T + b.double()) * 1.3 / 0.7).mean(-1)
+    assert got[3].dtype == torch.float32 and got[2] is None
+    torch.testing.assert_close(got[3].double(), want, rtol=1e-5, atol=1e-6)
+    if trl_utils is not None:
+        trl_out = trl_utils._ChunkedLogProbFunction.apply(hs, w, b, y, 0.7, 4096, None, 1.3, outputs)
+        torch.testing.assert_close(got[3], trl_out[3], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[0], trl_out[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[4], trl_out[4])
+    monkeypatch.setattr(ltrl.ChunkedLogProbFunction, "original", None)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        ltrl.ChunkedLogProbFunction.apply(hs, w, b, y, 0.7, 4096, 30.0, 1.3, outputs)
+    with pytest.raises(NotImplementedError, match="log_sum_sq_probs"):
+        ltrl.ChunkedLogProbFunction.apply(hs, w, b, y, 0.7, 4096, None, 1.3,
+                                          ("log_probs", "log_sum_sq_probs"))
+
+
 def sft_step(model, fused):
     ids, labels = batch(1024, b=2, t=32, seed=5)
     if fused:  # TRL's SFTTrainer.compute_loss through add_fused_lm_head
         out = model(input_ids=ids, labels=labels, fused_lm_head=True)
-        extra = (out.log_probs, out.entropy, out.is_top1)
+        extra = tuple(x for x in (out.log_probs, out.entropy, out.is_top1, out.mean_logits)
+                      if x is not None)
     else:  # the transformers path: outputs.loss
         out = model(input_ids=ids, labels=labels)
         extra = ()
@@ -278,20 +307,27 @@ def test_sft_step_same_with_and_without_the_drop_ins():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     if trl_utils is None:
         return  # no TRL: the fused_lm_head path below needs add_fused_lm_head
-    m0, m1 = copy.deepcopy(base), copy.deepcopy(base)
-    for m in (m0, m1):
-        m.zero_grad()
-        trl_utils.add_fused_lm_head(m, outputs=("log_probs", "entropy", "is_top1"))
-    want = sft_step(m0, True)
-    ltrl.enable()
-    try:
-        assert trl_utils._ChunkedLogProbFunction is ltrl.ChunkedLogProbFunction
-        got = sft_step(m1, True)
-    finally:
-        ltrl.disable()
-    assert trl_utils._ChunkedLogProbFunction is not ltrl.ChunkedLogProbFunction
-    for a, b in zip(got, want):
-        if a.dtype == torch.bool:
-            assert torch.equal(a, b)
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # SFTTrainer's outputs, then DPOTrainer's (and KTOTrainer's) mean logits
+    compared = []
+    for outputs in (("log_probs", "entropy", "is_top1"),
+                    ("log_probs", "entropy", "mean_logits", "is_top1")):
+        m0, m1 = copy.deepcopy(base), copy.deepcopy(base)
+        for m in (m0, m1):
+            m.zero_grad()
+            trl_utils.add_fused_lm_head(m, outputs=outputs)
+        want = sft_step(m0, True)
+        ltrl.enable()
+        try:
+            assert trl_utils._ChunkedLogProbFunction is ltrl.ChunkedLogProbFunction
+            got = sft_step(m1, True)
+        finally:
+            ltrl.disable()
+        assert trl_utils._ChunkedLogProbFunction is not ltrl.ChunkedLogProbFunction
+        assert len(got) == len(want)
+        compared.append(len(got))
+        for a, b in zip(got, want):
+            if a.dtype == torch.bool:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert compared[1] == compared[0] + 1  # the mean logits were formed and compared

@@ -7,8 +7,9 @@ the logits' dtype; values from lmloss's fp32-accumulated, collapse-exact
 kernels, one C call for any [..., V], e.g. the padding-free packed GRPO
 logits [total_nnz, V]).
 ChunkedLogProbFunction stands in for TRL's fused LM head kernel behind
-add_fused_lm_head (SFT's and GRPO's loss): per-token log-probs, entropy and
-is_top1 from lmloss's fused head, never materializing the logits.
+add_fused_lm_head (SFT's, GRPO's, DPO's and KTO's): per-token log-probs,
+entropy, is_top1 and mean logits from lmloss's fused head, never
+materializing the logits.
 generalized_jsd_loss is GKDTrainer.generalized_jsd_loss (TRL's GKD
 distillation loss) through lmloss.torch.generalized_jsd, and
 chunked_divergence_loss DistillationTrainer's two-head loss through
@@ -52,8 +53,9 @@ class ChunkedLogProbFunction:
     chunk_size, final_logit_softcapping=None, logit_scale=1.0, outputs=...)
     -> (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1). lmloss
     computes log_probs (differentiable), entropy (differentiable unless
-    is_top1 is also requested, then detached) and is_top1; a call asking for
-    log_sum_sq_probs or mean_logits goes to TRL's original."""
+    is_top1 is also requested, then detached), is_top1 and, without a
+    softcap, mean_logits (_mean_logits); a call asking for log_sum_sq_probs,
+    or for mean_logits with a softcap, goes to TRL's original."""
 
     original = None
 
@@ -66,18 +68,40 @@ class ChunkedLogProbFunction:
         [N, H] and weight [V, H] (bias [V] or None) in one float dtype,
         targets [N] int64; returns float32 [N] log_probs and entropy (or
         None) and bool [N] is_top1 (or None)."""
-        if {"log_sum_sq_probs", "mean_logits"} & set(outputs) and cls.original is not None:
+        want_mean = "mean_logits" in outputs
+        if "log_sum_sq_probs" in outputs or (want_mean and final_logit_softcapping is not None):
+            if cls.original is None:
+                raise NotImplementedError(
+                    "lmloss's fused head forms no log_sum_sq_probs, nor mean_logits under a "
+                    "softcap, and TRL's own kernel is not available")
             return cls.original.apply(hidden, weight, bias, targets, temperature, chunk_size,
                                       final_logit_softcapping, logit_scale, outputs)
         kw = dict(bias=bias, temperature=temperature, logit_scale=logit_scale,
                   softcap=final_logit_softcapping)
         want_entropy = "entropy" in outputs
+        mean = _mean_logits(hidden, weight, bias, logit_scale / temperature) if want_mean else None
         if "is_top1" in outputs:
             r = lt.linear_cross_entropy(hidden, weight, targets, reduction="none",
                                         return_entropy=want_entropy, return_argmax=True, **kw)
-            return -r.loss, r.entropy, None, None, r.argmax == targets
+            return -r.loss, r.entropy, None, mean, r.argmax == targets
         logp, ent = lt.linear_log_probs(hidden, weight, targets, entropy=True, **kw)
-        return logp, (ent if want_entropy else None), None, None, None
+        return logp, (ent if want_entropy else None), None, mean, None
+
+
+def _mean_logits(hidden: Any, weight: Any, bias: Any, scale: float, block: int = 8192) -> Any:
+    """float32 [N]: each row's logits (hidden W^T + bias) times scale,
+    averaged over the vocabulary, without the logits: the mean is linear,
+    hidden's product with W's column means (+ the bias' mean), summed in
+    fp32 a block of rows at a time (no fp32 copy of W or hidden)."""
+    import torch
+
+    with torch.no_grad():
+        V = weight.shape[0]
+        wsum = sum(w.float().sum(0) for w in weight.split(block))
+        mean = torch.cat([h.float() @ wsum for h in hidden.split(block)]) / V
+        if bias is not None:
+            mean = mean + bias.float().mean()
+        return mean * scale
 
 
 def _gkd_trainer():
