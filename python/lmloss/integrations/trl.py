@@ -66,8 +66,8 @@ class ChunkedLogProbFunction:
               outputs: Sequence[str] = ("log_probs", "entropy", "is_top1")) -> tuple:
         """TRL's ChunkedLogProbFunction.apply (the class docstring): hidden
         [N, H] and weight [V, H] (bias [V] or None) in one float dtype,
-        targets [N] int64; returns float32 [N] log_probs and entropy (or
-        None) and bool [N] is_top1 (or None)."""
+        targets [N] int64; returns float32 [N] log_probs, entropy and
+        mean_logits (or None) and bool [N] is_top1 (or None)."""
         want_mean = "mean_logits" in outputs
         if "log_sum_sq_probs" in outputs or (want_mean and final_logit_softcapping is not None):
             if cls.original is None:
