@@ -21,7 +21,9 @@ DPO (--case dpo): 4 pairs of 2048-token chosen and rejected completions
 (N = 16384), the sigmoid loss on sequence log-prob sums against
 precomputed reference sums.
   lmloss pairs  lmloss.torch.linear_dpo_loss: the fused DPO head, a group
-                of whole pairs at a time (default budget)
+                of whole pairs at a time (default budget: groups of one
+                pair; "4 GiB": of two, one fp32 read-modify-write of dW's
+                sum where the default has three)
   lmloss        linear_log_probs then lmloss.torch.dpo_loss (default
                 budget; and with a budget that holds the store of all rows)
   torch         the logits materialized, log-softmax at the tokens
@@ -137,11 +139,15 @@ def dpo_impls(b, t, gen):
         c, r = sums(torch_logps(h, w, y))
         return -F.logsigmoid(0.1 * ((c - rc) - (r - rr))).mean()
 
-    def lmloss_pairs(h, w, y, rc, rr):
-        return lt.linear_dpo_loss(h.reshape(2 * b, t, -1), w, y, None, rc, rr)
+    def lmloss_pairs(budget):
+        def run(h, w, y, rc, rr):
+            return lt.linear_dpo_loss(h.reshape(2 * b, t, -1), w, y, None, rc, rr,
+                                      memory_budget=budget)
+        return run
 
     store = 2 * 2 * b * t * (V + H) + (1 << 30)  # the store of all rows and room beside it
-    out = {"lmloss pairs": lmloss_pairs, "lmloss": lmloss_dpo(None),
+    out = {"lmloss pairs": lmloss_pairs(None), "pairs 4 GiB": lmloss_pairs(4 << 30),
+           "lmloss": lmloss_dpo(None),
            "lmloss kept": lmloss_dpo(store), "torch": torch_dpo}
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss
