@@ -30,7 +30,9 @@
 #                                 divergences' test, `lmloss check`, the fp32 rows of 262144
 #                                 with options, the divergences in C; the
 #                                 DPO head: its C and CUDA pytest tests,
-#                                 memcheck, its bench against its peers
+#                                 memcheck, its bench against its peers;
+#                                 TRL's fused LM head against lmloss's
+#                                 stand-in (where TRL is installed)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -155,6 +157,9 @@ if [ "${1:-}" = "pending" ]; then
   python_env
   timeout 120 python3 -m pytest -q -m cuda tests/python/test_linear_dpo.py | tail -2 || status=1
   (cd bench && timeout 200 python3 objective_head_gpu.py --case dpo) | tee "$OUT/dpo.txt"
+  if python3 -c "import trl" 2>/dev/null; then # TRL's fused head against lmloss's stand-in
+    (cd bench && timeout 200 python3 trl_head_gpu.py) | tee "$OUT/trl-head.txt"
+  fi
   exit $status
 fi
 
