@@ -18,10 +18,9 @@ rows).
     python bench/trl_head_gpu.py [--rows 16384] [--reps 5]
 """
 import argparse
-import statistics
-import time
 
 import torch
+from gpu_timing import timed
 from objective_head_gpu import H, V, tokens
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction as TrlHead
 
@@ -33,22 +32,7 @@ OUTPUTS = {"SFT/GRPO": ("log_probs", "entropy", "is_top1"),
            "KTO": ("log_probs", "entropy", "mean_logits")}
 
 
-def timed(fn, reps, device):
-    """Median ms of reps calls after a warm-up one."""
-    fn()
-    ts = []
-    for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
-
-
-def compare(h, w, y, reps, device):
+def compare(h, w, y, reps):
     """Each trainer's call through both heads, TRL's first."""
     for trainer, outputs in OUTPUTS.items():
         got = {}
@@ -58,7 +42,7 @@ def compare(h, w, y, reps, device):
                 r = head.apply(hl, wl, None, y, 1.0, CHUNK, None, 1.0, outputs)
                 r[0].sum().backward()
                 return r, hl.grad
-            ms = timed(run, reps, device)
+            ms = timed(run, reps)[0]
             got[name] = run()
             line = f"  {trainer:9s} {name:7s} {ms:9.2f} ms"
             if name == "lmloss":
@@ -71,8 +55,7 @@ def compare(h, w, y, reps, device):
                 line += f", dhidden rel {((mg - tg).float().norm() / tg.float().norm()).item():.2e}"
             print(line, flush=True)
         del got
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
 
 
 def main():
@@ -83,7 +66,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     h, w, y = tokens(a.rows // 1024, 1024, gen)
     print(f"{torch.cuda.get_device_name()}, N {a.rows} H {H} V {V} bf16, peaked rows")
-    compare(h, w, y.reshape(-1), a.reps, "cuda")
+    compare(h, w, y.reshape(-1), a.reps)
 
 
 if __name__ == "__main__":

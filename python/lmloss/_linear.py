@@ -349,7 +349,7 @@ LinearDPOResult = collections.namedtuple(
     "LinearDPOResult", "loss dhidden dweight chosen_logps rejected_logps metrics")
 LinearDPOResult.__doc__ = """Returned by linear_dpo_loss: loss (float); dhidden and
 dweight (None without grad=True); chosen_logps and rejected_logps (float32 [P]), the
-policy's sequence sums; metrics, a dict as dpo_loss's."""
+policy's sequence sums (means with average_log_prob); metrics, a dict as dpo_loss's."""
 
 
 def linear_dpo_loss(hidden: ArrayLike, weight: ArrayLike, index: ArrayLike,
@@ -370,9 +370,9 @@ def linear_dpo_loss(hidden: ArrayLike, weight: ArrayLike, index: ArrayLike,
     index [2P, T] the tokens each position predicts, mask [2P, T] the ones
     that count, ref_*_logps [P] the reference's sums, weight_per_pair [P]
     (WPO); average_log_prob: sequences' means in place of their sums
-    (CPO's and ORPO's). The head runs three GEMMs, a group of whole pairs at a time,
-    within memory_budget (lmloss_linear_preference); grad=True returns the
-    gradients of hidden and weight. Raises lmloss.Error (UNSUPPORTED where
+    (CPO's and ORPO's). The head runs three GEMMs, a group of whole pairs
+    at a time, within memory_budget (lmloss_linear_preference); grad=True
+    returns the gradients of hidden and weight. Raises lmloss.Error (UNSUPPORTED where
     no group of one pair fits the budget, or of every pair for aot,
     aot_unpaired and sft)."""
     from ._preference import METRIC_NAMES, pref_struct, pref_values

@@ -74,8 +74,9 @@ static size_t pair_layout(const lmloss_head *head, int64_t P, int64_t k, int64_t
   p->region = off;
   q->hid = off, off += q->grad ? 0 : lmloss_ws_up((size_t)c * H * p->hs);
   p->slab = off, off += lmloss_ws_up((size_t)c * V * 4);
+  const int64_t wide = q->grad ? wide_rows(q, T) : 0;
   p->rows = c;
-  p->slot_rows = q->grad && wide_rows(q, T) > c ? wide_rows(q, T) : c;
+  p->slot_rows = wide > c ? wide : c;
   p->aux = off, off += lmloss_ws_up((size_t)p->slot_rows * aux_per_row(1));
   p->ce_ws = off, off += lmloss_ws_up(lmloss_cross_entropy_workspace_size(p->slot_rows));
   const size_t dh_row = p->region + lmloss_ws_up((size_t)H * 4); /* dhidden's fp32 block */
@@ -199,7 +200,10 @@ static lmloss_tensor store_rows(const pair_call *c, int64_t first, int64_t n) {
  * chunk there is wide (up to wide_rows, in whole tiles of 128 unless it
  * ends the sequence), its logits in the free rows after its own, so the
  * logits GEMMs and row passes run on wide chunks where the slab would
- * have cut them short; then chunks take the slab. */
+ * have cut them short; then chunks take the slab. Not the CE head's
+ * wide_chunk_rows: here the store has two parts and a chunk starts at any
+ * row (sequences of any count), so the room is counted in bytes, with
+ * the slack that aligns the slab. */
 static int64_t chunk_at(const pair_call *c, int64_t pos, int64_t left, char **slab_at) {
   const pair_plan *q = &c->q;
   const size_t row = (size_t)c->head->weight.rows * q->lp.dls;
