@@ -115,26 +115,6 @@ LMLOSS_HD int lmloss_grpo_clipped(const lmloss_grpo_par *p) {
          p->type != LMLOSS_GRPO_VESPO;
 }
 
-/* k3 = e^d - 1 - d: its Taylor series where expm1(d) - d would cancel
- * (|d| < 1/4: the terms to d^11 leave 1e-16 of it), else that difference,
- * which then loses at most a factor 8. */
-LMLOSS_HD double lmloss_grpo_k3(double d) {
-  if (fabs(d) < 0.25) {
-    double s = 1.0 / 39916800.0;
-    s = 1.0 / 3628800.0 + d * s;
-    s = 1.0 / 362880.0 + d * s;
-    s = 1.0 / 40320.0 + d * s;
-    s = 1.0 / 5040.0 + d * s;
-    s = 1.0 / 720.0 + d * s;
-    s = 1.0 / 120.0 + d * s;
-    s = 1.0 / 24.0 + d * s;
-    s = 1.0 / 6.0 + d * s;
-    s = 0.5 + d * s;
-    return d * d * s;
-  }
-  return expm1(d) - d;
-}
-
 /* torch.nan_to_num in fp32: NaN 0, infinities the largest floats. */
 LMLOSS_HD double lmloss_grpo_nan0(double x) {
   if (isnan(x)) return 0.0;
@@ -201,68 +181,13 @@ LMLOSS_HD double lmloss_grpo_accum_div(const lmloss_grpo_par *p) {
   return lmloss_grpo_by_items(p) ? 1.0 : p->accum;
 }
 
-/* One token's per-token loss and its derivatives. */
+/* A token's inputs, with the absent ones' stand-ins: old = logp,
+ * sampling = old, entropy 0, IS ratio 1. */
 typedef struct {
-  double loss; /* the per-token loss (before m and the weights) */
-  double dlw;  /* d loss / d lw, through the ratio */
-  double dlp;  /* d loss / d logp, directly */
-  double kl;   /* beta's k3 (bias-corrected), 0 without beta */
-  int low, high, cispo;
-} lmloss_grpo_tok;
+  double m, logp, old, samp, ref, adv, ent, is;
+} lmloss_grpo_in;
 
-/* lw: the token's log weight (r, or its sequence's); s: the product of
- * the masks and the IS ratio that scale the policy term; phi: VESPO's.
- * min(a1, a2)'s gradient goes to the lesser, half to each on a tie, and
- * a clip passes it strictly inside its range: torch's rules since 2.14,
- * which TRL's gradient follows (with epsilon 0 and a ratio of 1, half of
- * it; torch 2.13's clip passed it at its bounds too, all of it). */
-LMLOSS_HD lmloss_grpo_tok lmloss_grpo_token(const lmloss_grpo_par *p, double lw, double logp,
-                                            double ref, double adv, double s, double phi) {
-  lmloss_grpo_tok o;
-  const double c = exp(lw);
-  double pol = 0.0, dc = 0.0, dlp = 0.0;
-  o.low = o.high = o.cispo = 0;
-  if (p->type == LMLOSS_GRPO_CISPO) {
-    const double cc = fmin(c, p->eps_high);
-    pol = -cc * adv * logp;
-    dlp = -cc * adv;
-    o.cispo = c > p->eps_high && adv > 0.0;
-  } else if (p->type == LMLOSS_GRPO_SAPO) {
-    const double tau = adv > 0.0 ? p->tau_pos : p->tau_neg;
-    const double x = tau * expm1(lw), e = exp(-fabs(x));
-    const double sig = x >= 0.0 ? 1.0 / (1.0 + e) : e / (1.0 + e);
-    pol = -sig * 4.0 / tau * adv;
-    dc = -4.0 * e / ((1.0 + e) * (1.0 + e)) * adv; /* sigma (1 - sigma) */
-  } else if (p->type == LMLOSS_GRPO_VESPO) {
-    pol = -phi * adv * logp;
-    dlp = -phi * adv;
-  } else {
-    const double c2 = fmin(fmax(c, p->lo), p->hi);
-    const double c1 = p->delta > 0.0 ? fmin(c, p->delta) : c;
-    const double g1 = p->delta > 0.0 && c >= p->delta ? 0.0 : adv;
-    const double g2 = c > p->lo && c < p->hi ? adv : 0.0;
-    const double a1 = c1 * adv, a2 = c2 * adv;
-    pol = -fmin(a1, a2);
-    dc = -(a1 < a2 ? g1 : a1 > a2 ? g2 : 0.5 * (g1 + g2));
-    o.low = c1 < p->lo && adv < 0.0;
-    o.high = c1 > p->hi && adv > 0.0;
-  }
-  o.loss = s * pol;
-  dc *= s;
-  dlp *= s;
-  o.kl = 0.0;
-  if (p->ref) {
-    const double d = ref - logp, k3 = lmloss_grpo_k3(d), dk = -expm1(d);
-    const double w = p->bias ? c : 1.0;
-    o.kl = k3 * w;
-    o.loss += p->beta * o.kl;
-    dlp += p->beta * dk * w;
-    if (p->bias) dc += p->beta * k3;
-  }
-  o.dlw = dc * c;
-  o.dlp = dlp;
-  return o;
-}
+#include "grpo_token.h" /* in double: every stage's formula */
 
 /* Per-sequence clip metrics (SEQUENCE with advantages [B, 1]: TRL's
  * flags are [B, 1] then), counted once per sequence whatever its mask. */
@@ -287,12 +212,6 @@ LMLOSS_HD double lmloss_grpo_is_log(double old, double samp, double m) {
 LMLOSS_HD double lmloss_grpo_at(const lmloss_tensor *t, int64_t b, int64_t j) {
   return ((const float *)t->data)[b * t->row_stride + (t->cols == 1 ? 0 : j)];
 }
-
-/* A token's inputs, with the absent ones' stand-ins: old = logp,
- * sampling = old, entropy 0, IS ratio 1. */
-typedef struct {
-  double m, logp, old, samp, ref, adv, ent, is;
-} lmloss_grpo_in;
 
 /* Token (b, t)'s given inputs, before its log-prob is known (the one
  * pass on logits loads them while the row's logits are read); the
@@ -406,18 +325,6 @@ LMLOSS_HD void lmloss_grpo_seq_metrics(const lmloss_grpo_par *p, const lmloss_gr
 LMLOSS_HD int lmloss_grpo_one_pass(const lmloss_grpo_par *p) {
   return !p->seq && !p->off_policy && !p->thr && p->coef == 0.0 && p->type != LMLOSS_GRPO_VESPO &&
          p->is_mode < LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE;
-}
-
-/* d loss / d logp of token x at upstream 1 where lmloss_grpo_one_pass
- * holds: stage C's, whose record is then read for nothing but the scale
- * sc (lmloss_grpo_token_scale of the token's sequence). */
-LMLOSS_HD double lmloss_grpo_one_pass_dlogp(const lmloss_grpo_par *p, const lmloss_grpo_in *x,
-                                            double sc) {
-  if (x->m == 0.0) return 0.0;
-  const double none[LMLOSS_GRPO_S_N] = {0.0};
-  int keep_e;
-  const lmloss_grpo_tok o = lmloss_grpo_stage_c(p, none, x, 0.0, &keep_e);
-  return x->m * sc * (o.dlp + o.dlw);
 }
 
 /* The factor of a token's derivatives in the loss, m w / accumulation
