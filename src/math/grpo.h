@@ -280,7 +280,7 @@ LMLOSS_HD lmloss_grpo_tok lmloss_grpo_stage_c(const lmloss_grpo_par *p, const do
                    (p->type == LMLOSS_GRPO_VESPO ? 1.0 : is);
   const double phi = p->type == LMLOSS_GRPO_VESPO ? lmloss_grpo_phi(p, rec, x->adv) : 0.0;
   const double lw = p->seq ? lmloss_grpo_seq_lw(rec) : x->logp - x->old;
-  return lmloss_grpo_token(p, lw, x->logp, x->ref, x->adv, s, phi);
+  return lmloss_grpo_token(p, lw, x->logp, x->ref - x->logp, x->adv, s, phi);
 }
 
 /* The metrics of a token (m != 0) into rec (seq: its sequence's stage A

@@ -50,13 +50,15 @@ typedef struct {
   int low, high, cispo;
 } FN(lmloss_grpo_tok);
 
-/* lw: the token's log weight (r, or its sequence's); s: the product of
- * the masks and the IS ratio that scale the policy term; phi: VESPO's.
+/* lw: the token's log weight (r, or its sequence's); d: ref - logp; s:
+ * the product of the masks and the IS ratio that scale the policy term;
+ * phi: VESPO's. The differences come formed: a float caller forms them
+ * in double, so that log-probs near -1000 keep their ratio.
  * min(a1, a2)'s gradient goes to the lesser, half to each on a tie, and
  * a clip passes it strictly inside its range: torch's rules since 2.14,
  * which TRL's gradient follows (with epsilon 0 and a ratio of 1, half of
  * it; torch 2.13's clip passed it at its bounds too, all of it). */
-LMLOSS_HD FN(lmloss_grpo_tok) FN(lmloss_grpo_token)(const lmloss_grpo_par *p, R lw, R logp, R ref,
+LMLOSS_HD FN(lmloss_grpo_tok) FN(lmloss_grpo_token)(const lmloss_grpo_par *p, R lw, R logp, R d,
                                                     R adv, R s, R phi) {
   FN(lmloss_grpo_tok) o;
   const R c = exp(lw), lo = (R)p->lo, hi = (R)p->hi, delta = (R)p->delta;
@@ -92,7 +94,7 @@ LMLOSS_HD FN(lmloss_grpo_tok) FN(lmloss_grpo_token)(const lmloss_grpo_par *p, R 
   dlp *= s;
   o.kl = 0;
   if (p->ref) {
-    const R beta = (R)p->beta, d = ref - logp, k3 = FN(lmloss_grpo_k3)(d), dk = -expm1(d);
+    const R beta = (R)p->beta, k3 = FN(lmloss_grpo_k3)(d), dk = -expm1(d);
     const R w = p->bias ? c : 1;
     o.kl = k3 * w;
     o.loss += beta * o.kl;
@@ -112,9 +114,8 @@ LMLOSS_HD FN(lmloss_grpo_tok) FN(lmloss_grpo_token)(const lmloss_grpo_par *p, R 
 LMLOSS_HD R FN(lmloss_grpo_one_pass_dlogp)(const lmloss_grpo_par *p, const lmloss_grpo_in *x,
                                            R sc) {
   if (x->m == 0.0) return 0;
-  const R logp = (R)x->logp;
-  const FN(lmloss_grpo_tok) o =
-      FN(lmloss_grpo_token)(p, logp - (R)x->old, logp, (R)x->ref, (R)x->adv, (R)x->is, 0);
+  const FN(lmloss_grpo_tok) o = FN(lmloss_grpo_token)(
+      p, (R)(x->logp - x->old), (R)x->logp, (R)(x->ref - x->logp), (R)x->adv, (R)x->is, 0);
   return (R)x->m * sc * (o.dlp + o.dlw);
 }
 

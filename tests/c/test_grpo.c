@@ -6,11 +6,17 @@
  * modes, advantages per token; the loss,
  * the metrics and both gradients, the backward from dloss, thread counts
  * (bitwise), closed forms where fp32 would lose them (a ratio of log-probs
- * near -1000, k3 of a difference of 1e-6), and bad arguments. TRL itself
+ * near -1000, k3 of a difference of 1e-6, the float form of CUDA's one
+ * pass there), and bad arguments. TRL itself
  * is the oracle of tests/python/test_grpo.py; here REF, the same formulas
  * in their sequential order, is the CPU threads' and CUDA's.
  */
+#include "math/grpo.h"
 #include "support/testing.h"
+/* the float form CUDA's one pass on logits forms its upstream with */
+#define LMLOSS_GRPO_REAL float
+#define LMLOSS_GRPO_NAME(name) name##_f
+#include "math/grpo_token.h"
 
 enum { IN_LOGP, IN_MASK, IN_ADV, IN_OLD, IN_REF, IN_SAMP, IN_IS, IN_ENT, IN_THR, IN_ITEMS, NIN };
 
@@ -234,6 +240,17 @@ static void closed_forms(void) {
   tg_close(&g, tget(&r.dlogp, 0, 0), -expm1(d), LMLOSS_F32, 0, "dk3", 0, 0);
   tg_close(&g, tget(&r.metrics, LMLOSS_GRPO_M_KL, 0), k3, LMLOSS_F32, 0, "kl metric", 0, 0);
   free_out(&r), free_in(&h);
+  /* the float form at a log-prob near -1000 that fp32 cannot hold, its old
+   * and reference log-probs 1e-3 from it: its differences formed first
+   * (from fp32 log-probs, c and expm1(d) would be 3e-5 off) */
+  lmloss_grpo_options ko = lmloss_grpo_options_default();
+  ko.loss_type = LMLOSS_GRPO_DAPO, ko.beta = 0.04;
+  const lmloss_grpo_par kp = lmloss_grpo_par_make(&ko, &(lmloss_grpo_inputs){.ref_logp.data = &ko});
+  lmloss_grpo_in x = {1.0, -1008.123456789, 0.0, 0.0, 0.0, 0.7, 0.0, 1.0};
+  x.old = (float)(x.logp + 1e-3), x.ref = (float)(x.logp - 1e-3);
+  x.samp = x.old;
+  tg_close(&g, lmloss_grpo_one_pass_dlogp_f(&kp, &x, 0.5f), lmloss_grpo_one_pass_dlogp(&kp, &x, 0.5),
+           LMLOSS_F32, 0, "float one-pass dlogp", 0, 0);
   tg_end(&g);
 }
 
