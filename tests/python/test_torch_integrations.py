@@ -259,11 +259,10 @@ def test_fused_head_kernel_matches_logits_forms():
         torch.testing.assert_close(gw, rw, rtol=1e-4, atol=1e-5)
 
 
-def test_fused_head_kernel_mean_logits(monkeypatch):
+def test_fused_head_kernel_mean_logits():
     """mean_logits by linearity (hidden times W's column means): against
     the logits' own mean in float64, and against TRL's kernel (its torch
-    form on the CPU) on the same inputs; a softcap goes to TRL's kernel,
-    or fails plainly without it."""
+    form on the CPU) on the same inputs."""
     g = torch.Generator().manual_seed(7)
     hs = torch.randn(30, 16, generator=g)
     w = torch.randn(103, 16, generator=g) * 0.3
@@ -279,20 +278,51 @@ def test_fused_head_kernel_mean_logits(monkeypatch):
         torch.testing.assert_close(got[3], trl_out[3], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[0], trl_out[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[4], trl_out[4])
-    monkeypatch.setattr(ltrl.ChunkedLogProbFunction, "original", None)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        ltrl.ChunkedLogProbFunction.apply(hs, w, b, y, 0.7, 4096, 30.0, 1.3, outputs)
-    with pytest.raises(NotImplementedError, match="log_sum_sq_probs"):
-        ltrl.ChunkedLogProbFunction.apply(hs, w, b, y, 0.7, 4096, None, 1.3,
-                                          ("log_probs", "log_sum_sq_probs"))
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_fused_head_kernel_wpo_and_softcap_mean(softcap):
+    """WPO's log_sum_sq_probs and the mean logits under a softcap (from the
+    logits, a block of rows at a time): against float64 on rows whose
+    column 5 leads by about 20 after the scale and temperature (log sum p^2
+    about -1e-7 there, which a difference of fp32 logs of sums near 1 keeps
+    to a bit or two), with blocks of a few rows; against TRL's kernel on
+    the same inputs."""
+    g = torch.Generator().manual_seed(8)
+    hs = torch.randn(30, 16, generator=g)
+    w = torch.randn(103, 16, generator=g) * 0.3
+    b = torch.randn(103, generator=g)
+    b[5] += 11.0
+    y = torch.randint(0, 103, (30,), generator=g)
+    z = (hs.double() @ w.double().T + b.double()) * 1.3
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / 0.7
+    lsq = torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)
+    for outputs in (("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
+                    ("log_probs", "log_sum_sq_probs")):
+        got = ltrl.ChunkedLogProbFunction.apply(hs, w, b, y, 0.7, 4096, softcap, 1.3, outputs)
+        torch.testing.assert_close(got[2].double(), lsq, rtol=1e-5, atol=1e-9)
+        if "mean_logits" in outputs:
+            torch.testing.assert_close(got[3].double(), z.mean(-1), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[0].double(), z.log_softmax(-1).gather(1, y[:, None])[:, 0],
+                                   rtol=1e-5, atol=1e-6)
+    if softcap is None:
+        assert ((lsq > -1e-3) & (lsq < -1e-8)).all()  # the confident rows this test is about
+    sq, _ = ltrl._logit_sums(hs, w, b, 1.3, softcap, 0.7, True, False, block_bytes=4 * 103 * 7)
+    torch.testing.assert_close(sq.double(), lsq, rtol=1e-5, atol=1e-9)
+    if trl_utils is not None:
+        trl_out = trl_utils._ChunkedLogProbFunction.apply(hs, w, b, y, 0.7, 4096, softcap, 1.3,
+                                                          outputs)
+        torch.testing.assert_close(got[2], trl_out[2], rtol=1e-3, atol=1e-6)
 
 
 def sft_step(model, fused):
     ids, labels = batch(1024, b=2, t=32, seed=5)
     if fused:  # TRL's SFTTrainer.compute_loss through add_fused_lm_head
         out = model(input_ids=ids, labels=labels, fused_lm_head=True)
-        extra = tuple(x for x in (out.log_probs, out.entropy, out.is_top1, out.mean_logits)
-                      if x is not None)
+        extra = tuple(x for x in (out.log_probs, out.entropy, out.is_top1, out.mean_logits,
+                                  getattr(out, "log_sum_sq_probs", None)) if x is not None)
     else:  # the transformers path: outputs.loss
         out = model(input_ids=ids, labels=labels)
         extra = ()
@@ -307,10 +337,12 @@ def test_sft_step_same_with_and_without_the_drop_ins():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     if trl_utils is None:
         return  # no TRL: the fused_lm_head path below needs add_fused_lm_head
-    # SFTTrainer's outputs, DPOTrainer's (their mean logits too), KTOTrainer's
+    # SFTTrainer's outputs, DPOTrainer's (their mean logits too; with WPO's
+    # use_weighting the sum of squared probabilities), KTOTrainer's
     compared = []
     for outputs in (("log_probs", "entropy", "is_top1"),
                     ("log_probs", "entropy", "mean_logits", "is_top1"),
+                    ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs"),
                     ("log_probs", "entropy", "mean_logits")):
         m0, m1 = copy.deepcopy(base), copy.deepcopy(base)
         for m in (m0, m1):
@@ -331,4 +363,5 @@ def test_sft_step_same_with_and_without_the_drop_ins():
                 assert torch.equal(a, b)
             else:
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    assert compared == [compared[0], compared[0] + 1, compared[0]]  # mean logits, no top-1
+    n = compared[0]
+    assert compared == [n, n + 1, n + 2, n]  # mean logits, WPO's sums, no top-1

@@ -51,41 +51,39 @@ class ChunkedLogProbFunction:
     """TRL's fused LM head (trl.kernels.ChunkedLogProbFunction) through lmloss:
     apply(hidden [N, H], weight [V, H], bias, targets [N], temperature,
     chunk_size, final_logit_softcapping=None, logit_scale=1.0, outputs=...)
-    -> (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1). lmloss
-    computes log_probs (differentiable), entropy (differentiable unless
-    is_top1 is also requested, then detached), is_top1 and, without a
-    softcap, mean_logits (_mean_logits); a call asking for log_sum_sq_probs,
-    or for mean_logits with a softcap, goes to TRL's original."""
+    -> (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1). lmloss's
+    fused head computes log_probs (differentiable), entropy (differentiable
+    unless is_top1 is also requested, then detached) and is_top1; without a
+    softcap mean_logits comes by linearity (_mean_logits), and WPO's
+    log_sum_sq_probs, or mean_logits under a softcap, from the logits a
+    block of rows at a time (_logit_sums: one more logits GEMM, no grad)."""
 
-    original = None
-
-    @classmethod
-    def apply(cls, hidden: Any, weight: Any, bias: Any, targets: Any, temperature: float,
+    @staticmethod
+    def apply(hidden: Any, weight: Any, bias: Any, targets: Any, temperature: float,
               chunk_size: int, final_logit_softcapping: Optional[float] = None,
               logit_scale: float = 1.0,
               outputs: Sequence[str] = ("log_probs", "entropy", "is_top1")) -> tuple:
         """TRL's ChunkedLogProbFunction.apply (the class docstring): hidden
         [N, H] and weight [V, H] (bias [V] or None) in one float dtype,
-        targets [N] int64; returns float32 [N] log_probs, entropy and
-        mean_logits (or None) and bool [N] is_top1 (or None)."""
-        want_mean = "mean_logits" in outputs
-        if "log_sum_sq_probs" in outputs or (want_mean and final_logit_softcapping is not None):
-            if cls.original is None:
-                raise NotImplementedError(
-                    "lmloss's fused head forms no log_sum_sq_probs, nor mean_logits under a "
-                    "softcap, and TRL's own kernel is not available")
-            return cls.original.apply(hidden, weight, bias, targets, temperature, chunk_size,
-                                      final_logit_softcapping, logit_scale, outputs)
-        kw = dict(bias=bias, temperature=temperature, logit_scale=logit_scale,
-                  softcap=final_logit_softcapping)
-        want_entropy = "entropy" in outputs
-        mean = _mean_logits(hidden, weight, bias, logit_scale / temperature) if want_mean else None
+        targets [N] int64; returns float32 [N] log_probs, entropy,
+        log_sum_sq_probs and mean_logits (or None) and bool [N] is_top1 (or
+        None)."""
+        cap = final_logit_softcapping
+        kw = dict(bias=bias, temperature=temperature, logit_scale=logit_scale, softcap=cap)
+        want_entropy, want_mean = "entropy" in outputs, "mean_logits" in outputs
+        want_sq = "log_sum_sq_probs" in outputs
+        sq = mean = None
+        if want_sq or (want_mean and cap is not None):
+            sq, mean = _logit_sums(hidden, weight, bias, logit_scale, cap, temperature, want_sq,
+                                   want_mean)
+        elif want_mean:
+            mean = _mean_logits(hidden, weight, bias, logit_scale / temperature)
         if "is_top1" in outputs:
             r = lt.linear_cross_entropy(hidden, weight, targets, reduction="none",
                                         return_entropy=want_entropy, return_argmax=True, **kw)
-            return -r.loss, r.entropy, None, mean, r.argmax == targets
+            return -r.loss, r.entropy, sq, mean, r.argmax == targets
         logp, ent = lt.linear_log_probs(hidden, weight, targets, entropy=True, **kw)
-        return logp, (ent if want_entropy else None), None, mean, None
+        return logp, (ent if want_entropy else None), sq, mean, None
 
 
 def _mean_logits(hidden: Any, weight: Any, bias: Any, scale: float, block: int = 8192) -> Any:
@@ -102,6 +100,38 @@ def _mean_logits(hidden: Any, weight: Any, bias: Any, scale: float, block: int =
         if bias is not None:
             mean = mean + bias.float().mean()
         return mean * scale
+
+
+def _logit_sums(hidden: Any, weight: Any, bias: Any, logit_scale: float, softcap: Optional[float],
+                temperature: float, want_sq: bool, want_mean: bool,
+                block_bytes: int = 1 << 28) -> tuple:
+    """(log_sum_sq_probs, mean_logits), each float32 [N] or None, from the
+    logits (as TRL's kernel forms them: the GEMM in the head's dtype, then
+    scale, softcap and temperature in fp32), a block of rows of at most
+    block_bytes of fp32 logits at a time, without gradient. log sum p^2 is
+    log1p(S2) - 2 log1p(R), the max-split sums of e^2(z - max) and e^(z -
+    max) over all but the row's first max: a confident row keeps its tiny
+    value where log(sum e^2z) - 2 log Z (or the sums with the max's 1 in
+    them) would cancel."""
+    import torch
+
+    with torch.no_grad():
+        rows = max(1, block_bytes // (4 * weight.shape[0]))
+        sq, mean = [], []
+        for h in hidden.split(rows):
+            z = h @ weight.T
+            if bias is not None:
+                z = z + bias
+            z = z.float() * logit_scale
+            if softcap is not None:
+                z = softcap * torch.tanh(z / softcap)
+            z = z / temperature
+            if want_mean:
+                mean.append(z.mean(-1))
+            if want_sq:
+                e = (z - z.amax(-1, keepdim=True)).exp_().scatter_(-1, z.argmax(-1, True), 0.0)
+                sq.append(e.square().sum(-1).log1p() - 2 * e.sum(-1).log1p())
+        return (torch.cat(sq) if want_sq else None), (torch.cat(mean) if want_mean else None)
 
 
 def _gkd_trainer():
@@ -678,8 +708,6 @@ def enable(module: Optional[types.ModuleType] = None) -> List[types.ModuleType]:
             if old is None or old is new:
                 continue
             _saved[(mod.__name__, attr)] = (mod, old)
-            if attr == "_ChunkedLogProbFunction":
-                ChunkedLogProbFunction.original = old
             setattr(mod, attr, new)
     return mods
 
