@@ -8,10 +8,11 @@ log-probs' sum), on the same peaked rows.
             lmloss.integrations.trl.enable() puts in its place
 
 Each trainer's outputs: SFT's and GRPO's (log-probs, entropy, top-1), DPO's
-(and the mean logits), KTO's (log-probs, entropy, mean logits). Beside each
+(and the mean logits; with WPO's use_weighting the log sum of squared
+probabilities too), KTO's (log-probs, entropy, mean logits). Beside each
 time: the log-probs' largest difference from TRL's (whose fp32 log p =
-target logit - log Z reads 0 on the confident rows), the mean logits',
-top-1 agreement, and dhidden's relative difference. Needs TRL installed
+target logit - log Z reads 0 on the confident rows), the log sum p^2's
+and mean logits', top-1 agreement, and dhidden's relative difference. Needs TRL installed
 (it imports transformers); bf16, H 4096, V 152064 (objective_head_gpu's
 rows).
 
@@ -29,6 +30,7 @@ from lmloss.integrations.trl import ChunkedLogProbFunction as LmlossHead
 CHUNK = 32768  # TRL's
 OUTPUTS = {"SFT/GRPO": ("log_probs", "entropy", "is_top1"),
            "DPO": ("log_probs", "entropy", "mean_logits", "is_top1"),
+           "DPO (WPO)": ("log_probs", "entropy", "mean_logits", "is_top1", "log_sum_sq_probs"),
            "KTO": ("log_probs", "entropy", "mean_logits")}
 
 
@@ -44,10 +46,12 @@ def compare(h, w, y, reps):
                 return r, hl.grad
             ms = timed(run, reps)[0]
             got[name] = run()
-            line = f"  {trainer:9s} {name:7s} {ms:9.2f} ms"
+            line = f"  {trainer:10s} {name:7s} {ms:9.2f} ms"
             if name == "lmloss":
                 (t, tg), (m, mg) = got["TRL"], got["lmloss"]
                 line += f"  log-probs max |diff| {(m[0] - t[0]).abs().max().item():.2e}"
+                if m[2] is not None:
+                    line += f", log sum p^2 {(m[2] - t[2]).abs().max().item():.2e}"
                 if m[3] is not None:
                     line += f", mean logits {(m[3] - t[3]).abs().max().item():.2e}"
                 if m[4] is not None:
