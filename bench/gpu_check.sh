@@ -30,9 +30,12 @@
 #                                 divergences' test, `lmloss check`, the fp32 rows of 262144
 #                                 with options, the divergences in C; the
 #                                 DPO head: its C and CUDA pytest tests,
-#                                 memcheck, its bench against its peers;
+#                                 memcheck; GRPO on logits (the one
+#                                 pass's float upstream): its C and CUDA
+#                                 pytest tests, its bench and profile;
 #                                 TRL's fused LM head against lmloss's
-#                                 stand-in (where TRL is installed)
+#                                 stand-in (where TRL imports: its wheel
+#                                 in .whl/, `pip download --no-deps trl`)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -131,8 +134,8 @@ fi
 
 if [ "${1:-}" = "pending" ]; then
   status=0
-  for t in test_ce test_logprob test_softmax test_shard test_shard_head test_divergence \
-    test_divergence_shard test_linear_preference test_fused_linear; do
+  for t in test_grpo test_ce test_logprob test_softmax test_shard test_shard_head \
+    test_divergence test_divergence_shard test_linear_preference test_fused_linear; do
     LMLOSS_TEST_BACKEND=cuda timeout 150 "$BUILD/$t" >"$OUT/$t.log" 2>&1 || status=1
     echo "$t: $(grep -c '^ok' "$OUT/$t.log") ok, $(grep -c '^FAIL' "$OUT/$t.log") failed"
     grep -A2 -m3 "mismatch\|failed" "$OUT/$t.log"
@@ -155,8 +158,10 @@ if [ "${1:-}" = "pending" ]; then
       --shape 8192,152064
   } 2>/dev/null | tee "$OUT/bench-pending.txt"
   python_env
-  timeout 120 python3 -m pytest -q -m cuda tests/python/test_linear_dpo.py | tail -2 || status=1
-  (cd bench && timeout 200 python3 objective_head_gpu.py --case dpo) | tee "$OUT/dpo.txt"
+  timeout 120 python3 -m pytest -q -m cuda tests/python/test_linear_dpo.py \
+    tests/python/test_torch_cuda.py -k "dpo or grpo" |
+    tail -2 || status=1
+  (cd bench && timeout 200 python3 grpo_logits_gpu.py --reps 9 --profile) | tee "$OUT/grpo.txt"
   if python3 -c "import trl" 2>/dev/null; then # TRL's fused head against lmloss's stand-in
     (cd bench && timeout 200 python3 trl_head_gpu.py) | tee "$OUT/trl-head.txt"
   fi

@@ -12,13 +12,17 @@ Each trainer's outputs: SFT's and GRPO's (log-probs, entropy, top-1), DPO's
 probabilities too), KTO's (log-probs, entropy, mean logits). Beside each
 time: the log-probs' largest difference from TRL's (whose fp32 log p =
 target logit - log Z reads 0 on the confident rows), the log sum p^2's
-and mean logits', top-1 agreement, and dhidden's relative difference. Needs TRL installed
-(it imports transformers); bf16, H 4096, V 152064 (objective_head_gpu's
-rows).
+and mean logits', top-1 agreement, and dhidden's relative difference. Needs TRL and
+transformers importable (a TRL wheel installed without its trainers'
+dependencies will do: the ZeRO-3 context its backward imports is then a
+null one); bf16, H 4096, V 152064 (objective_head_gpu's rows).
 
     python bench/trl_head_gpu.py [--rows 16384] [--reps 5]
 """
 import argparse
+import contextlib
+import sys
+import types
 
 import torch
 from gpu_timing import timed
@@ -26,6 +30,13 @@ from objective_head_gpu import H, V, tokens
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction as TrlHead
 
 from lmloss.integrations.trl import ChunkedLogProbFunction as LmlossHead
+
+try:  # TRL's backward imports its trainers' utilities for their ZeRO-3 gather
+    import trl.trainer.utils  # noqa: F401
+except ImportError:  # a TRL wheel without its trainers' dependencies (datasets)
+    _utils = types.ModuleType("trl.trainer.utils")
+    _utils.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+    sys.modules["trl.trainer.utils"] = _utils
 
 CHUNK = 32768  # TRL's
 OUTPUTS = {"SFT/GRPO": ("log_probs", "entropy", "is_top1"),
