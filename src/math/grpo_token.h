@@ -110,7 +110,8 @@ LMLOSS_HD FN(lmloss_grpo_tok) FN(lmloss_grpo_token)(const lmloss_grpo_par *p, R 
  * lmloss_grpo_with_logp) at upstream 1 where lmloss_grpo_one_pass holds,
  * so that no mask but its own applies and its weight is its own ratio:
  * stage C's value, with its sequence's factor sc
- * (lmloss_grpo_token_scale). */
+ * (lmloss_grpo_token_scale). CUDA's one pass takes the float form; the
+ * stages form the same value through lmloss_grpo_stage_c. */
 LMLOSS_HD R FN(lmloss_grpo_one_pass_dlogp)(const lmloss_grpo_par *p, const lmloss_grpo_in *x,
                                            R sc) {
   if (x->m == 0.0) return 0;

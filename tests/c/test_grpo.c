@@ -240,16 +240,20 @@ static void closed_forms(void) {
   tg_close(&g, tget(&r.dlogp, 0, 0), -expm1(d), LMLOSS_F32, 0, "dk3", 0, 0);
   tg_close(&g, tget(&r.metrics, LMLOSS_GRPO_M_KL, 0), k3, LMLOSS_F32, 0, "kl metric", 0, 0);
   free_out(&r), free_in(&h);
-  /* the float form at a log-prob near -1000 that fp32 cannot hold, its old
-   * and reference log-probs 1e-3 from it: its differences formed first
-   * (from fp32 log-probs, c and expm1(d) would be 3e-5 off) */
+  /* the one pass's float form against stage C's in double, at a log-prob
+   * near -1000 that fp32 cannot hold, its old and reference log-probs
+   * 1e-3 from it: its differences formed first (from fp32 log-probs, c
+   * and expm1(d) would be 3e-5 off) */
   lmloss_grpo_options ko = lmloss_grpo_options_default();
   ko.loss_type = LMLOSS_GRPO_DAPO, ko.beta = 0.04;
   const lmloss_grpo_par kp = lmloss_grpo_par_make(&ko, &(lmloss_grpo_inputs){.ref_logp.data = &ko});
   lmloss_grpo_in x = {1.0, -1008.123456789, 0.0, 0.0, 0.0, 0.7, 0.0, 1.0};
   x.old = (float)(x.logp + 1e-3), x.ref = (float)(x.logp - 1e-3);
   x.samp = x.old;
-  tg_close(&g, lmloss_grpo_one_pass_dlogp_f(&kp, &x, 0.5f), lmloss_grpo_one_pass_dlogp(&kp, &x, 0.5),
+  const double none[LMLOSS_GRPO_S_N] = {0.0};
+  int keep_e;
+  const lmloss_grpo_tok c_tok = lmloss_grpo_stage_c(&kp, none, &x, 0.0, &keep_e);
+  tg_close(&g, lmloss_grpo_one_pass_dlogp_f(&kp, &x, 0.5f), 0.5 * (c_tok.dlp + c_tok.dlw),
            LMLOSS_F32, 0, "float one-pass dlogp", 0, 0);
   tg_end(&g);
 }
