@@ -56,6 +56,6 @@ __all__ = ["CrossEntropyResult", "DivergenceResult", "DPOResult", "Error", "GRPO
            "KTOResult", "LinearCrossEntropyResult", "LinearDivergenceResult", "LinearDPOResult",
            "LinearPlan", "cpu_isa", "cross_entropy", "divergence", "dpo_loss", "entropy",
            "grpo_loss", "has_cuda", "kto_loss", "library_path", "linear_cross_entropy",
-           "linear_divergence", "linear_dpo_loss", "linear_log_probs", "linear_log_probs_backward", "linear_plan", "log_probs",
-           "log_probs_backward", "log_softmax", "selective_log_softmax", "softmax",
-           "softmax_backward", "__version__"]
+           "linear_divergence", "linear_dpo_loss", "linear_log_probs", "linear_log_probs_backward",
+           "linear_plan", "log_probs", "log_probs_backward", "log_softmax", "selective_log_softmax",
+           "softmax", "softmax_backward", "__version__"]

@@ -21,10 +21,6 @@
 #include "held.cuh"
 #include "math/grpo.h"
 #include "staged.cuh"
-/* the one pass's upstream in float (grpo_token.h says why) */
-#define LMLOSS_GRPO_REAL float
-#define LMLOSS_GRPO_NAME(name) name##_f
-#include "math/grpo_token.h"
 
 namespace lmc {
 
@@ -63,7 +59,7 @@ __device__ __forceinline__ void grpo_stage(const GrpoPass &g, int64_t i, GrpoRow
 __device__ __forceinline__ float grpo_upstream(const GrpoPass &g, double logp, GrpoRow *r) {
   if (threadIdx.x == 0) {
     const lmloss_grpo_in x = lmloss_grpo_with_logp(&g.p, r->x, logp);
-    r->G = -lmloss_grpo_one_pass_dlogp_f(&g.p, &x, (float)r->sc);
+    r->G = -lmloss_grpo_one_pass_dlogp(&g.p, &x, (float)r->sc);
   }
   __syncthreads();
   return r->G;

@@ -188,6 +188,9 @@ typedef struct {
 } lmloss_grpo_in;
 
 #include "grpo_token.h" /* in double: every stage's formula */
+#define LMLOSS_GRPO_REAL float
+#define LMLOSS_GRPO_NAME(name) name##_f
+#include "grpo_token.h" /* in float: the one pass's upstream (grpo_token.h says why) */
 
 /* Per-sequence clip metrics (SEQUENCE with advantages [B, 1]: TRL's
  * flags are [B, 1] then), counted once per sequence whatever its mask. */
@@ -325,6 +328,22 @@ LMLOSS_HD void lmloss_grpo_seq_metrics(const lmloss_grpo_par *p, const lmloss_gr
 LMLOSS_HD int lmloss_grpo_one_pass(const lmloss_grpo_par *p) {
   return !p->seq && !p->off_policy && !p->thr && p->coef == 0.0 && p->type != LMLOSS_GRPO_VESPO &&
          p->is_mode < LMLOSS_GRPO_IS_SEQUENCE_TRUNCATE;
+}
+
+/* d loss / d logp of token x (its log-prob and stand-ins in place:
+ * lmloss_grpo_with_logp) at upstream 1 where lmloss_grpo_one_pass holds,
+ * so that no mask but its own applies and its weight is its own ratio:
+ * stage C's value, with its sequence's factor sc
+ * (lmloss_grpo_token_scale), in float for CUDA's one pass. Its
+ * differences are formed in double before they are rounded, so that
+ * log-probs near -1000 keep their ratio. */
+LMLOSS_HD float lmloss_grpo_one_pass_dlogp(const lmloss_grpo_par *p, const lmloss_grpo_in *x,
+                                           float sc) {
+  if (x->m == 0.0) return 0.0f;
+  const lmloss_grpo_tok_f o =
+      lmloss_grpo_token_f(p, (float)(x->logp - x->old), (float)x->logp, (float)(x->ref - x->logp),
+                          (float)x->adv, (float)x->is, 0.0f);
+  return (float)x->m * sc * (o.dlp + o.dlw);
 }
 
 /* The factor of a token's derivatives in the loss, m w / accumulation

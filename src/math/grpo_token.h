@@ -1,9 +1,9 @@
 /*
  * grpo_token.h - one token's GRPO loss and derivatives, written once over
- * a real type R: grpo.h includes it in double (every stage of every
- * backend), and CUDA's one pass on logits in float (LMLOSS_GRPO_REAL
- * float, names ending in _f). Included once per type, so it has no guard;
- * it needs grpo.h's lmloss_grpo_par and lmloss_grpo_in.
+ * a real type R: grpo.h includes it twice, in double (every stage of every
+ * backend) and in float (names ending in _f: the upstream of CUDA's one
+ * pass on logits, lmloss_grpo_one_pass_dlogp). No include guard for that
+ * reason; it needs grpo.h's lmloss_grpo_par.
  *
  * Why a float form: the one pass forms a token's upstream between its
  * row's statistics and its gradient's stores, in one thread while the
@@ -58,8 +58,8 @@ typedef struct {
  * a clip passes it strictly inside its range: torch's rules since 2.14,
  * which TRL's gradient follows (with epsilon 0 and a ratio of 1, half of
  * it; torch 2.13's clip passed it at its bounds too, all of it). */
-LMLOSS_HD FN(lmloss_grpo_tok) FN(lmloss_grpo_token)(const lmloss_grpo_par *p, R lw, R logp, R d,
-                                                    R adv, R s, R phi) {
+LMLOSS_HD FN(lmloss_grpo_tok)
+    FN(lmloss_grpo_token)(const lmloss_grpo_par *p, R lw, R logp, R d, R adv, R s, R phi) {
   FN(lmloss_grpo_tok) o;
   const R c = exp(lw), lo = (R)p->lo, hi = (R)p->hi, delta = (R)p->delta;
   R pol = 0, dc = 0, dlp = 0;
@@ -104,20 +104,6 @@ LMLOSS_HD FN(lmloss_grpo_tok) FN(lmloss_grpo_token)(const lmloss_grpo_par *p, R 
   o.dlw = dc * c;
   o.dlp = dlp;
   return o;
-}
-
-/* d loss / d logp of token x (its log-prob and stand-ins in place:
- * lmloss_grpo_with_logp) at upstream 1 where lmloss_grpo_one_pass holds,
- * so that no mask but its own applies and its weight is its own ratio:
- * stage C's value, with its sequence's factor sc
- * (lmloss_grpo_token_scale). CUDA's one pass takes the float form; the
- * stages form the same value through lmloss_grpo_stage_c. */
-LMLOSS_HD R FN(lmloss_grpo_one_pass_dlogp)(const lmloss_grpo_par *p, const lmloss_grpo_in *x,
-                                           R sc) {
-  if (x->m == 0.0) return 0;
-  const FN(lmloss_grpo_tok) o = FN(lmloss_grpo_token)(
-      p, (R)(x->logp - x->old), (R)x->logp, (R)(x->ref - x->logp), (R)x->adv, (R)x->is, 0);
-  return (R)x->m * sc * (o.dlp + o.dlw);
 }
 
 #undef R

@@ -13,10 +13,6 @@
  */
 #include "math/grpo.h"
 #include "support/testing.h"
-/* the float form CUDA's one pass on logits forms its upstream with */
-#define LMLOSS_GRPO_REAL float
-#define LMLOSS_GRPO_NAME(name) name##_f
-#include "math/grpo_token.h"
 
 enum { IN_LOGP, IN_MASK, IN_ADV, IN_OLD, IN_REF, IN_SAMP, IN_IS, IN_ENT, IN_THR, IN_ITEMS, NIN };
 
@@ -253,8 +249,8 @@ static void closed_forms(void) {
   const double none[LMLOSS_GRPO_S_N] = {0.0};
   int keep_e;
   const lmloss_grpo_tok c_tok = lmloss_grpo_stage_c(&kp, none, &x, 0.0, &keep_e);
-  tg_close(&g, lmloss_grpo_one_pass_dlogp_f(&kp, &x, 0.5f), 0.5 * (c_tok.dlp + c_tok.dlw),
-           LMLOSS_F32, 0, "float one-pass dlogp", 0, 0);
+  tg_close(&g, lmloss_grpo_one_pass_dlogp(&kp, &x, 0.5f), 0.5 * (c_tok.dlp + c_tok.dlw), LMLOSS_F32,
+           0, "float one-pass dlogp", 0, 0);
   tg_end(&g);
 }
 

@@ -280,10 +280,11 @@ def test_fused_head_kernel_mean_logits():
         assert torch.equal(got[4], trl_out[4])
 
 
-@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("softcap", [None, 0.0, 3.0])
 def test_fused_head_kernel_wpo_and_softcap_mean(softcap):
     """WPO's log_sum_sq_probs and the mean logits under a softcap (from the
-    logits, a block of rows at a time): against float64 on rows whose
+    logits, a block of rows at a time; a softcap of 0 is off, as lmloss's
+    own head takes it): against float64 on rows whose
     column 5 leads by about 20 after the scale and temperature (log sum p^2
     about -1e-7 there, which a difference of fp32 logs of sums near 1 keeps
     to a bit or two), with blocks of a few rows; against TRL's kernel on
@@ -295,7 +296,7 @@ def test_fused_head_kernel_wpo_and_softcap_mean(softcap):
     b[5] += 11.0
     y = torch.randint(0, 103, (30,), generator=g)
     z = (hs.double() @ w.double().T + b.double()) * 1.3
-    if softcap is not None:
+    if softcap:
         z = softcap * torch.tanh(z / softcap)
     z = z / 0.7
     lsq = torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1)
@@ -307,11 +308,12 @@ def test_fused_head_kernel_wpo_and_softcap_mean(softcap):
             torch.testing.assert_close(got[3].double(), z.mean(-1), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[0].double(), z.log_softmax(-1).gather(1, y[:, None])[:, 0],
                                    rtol=1e-5, atol=1e-6)
-    if softcap is None:
+    if not softcap:
         assert ((lsq > -1e-3) & (lsq < -1e-8)).all()  # the confident rows this test is about
-    sq, _ = ltrl._logit_sums(hs, w, b, 1.3, softcap, 0.7, True, False, block_bytes=4 * 103 * 7)
+    sq, _ = ltrl._logit_sums(hs, w, b, 1.3, softcap or None, 0.7, True, False,
+                             block_bytes=4 * 103 * 7)
     torch.testing.assert_close(sq.double(), lsq, rtol=1e-5, atol=1e-9)
-    if trl_utils is not None:
+    if trl_utils is not None and softcap != 0.0:  # TRL's kernel divides by a softcap of 0
         trl_out = trl_utils._ChunkedLogProbFunction.apply(hs, w, b, y, 0.7, 4096, softcap, 1.3,
                                                           outputs)
         torch.testing.assert_close(got[2], trl_out[2], rtol=1e-3, atol=1e-6)

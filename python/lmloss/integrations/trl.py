@@ -68,7 +68,7 @@ class ChunkedLogProbFunction:
         targets [N] int64; returns float32 [N] log_probs, entropy,
         log_sum_sq_probs and mean_logits (or None) and bool [N] is_top1 (or
         None)."""
-        cap = final_logit_softcapping
+        cap = final_logit_softcapping or None  # 0 is off, as lmloss's softcap keyword
         kw = dict(bias=bias, temperature=temperature, logit_scale=logit_scale, softcap=cap)
         want_entropy, want_mean = "entropy" in outputs, "mean_logits" in outputs
         want_sq = "log_sum_sq_probs" in outputs
