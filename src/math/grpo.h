@@ -336,14 +336,22 @@ LMLOSS_HD int lmloss_grpo_one_pass(const lmloss_grpo_par *p) {
  * stage C's value, with its sequence's factor sc
  * (lmloss_grpo_token_scale), in float for CUDA's one pass. Its
  * differences are formed in double before they are rounded, so that
- * log-probs near -1000 keep their ratio. */
+ * log-probs near -1000 keep their ratio. Where the KL's term and the
+ * policy's cancel to under 1/16 of their size, float's rounding of each
+ * would be a visible part of the sum: such a token takes the double form,
+ * a branch its row's thread rarely takes. */
 LMLOSS_HD float lmloss_grpo_one_pass_dlogp(const lmloss_grpo_par *p, const lmloss_grpo_in *x,
                                            float sc) {
   if (x->m == 0.0) return 0.0f;
-  const lmloss_grpo_tok_f o =
-      lmloss_grpo_token_f(p, (float)(x->logp - x->old), (float)x->logp, (float)(x->ref - x->logp),
-                          (float)x->adv, (float)x->is, 0.0f);
-  return (float)x->m * sc * (o.dlp + o.dlw);
+  const double lw = x->logp - x->old, d = x->ref - x->logp;
+  const lmloss_grpo_tok_f o = lmloss_grpo_token_f(p, (float)lw, (float)x->logp, (float)d,
+                                                  (float)x->adv, (float)x->is, 0.0f);
+  float up = o.dlp + o.dlw;
+  if (fabsf(up) < 0.0625f * (fabsf(o.dlp) + fabsf(o.dlw))) {
+    const lmloss_grpo_tok e = lmloss_grpo_token(p, lw, x->logp, d, x->adv, x->is, 0.0);
+    up = (float)(e.dlp + e.dlw);
+  }
+  return (float)x->m * sc * up;
 }
 
 /* The factor of a token's derivatives in the loss, m w / accumulation

@@ -106,14 +106,12 @@ def _logit_sums(hidden: Any, weight: Any, bias: Any, logit_scale: float, softcap
                 temperature: float, want_sq: bool, want_mean: bool,
                 block_bytes: int = 1 << 28) -> tuple:
     """(log_sum_sq_probs, mean_logits), each float32 [N] or None, from the
-    logits (as TRL's kernel forms them: the GEMM in the head's dtype, then
-    scale, softcap and temperature in fp32), a block of rows of at most
-    block_bytes of fp32 logits at a time (about 2.5 times that with the
-    exponentials and a 16-bit GEMM's output), without gradient. log sum
-    p^2 is log1p(S2) - 2 log1p(R), the max-split sums of e^2(z - max) and
-    e^(z - max) over all but the row's first max: a confident row keeps
-    its tiny value where log(sum e^2z) - 2 log Z (or the sums with the
-    max's 1 in them) would cancel."""
+    logits as TRL's kernel forms them (the GEMM in the head's dtype; scale,
+    softcap and temperature in fp32), a block of rows of at most
+    block_bytes of fp32 logits at a time, without gradient. log sum p^2
+    comes from two of lmloss's row states of the GEMM's block
+    (_log_sum_sq_probs); the mean, wanted here only under a softcap, from
+    the block transformed in fp32."""
     import torch
 
     with torch.no_grad():
@@ -123,16 +121,39 @@ def _logit_sums(hidden: Any, weight: Any, bias: Any, logit_scale: float, softcap
             z = h @ weight.T
             if bias is not None:
                 z += bias
-            z = z.float().mul_(logit_scale)  # the GEMM's own tensor when it is fp32
-            if softcap is not None:
-                z.div_(softcap).tanh_().mul_(softcap)
-            z.div_(temperature)
-            if want_mean:
-                mean.append(z.mean(-1))
             if want_sq:
-                e = (z - z.amax(-1, keepdim=True)).exp_().scatter_(-1, z.argmax(-1, True), 0.0)
-                sq.append(e.square().sum(-1).log1p() - 2 * e.sum(-1).log1p())
+                sq.append(_log_sum_sq_probs(z, logit_scale, softcap, temperature))
+            if want_mean:
+                z = z.float().mul_(logit_scale)  # the GEMM's own tensor when it is fp32
+                if softcap is not None:
+                    z.div_(softcap).tanh_().mul_(softcap)
+                mean.append(z.div_(temperature).mean(-1))
         return (torch.cat(sq) if want_sq else None), (torch.cat(mean) if want_mean else None)
+
+
+def _log_sum_sq_probs(z: Any, logit_scale: float, softcap: Optional[float],
+                      temperature: float) -> Any:
+    """float32 [n]: log sum_j p_j^2 of the rows of raw logits z [n, V]
+    under lmloss's transform, as log1p(S2) - 2 log1p(R): R and S2 are the
+    max-split sums of e^(z - max) and e^2(z - max) over all but the row's
+    first max, the r of its row state at the temperature and at half of it
+    (lmloss.h's packed state; the max is the same). A confident row keeps
+    its tiny value where log(sum e^2z) - 2 log Z would cancel. Each state
+    is one read of z by lmloss's kernel."""
+    import torch
+
+    from .. import _lib
+    from .. import _shard as S
+    from ..torch import _bridge as B
+    from ..torch import _vocab_parallel as VP
+
+    whole, run, r = S.Shard(0, z.shape[1], 0), (B.backend_code("auto"), 0), []
+    for t in (temperature, temperature / 2):
+        state = z.new_empty((z.shape[0], S.STATE_COLS), dtype=torch.float32)
+        tr = B.transform(logit_scale, _lib.softcap_value(softcap), t)
+        VP.lp_state_into(z, None, None, tr, whole, state, run)
+        r.append(state[:, 1])
+    return r[1].log1p() - 2 * r[0].log1p()
 
 
 def _gkd_trainer():
