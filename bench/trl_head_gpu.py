@@ -10,12 +10,14 @@ log-probs' sum), on the same peaked rows.
 Each trainer's outputs: SFT's and GRPO's (log-probs, entropy, top-1), DPO's
 (and the mean logits; with WPO's use_weighting the log sum of squared
 probabilities too), KTO's (log-probs, entropy, mean logits). Beside each
-time: the log-probs' largest difference from TRL's (whose fp32 log p =
-target logit - log Z reads 0 on the confident rows), the log sum p^2's
-and mean logits', top-1 agreement, and dhidden's relative difference. Needs TRL and
-transformers importable (a TRL wheel installed without its trainers'
-dependencies will do: the ZeRO-3 context its backward imports is then a
-null one); bf16, H 4096, V 152064 (objective_head_gpu's rows).
+time, the call's peak memory beyond its inputs (gpu_timing.peak_mib, the
+gradients included); beside lmloss's, the log-probs' largest difference
+from TRL's (whose fp32 log p = target logit - log Z reads 0 on the
+confident rows), the log sum p^2's and mean logits', top-1 agreement, and
+dhidden's relative difference. Needs TRL and transformers importable (a
+TRL wheel installed without its trainers' dependencies will do: the ZeRO-3
+context its backward imports is then a null one); bf16, H 4096, V 152064
+(objective_head_gpu's rows).
 
     python bench/trl_head_gpu.py [--rows 16384] [--reps 5]
 """
@@ -25,7 +27,7 @@ import sys
 import types
 
 import torch
-from gpu_timing import timed
+from gpu_timing import peak_mib, timed
 from objective_head_gpu import H, V, tokens
 from trl.kernels.chunked_logprob import ChunkedLogProbFunction as TrlHead
 
@@ -56,8 +58,9 @@ def compare(h, w, y, reps):
                 r[0].sum().backward()
                 return r, hl.grad
             ms = timed(run, reps)[0]
+            mib = peak_mib(run)
             got[name] = run()
-            line = f"  {trainer:10s} {name:7s} {ms:9.2f} ms"
+            line = f"  {trainer:10s} {name:7s} {ms:9.2f} ms {mib:7.0f} MiB"
             if name == "lmloss":
                 (t, tg), (m, mg) = got["TRL"], got["lmloss"]
                 line += f"  log-probs max |diff| {(m[0] - t[0]).abs().max().item():.2e}"
