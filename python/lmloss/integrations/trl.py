@@ -104,18 +104,20 @@ def _mean_logits(hidden: Any, weight: Any, bias: Any, scale: float, block: int =
 
 def _logit_sums(hidden: Any, weight: Any, bias: Any, logit_scale: float, softcap: Optional[float],
                 temperature: float, want_sq: bool, want_mean: bool,
-                block_bytes: int = 1 << 28) -> tuple:
+                block_bytes: int = 1 << 29) -> tuple:
     """(log_sum_sq_probs, mean_logits), each float32 [N] or None, from the
     logits as TRL's kernel forms them (the GEMM in the head's dtype; scale,
-    softcap and temperature in fp32), a block of rows of at most
-    block_bytes of fp32 logits at a time, without gradient. log sum p^2
-    comes from two of lmloss's row states of the GEMM's block
-    (_log_sum_sq_probs); the mean, wanted here only under a softcap, from
-    the block transformed in fp32."""
+    softcap and temperature in fp32), a block of rows at a time, without
+    gradient: at most block_bytes of the GEMM's output and, for the mean,
+    its fp32 copy (rows of a few hundred left the GEMMs well below their
+    speed). log sum p^2 comes from two of lmloss's row states of the
+    GEMM's block (_log_sum_sq_probs); the mean, wanted here only under a
+    softcap, from the block transformed in fp32."""
     import torch
 
     with torch.no_grad():
-        rows = max(1, block_bytes // (4 * weight.shape[0]))
+        width = weight.element_size() + (4 if want_mean else 0)
+        rows = max(1, block_bytes // (width * weight.shape[0]))
         sq, mean = [], []
         for h in hidden.split(rows):
             z = h @ weight.T
