@@ -73,10 +73,11 @@ class ChunkedLogProbFunction:
         want_entropy, want_mean = "entropy" in outputs, "mean_logits" in outputs
         want_sq = "log_sum_sq_probs" in outputs
         sq = mean = None
-        if want_sq or (want_mean and cap is not None):
+        capped_mean = want_mean and cap is not None  # not linear in the logits
+        if want_sq or capped_mean:
             sq, mean = _logit_sums(hidden, weight, bias, logit_scale, cap, temperature, want_sq,
-                                   want_mean)
-        elif want_mean:
+                                   capped_mean)
+        if want_mean and mean is None:
             mean = _mean_logits(hidden, weight, bias, logit_scale / temperature)
         if "is_top1" in outputs:
             r = lt.linear_cross_entropy(hidden, weight, targets, reduction="none",
