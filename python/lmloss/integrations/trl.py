@@ -110,10 +110,9 @@ def _logit_sums(hidden: Any, weight: Any, bias: Any, logit_scale: float, softcap
     logits as TRL's kernel forms them (the GEMM in the head's dtype; scale,
     softcap and temperature in fp32), a block of rows at a time, without
     gradient: at most block_bytes of the GEMM's output and, for the mean,
-    its fp32 copy (rows of a few hundred left the GEMMs well below their
-    speed). log sum p^2 comes from two of lmloss's row states of the
-    GEMM's block (_log_sum_sq_probs); the mean, wanted here only under a
-    softcap, from the block transformed in fp32."""
+    its fp32 copy. log sum p^2 comes from two of lmloss's row states of
+    the GEMM's block (_log_sum_sq_probs); the mean, wanted here only under
+    a softcap, from the block transformed in fp32."""
     import torch
 
     with torch.no_grad():
