@@ -10,8 +10,10 @@
  * row waits in registers. In double the formula's registers made the
  * whole row kernel spill. The upstream multiplies fp32 probabilities
  * into a gradient stored in the logits' dtype, and TRL forms the same
- * formula in fp32, so float loses nothing either would keep. The loss
- * and metrics come from the stages, in double.
+ * formula in fp32, so float loses nothing either would keep. Where the
+ * KL's term and the policy's cancel it loses what double keeps, and
+ * lmloss_grpo_one_pass_dlogp takes the double form there. The loss and
+ * metrics come from the stages, in double.
  */
 #ifndef LMLOSS_GRPO_REAL
 #define LMLOSS_GRPO_REAL double
