@@ -16,7 +16,7 @@ import pytest
 import lmloss
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("trl")
+pytest.importorskip("trl.trainer.dpo_trainer")  # TRL and its trainers' own dependencies
 
 import lmloss.torch as lt  # noqa: E402
 from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402

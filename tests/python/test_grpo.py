@@ -19,7 +19,7 @@ import pytest
 import lmloss
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("trl")
+pytest.importorskip("trl.trainer.grpo_trainer")  # TRL and its trainers' own dependencies
 
 import lmloss.torch as lt  # noqa: E402
 import lmloss.torch._grpo as lt_grpo  # noqa: E402
