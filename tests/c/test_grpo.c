@@ -252,8 +252,8 @@ static void closed_forms(void) {
   tg_close(&g, lmloss_grpo_one_pass_dlogp(&kp, &x, 0.5f), 0.5 * (c_tok.dlp + c_tok.dlw), LMLOSS_F32,
            0, "float one-pass dlogp", 0, 0);
   /* and where the KL's term and the policy's cancel (ratio 1, the
-   * advantage beta expm1(-d) to fp32's rounding): the sum is 1e-8 of
-   * either, all rounding in float */
+   * advantage -beta expm1(d), d = ref - logp, to fp32's rounding): the
+   * sum is 1e-8 of either, all rounding in float */
   lmloss_grpo_in y = {1.0, -3.25, -3.25, -3.25, -3.75, 0.0, 0.0, 1.0};
   y.adv = (float)(-0.04 * expm1(y.ref - y.logp));
   const lmloss_grpo_tok c_y = lmloss_grpo_stage_c(&kp, none, &y, 0.0, &keep_e);
