@@ -34,11 +34,15 @@ import types
 import warnings
 from typing import Any, List, Optional, Sequence
 
+from .. import _lib
+from .. import _shard as S
 from .. import torch as lt
 from .._preference import KTO_METRIC_NAMES as _KTO_METRICS
 from .._preference import METRIC_NAMES as _DPO_METRICS
 from .._preference import kto_trl_metrics as _kto_trl_metrics
 from .._preference import trl_metrics as _dpo_trl_metrics
+from ..torch import _bridge as B
+from ..torch import _vocab_parallel as VP
 
 _saved = {}  # (module name, attribute) -> original
 
@@ -143,11 +147,6 @@ def _log_sum_sq_probs(z: Any, logit_scale: float, softcap: Optional[float],
     its tiny value where log(sum e^2z) - 2 log Z would cancel. Each state
     is one read of z by lmloss's kernel."""
     import torch
-
-    from .. import _lib
-    from .. import _shard as S
-    from ..torch import _bridge as B
-    from ..torch import _vocab_parallel as VP
 
     whole, run, r = S.Shard(0, z.shape[1], 0), (B.backend_code("auto"), 0), []
     for t in (temperature, temperature / 2):
