@@ -8,12 +8,17 @@ def timed(fn, reps, queued=1):
     """(median, min, max) over `reps` samples of the per-call time of `queued`
     calls queued back to back between two CUDA events, after a warm-up call:
     each call's host work overlaps the device work of the one before, as in
-    a training step, so what is timed is the device."""
+    a training step, so what is timed is the device. A sample's first
+    event is queued behind a lead call, untimed, so that the first timed
+    call's host work overlaps it too (queued > 1; a lone call keeps its
+    host time, as `--queue 1` in lmloss bench)."""
     fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if queued > 1:
+            fn()
         s.record()
         for _ in range(queued):
             fn()

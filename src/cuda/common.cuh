@@ -513,6 +513,35 @@ __device__ __forceinline__ double block_sum(double v, double *sh) {
   return total;
 }
 
+/* block_sum of K values a thread at once, in place (v[k] becomes the
+ * block's sum of v[k], in every thread): each warp's shuffle tree, then
+ * the warps in order, one pair of barriers for all K where K block_sums
+ * take three barriers each. sh holds K * (blockDim.x / 32 + 1) doubles
+ * and may be reused after the call. */
+template <int K> __device__ __forceinline__ void block_sums(double *v, double *sh) {
+  const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int k = 0; k < K; k++) {
+    double x = v[k];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+      x += __shfl_down_sync(0xffffffffu, x, off);
+    if ((threadIdx.x & 31) == 0) sh[warp * K + k] = x;
+  }
+  __syncthreads();
+  if (threadIdx.x < K) {
+    double s = 0.0;
+    for (int w = 0; w < warps; w++)
+      s += sh[w * K + threadIdx.x];
+    sh[warps * K + threadIdx.x] = s;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < K; k++)
+    v[k] = sh[warps * K + k];
+  __syncthreads(); /* read by all before a next call writes sh */
+}
+
 /* ------------------------------------------------------------------ */
 /* Host side                                                           */
 /* ------------------------------------------------------------------ */

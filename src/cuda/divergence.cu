@@ -183,7 +183,7 @@ struct PairStats {
  * sweeps); their running maxes and statistics, and the row's (one). */
 struct DivShared {
   Extent ext, ext_cta[DIV_WARPS];
-  double sums[DIV_WARPS][7], tot[7];
+  double sums[(DIV_WARPS + 1) * 7]; /* block_sums' */
   PairStats part[DIV_WARPS], row;
   MaxAt top[DIV_WARPS][2]; /* a warp's running maxes (online_stats) */
 };
@@ -216,9 +216,6 @@ __device__ __forceinline__ int warp_flags(int f) {
          (__any_sync(0xffffffffu, f & LMLOSS_PAIR_ANY_T) ? LMLOSS_PAIR_ANY_T : 0);
 }
 
-/* K sums of a row's columns. */
-template <int K> struct Sums { double v[K]; };
-
 /* A vector's float sums added to a thread's doubles: a thread sums about
  * V / 4096 vectors, too many terms for fp32 lanes to keep the loss to
  * its 1e-5; only the slots its kind uses (used(k)), so the others cost
@@ -228,32 +225,6 @@ __device__ __forceinline__ void add_vector(double (&acc)[K], const float (&v)[K]
 #pragma unroll
   for (int k = 0; k < K; k++)
     if (used(k)) acc[k] += v[k];
-}
-
-/* This CTA's sums of K per-thread doubles, the same in every thread. */
-template <int K> __device__ Sums<K> cta_sums(const double (&v)[K], DivShared &sh) {
-  const int w = threadIdx.x >> 5;
-#pragma unroll
-  for (int k = 0; k < K; k++) {
-    double x = v[k];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-      x += __shfl_down_sync(0xffffffffu, x, off);
-    if ((threadIdx.x & 31) == 0) sh.sums[w][k] = x;
-  }
-  __syncthreads();
-  if (threadIdx.x < K) {
-    double s = 0.0;
-    for (int i = 0; i < DIV_WARPS; i++)
-      s += sh.sums[i][threadIdx.x];
-    sh.tot[threadIdx.x] = s;
-  }
-  __syncthreads();
-  Sums<K> r;
-#pragma unroll
-  for (int k = 0; k < K; k++)
-    r.v[k] = sh.tot[k];
-  return r;
 }
 
 /* w of a raw logit: a softcap's tanh only in the general kernels
@@ -513,8 +484,8 @@ __device__ PairStats swept_stats(const DivArgs &a, const void *rs, const void *r
     vector_sums<GENERAL>(a, mode, xs, xt, j, left, in_vector(as, j) || in_vector(at, j), ms, mt, G,
                          as, at, b3);
   });
-  const Sums<3> sums = cta_sums<3>(b3, sh);
-  ps.st.rs = sums.v[0], ps.st.rt = sums.v[1], ps.st.d = sums.v[2];
+  block_sums<3>(b3, sh.sums);
+  ps.st.rs = b3[0], ps.st.rt = b3[1], ps.st.d = b3[2];
   return ps;
 }
 
@@ -632,13 +603,13 @@ __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
     loss_sweep(std::true_type());
   else
     loss_sweep(std::false_type());
-  const Sums<7> lo = cta_sums<7>(c7, sh);
+  block_sums<7>(c7, sh.sums);
   float es_y = 0.0f;
   if (y >= 0) es_y = y == as ? 0.0f : (w_of<GENERAL>(&a.pr.fs, xs_y) - ms) * ks;
-  finish(lo.v[0], y >= 0 ? (double)r.l1s - es_y : 0.0, lo.v[6]);
+  finish(c7[0], y >= 0 ? (double)r.l1s - es_y : 0.0, c7[6]);
   /* 4. the other kinds' gradient */
   if (rd && !fused) {
-    lmloss_div_grad_sums(&gc, lo.v[1], lo.v[2], lo.v[3], lo.v[4], lo.v[5]);
+    lmloss_div_grad_sums(&gc, c7[1], c7[2], c7[3], c7[4], c7[5]);
     for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
       float g[DIV_NV];
       for_each(left, in_vector(y, j), [&](int k, auto check) {

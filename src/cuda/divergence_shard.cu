@@ -48,22 +48,10 @@ struct PairRows {
   }
 };
 
-/* The CTA's sums of K doubles a thread, added in a fixed tree; every
- * thread gets them. */
+/* The CTA's sums of K doubles a thread (block_sums), to every thread. */
 template <int K> __device__ void cta_sum(double (&v)[K]) {
-  __shared__ double part[K][DS_THREADS];
-  for (int q = 0; q < K; q++)
-    part[q][threadIdx.x] = v[q];
-  __syncthreads();
-  for (int w = DS_THREADS / 2; w > 0; w >>= 1) {
-    if (threadIdx.x < w)
-      for (int q = 0; q < K; q++)
-        part[q][threadIdx.x] += part[q][threadIdx.x + w];
-    __syncthreads();
-  }
-  for (int q = 0; q < K; q++)
-    v[q] = part[q][0];
-  __syncthreads(); /* part is read before a next call writes it */
+  __shared__ double sh[K * (DS_THREADS / 32 + 1)];
+  block_sums<K>(v, sh);
 }
 
 /* A max and its first column. */

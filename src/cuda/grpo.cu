@@ -1,11 +1,11 @@
 /*
  * grpo.cu - the GRPO family on CUDA (math/grpo.h's stages): one CTA per
- * sequence for its token stages, one CTA for the totals between them and
- * for the final reduction over sequences, both in sequence order. Four
- * launches on the caller's stream, no host read, no allocation: the
- * records live in the caller's workspace. A CTA's sums are each thread's
- * tokens in order, then a fixed shuffle tree, so results do not depend on
- * scheduling.
+ * sequence for its token stages (each stage C CTA forms the totals
+ * between them itself), one CTA for the final reduction over sequences,
+ * in sequence order. Three launches on the caller's stream, no host
+ * read, no allocation: the records live in the caller's workspace. A
+ * CTA's sums are each thread's tokens in order, then a fixed shuffle
+ * tree, so results do not depend on scheduling.
  */
 #include "common.cuh"
 #include "math/grpo.h"
@@ -13,7 +13,11 @@
 namespace lmc {
 namespace grpo {
 
-constexpr int BS = 256; /* threads of a CTA */
+/* Threads of a CTA: a stage's tokens are a thread's serial work, latency
+ * bound in double, so a sequence takes the most threads whose registers
+ * fit (512 of at most 128). */
+constexpr int BS = 512;
+constexpr int SH = LMLOSS_GRPO_S_N * (BS / 32 + 1); /* block_sums' doubles for a record */
 
 /* The least (most) of v over the CTA ignoring NaN, in a fixed order, to
  * every thread (sh as block_sum's, common.cuh). */
@@ -42,7 +46,6 @@ __device__ double block_nanext(double v, double *sh, bool most) {
 struct Args {
   lmloss_grpo_par p;
   lmloss_grpo_inputs in;
-  double *tot;  /* the workspace's header: stage B's two totals */
   double *recs; /* B records */
   const float *dloss;
   float *dlogp, *dentropy, *loss, *metrics;
@@ -56,7 +59,7 @@ __device__ double threshold(const Args &a) {
 
 /* Stage A: a sequence's record. */
 __global__ void __launch_bounds__(BS) stage_a(Args a) {
-  __shared__ double sh[BS / 32 + 1];
+  __shared__ double sh[SH];
   const int64_t b = blockIdx.x, T = a.in.logp.cols;
   const double thr = threshold(a);
   double rec[LMLOSS_GRPO_S_N] = {0};
@@ -64,39 +67,30 @@ __global__ void __launch_bounds__(BS) stage_a(Args a) {
     lmloss_grpo_in x = lmloss_grpo_load(&a.p, &a.in, b, t);
     lmloss_grpo_stage_a(&a.p, &x, t, thr, rec);
   }
+  block_sums<LMLOSS_GRPO_S_LIS + 1>(rec, sh);
   double *out = a.recs + b * LMLOSS_GRPO_S_N;
-  for (int k = 0; k <= LMLOSS_GRPO_S_LIS; k++) {
-    const double s = block_sum(rec[k], sh);
-    if (threadIdx.x == 0) out[k] = s;
-  }
   if (threadIdx.x == 0)
-    for (int k = LMLOSS_GRPO_S_LIS + 1; k < LMLOSS_GRPO_S_N; k++)
-      out[k] = 0.0;
+    for (int k = 0; k < LMLOSS_GRPO_S_N; k++)
+      out[k] = k <= LMLOSS_GRPO_S_LIS ? rec[k] : 0.0;
 }
 
-/* Stage B (one CTA): the masks' totals over the sequences. */
-__global__ void __launch_bounds__(BS) stage_b(Args a) {
-  __shared__ double sh[BS / 32 + 1];
-  double m = 0.0, e = 0.0;
-  for (int64_t b = threadIdx.x; b < a.in.logp.rows; b += BS) {
-    m += a.recs[b * LMLOSS_GRPO_S_N + LMLOSS_GRPO_S_MSUM];
-    e += a.recs[b * LMLOSS_GRPO_S_N + LMLOSS_GRPO_S_EFF];
-  }
-  m = block_sum(m, sh);
-  e = block_sum(e, sh);
-  if (threadIdx.x == 0) a.tot[0] = m, a.tot[1] = e;
-}
-
-/* Stage C: a sequence's losses, metrics and gradients (upstream u). */
+/* Stage C: a sequence's losses, metrics and gradients (upstream u). Each
+ * CTA forms stage B, the masks' totals over the sequences' records, in
+ * the same order, so every CTA has the same bits. */
 __global__ void __launch_bounds__(BS) stage_c(Args a) {
-  __shared__ double sh[BS / 32 + 1];
+  __shared__ double sh[SH];
   const int64_t b = blockIdx.x, T = a.in.logp.cols;
   const lmloss_grpo_par &p = a.p;
   double *rec = a.recs + b * LMLOSS_GRPO_S_N;
   double seq[LMLOSS_GRPO_S_N]; /* stage A's record; stage C's sums start at 0 */
   for (int k = 0; k < LMLOSS_GRPO_S_N; k++)
     seq[k] = rec[k];
-  const double tot[2] = {a.tot[0], a.tot[1]};
+  double tot[2] = {0.0, 0.0};
+  for (int64_t q = threadIdx.x; q < a.in.logp.rows; q += BS) {
+    tot[0] += a.recs[q * LMLOSS_GRPO_S_N + LMLOSS_GRPO_S_MSUM];
+    tot[1] += a.recs[q * LMLOSS_GRPO_S_N + LMLOSS_GRPO_S_EFF];
+  }
+  block_sums<2>(tot, sh);
   const double thr = threshold(a), u = a.dloss ? (double)*a.dloss : 1.0;
   const double items = a.in.num_items.data ? (double)*(const float *)a.in.num_items.data : a.items;
   const double w = lmloss_grpo_seq_weight(&p, seq[LMLOSS_GRPO_S_MSUM], tot[0], items);
@@ -122,11 +116,10 @@ __global__ void __launch_bounds__(BS) stage_c(Args a) {
     if (a.dentropy) a.dentropy[b * a.dhs + t] = (float)dent;
   }
   if (a.loss) {
-    for (int k = LMLOSS_GRPO_S_POLICY; k <= LMLOSS_GRPO_S_BENT; k++) {
-      const double s = block_sum(acc[k], sh);
-      if (threadIdx.x == 0) seq[k] = s;
-    }
+    block_sums<LMLOSS_GRPO_S_BENT - LMLOSS_GRPO_S_POLICY + 1>(acc + LMLOSS_GRPO_S_POLICY, sh);
     if (threadIdx.x == 0) {
+      for (int k = LMLOSS_GRPO_S_POLICY; k <= LMLOSS_GRPO_S_BENT; k++)
+        seq[k] = acc[k];
       lmloss_grpo_seq_metrics(&p, &a.in, b, seq);
       for (int k = LMLOSS_GRPO_S_POLICY; k <= LMLOSS_GRPO_S_BENT; k++)
         rec[k] = seq[k];
@@ -149,7 +142,7 @@ __global__ void __launch_bounds__(BS) stage_c(Args a) {
 
 /* The loss and metrics (one CTA) from the records in sequence order. */
 __global__ void __launch_bounds__(BS) finish(Args a) {
-  __shared__ double sh[BS / 32 + 1];
+  __shared__ double sh[SH];
   const lmloss_grpo_par &p = a.p;
   double acc[LMLOSS_GRPO_S_N] = {0}, lo = NAN, hi = NAN;
   for (int64_t b = threadIdx.x; b < a.in.logp.rows; b += BS) {
@@ -159,8 +152,7 @@ __global__ void __launch_bounds__(BS) finish(Args a) {
     lo = lmloss_grpo_nanmin(lo, lmloss_grpo_seq_mean(&p, rec, LMLOSS_GRPO_S_LOW));
     hi = lmloss_grpo_nanmax(hi, lmloss_grpo_seq_mean(&p, rec, LMLOSS_GRPO_S_HIGH));
   }
-  for (int k = 0; k < LMLOSS_GRPO_S_N; k++)
-    acc[k] = block_sum(acc[k], sh);
+  block_sums<LMLOSS_GRPO_S_N>(acc, sh);
   lo = block_nanext(lo, sh, false);
   hi = block_nanext(hi, sh, true);
   if (threadIdx.x == 0) lmloss_grpo_finish(&p, acc, lo, hi, a.loss, a.metrics, a.ms);
@@ -168,21 +160,26 @@ __global__ void __launch_bounds__(BS) finish(Args a) {
 
 /* lmloss_grpo_logits' one pass (one CTA): each sequence's factor of its
  * tokens' d loss / d logp at upstream 1, lmloss_grpo_token_scale of its
- * mask's sum, into scale [B]. */
+ * mask's sum, into scale [B]. A warp sums a sequence's mask (no barrier
+ * a sequence), then the block the sequences', each in a fixed order. */
 __global__ void __launch_bounds__(BS) seq_scales(Args a, double *scale) {
   __shared__ double sh[BS / 32 + 1];
   const int64_t B = a.in.mask.rows, T = a.in.mask.cols;
-  double total = 0.0;
-  for (int64_t b = 0; b < B; b++) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t b = threadIdx.x >> 5; b < B; b += BS / 32) {
     double m = 0.0;
-    for (int64_t t = threadIdx.x; t < T; t += BS)
+    for (int64_t t = lane; t < T; t += 32)
       m += lmloss_grpo_at(&a.in.mask, b, t);
-    m = block_sum(m, sh);
-    if (threadIdx.x == 0) scale[b] = m;
-    total += m;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1)
+      m += __shfl_down_sync(0xffffffffu, m, off);
+    if (lane == 0) scale[b] = m;
   }
   __syncthreads();
-  const double tot[2] = {total, 0.0};
+  double part = 0.0;
+  for (int64_t b = threadIdx.x; b < B; b += BS)
+    part += scale[b];
+  const double tot[2] = {block_sum(part, sh), 0.0};
   const double items = a.in.num_items.data ? (double)*(const float *)a.in.num_items.data : a.items;
   for (int64_t b = threadIdx.x; b < B; b += BS) {
     double rec[LMLOSS_GRPO_S_N] = {0};
@@ -215,7 +212,6 @@ extern "C" lmloss_status lmloss_cuda_grpo(const lmloss_context *ctx, const lmlos
   Args a = {};
   a.p = lmloss_grpo_par_make(opt, in);
   a.in = *in;
-  a.tot = (double *)ws;
   a.recs = (double *)((char *)ws + LMLOSS_GRPO_WS_HEADER);
   a.dloss = dloss ? (const float *)dloss->data : nullptr;
   a.dlogp = dlogp ? (float *)dlogp->data : nullptr;
@@ -230,7 +226,6 @@ extern "C" lmloss_status lmloss_cuda_grpo(const lmloss_context *ctx, const lmlos
   if (B > INT_MAX) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "more than 2^31 - 1 sequences");
   cudaStream_t st = lmc::stream_of(ctx);
   stage_a<<<(unsigned)B, BS, 0, st>>>(a);
-  stage_b<<<1, BS, 0, st>>>(a);
   stage_c<<<(unsigned)B, BS, 0, st>>>(a);
   if (out) finish<<<1, BS, 0, st>>>(a);
   return lmc::check_launch("grpo");

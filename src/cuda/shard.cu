@@ -68,19 +68,10 @@ __device__ void fill_row(void *out, lmloss_dtype dt, int64_t os, int64_t i, int6
     lmloss_store(o, dt, j, v);
 }
 
-/* The sum over the CTA of each thread's t, in a fixed tree (bitwise the
- * same run to run); every thread gets it. */
+/* The sum over the CTA of each thread's t (block_sum), to every thread. */
 __device__ double cta_sum(double t) {
-  __shared__ double part[SHARD_THREADS];
-  part[threadIdx.x] = t;
-  __syncthreads();
-  for (int w = SHARD_THREADS / 2; w > 0; w >>= 1) {
-    if (threadIdx.x < w) part[threadIdx.x] += part[threadIdx.x + w];
-    __syncthreads();
-  }
-  const double sum = part[0];
-  __syncthreads(); /* read by all before a next call writes part */
-  return sum;
+  __shared__ double sh[SHARD_THREADS / 32 + 1];
+  return block_sum(t, sh);
 }
 
 /* f(j, v) over the columns j of a row this thread owns (j = threadIdx.x
