@@ -13,11 +13,9 @@ static inline int lmloss_cpu_threads(const lmloss_context *ctx) {
 
 /* Threads for a row op over `logits` logits: the context's count, but by
  * default (num_threads 0) one below 32K logits, where a parallel region's
- * fork and join cost as much as the work (a CE forward through
- * lmloss.torch on the 2-core machine: 39 us with two threads against 36
- * with one at 512 logits, 43 against 43 at 16K, two ahead from 64K), and
- * far more when the cores are busy (7.8 ms against 36 us at 512 logits,
- * measured while a build ran). Results never depend on the thread count. */
+ * fork and join cost as much as the work, and far more when the cores
+ * are busy (docs/benchmarks-history.md has the measurements). Results
+ * never depend on the thread count. */
 static inline int lmloss_cpu_row_threads(const lmloss_context *ctx, int64_t logits) {
   const int asked = ctx && ctx->num_threads > 0;
   return asked || logits >= (1 << 15) ? lmloss_cpu_threads(ctx) : 1;

@@ -3,9 +3,10 @@
  * level (AVX-512, x86-64-v3 = AVX2 + FMA, portable), the dynamic loader
  * picking one through an ifunc. Never -march=native: the shipped library
  * runs on any x86-64. Each name is one clone: "avx2,fma" made two, and
- * the AVX2 one called libm's fmaf (an AVX2 EPYC ran the log-probs at
- * 4096 x 32768 in 2524 ms, 596-720 ms as x86-64-v3, 133-147 ms once its
- * row loops vectorized: -fno-trapping-math, CMakeLists.txt).
+ * the AVX2 one called libm's fmaf, several times slower than the
+ * x86-64-v3 clone, which in turn needed -fno-trapping-math
+ * (CMakeLists.txt) before its row loops vectorized (the figures are in
+ * docs/benchmarks-history.md).
  * lmloss_cpu_isa_name (rowpass.c) asks the loader's questions in the same
  * order: change the two together.
  */

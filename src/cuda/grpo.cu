@@ -13,9 +13,9 @@
 namespace lmc {
 namespace grpo {
 
-/* Threads of a CTA: a stage's tokens are a thread's serial work, latency
- * bound in double, so a sequence takes the most threads whose registers
- * fit (512 of at most 128). */
+/* Threads of a CTA: a stage's tokens are each thread's serial work, its
+ * formula latency-bound in double, so a sequence takes as many threads as
+ * fit the stages' registers (512 threads leave each 128). */
 constexpr int BS = 512;
 constexpr int SH = LMLOSS_GRPO_S_N * (BS / 32 + 1); /* block_sums' doubles for a record */
 
