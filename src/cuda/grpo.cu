@@ -1,11 +1,11 @@
 /*
  * grpo.cu - the GRPO family on CUDA (math/grpo.h's stages): one CTA per
- * sequence for its token stages (each stage C CTA forms the totals
- * between them itself), one CTA for the final reduction over sequences,
- * in sequence order. Three launches on the caller's stream, no host
- * read, no allocation: the records live in the caller's workspace. A
- * CTA's sums are each thread's tokens in order, then a fixed shuffle
- * tree, so results do not depend on scheduling.
+ * sequence for its token stages, one CTA for the totals between them and
+ * for the final reduction over sequences, both in sequence order. Four
+ * launches on the caller's stream, no host read, no allocation: the
+ * records live in the caller's workspace. A CTA's sums are each thread's
+ * tokens in order, then a fixed shuffle tree, so results do not depend on
+ * scheduling.
  */
 #include "common.cuh"
 #include "math/grpo.h"
@@ -46,6 +46,7 @@ __device__ double block_nanext(double v, double *sh, bool most) {
 struct Args {
   lmloss_grpo_par p;
   lmloss_grpo_inputs in;
+  double *tot;  /* the workspace's header: stage B's two totals */
   double *recs; /* B records */
   const float *dloss;
   float *dlogp, *dentropy, *loss, *metrics;
@@ -74,9 +75,19 @@ __global__ void __launch_bounds__(BS) stage_a(Args a) {
       out[k] = k <= LMLOSS_GRPO_S_LIS ? rec[k] : 0.0;
 }
 
-/* Stage C: a sequence's losses, metrics and gradients (upstream u). Each
- * CTA forms stage B, the masks' totals over the sequences' records, in
- * the same order, so every CTA has the same bits. */
+/* Stage B (one CTA): the masks' totals over the sequences. */
+__global__ void __launch_bounds__(BS) stage_b(Args a) {
+  __shared__ double sh[SH];
+  double tot[2] = {0.0, 0.0};
+  for (int64_t b = threadIdx.x; b < a.in.logp.rows; b += BS) {
+    tot[0] += a.recs[b * LMLOSS_GRPO_S_N + LMLOSS_GRPO_S_MSUM];
+    tot[1] += a.recs[b * LMLOSS_GRPO_S_N + LMLOSS_GRPO_S_EFF];
+  }
+  block_sums<2>(tot, sh);
+  if (threadIdx.x == 0) a.tot[0] = tot[0], a.tot[1] = tot[1];
+}
+
+/* Stage C: a sequence's losses, metrics and gradients (upstream u). */
 __global__ void __launch_bounds__(BS) stage_c(Args a) {
   __shared__ double sh[SH];
   const int64_t b = blockIdx.x, T = a.in.logp.cols;
@@ -85,12 +96,7 @@ __global__ void __launch_bounds__(BS) stage_c(Args a) {
   double seq[LMLOSS_GRPO_S_N]; /* stage A's record; stage C's sums start at 0 */
   for (int k = 0; k < LMLOSS_GRPO_S_N; k++)
     seq[k] = rec[k];
-  double tot[2] = {0.0, 0.0};
-  for (int64_t q = threadIdx.x; q < a.in.logp.rows; q += BS) {
-    tot[0] += a.recs[q * LMLOSS_GRPO_S_N + LMLOSS_GRPO_S_MSUM];
-    tot[1] += a.recs[q * LMLOSS_GRPO_S_N + LMLOSS_GRPO_S_EFF];
-  }
-  block_sums<2>(tot, sh);
+  const double tot[2] = {a.tot[0], a.tot[1]};
   const double thr = threshold(a), u = a.dloss ? (double)*a.dloss : 1.0;
   const double items = a.in.num_items.data ? (double)*(const float *)a.in.num_items.data : a.items;
   const double w = lmloss_grpo_seq_weight(&p, seq[LMLOSS_GRPO_S_MSUM], tot[0], items);
@@ -212,6 +218,7 @@ extern "C" lmloss_status lmloss_cuda_grpo(const lmloss_context *ctx, const lmlos
   Args a = {};
   a.p = lmloss_grpo_par_make(opt, in);
   a.in = *in;
+  a.tot = (double *)ws;
   a.recs = (double *)((char *)ws + LMLOSS_GRPO_WS_HEADER);
   a.dloss = dloss ? (const float *)dloss->data : nullptr;
   a.dlogp = dlogp ? (float *)dlogp->data : nullptr;
@@ -226,6 +233,7 @@ extern "C" lmloss_status lmloss_cuda_grpo(const lmloss_context *ctx, const lmlos
   if (B > INT_MAX) return lmloss_fail(LMLOSS_ERR_BAD_SHAPE, "more than 2^31 - 1 sequences");
   cudaStream_t st = lmc::stream_of(ctx);
   stage_a<<<(unsigned)B, BS, 0, st>>>(a);
+  stage_b<<<1, BS, 0, st>>>(a);
   stage_c<<<(unsigned)B, BS, 0, st>>>(a);
   if (out) finish<<<1, BS, 0, st>>>(a);
   return lmc::check_launch("grpo");
