@@ -31,8 +31,10 @@
 #                                 with options, the divergences in C; the
 #                                 DPO head: its C and CUDA pytest tests,
 #                                 memcheck; GRPO on logits (the one
-#                                 pass's float upstream): its C and CUDA
-#                                 pytest tests, its bench and profile;
+#                                 pass's float upstream, stage B's
+#                                 512-thread kernel): its C and CUDA
+#                                 pytest tests, its bench and profile
+#                                 beside plain CE's (`ce-grad`);
 #                                 TRL's fused LM head against lmloss's
 #                                 stand-in (where TRL imports: its wheel
 #                                 in .whl/, `pip download --no-deps trl`)
@@ -156,6 +158,7 @@ if [ "${1:-}" = "pending" ]; then
     $L bench ce-grad logprob-bwd --plain --device cuda --queue 5 --dtype f32 --shape 4096,262144
     $L bench kl reverse-kl jsd tvd --plain --device cuda --queue 5 --dtype bf16 \
       --shape 8192,152064
+    $L bench ce-grad --plain --device cuda --queue 5 --dtype bf16 --shape 8192,152064
   } 2>/dev/null | tee "$OUT/bench-pending.txt"
   python_env
   timeout 120 python3 -m pytest -q -m cuda tests/python/test_linear_dpo.py \
