@@ -107,6 +107,7 @@ def main():
     if a.profile:
         xl = x.detach().requires_grad_()
         lmloss_one(xl).backward()
+        xl.grad = None  # else the profiled backward adds into it: a pass over N x V of its own
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             lmloss_one(xl).backward()
             torch.cuda.synchronize()
