@@ -164,7 +164,8 @@ __global__ void ce_finalize(CeArgs a, float *loss) {
  * so each CTA stages its chunk and writes the gradient from shared memory
  * after the cluster has merged the row state. Forward only: the same
  * kernel, one CTA per row streaming it once (see first_pass). */
-template <typename In, bool T, int BS = 128> __global__ void ROW_BOUNDS(BS) ce_rows(CeArgs a) {
+template <typename In, bool ENTROPY, int THREADS = 128>
+__global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -172,7 +173,7 @@ template <typename In, bool T, int BS = 128> __global__ void ROW_BOUNDS(BS) ce_r
   RowWalk rw(a.cs, &red);
   const Xf &X = a.X;
   const float k = X.f.k;
-  const bool U = a.eps > 0.0f;
+  const bool smoothing = a.eps > 0.0f;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, rw.rank);
   Stage st(stage, red.halves, ch, a.staged);
 
@@ -223,12 +224,12 @@ template <typename In, bool T, int BS = 128> __global__ void ROW_BOUNDS(BS) ce_r
     Acc acc;
     acc.init(X);
     const bool one_max =
-        first_pass<T>(a.staged, st, part, grad, X, Smooth{U, a.cw, a.cws}, acc, &red);
+        first_pass<ENTROPY>(a.staged, st, part, grad, X, Smooth{smoothing, a.cw, a.cws}, acc, &red);
     acc.bad |= xy != xy;
     const float wy = y_ok ? lmloss_xform_w(&X.f, xy) : 0.0f;
     const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
 
-    Part P = reduce_row(acc, k, T, U, &red, rw, one_max);
+    Part P = reduce_row(acc, k, ENTROPY, smoothing, &red, rw, one_max);
     const long long yn = in < a.N ? ld_index(a.tgt, a.tgt64, in * a.ts) : a.ignore;
     if (yn >= 0 && yn < a.V) prefetch_l1((const In *)a.x + in * a.xs + yn);
     lmloss_rowstat s = P.s;
@@ -244,7 +245,7 @@ template <typename In, bool T, int BS = 128> __global__ void ROW_BOUNDS(BS) ce_r
     const float C = a.cw ? s.c : (float)a.V;
     const lmloss_ce_coef q = lmloss_ce_coef_make(cy, C, a.eps, a.V);
     double ce = q.hot * ly;
-    if (U) ce += (double)q.smooth * ((double)C * l1r + s.u);
+    if (smoothing) ce += (double)q.smooth * ((double)C * l1r + s.u);
     const float py = cexp(X, fmaxf(wy - s.m, X.dmin)) * inv;
     if (a.dft) ce *= py;
     double li = a.grpo.on ? -ly : (double)tw * (ce + (double)a.zl * lse * lse);
@@ -347,8 +348,8 @@ template <typename In, bool T, int BS = 128> __global__ void ROW_BOUNDS(BS) ce_r
  * smoothing, class weights, DFT, entropy or argmax output, or kept
  * entries (z-loss, token weights, scale and temperature are per-row
  * coefficients). */
-static bool ce_held_applies(const CeArgs &a, bool T) {
-  return a.mode != CE_FWD && a.eps == 0.0f && !a.cw && !a.dft && a.X.f.cap == 0.0f && !T &&
+static bool ce_held_applies(const CeArgs &a, bool entropy) {
+  return a.mode != CE_FWD && a.eps == 0.0f && !a.cw && !a.dft && a.X.f.cap == 0.0f && !entropy &&
          !a.amax && !a.keep.coef && !a.keep.vals;
 }
 
@@ -454,16 +455,16 @@ static bool launch_ce_held(const DevInfo &d, CeArgs &a, cudaStream_t st, lmloss_
 /* The staged kernels take every gradient dtype at run time, the held
  * ones those launch_held_for builds. */
 template <typename In>
-static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool T, cudaStream_t st) {
+static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool entropy, cudaStream_t st) {
   lmloss_status s;
-  if (ce_held_applies(a, T) && launch_held_for<In>(a.dxt, [&](auto o) {
+  if (ce_held_applies(a, entropy) && launch_held_for<In>(a.dxt, [&](auto o) {
         return launch_ce_held<In, typename decltype(o)::type>(d, a, st, &s);
       }))
     return s;
   using K = void (*)(CeArgs);
-  const K k256 =
-      wide_row_kernel<In, K>([&] { return T ? ce_rows<In, true, 256> : ce_rows<In, false, 256>; });
-  return launch_rows(T ? ce_rows<In, true> : ce_rows<In, false>, k256, d, elt<In>::NV,
+  const K k256 = wide_row_kernel<In, K>(
+      [&] { return entropy ? ce_rows<In, true, 256> : ce_rows<In, false, 256>; });
+  return launch_rows(entropy ? ce_rows<In, true> : ce_rows<In, false>, k256, d, elt<In>::NV,
                      a.mode != CE_FWD, 0, st, a, "cross_entropy");
 }
 
@@ -503,7 +504,7 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
   a.ws_loss = (double *)(base + LMLOSS_CE_WS_HEADER);
   a.ws_wt = a.ws_loss + a.N;
   a.den = hdr;
-  bool T = false;
+  bool entropy = false;
   if (out) {
     a.loss = (float *)out->loss.data;
     a.ls = out->loss.row_stride;
@@ -513,7 +514,7 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     a.ents = out->entropy.row_stride;
     a.amax = (long long *)out->argmax.data;
     a.ams = out->argmax.row_stride;
-    T = a.ent != NULL;
+    entropy = a.ent != NULL;
   }
   a.dxt = LMLOSS_F32;
   if (dlogits) {
@@ -542,9 +543,9 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     if ((s = check_launch("cross_entropy denominator")) != LMLOSS_OK) return s;
   }
   switch (in->logits.dtype) {
-  case LMLOSS_BF16: s = launch_ce<bf16>(d, a, T, st); break;
-  case LMLOSS_F16: s = launch_ce<f16>(d, a, T, st); break;
-  default: s = launch_ce<float>(d, a, T, st); break;
+  case LMLOSS_BF16: s = launch_ce<bf16>(d, a, entropy, st); break;
+  case LMLOSS_F16: s = launch_ce<f16>(d, a, entropy, st); break;
+  default: s = launch_ce<float>(d, a, entropy, st); break;
   }
   if (s != LMLOSS_OK) return s;
   if (mode != CE_BWD && opt->reduction != LMLOSS_REDUCE_NONE) {

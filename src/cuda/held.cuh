@@ -9,7 +9,7 @@
  * Why this shape: such a row must move in once and out once. Each thread
  * loads all its vectors (64 KB a CTA: 256 threads of 16 vectors of 16
  * bytes, or 128 threads of 32) before it uses any, so the CTA's whole
- * chunk is in flight at once with no second read (S of a thread's
+ * chunk is in flight at once with no second read (SHARED of a thread's
  * vectors go to shared memory, see HeldRow); a cluster of 16 holds a row
  * of 1 MB (one CTA a row below sm_90, which has no clusters). Two or
  * three CTAs share an SM (held_threads), so that each CTA's loads cover
@@ -36,7 +36,7 @@ namespace lmc {
 constexpr int HELD_THREADS = 256; /* the most a CTA runs (HeldSmem's parts, HeldSlots) */
 constexpr int HELD_VECS = 4096;   /* 16-byte vectors a CTA holds: T threads of 4096 / T */
 constexpr int HELD_MAX_CS = 16;
-constexpr int HELD_SHARED_SLOTS = 2; /* CE's and the log-probs backward's (HeldRow's S) */
+constexpr int HELD_SHARED_SLOTS = 2; /* CE's and the log-probs backward's (HeldRow's SHARED) */
 
 struct HeldSmem {
   float wmax[HELD_THREADS / 32];
@@ -46,8 +46,9 @@ struct HeldSmem {
   alignas(8) unsigned long long bar;
 };
 
-/* A held CTA's S shared slots a thread (HeldRow; HeldSlots<0>: none). */
-template <int S> struct HeldSlots { uint4 v[S][HELD_THREADS]; };
+/* A held CTA's SHARED slots a thread in shared memory (HeldRow;
+ * HeldSlots<0>: none). */
+template <int SHARED> struct HeldSlots { uint4 v[SHARED][HELD_THREADS]; };
 template <> struct HeldSlots<0> {};
 
 /* Threads of a held CTA (64 KB in registers either way): one CTA a row
@@ -92,39 +93,39 @@ __device__ __forceinline__ Raw<f16> raw_vmax(Raw<f16> a, const Raw<f16> &b) {
 }
 
 /* The row's chunk in a held CTA, one CTA a row or a cluster's
- * (HELD_BOUNDS(In, CLUSTER) is its kernel's bound). S of each thread's
- * vectors go to shared memory (cp.async; 8 KB a CTA of 256 threads at
- * S = 2), the rest to registers. With all 16 in registers (80 a thread at
- * three CTAs an SM) bf16 CE's kernel spilled, and the spills' lines went
- * out to DRAM under the streaming rows; at S = 2 it spills next to
- * nothing, and CE and the log-probs backward ran faster in clusters at
- * every dtype (S = 4 was slower again). The softmax ran slower with
- * shared slots, so it keeps S = 0. */
-template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
-  static constexpr int NV = elt<In>::NV, U = HELD_VECS / held_threads(NV, CLUSTER);
-  static constexpr int UR = U - S; /* slots u < UR in registers */
+ * (HELD_BOUNDS(In, CLUSTER) is its kernel's bound). SHARED of each
+ * thread's VECS vectors go to shared memory (cp.async; 8 KB a CTA of 256
+ * threads at SHARED = 2), the other IN_REGS to registers. With all 16 in
+ * registers (80 a thread at three CTAs an SM) bf16 CE's kernel spilled,
+ * and the spills' lines went out to DRAM under the streaming rows; at
+ * SHARED = 2 it spills next to nothing, and CE and the log-probs backward
+ * ran faster in clusters at every dtype (SHARED = 4 was slower again).
+ * The softmax ran slower with shared slots, so it keeps SHARED = 0. */
+template <typename In, bool CLUSTER, int SHARED = 0> struct HeldRow {
+  static constexpr int NV = elt<In>::NV, VECS = HELD_VECS / held_threads(NV, CLUSTER);
+  static constexpr int IN_REGS = VECS - SHARED; /* slots u < IN_REGS in registers */
   /* not Raw<In>: its 16-bit view had each load's registers repacked,
    * waiting for it, before the next load went out */
-  uint4 r[UR];
+  uint4 r[IN_REGS];
   HeldSmem *sm;
-  HeldSlots<S> *sl;
+  HeldSlots<SHARED> *sl;
   Chunk ch;
   int rank, cs;
   float m, rs; /* the row's max (w = x) and max-split sum R about it */
   Ref ref;     /* set at m */
 
-  __device__ __forceinline__ HeldRow(HeldSmem *sm_, HeldSlots<S> *sl_, int cs_, int64_t chunk,
+  __device__ __forceinline__ HeldRow(HeldSmem *sm_, HeldSlots<SHARED> *sl_, int cs_, int64_t chunk,
                                      int64_t V)
       : sm(sm_), sl(sl_), rank((int)(blockIdx.x % cs_)), cs(cs_) {
     ch = my_chunk<NV>(V, chunk, rank);
   }
   __device__ __forceinline__ int vec(int u) const { return threadIdx.x + u * blockDim.x; }
-  /* slot u of this thread: a register, or shared memory from UR on */
+  /* slot u of this thread: a register, or shared memory from IN_REGS on */
   __device__ __forceinline__ const uint4 &slot(int u) const {
-    if constexpr (S == 0)
+    if constexpr (SHARED == 0)
       return r[u];
     else
-      return u < UR ? r[u] : sl->v[u - UR][threadIdx.x];
+      return u < IN_REGS ? r[u] : sl->v[u - IN_REGS][threadIdx.x];
   }
   __device__ __forceinline__ uint4 &slot(int u) {
     return const_cast<uint4 &>(static_cast<const HeldRow *>(this)->slot(u));
@@ -164,22 +165,22 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
     const uint4 *base = (const uint4 *)(row + ch.jb);
     const int whole = (int)((ch.je - ch.jb) / NV);
 #pragma unroll
-    for (int u = 0; u < UR; u++) {
+    for (int u = 0; u < IN_REGS; u++) {
       const int v = vec(u);
       r[u] = v < whole ? (NC ? __ldg(base + v) : __ldcs(base + v)) : ninf.u;
     }
 #pragma unroll
-    for (int u = UR; u < U; u++) {
+    for (int u = IN_REGS; u < VECS; u++) {
       const int v = vec(u);
       if (v < whole)
         cp_async16(smem_addr(&slot(u)), base + v);
       else
         slot(u) = ninf.u;
     }
-    if constexpr (S > 0) cp_async_commit();
+    if constexpr (SHARED > 0) cp_async_commit();
     if (whole < ch.nv) {
 #pragma unroll
-      for (int u = 0; u < U; u++) {
+      for (int u = 0; u < VECS; u++) {
         const int v = vec(u);
         if (v >= whole && v < ch.nv)
           slot(u) = load_vec<In, STREAM>(row, ch.jb + (int64_t)v * NV, V, false).u;
@@ -189,7 +190,7 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
   /* Wait for the shared slots' copies: before their first read, and
    * before a CTA that loaded a row leaves without reading it. */
   __device__ __forceinline__ void settle() const {
-    if constexpr (S > 0) cp_async_wait<0>();
+    if constexpr (SHARED > 0) cp_async_wait<0>();
   }
 
   /* In a cluster: the mbarrier the peers' parts land on, made visible to
@@ -223,7 +224,7 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
     settle();
     Raw<In> vm = raw(0); /* see raw_vmax */
 #pragma unroll
-    for (int u = 1; u < U; u++)
+    for (int u = 1; u < VECS; u++)
       vm = raw_vmax(vm, raw(u));
     const float t = raw_max(vm);
     float M = t;
@@ -240,7 +241,7 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
     float s = 0.0f;
     int ties = 0;
 #pragma unroll
-    for (int u = 0; u < U; u++) {
+    for (int u = 0; u < VECS; u++) {
       float x[NV];
       unpack<In, NV>(raw(u), x);
 #pragma unroll
@@ -250,7 +251,7 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
     if (t == M && !(s >= 2.0f)) { /* see the comment above */
       s = 0.0f;
 #pragma unroll
-      for (int u = 0; u < U; u++) {
+      for (int u = 0; u < VECS; u++) {
         float x[NV];
         unpack<In, NV>(raw_again(u), x);
 #pragma unroll
@@ -334,7 +335,7 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
   __device__ __forceinline__ float at(int v, int e) const {
     Raw<In> q = raw(0);
 #pragma unroll
-    for (int u = 1; u < U; u++)
+    for (int u = 1; u < VECS; u++)
       if (vec(u) == v) q.u = slot(u);
     float x[NV];
     unpack<In, NV>(q, x);
@@ -358,7 +359,7 @@ template <typename In, bool CLUSTER, int S = 0> struct HeldRow {
   template <typename O, typename F>
   __device__ __forceinline__ void put(const In *row, const ChunkOut<O, NV> &out, F f) const {
 #pragma unroll
-    for (int u = 0; u < U; u++) {
+    for (int u = 0; u < VECS; u++) {
       float x[NV], y[NV];
       unpack<In, NV>(raw(u), x);
       f(x, y);
@@ -415,8 +416,8 @@ static inline HeldPlan held_plan(const DevInfo &d, int64_t N, int64_t V, int NV)
   const int64_t nvec = (V + NV - 1) / NV, need = (nvec + HELD_VECS - 1) / HELD_VECS;
   if (N <= 0 || V <= 0 || need > (d.cc_major >= 9 ? HELD_MAX_CS : 1) || N > INT_MAX / need)
     return p;
-  const int cs = (int)need, T = held_threads(NV, cs > 1);
-  const int64_t nvc = (nvec + cs - 1) / cs, u = HELD_VECS / T;
+  const int cs = (int)need, threads = held_threads(NV, cs > 1);
+  const int64_t nvc = (nvec + cs - 1) / cs, u = HELD_VECS / threads;
   if (cs > 1 && 4 * nvc < 3 * HELD_VECS) return p;
   p.cs = cs;
   p.chunk = nvc * NV;

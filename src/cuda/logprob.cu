@@ -61,7 +61,7 @@ struct LpArgs {
  * (rank 0 gathers the K log-probs after the merge). Four CTAs per SM (64
  * registers, no spills): more loads in flight than at three, and
  * faster. */
-template <typename In, bool T> __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
+template <typename In, bool ENTROPY> __global__ void __launch_bounds__(256, 4) lp_fwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -86,10 +86,10 @@ template <typename In, bool T> __global__ void __launch_bounds__(256, 4) lp_fwd(
     acc.init(X);
     /* never staged (a one-pass plan): a literal false keeps the staged
      * loops out of this kernel and its 64 registers */
-    const bool one_max =
-        first_pass<T>(false, st, RowPart<In>{row, ch, a.V, al}, false, X, Smooth{}, acc, &red);
+    const bool one_max = first_pass<ENTROPY>(false, st, RowPart<In>{row, ch, a.V, al}, false, X,
+                                             Smooth{}, acc, &red);
 
-    Part P = reduce_row(acc, k, T, false, &red, rw, one_max);
+    Part P = reduce_row(acc, k, ENTROPY, false, &red, rw, one_max);
     if (rw.rank != 0) continue;
     const lmloss_rowstat &s = P.s;
     const bool ok = !P.bad && lmloss_rowstat_finite(&s);
@@ -130,7 +130,7 @@ __device__ __forceinline__ LpUp lp_upstream(const LpArgs &a, int64_t i) {
 /* Row i's gradient from its statistics s (bad: the row held a NaN or
  * +inf), in the file comment's form: g = e_j (C1 d_j + C0) away from the
  * exact entries, which entry() forms. */
-template <bool T> struct LpGrad {
+template <bool ENTROPY> struct LpGrad {
   lmloss_rowstat s;
   LpUp up;
   bool ok;
@@ -142,7 +142,7 @@ template <bool T> struct LpGrad {
     const float k = X.f.k;
     ok = u.idx_ok && !bad && lmloss_rowstat_finite(&s);
     inv = 1.0f / (1.0f + s.r);
-    tinv = T ? s.t * inv : 0.0f;
+    tinv = ENTROPY ? s.t * inv : 0.0f;
     /* without softcap dx = k dz, folded into the coefficients (kx) */
     kx = X.f.cap > 0.0f ? 1.0f : k;
     c0 = -inv * (u.D + u.dH * tinv) * kx;
@@ -186,7 +186,7 @@ template <bool T> struct LpGrad {
   __device__ __forceinline__ void fast(const Xf &X, const float *w, float *g) const {
 #pragma unroll
     for (int e = 0; e < NV; e++) {
-      if constexpr (T) { /* the clamp keeps C1 p finite at -inf logits */
+      if constexpr (ENTROPY) { /* the clamp keeps C1 p finite at -inf logits */
         const float p = fmaxf(ref.p(X, w[e]), X.pmin);
         g[e] = ex2(p) * fmaf(C1, p, C0);
       } else { /* C1 = 0; a -inf logit gives ex2(-inf) = 0 */
@@ -241,7 +241,8 @@ __device__ __forceinline__ bool flagged(const unsigned *bm, int v) {
  * need the exact formula (the argmax, the K indices) are flagged in a
  * per-vector bitmap in shared memory, so the hot loop pays one shared load
  * per 16 bytes whatever K is. */
-template <typename In, bool T, int BS = 128> __global__ void ROW_BOUNDS(BS) lp_bwd(LpArgs a) {
+template <typename In, bool ENTROPY, int THREADS = 128>
+__global__ void ROW_BOUNDS(THREADS) lp_bwd(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
   __shared__ RedSmem red;
@@ -277,12 +278,12 @@ template <typename In, bool T, int BS = 128> __global__ void ROW_BOUNDS(BS) lp_b
     const RowPart<In> part = {row, ch, a.V, in_al};
     Acc acc;
     acc.init(X);
-    const bool one_max = first_pass<T>(a.staged, st, part, true, X, Smooth{}, acc, &red);
+    const bool one_max = first_pass<ENTROPY>(a.staged, st, part, true, X, Smooth{}, acc, &red);
     /* Its barriers also order the previous row's bitmap reads before the clear. */
-    Part P = reduce_row(acc, k, T, false, &red, rw, one_max);
+    Part P = reduce_row(acc, k, ENTROPY, false, &red, rw, one_max);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
       bm[q] = 0u;
-    const LpGrad<T> G(X, P.s, P.bad, up);
+    const LpGrad<ENTROPY> G(X, P.s, P.bad, up);
     float *const kv = kept_vals<In>(a.keep, i);   /* entries: the K indices, then the argmax */
     if constexpr (std::is_same<In, float>::value) /* the only logits keep is asked with */
       if (rw.rank == 0 && threadIdx.x == 0) {
@@ -322,8 +323,8 @@ template <typename In, bool T, int BS = 128> __global__ void ROW_BOUNDS(BS) lp_b
  * row without the entropy's gradient, softcap or kept entries. The row's
  * scalars (mask, index, upstream gradient) are loaded with its vectors,
  * not before them (see ce_held): a masked row is read too. */
-static bool lp_held_applies(const LpArgs &a, bool T) {
-  return !a.stats && !T && a.dlogp && a.K == 1 && a.vh == a.V && a.X.f.cap == 0.0f &&
+static bool lp_held_applies(const LpArgs &a, bool entropy) {
+  return !a.stats && !entropy && a.dlogp && a.K == 1 && a.vh == a.V && a.X.f.cap == 0.0f &&
          !a.keep.coef && !a.keep.vals;
 }
 
@@ -386,7 +387,7 @@ constexpr int SAVED_U = 8, SAVED_BS = 128;
 static_assert(SAVED_BS == LMLOSS_SAVED_MAX_K + 1, "a thread per index and one for the argmax");
 static_assert(SAVED_U * SAVED_BS * 4 == LMLOSS_TILE_INPLACE_COLS, "a tile row of floats per CTA");
 
-template <typename In, typename O, bool T>
+template <typename In, typename O, bool ENTROPY>
 __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   const Xf &X = a.X;
@@ -413,7 +414,7 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
       const int v = threadIdx.x + u * SAVED_BS;
       if (v < ch.nv) rv[u] = part.load(v, false);
     }
-    const LpGrad<T> G(X, s, false, lp_upstream(a, i));
+    const LpGrad<ENTROPY> G(X, s, false, lp_upstream(a, i));
     const long long cx = c - a.j0; /* its column in x */
     float gc = 0.0f;
     const bool mine = cx >= ch.jb && cx < ch.je;
@@ -455,19 +456,19 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
 }
 
 template <typename In>
-static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
-  auto k = T ? lp_fwd<In, true> : lp_fwd<In, false>;
+static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool entropy, cudaStream_t st) {
+  auto k = entropy ? lp_fwd<In, true> : lp_fwd<In, false>;
   return launch_rows(k, k, d, elt<In>::NV, 0, 0, st, a, "log_probs");
 }
 
 template <typename In, typename O>
-static lmloss_status launch_saved(LpArgs &a, bool T, cudaStream_t st) {
+static lmloss_status launch_saved(LpArgs &a, bool entropy, cudaStream_t st) {
   if (a.N <= 0) return LMLOSS_OK;
   const int64_t nv = (a.V + elt<In>::NV - 1) / elt<In>::NV, most = SAVED_U * SAVED_BS;
   const int64_t slices = (nv + most - 1) / most;
   a.chunk = (nv + slices - 1) / slices * elt<In>::NV; /* equal slices */
   const dim3 grid((unsigned)slices, (unsigned)(a.N < 65535 ? a.N : 65535));
-  if (T)
+  if (entropy)
     lp_bwd_saved<In, O, true><<<grid, SAVED_BS, 0, st>>>(a);
   else
     lp_bwd_saved<In, O, false><<<grid, SAVED_BS, 0, st>>>(a);
@@ -477,29 +478,29 @@ static lmloss_status launch_saved(LpArgs &a, bool T, cudaStream_t st) {
 /* The staged kernels take every gradient dtype at run time, the held
  * ones those launch_held_for builds. */
 template <typename In>
-static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool T, cudaStream_t st) {
+static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool entropy, cudaStream_t st) {
   if (a.stats && a.K <= LMLOSS_SAVED_MAX_K) switch (a.dxt) {
-    case LMLOSS_BF16: return launch_saved<In, bf16>(a, T, st);
-    case LMLOSS_F16: return launch_saved<In, f16>(a, T, st);
-    default: return launch_saved<In, float>(a, T, st);
+    case LMLOSS_BF16: return launch_saved<In, bf16>(a, entropy, st);
+    case LMLOSS_F16: return launch_saved<In, f16>(a, entropy, st);
+    default: return launch_saved<In, float>(a, entropy, st);
     }
   lmloss_status s;
-  if (lp_held_applies(a, T) && launch_held_for<In>(a.dxt, [&](auto o) {
+  if (lp_held_applies(a, entropy) && launch_held_for<In>(a.dxt, [&](auto o) {
         using O = typename decltype(o)::type;
         return launch_held(lp_held<In, O, false>, lp_held<In, O, true>, d, elt<In>::NV, a.dx,
                            a.dxs * (int64_t)sizeof(O), st, a, "log_probs_backward", &s);
       }))
     return s;
   using K = void (*)(LpArgs);
-  const K k256 =
-      wide_row_kernel<In, K>([&] { return T ? lp_bwd<In, true, 256> : lp_bwd<In, false, 256>; });
-  return launch_rows(T ? lp_bwd<In, true> : lp_bwd<In, false>, k256, d, elt<In>::NV, 1, 1, st, a,
-                     "log_probs_backward");
+  const K k256 = wide_row_kernel<In, K>(
+      [&] { return entropy ? lp_bwd<In, true, 256> : lp_bwd<In, false, 256>; });
+  return launch_rows(entropy ? lp_bwd<In, true> : lp_bwd<In, false>, k256, d, elt<In>::NV, 1, 1, st,
+                     a, "log_probs_backward");
 }
 
 template <typename In>
-static lmloss_status dispatch(const DevInfo &d, LpArgs &a, bool T, int bwd, cudaStream_t st) {
-  return bwd ? launch_bwd<In>(d, a, T, st) : launch_fwd<In>(d, a, T, st);
+static lmloss_status dispatch(const DevInfo &d, LpArgs &a, bool entropy, int bwd, cudaStream_t st) {
+  return bwd ? launch_bwd<In>(d, a, entropy, st) : launch_fwd<In>(d, a, entropy, st);
 }
 
 static LpArgs common_args(const lmloss_tensor *logits, const lmloss_tensor *index,
@@ -545,15 +546,16 @@ static void backward_args(LpArgs &a, const lmloss_tensor *dlogp, const lmloss_te
   }
 }
 
-static lmloss_status run(LpArgs &a, lmloss_dtype in, bool T, int bwd, const lmloss_context *ctx) {
+static lmloss_status run(LpArgs &a, lmloss_dtype in, bool entropy, int bwd,
+                         const lmloss_context *ctx) {
   DevInfo d;
   lmloss_status s = dev_info(&d);
   if (s != LMLOSS_OK) return s;
   cudaStream_t st = stream_of(ctx);
   switch (in) {
-  case LMLOSS_BF16: return dispatch<bf16>(d, a, T, bwd, st);
-  case LMLOSS_F16: return dispatch<f16>(d, a, T, bwd, st);
-  default: return dispatch<float>(d, a, T, bwd, st);
+  case LMLOSS_BF16: return dispatch<bf16>(d, a, entropy, bwd, st);
+  case LMLOSS_F16: return dispatch<f16>(d, a, entropy, bwd, st);
+  default: return dispatch<float>(d, a, entropy, bwd, st);
   }
 }
 
@@ -616,8 +618,8 @@ lmloss_cuda_lp_tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, i
   if (dl->data == slab->data && slab->cols > LMLOSS_TILE_INPLACE_COLS) /* backend.h */
     return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: a tile of %lld columns written over itself",
                        (long long)slab->cols);
-  const bool T = a.dent != NULL;
+  const bool entropy = a.dent != NULL;
   cudaStream_t st = lmc::stream_of(ctx);
-  if (dl->dtype == LMLOSS_BF16) return lmc::launch_saved<float, lmc::bf16>(a, T, st);
-  return lmc::launch_saved<float, lmc::f16>(a, T, st);
+  if (dl->dtype == LMLOSS_BF16) return lmc::launch_saved<float, lmc::bf16>(a, entropy, st);
+  return lmc::launch_saved<float, lmc::f16>(a, entropy, st);
 }

@@ -50,11 +50,12 @@ __device__ __forceinline__ void write_grad(const Xf &X, const Raw<In> &rv, const
 
 /* State in w units for the max, r as in rowstats.h, tn = sum e_j p_j with
  * p_j = (w_j - m) k log2(e) <= 0 (so t = -tn ln 2), u and c for label
- * smoothing (only when U). r and tn are summed against ref (each term off
- * by the common factor 2^ml, see Ref): true_r() and true_tn() give the
- * sums against m. The vector fast path (no new max, no NaN) costs one FMA,
- * ex2 and add per element (and the max of the vector while the thread may
- * still meet a new max or its argmax). */
+ * smoothing (summed only where vec's smoothing is on). r and tn are
+ * summed against ref (each term off by the common factor 2^ml, see Ref):
+ * true_r() and true_tn() give the sums against m. The vector fast path
+ * (no new max, no NaN) costs one FMA, ex2 and add per element (and the
+ * max of the vector while the thread may still meet a new max or its
+ * argmax). */
 struct Acc {
   float m, mref, r, tn, u, c;
   Ref ref;
@@ -158,10 +159,10 @@ struct Acc {
    * else each vector is searched while the thread looks. (A lambda for
    * the test, capturing w, put the streamed forward's vector in local
    * memory.) */
-  template <bool T, bool STAGED, int NV, typename J0>
-  __device__ __forceinline__ void vec(const Xf &X, float *w, J0 j0, int64_t V, bool U,
+  template <bool ENTROPY, bool STAGED, int NV, typename J0>
+  __device__ __forceinline__ void vec(const Xf &X, float *w, J0 j0, int64_t V, bool smoothing,
                                       const float *cw, int64_t cw_stride, bool slot_hit) {
-    if (U) {                       /* smoothing sums, the argmax's own term is 0 */
+    if (smoothing) {               /* smoothing sums, the argmax's own term is 0 */
       if (!cw && j0() + NV <= V) { /* the common case: unit weights, a whole vector */
         float d = 0.0f;
 #pragma unroll
@@ -202,9 +203,9 @@ struct Acc {
     float e[NV];
 #pragma unroll
     for (int i = 0; i < NV; i++) {
-      const float p = T ? fmaxf(ref.p(X, w[i]), X.pmin) : ref.p(X, w[i]);
+      const float p = ENTROPY ? fmaxf(ref.p(X, w[i]), X.pmin) : ref.p(X, w[i]);
       e[i] = ex2(p);
-      if (T) tn = fmaf(e[i], p, tn);
+      if (ENTROPY) tn = fmaf(e[i], p, tn);
       if (!STAGED) r += e[i];
     }
     if (STAGED) {
@@ -315,11 +316,11 @@ struct RowWalk {
  * stores in flight. A slot is pushed again two rows
  * later, after its owner has merged it and pushed the next row's part.
  * Contains __syncthreads: call uniformly. */
-__device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool U, RedSmem *sm,
-                                           RowWalk &walk, bool one_max) {
+__device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool entropy, bool smoothing,
+                                           RedSmem *sm, RowWalk &walk, bool one_max) {
   const unsigned nred = walk.nred++;
-  float r = acc.true_r(), t = T ? -acc.true_tn() * LN2 : 0.0f;
-  float u = U ? acc.u : 0.0f, c = U ? acc.c : 0.0f;
+  float r = acc.true_r(), t = entropy ? -acc.true_tn() * LN2 : 0.0f;
+  float u = smoothing ? acc.u : 0.0f, c = smoothing ? acc.c : 0.0f;
   float cnt = acc.a >= 0 ? 1.0f : 0.0f;
   long long a = acc.a >= 0 ? acc.a : LLONG_MAX;
 #pragma unroll
@@ -327,8 +328,8 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool T, bool
     r += __shfl_xor_sync(0xffffffffu, r, off);
     cnt += __shfl_xor_sync(0xffffffffu, cnt, off);
     a = min(a, __shfl_xor_sync(0xffffffffu, a, off));
-    if (T) t += __shfl_xor_sync(0xffffffffu, t, off);
-    if (U) {
+    if (entropy) t += __shfl_xor_sync(0xffffffffu, t, off);
+    if (smoothing) {
       u += __shfl_xor_sync(0xffffffffu, u, off);
       c += __shfl_xor_sync(0xffffffffu, c, off);
     }
@@ -561,7 +562,7 @@ struct Stage {
  * rows are rare, that second loop would cost registers). Each vector is
  * transformed and added to acc (with label smoothing's sums where sm.on).
  * Both forms' loops are compiled apart with and without softcap. */
-template <bool T, typename In>
+template <bool ENTROPY, typename In>
 __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart<In> &p, bool keep,
                                            const Xf &X, Smooth sm, Acc &acc, RedSmem *red) {
   constexpr int NV = elt<In>::NV;
@@ -600,7 +601,7 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
         const int v = ti + q * Bi;
         auto j0 = [&] { return p.ch.jb + (int64_t)v * NV; };
         if (CAP) acc.xform<NV>(X, w, j0, p.V);
-        acc.vec<T, true, NV>(X, w, j0, p.V, sm.on, sm.cw, sm.cws, slot_hit);
+        acc.vec<ENTROPY, true, NV>(X, w, j0, p.V, sm.on, sm.cw, sm.cws, slot_hit);
       };
       /* The slot holding the thread's first max is added after the others,
        * by every thread that has one at once: inside the loop the warp ran
@@ -623,7 +624,7 @@ __device__ __forceinline__ bool first_pass(bool staged, Stage &st, const RowPart
       unpack<In, NV>(rv, w);
       auto j0 = [&] { return p.ch.jb + v * NV; };
       if (CAP) acc.xform<NV>(X, w, j0, p.V);
-      acc.vec<T, false, NV>(X, w, j0, p.V, sm.on, sm.cw, sm.cws, false);
+      acc.vec<ENTROPY, false, NV>(X, w, j0, p.V, sm.on, sm.cw, sm.cws, false);
     };
     /* Batches of four vectors per lane, the warp in step: the warp's max
      * over the batch is raised once for every lane before the batch is
@@ -764,7 +765,7 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
  * (BENCHMARKS.md); 16-bit rows reach such chunks only past 393216
  * columns, and a 256-thread kernel for every dtype doubled the build. The
  * softmax holds its own in 80 and keeps one kernel of 256 for both. */
-#define ROW_BOUNDS(BS) __launch_bounds__(BS, (BS) == 128 ? 5 : 3)
+#define ROW_BOUNDS(THREADS) __launch_bounds__(THREADS, (THREADS) == 128 ? 5 : 3)
 
 /* The 256-thread kernel of a row kernel family for logits of type In, or
  * none (launch_rows then runs every plan at 128 threads): see ROW_BOUNDS. */
