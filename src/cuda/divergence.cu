@@ -220,10 +220,11 @@ __device__ __forceinline__ int warp_flags(int f) {
  * V / 4096 vectors, too many terms for fp32 lanes to keep the loss to
  * its 1e-5; only the slots its kind uses (used(k)), so the others cost
  * no double add. */
-template <int K, typename U>
-__device__ __forceinline__ void add_vector(double (&acc)[K], const float (&v)[K], U used) {
+template <int SUMS, typename IsUsed>
+__device__ __forceinline__ void add_vector(double (&acc)[SUMS], const float (&v)[SUMS],
+                                           IsUsed used) {
 #pragma unroll
-  for (int k = 0; k < K; k++)
+  for (int k = 0; k < SUMS; k++)
     if (used(k)) acc[k] += v[k];
 }
 
@@ -489,10 +490,10 @@ __device__ PairStats swept_stats(const DivArgs &a, const void *rs, const void *r
   return ps;
 }
 
-/* One row pair per CTA, of the kind K; GENERAL: a softcap on either
+/* One row pair per CTA, of the kind KIND; GENERAL: a softcap on either
  * side or a k of each (the transforms' modes then read at run time), else
  * one k and no softcap (LMLOSS_DIV_ONE_K). */
-template <int K, bool GENERAL, bool ONLINE>
+template <int KIND, bool GENERAL, bool ONLINE>
 __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
   __shared__ DivShared sh;
   const int64_t i = blockIdx.x;
@@ -575,21 +576,22 @@ __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
   /* 3. the loss sweep, with the forward KL's gradient; each kind sums
    * only what it reads, the entropy only in the copy that is asked for
    * it (its terms cost instructions a column, not only an add) */
-  const bool fused = rd && K == LMLOSS_DIV_KL;
+  const bool fused = rd && KIND == LMLOSS_DIV_KL;
   double c7[7] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
   auto loss_sweep = [&](auto want_ent) {
     /* the slots of c7 a kind sums: the divergence, rev, mix, pos, neg, eq
      * (lmloss_div_terms), the entropy */
     const auto used = [](int k) {
-      return k == 0 || (k == 1 && K == LMLOSS_DIV_REVERSE_KL) || (k == 2 && K == LMLOSS_DIV_JSD) ||
-             (k >= 3 && k <= 5 && K == LMLOSS_DIV_TVD) || (k == 6 && decltype(want_ent)::value);
+      return k == 0 || (k == 1 && KIND == LMLOSS_DIV_REVERSE_KL) ||
+             (k == 2 && KIND == LMLOSS_DIV_JSD) || (k >= 3 && k <= 5 && KIND == LMLOSS_DIV_TVD) ||
+             (k == 6 && decltype(want_ent)::value);
     };
     for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
       float g[DIV_NV], v[7] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
       for_each(left, in_vector(as, j) || in_vector(y, j), [&](int k, auto check) {
         const lmloss_div_col c = column(xs, xt, k);
         const lmloss_div_terms t =
-            lmloss_div_loss_terms(&a.pr, &r, &c, !(check.on && j + k == as) && c.p != 0.0f, K);
+            lmloss_div_loss_terms(&a.pr, &r, &c, !(check.on && j + k == as) && c.p != 0.0f, KIND);
         v[0] += t.div, v[1] += t.rev, v[2] += t.mix;
         v[3] += t.pos, v[4] += t.neg, v[5] += t.eq, v[6] += t.ent;
         if (fused)
@@ -615,7 +617,7 @@ __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
       for_each(left, in_vector(y, j), [&](int k, auto check) {
         const lmloss_div_col c = column(xs, xt, k);
         g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p,
-                                    lmloss_div_grad_kind(&a.pr, &r, &gc, &c, K), xs[k], mode);
+                                    lmloss_div_grad_kind(&a.pr, &r, &gc, &c, KIND), xs[k], mode);
       });
       store8(rd, a.dxt, j, a.V, g);
     });
@@ -645,14 +647,14 @@ __global__ void div_finalize(DivArgs a) {
   }
 }
 
-template <int K, bool GENERAL> static void (*pick_stats(const DivArgs &a))(DivArgs) {
-  if constexpr (K != LMLOSS_DIV_JSD)
-    if (a.V >= DIV_ONLINE_MIN_COLS) return div_rows<K, GENERAL, true>;
-  return div_rows<K, GENERAL, false>;
+template <int KIND, bool GENERAL> static void (*pick_stats(const DivArgs &a))(DivArgs) {
+  if constexpr (KIND != LMLOSS_DIV_JSD)
+    if (a.V >= DIV_ONLINE_MIN_COLS) return div_rows<KIND, GENERAL, true>;
+  return div_rows<KIND, GENERAL, false>;
 }
-template <int K> static void (*pick(const DivArgs &a))(DivArgs) {
+template <int KIND> static void (*pick(const DivArgs &a))(DivArgs) {
   const bool general = a.pr.fs.cap > 0.0f || a.pr.ft.cap > 0.0f || a.pr.fs.k != a.pr.ft.k;
-  return general ? pick_stats<K, true>(a) : pick_stats<K, false>(a);
+  return general ? pick_stats<KIND, true>(a) : pick_stats<KIND, false>(a);
 }
 
 static lmloss_status launch_rows(const DivArgs &a, int kind, cudaStream_t st) {

@@ -49,9 +49,9 @@ struct PairRows {
 };
 
 /* The CTA's sums of K doubles a thread (block_sums), to every thread. */
-template <int K> __device__ void cta_sum(double (&v)[K]) {
-  __shared__ double sh[K * (DS_THREADS / 32 + 1)];
-  block_sums<K>(v, sh);
+template <int SUMS> __device__ void cta_sum(double (&v)[SUMS]) {
+  __shared__ double sh[SUMS * (DS_THREADS / 32 + 1)];
+  block_sums<SUMS>(v, sh);
 }
 
 /* A max and its first column. */
