@@ -488,58 +488,49 @@ __device__ __forceinline__ void prefetch_index(const void *p, int is64, int64_t 
   prefetch_l1(is64 ? (const void *)((const long long *)p + i) : (const void *)((const int *)p + i));
 }
 
-/* The sum of v over a block (a multiple of 32 threads, up to 1024) in a
- * fixed order, returned to every thread; sh holds blockDim.x / 32 + 1
- * doubles and may be reused after the call. For the per-row or
+/* K values a thread folded over a block (a multiple of 32 threads, up to
+ * 1024) in place: v[k] becomes op(k, a, b) folded over every thread's
+ * v[k], in every thread, in a fixed order (each warp's shuffle tree, then
+ * the warps in order), so the bits never depend on scheduling. One pair
+ * of barriers for all K, and a third before sh may be written again; sh
+ * holds K * (blockDim.x / 32 + 1) doubles. For the per-row or
  * per-sequence values of a call's final reductions, few next to its
- * N x V, so one block does them and the bits never depend on scheduling. */
-__device__ __forceinline__ double block_sum(double v, double *sh) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1)
-    v += __shfl_down_sync(0xffffffffu, v, off);
-  if (lane == 0) sh[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < warps ? sh[lane] : 0.0;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1)
-      v += __shfl_down_sync(0xffffffffu, v, off);
-    if (lane == 0) sh[warps] = v;
-  }
-  __syncthreads();
-  const double total = sh[warps];
-  __syncthreads();
-  return total;
-}
-
-/* block_sum of K values a thread at once, in place (v[k] becomes the
- * block's sum of v[k], in every thread): each warp's shuffle tree, then
- * the warps in order, one pair of barriers for all K where K block_sums
- * take three barriers each. sh holds K * (blockDim.x / 32 + 1) doubles
- * and may be reused after the call. */
-template <int K> __device__ __forceinline__ void block_sums(double *v, double *sh) {
+ * N x V, so one block does them. */
+template <int K, typename Op>
+__device__ __forceinline__ void block_fold(double *v, double *sh, Op op) {
   const int warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
 #pragma unroll
   for (int k = 0; k < K; k++) {
     double x = v[k];
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1)
-      x += __shfl_down_sync(0xffffffffu, x, off);
+      x = op(k, x, __shfl_down_sync(0xffffffffu, x, off));
     if ((threadIdx.x & 31) == 0) sh[warp * K + k] = x;
   }
   __syncthreads();
   if (threadIdx.x < K) {
-    double s = 0.0;
-    for (int w = 0; w < warps; w++)
-      s += sh[w * K + threadIdx.x];
-    sh[warps * K + threadIdx.x] = s;
+    const int k = threadIdx.x;
+    double s = sh[k];
+    for (int w = 1; w < warps; w++)
+      s = op(k, s, sh[w * K + k]);
+    sh[warps * K + k] = s;
   }
   __syncthreads();
 #pragma unroll
   for (int k = 0; k < K; k++)
     v[k] = sh[warps * K + k];
   __syncthreads(); /* read by all before a next call writes sh */
+}
+
+/* The block's sums of K values a thread, in place (block_fold). */
+template <int K> __device__ __forceinline__ void block_sums(double *v, double *sh) {
+  block_fold<K>(v, sh, [](int, double a, double b) { return a + b; });
+}
+
+/* The block's sum of v, to every thread (sh: blockDim.x / 32 + 1 doubles). */
+__device__ __forceinline__ double block_sum(double v, double *sh) {
+  block_sums<1>(&v, sh);
+  return v;
 }
 
 /* ------------------------------------------------------------------ */

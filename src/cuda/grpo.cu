@@ -19,30 +19,6 @@ namespace grpo {
 constexpr int BS = 512;
 constexpr int SH = LMLOSS_GRPO_S_N * (BS / 32 + 1); /* block_sums' doubles for a record */
 
-/* The least (most) of v over the CTA ignoring NaN, in a fixed order, to
- * every thread (sh as block_sum's, common.cuh). */
-__device__ double block_nanext(double v, double *sh, bool most) {
-  for (int o = 16; o > 0; o >>= 1) {
-    double w = __shfl_down_sync(0xffffffffu, v, o);
-    v = most ? lmloss_grpo_nanmax(v, w) : lmloss_grpo_nanmin(v, w);
-  }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) sh[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < BS / 32 ? sh[lane] : (double)NAN;
-    for (int o = 16; o > 0; o >>= 1) {
-      double w = __shfl_down_sync(0xffffffffu, v, o);
-      v = most ? lmloss_grpo_nanmax(v, w) : lmloss_grpo_nanmin(v, w);
-    }
-    if (lane == 0) sh[BS / 32] = v;
-  }
-  __syncthreads();
-  const double r = sh[BS / 32];
-  __syncthreads();
-  return r;
-}
-
 struct Args {
   lmloss_grpo_par p;
   lmloss_grpo_inputs in;
@@ -159,9 +135,11 @@ __global__ void __launch_bounds__(BS) finish(Args a) {
     hi = lmloss_grpo_nanmax(hi, lmloss_grpo_seq_mean(&p, rec, LMLOSS_GRPO_S_HIGH));
   }
   block_sums<LMLOSS_GRPO_S_N>(acc, sh);
-  lo = block_nanext(lo, sh, false);
-  hi = block_nanext(hi, sh, true);
-  if (threadIdx.x == 0) lmloss_grpo_finish(&p, acc, lo, hi, a.loss, a.metrics, a.ms);
+  double ext[2] = {lo, hi}; /* the least and the greatest, ignoring NaN */
+  block_fold<2>(ext, sh, [](int k, double x, double y) {
+    return k == 0 ? lmloss_grpo_nanmin(x, y) : lmloss_grpo_nanmax(x, y);
+  });
+  if (threadIdx.x == 0) lmloss_grpo_finish(&p, acc, ext[0], ext[1], a.loss, a.metrics, a.ms);
 }
 
 /* lmloss_grpo_logits' one pass (one CTA): each sequence's factor of its
