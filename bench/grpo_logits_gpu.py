@@ -14,6 +14,9 @@ tensors:
                     on logits with the extra last position it drops)
   torch             TRL's own path in eager torch: log_softmax at the
                     tokens, the dapo formula
+  ce-same-rows      not GRPO: lmloss.torch.cross_entropy on the same
+                    logits and temperature, the plain CE row op GRPO's pass
+                    is built on, in the same harness (the rows' own cost)
 
 The limit is the bytes the op must move, the logits read once and their
 gradient written once, at the copy bandwidth measured in the same run (a
@@ -23,6 +26,7 @@ warm-up, so that each call's host work overlaps the device work of the
 one before, as in a training step (the other GPU benchmarks' timing).
 
     python bench/grpo_logits_gpu.py [--b 8] [--t 1024] [--v 152064] [--reps 9]
+        [--impls lmloss,liger,...] [--profile]
 """
 import argparse
 
@@ -41,7 +45,9 @@ def main():
     ap.add_argument("--t", type=int, default=1024)
     ap.add_argument("--v", type=int, default=152064)
     ap.add_argument("--reps", type=int, default=9)
-    ap.add_argument("--profile", action="store_true", help="the kernels of one lmloss call")
+    ap.add_argument("--profile", action="store_true",
+                    help="the kernels of one call of lmloss and of ce-same-rows")
+    ap.add_argument("--impls", default="", help="comma-separated names to run (default: all)")
     a = ap.parse_args()
     b, t, v = a.b, a.t, a.v
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -70,8 +76,11 @@ def main():
         lp = (xl.float() / TEMP).log_softmax(-1).gather(-1, tok[..., None])[..., 0]
         return dapo(lp, old, ref, adv, mask, BETA, EPS)
 
+    def ce_same_rows(xl):
+        return lt.cross_entropy(xl.reshape(-1, v), tok.reshape(-1), temperature=TEMP)
+
     impls = {"lmloss": (lmloss_one, False), "lmloss 2 passes": (lmloss_two, False),
-             "torch": (torch_eager, False)}
+             "torch": (torch_eager, False), "ce-same-rows": (ce_same_rows, False)}
     try:
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
@@ -83,6 +92,8 @@ def main():
     except ImportError:
         pass
 
+    if a.impls:
+        impls = {k: f for k, f in impls.items() if k in a.impls.split(",")}
     dst = torch.empty_like(x)
     floor = timed(lambda: dst.copy_(x), a.reps, queued=5)[0]  # it moves the op's bytes: one read, one write
     bw = 2 * x.numel() * x.element_size() / (floor * 1e-3)
@@ -96,20 +107,22 @@ def main():
             return xl.grad[:, :t] if whole else xl.grad
         try:
             med, lo, hi = timed(run, a.reps, queued=5)
-            g = run().float()
-            ref_grad = g if ref_grad is None else ref_grad
-            err = ((g - ref_grad).norm() / ref_grad.norm()).item()
+            err = ""
+            if not name.startswith("ce"):
+                g = run().float()
+                ref_grad = g if ref_grad is None else ref_grad
+                err = f" grad err vs lmloss {((g - ref_grad).norm() / ref_grad.norm()).item():.2e}"
             print(f"  {name:16s} {med:7.3f} ms ({lo:.3f}-{hi:.3f})  {floor / med:6.1%} of copy "
-                  f" grad err vs lmloss {err:.2e}", flush=True)
+                  f"{err}", flush=True)
         except Exception as e:  # a peer that cannot run here
             print(f"  {name:16s} {type(e).__name__}: {str(e)[:120]}")
         torch.cuda.empty_cache()
-    if a.profile:
+    for fn in (lmloss_one, ce_same_rows) if a.profile else ():
         xl = x.detach().requires_grad_()
-        lmloss_one(xl).backward()
+        fn(xl).backward()
         xl.grad = None  # else the profiled backward adds into it: a pass over N x V of its own
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            lmloss_one(xl).backward()
+            fn(xl).backward()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 

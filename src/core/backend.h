@@ -222,8 +222,9 @@ typedef struct {
   /* GRPO on logits in one pass (NULL: the core's two): the log-probs of
    * index [N, 1] into in->logp (rows of T, N = B T) and dlogits at
    * upstream 1, for options lmloss_grpo_one_pass takes; the loss and
-   * metrics are then grpo's. ws: the sequences' scales (B doubles), then
-   * the cross-entropy row op's workspace from lmloss_grpo_pass_ce_ws(B). */
+   * metrics are then grpo's. ws: the sequences' scales (B doubles), the
+   * rows' target logits from lmloss_grpo_pass_xy(B) (N floats), then the
+   * cross-entropy row op's workspace from lmloss_grpo_pass_ce_ws(B, N). */
   lmloss_status (*grpo_logits)(const lmloss_context *, const lmloss_tensor *logits,
                                const lmloss_tensor *index, const lmloss_transform *,
                                const lmloss_grpo_inputs *, const lmloss_grpo_options *,
@@ -236,10 +237,15 @@ extern const lmloss_backend_ops lmloss_cpu_ops;
 extern const lmloss_backend_ops lmloss_cuda_ops;
 #endif
 
-/* Where the one GRPO pass's row-op workspace starts (grpo_logits): past
- * the sequences' scales, B doubles, on the workspace's 256-byte boundary. */
-static inline size_t lmloss_grpo_pass_ce_ws(int64_t sequences) {
+/* The one GRPO pass's workspace (grpo_logits), each part on a 256-byte
+ * boundary: the sequences' scales (B doubles), the rows' target logits
+ * (N floats) from lmloss_grpo_pass_xy, the row op's from
+ * lmloss_grpo_pass_ce_ws. */
+static inline size_t lmloss_grpo_pass_xy(int64_t sequences) {
   return ((size_t)sequences * 8 + 255) / 256 * 256;
+}
+static inline size_t lmloss_grpo_pass_ce_ws(int64_t sequences, int64_t rows) {
+  return lmloss_grpo_pass_xy(sequences) + ((size_t)rows * 4 + 255) / 256 * 256;
 }
 
 /* Absent optional tensor. */

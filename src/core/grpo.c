@@ -180,7 +180,7 @@ lmloss_status lmloss_grpo_backward(const lmloss_context *ctx, const lmloss_grpo_
 size_t lmloss_grpo_logits_workspace_size(int64_t sequences, int64_t tokens) {
   const int64_t B = sequences > 0 ? sequences : 0, N = B * (tokens > 0 ? tokens : 0);
   const size_t two = lmloss_ws_up((size_t)N * 4);
-  const size_t one = lmloss_grpo_pass_ce_ws(B) + lmloss_cross_entropy_workspace_size(N);
+  const size_t one = lmloss_grpo_pass_ce_ws(B, N) + lmloss_cross_entropy_workspace_size(N);
   return lmloss_ws_up(lmloss_grpo_workspace_size(B)) + (one > two ? one : two);
 }
 

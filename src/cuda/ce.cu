@@ -34,6 +34,7 @@ struct GrpoPass {
   lmloss_grpo_par p;
   lmloss_grpo_inputs in;
   const double *scale; /* [B]: lmloss_grpo_token_scale of each sequence */
+  const float *xy;     /* [N]: each row's target logit (gather_targets) */
 };
 
 /* A row's GRPO inputs and its upstream, in the CTA's shared memory: its
@@ -392,14 +393,16 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
    * per-row scalars made CE's per-row code longer than the log-probs
    * backward's. */
   float G = GRPO ? 0.0f : ce_upstream(a, dl, den, tw); /* GRPO's: grpo_upstream's, below */
-  /* the GRPO pass's inputs, and the target's logit read before this CTA's
-   * part lets a peer write its gradient (which may be over the logits) */
+  /* the GRPO pass's inputs, and the target's logit that gather_targets
+   * read before this kernel (and before any gradient over the logits):
+   * loaded here from the row, it waited for the target index's own load,
+   * a second memory latency on each row's path to its stores */
   const bool y_ok = y >= 0 && y < a.V;
   __shared__ GrpoRow grpo;
   float xy0 = 0.0f;
   if constexpr (GRPO) {
     grpo_stage(a.grpo, i, &grpo);
-    if (threadIdx.x == 0 && y_ok) xy0 = tof(xrow[y]);
+    if (threadIdx.x == 0) xy0 = a.grpo.xy[i];
   }
   h.arrive();
   const Xf &X = a.X;
@@ -571,6 +574,35 @@ extern "C" lmloss_status lmloss_cuda_grpo_scales(const lmloss_context *, const l
                                                  const lmloss_grpo_options *,
                                                  double *); /* grpo.cu */
 
+namespace lmc {
+/* Row i's target logit x[i, y_i] as a float (0 for a target outside
+ * [0, V), whose row is NaN), for the GRPO pass's held rows. */
+template <typename In>
+__global__ void gather_targets(const In *x, int64_t xs, const void *tgt, int tgt64, int64_t ts,
+                               int64_t N, int64_t V, float *xy) {
+  const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
+  if (i >= N) return;
+  const long long y = ld_index(tgt, tgt64, i * ts);
+  xy[i] = y >= 0 && y < V ? tof(x[i * xs + y]) : 0.0f;
+}
+
+static lmloss_status launch_gather(const lmloss_tensor *x, const lmloss_tensor *idx, float *xy,
+                                   cudaStream_t st) {
+  const int64_t N = x->rows;
+  const auto go = [&](const auto *logits) {
+    gather_targets<<<(unsigned)((N + 255) / 256), 256, 0, st>>>(logits, x->row_stride, idx->data,
+                                                                idx->dtype == LMLOSS_I64,
+                                                                idx->row_stride, N, x->cols, xy);
+  };
+  switch (x->dtype) {
+  case LMLOSS_BF16: go((const bf16 *)x->data); break;
+  case LMLOSS_F16: go((const f16 *)x->data); break;
+  default: go((const float *)x->data);
+  }
+  return check_launch("grpo target logits");
+}
+} // namespace lmc
+
 /* The CE row op at reduction NONE whose rows' upstreams are GRPO's
  * (GrpoPass): its loss output is the log-probs, its gradient GRPO's. */
 extern "C" lmloss_status
@@ -583,10 +615,12 @@ lmloss_cuda_grpo_logits(const lmloss_context *ctx, const lmloss_tensor *logits,
   lmc::GrpoPass g = {};
   g.on = 1, g.T = T, g.p = lmloss_grpo_par_make(opt, in), g.in = *in;
   double *scale = (double *)ws;
-  g.scale = scale;
+  float *xy = (float *)((char *)ws + lmloss_grpo_pass_xy(B));
+  g.scale = scale, g.xy = xy;
   lmloss_status s = lmloss_cuda_grpo_scales(ctx, in, opt, scale);
+  if (s == LMLOSS_OK) s = lmc::launch_gather(logits, index, xy, lmc::stream_of(ctx));
   if (s != LMLOSS_OK) return s;
-  void *ce_ws = (char *)ws + lmloss_grpo_pass_ce_ws(B);
+  void *ce_ws = (char *)ws + lmloss_grpo_pass_ce_ws(B, B * T);
   lmloss_ce_options o = lmloss_ce_options_default();
   o.ignore_index = -1; /* never an index: they lie in [0, V) */
   o.transform = *tr;

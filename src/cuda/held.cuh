@@ -211,14 +211,17 @@ template <typename In, bool CLUSTER, int SHARED = 0> struct HeldRow {
    * finite (no NaN, +inf or all -inf). Within the CTA, R about its max M
    * is S - 1, S the sum of every term (about 1 at each occurrence of M).
    * Where S < 2, R's low bits would be lost in a thread's sum that holds
-   * an occurrence, so a thread holding M whose own sum is below 2 sums
-   * again without the occurrences, counting them apart (R then = the sum
-   * + the count - 1, exact at a peaked row); where its sum is 2 or more,
-   * R >= 1 and its error is the sum's. A thread's plain sum costs an FMA,
-   * an ex2 and an add an element: with the occurrences counted in every
-   * warp holding M (16-bit rows often tie at their max), that sum was
-   * close to half of CE's instructions. Contains __syncthreads: call
-   * uniformly. */
+   * an occurrence, so where a warp holding M sums to less than 2, its
+   * threads holding M sum again without the occurrences, counting them
+   * apart (R then = the sum + the count - 1, exact at a peaked row); where
+   * the warp's sum is 2 or more, R >= 1 and a thread's rounding is its
+   * sum's, small beside it. Tested on the thread's own sum instead, the
+   * second sum ran in nearly every CTA of normal rows (the max's thread
+   * sums little else), one warp's pass on each CTA's path to its stores.
+   * A thread's plain sum costs an FMA, an ex2 and an add an element:
+   * with the occurrences counted in every warp holding M (16-bit rows
+   * often tie at their max), that sum was close to half of CE's
+   * instructions. Contains __syncthreads: call uniformly. */
   __device__ __forceinline__ bool stats(const Xf &X) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
     settle();
@@ -248,26 +251,33 @@ template <typename In, bool CLUSTER, int SHARED = 0> struct HeldRow {
       for (int e = 0; e < NV; e++)
         s += ex2(ref.p(X, x[e])); /* -inf: ex2(-inf) = 0 */
     }
-    if (t == M && !(s >= 2.0f)) { /* see the comment above */
-      s = 0.0f;
+    float sw = s;
 #pragma unroll
-      for (int u = 0; u < VECS; u++) {
-        float x[NV];
-        unpack<In, NV>(raw_again(u), x);
+    for (int off = 16; off > 0; off >>= 1)
+      sw += __shfl_xor_sync(0xffffffffu, sw, off);
+    if (__any_sync(0xffffffffu, t == M) && !(sw >= 2.0f)) { /* see the comment above */
+      if (t == M) {
+        s = 0.0f;
 #pragma unroll
-        for (int e = 0; e < NV; e++) {
-          const float p = ex2(ref.p(X, x[e]));
-          s += x[e] < M ? p : 0.0f;
-          ties += x[e] == M;
+        for (int u = 0; u < VECS; u++) {
+          float x[NV];
+          unpack<In, NV>(raw_again(u), x);
+#pragma unroll
+          for (int e = 0; e < NV; e++) {
+            const float p = ex2(ref.p(X, x[e]));
+            s += x[e] < M ? p : 0.0f;
+            ties += x[e] == M;
+          }
         }
       }
-    }
+      sw = s;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      s += __shfl_xor_sync(0xffffffffu, s, off);
-      ties += __shfl_xor_sync(0xffffffffu, ties, off);
+      for (int off = 16; off > 0; off >>= 1) {
+        sw += __shfl_xor_sync(0xffffffffu, sw, off);
+        ties += __shfl_xor_sync(0xffffffffu, ties, off);
+      }
     }
-    if (lane == 0) sm->wsum[w] = s, sm->wties[w] = ties;
+    if (lane == 0) sm->wsum[w] = sw, sm->wties[w] = ties;
     __syncthreads();
     s = sm->wsum[0];
     ties = sm->wties[0];
