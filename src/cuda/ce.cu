@@ -465,8 +465,10 @@ static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool entropy, cudaSt
       }))
     return s;
   using K = void (*)(CeArgs);
-  const K k256 = wide_row_kernel<In, K>(
-      [&] { return entropy ? ce_rows<In, true, 256> : ce_rows<In, false, 256>; });
+  const K k256 = wide_row_kernel<In, K>([&](auto in) {
+    using I = typename decltype(in)::type;
+    return entropy ? ce_rows<I, true, 256> : ce_rows<I, false, 256>;
+  });
   return launch_rows(entropy ? ce_rows<In, true> : ce_rows<In, false>, k256, d, elt<In>::NV,
                      a.mode != CE_FWD, 0, st, a, "cross_entropy");
 }

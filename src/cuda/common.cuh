@@ -49,6 +49,10 @@ constexpr double LOG2E = 1.4426950408889634074;
 typedef __nv_bfloat16 bf16;
 typedef __half f16;
 
+/* A type as a value, for generic lambdas: their bodies are built only
+ * for the types they are called with. */
+template <typename T> struct type_tag { using type = T; };
+
 template <typename T> struct elt {
   static constexpr int NV = 16 / sizeof(T); /* elements per 16-byte vector */
 };

@@ -482,8 +482,6 @@ template <typename In, typename O> constexpr bool held_built() {
   return std::is_same<In, O>::value || std::is_same<O, float>::value;
 }
 
-template <typename T> struct type_tag { using type = T; };
-
 /* launch(type_tag<O>{}) for the output dtype dt where held_built<In, O>,
  * else false (as launch_held where its plan does not apply). */
 template <typename In, typename F> static bool launch_held_for(lmloss_dtype dt, F launch) {

@@ -492,8 +492,10 @@ static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool entropy, cudaS
       }))
     return s;
   using K = void (*)(LpArgs);
-  const K k256 = wide_row_kernel<In, K>(
-      [&] { return entropy ? lp_bwd<In, true, 256> : lp_bwd<In, false, 256>; });
+  const K k256 = wide_row_kernel<In, K>([&](auto in) {
+    using I = typename decltype(in)::type;
+    return entropy ? lp_bwd<I, true, 256> : lp_bwd<I, false, 256>;
+  });
   return launch_rows(entropy ? lp_bwd<In, true> : lp_bwd<In, false>, k256, d, elt<In>::NV, 1, 1, st,
                      a, "log_probs_backward");
 }

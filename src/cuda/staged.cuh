@@ -767,11 +767,14 @@ __device__ __forceinline__ void second_pass(bool staged, Stage &st, const RowPar
  * softmax holds its own in 80 and keeps one kernel of 256 for both. */
 #define ROW_BOUNDS(THREADS) __launch_bounds__(THREADS, (THREADS) == 128 ? 5 : 3)
 
-/* The 256-thread kernel of a row kernel family for logits of type In, or
- * none (launch_rows then runs every plan at 128 threads): see ROW_BOUNDS. */
+/* The 256-thread kernel of a row kernel family for logits of type In,
+ * make(type_tag<In>{}), or none (launch_rows then runs every plan at 128
+ * threads): see ROW_BOUNDS. make is a generic lambda, so that the 16-bit
+ * dtypes' 256-thread kernels, which no plan launches, are not built (a
+ * plain lambda naming them built them). */
 template <typename In, typename K, typename Make> static K wide_row_kernel(Make make) {
   if constexpr (std::is_same<In, float>::value)
-    return make();
+    return make(type_tag<In>{});
   else
     return K{};
 }
