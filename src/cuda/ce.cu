@@ -165,7 +165,7 @@ __global__ void ce_finalize(CeArgs a, float *loss) {
  * so each CTA stages its chunk and writes the gradient from shared memory
  * after the cluster has merged the row state. Forward only: the same
  * kernel, one CTA per row streaming it once (see first_pass). */
-template <typename In, bool ENTROPY, int THREADS = 128>
+template <typename In, bool ENTROPY, int THREADS = 128, bool GRPO = false>
 __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   extern __shared__ uint4 stage[];
@@ -210,7 +210,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
      * this CTA's part, which every peer waits for before it writes. */
     const bool y_ok = y >= 0 && y < a.V;
     const float xy = y_ok ? tof(row[y]) : 0.0f;
-    if (a.grpo.on) grpo_stage(a.grpo, i, &grpo);
+    if constexpr (GRPO) grpo_stage(a.grpo, i, &grpo);
     const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
     /* the upstream gradient's inputs, used after the merge */
     const float dl = !grad                               ? 0.0f
@@ -249,7 +249,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     if (smoothing) ce += (double)q.smooth * ((double)C * l1r + s.u);
     const float py = cexp(X, fmaxf(wy - s.m, X.dmin)) * inv;
     if (a.dft) ce *= py;
-    double li = a.grpo.on ? -ly : (double)tw * (ce + (double)a.zl * lse * lse);
+    double li = GRPO ? -ly : (double)tw * (ce + (double)a.zl * lse * lse);
     if (!ok) li = NAN;
 
     if (rw.rank == 0 && threadIdx.x == 0 && a.mode != CE_BWD) {
@@ -261,7 +261,11 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     }
     if (!grad) continue;
 
-    const float G = a.grpo.on ? grpo_upstream(a.grpo, -ly, &grpo) : ce_upstream(a, dl, den, tw);
+    float G;
+    if constexpr (GRPO)
+      G = grpo_upstream(a.grpo, -ly, &grpo);
+    else
+      G = ce_upstream(a, dl, den, tw);
     const float Gce = a.dft ? G * py : G;
     const float Gz = G * 2.0f * a.zl * (float)lse;
     /* dz_j = e_j F1 - F0 c_j away from the target and the argmax; without
@@ -464,13 +468,20 @@ static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool entropy, cudaSt
         return launch_ce_held<In, typename decltype(o)::type>(d, a, st, &s);
       }))
     return s;
+  /* The GRPO pass (no entropy output) has kernels of its own: its
+   * upstream's code in every CE kernel made the plain ones slower. */
   using K = void (*)(CeArgs);
+  const bool grpo = a.grpo.on;
+  const K k128 = grpo      ? ce_rows<In, false, 128, true>
+                 : entropy ? ce_rows<In, true>
+                           : ce_rows<In, false>;
   const K k256 = wide_row_kernel<In, K>([&](auto in) {
     using I = typename decltype(in)::type;
-    return entropy ? ce_rows<I, true, 256> : ce_rows<I, false, 256>;
+    return grpo      ? ce_rows<I, false, 256, true>
+           : entropy ? ce_rows<I, true, 256>
+                     : ce_rows<I, false, 256>;
   });
-  return launch_rows(entropy ? ce_rows<In, true> : ce_rows<In, false>, k256, d, elt<In>::NV,
-                     a.mode != CE_FWD, 0, st, a, "cross_entropy");
+  return launch_rows(k128, k256, d, elt<In>::NV, a.mode != CE_FWD, 0, st, a, "cross_entropy");
 }
 
 static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *in,
