@@ -164,7 +164,8 @@ __global__ void ce_finalize(CeArgs a, float *loss) {
  * cluster; the gradient needs the row statistics before its first write,
  * so each CTA stages its chunk and writes the gradient from shared memory
  * after the cluster has merged the row state. Forward only: the same
- * kernel, one CTA per row streaming it once (see first_pass). */
+ * kernel, one CTA per row streaming it once (see first_pass). GRPO: the
+ * GRPO pass's rows that the held plan does not take (GrpoPass). */
 template <typename In, bool ENTROPY, int THREADS = 128, bool GRPO = false>
 __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
   constexpr int NV = elt<In>::NV;
