@@ -472,16 +472,16 @@ static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool entropy, cudaSt
   /* The GRPO pass (no entropy output) has kernels of its own: its
    * upstream's code in every CE kernel made the plain ones slower. */
   using K = void (*)(CeArgs);
-  const bool grpo = a.grpo.on;
-  const K k128 = grpo      ? ce_rows<In, false, 128, true>
-                 : entropy ? ce_rows<In, true>
-                           : ce_rows<In, false>;
-  const K k256 = wide_row_kernel<In, K>([&](auto in) {
+  const auto kernel = [&](auto in, auto threads) -> K {
     using I = typename decltype(in)::type;
-    return grpo      ? ce_rows<I, false, 256, true>
-           : entropy ? ce_rows<I, true, 256>
-                     : ce_rows<I, false, 256>;
-  });
+    constexpr int T = decltype(threads)::value;
+    return a.grpo.on ? ce_rows<I, false, T, true>
+           : entropy ? ce_rows<I, true, T>
+                     : ce_rows<I, false, T>;
+  };
+  const K k128 = kernel(type_tag<In>{}, std::integral_constant<int, 128>{});
+  const K k256 = wide_row_kernel<In, K>(
+      [&](auto in) { return kernel(in, std::integral_constant<int, 256>{}); });
   return launch_rows(k128, k256, d, elt<In>::NV, a.mode != CE_FWD, 0, st, a, "cross_entropy");
 }
 
