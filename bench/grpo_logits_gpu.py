@@ -18,15 +18,19 @@ tensors:
                     logits and temperature, the plain CE row op GRPO's pass
                     is built on, in the same harness (the rows' own cost)
 
-The limit is the bytes the op must move, the logits read once and their
-gradient written once, at the copy bandwidth measured in the same run (a
-device-to-device copy of the logits). Time: median of --reps CUDA-event
+The limit is the copy bandwidth measured in the same run (a device-to-
+device copy of the logits), against two byte counts: the logits read once
+and their gradient written once ("of copy"), and the bytes the op must
+move ("of its bytes"): a masked token's gradient row is written (zeros)
+but its logits need not be read, as neither lmloss's one pass nor
+Liger-Kernel's reads them. --mask full masks no token, so that every row
+is read. Time: median of --reps CUDA-event
 samples of 5 forward + backward calls queued back to back after a
 warm-up, so that each call's host work overlaps the device work of the
 one before, as in a training step (the other GPU benchmarks' timing).
 
     python bench/grpo_logits_gpu.py [--b 8] [--t 1024] [--v 152064] [--reps 9]
-        [--impls lmloss,liger,...] [--profile]
+        [--impls lmloss,liger,...] [--mask ragged|full] [--profile]
 """
 import argparse
 
@@ -48,6 +52,9 @@ def main():
     ap.add_argument("--profile", action="store_true",
                     help="the kernels of one call of lmloss and of ce-same-rows")
     ap.add_argument("--impls", default="", help="comma-separated names to run (default: all)")
+    ap.add_argument("--mask", choices=("ragged", "full"), default="ragged",
+                    help="ragged: sequence i's first (0.5 + 0.5 i / B) T tokens unmasked; "
+                         "full: every token")
     a = ap.parse_args()
     b, t, v = a.b, a.t, a.v
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -56,7 +63,7 @@ def main():
     x = full[:, :-1].contiguous()
     tok = torch.randint(0, v, (b, t), device="cuda", generator=gen)
     mask = torch.ones(b, t, device="cuda")
-    for i in range(b):
+    for i in range(b if a.mask == "ragged" else 0):
         mask[i, int(t * (0.5 + 0.5 * i / b)):] = 0
     adv = torch.randn(b, device="cuda", generator=gen)
     with torch.no_grad():
@@ -97,8 +104,11 @@ def main():
     dst = torch.empty_like(x)
     floor = timed(lambda: dst.copy_(x), a.reps, queued=5)[0]  # it moves the op's bytes: one read, one write
     bw = 2 * x.numel() * x.element_size() / (floor * 1e-3)
-    print(f"{torch.cuda.get_device_name()}, B {b} T {t} V {v} bf16, dapo beta {BETA} T {TEMP}; "
-          f"copy {bw / 1e9:.0f} GB/s, floor (logits read + gradient written) {floor:.3f} ms")
+    unmasked = (mask != 0).float().mean().item()
+    floor_own = floor * (1 + unmasked) / 2  # every gradient row written, the unmasked rows read
+    print(f"{torch.cuda.get_device_name()}, B {b} T {t} V {v} bf16, dapo beta {BETA} T {TEMP}, "
+          f"{unmasked:.1%} of tokens unmasked; copy {bw / 1e9:.0f} GB/s, floor (logits read + "
+          f"gradient written) {floor:.3f} ms, of its bytes {floor_own:.3f} ms")
     ref_grad = None
     for name, (fn, whole) in impls.items():
         def run():
@@ -112,8 +122,8 @@ def main():
                 g = run().float()
                 ref_grad = g if ref_grad is None else ref_grad
                 err = f" grad err vs lmloss {((g - ref_grad).norm() / ref_grad.norm()).item():.2e}"
-            print(f"  {name:16s} {med:7.3f} ms ({lo:.3f}-{hi:.3f})  {floor / med:6.1%} of copy "
-                  f"{err}", flush=True)
+            print(f"  {name:16s} {med:7.3f} ms ({lo:.3f}-{hi:.3f})  {floor / med:6.1%} of copy, "
+                  f"{floor_own / med:6.1%} of its bytes{err}", flush=True)
         except Exception as e:  # a peer that cannot run here
             print(f"  {name:16s} {type(e).__name__}: {str(e)[:120]}")
         torch.cuda.empty_cache()

@@ -1079,8 +1079,12 @@ LMLOSS_API lmloss_status lmloss_grpo_backward(
  * the bonus' dentropy). Where a token's gradient needs only its own
  * log-prob (token level; no off-policy or entropy mask, VESPO or sequence
  * IS ratio) the CUDA backend forms it in the log-probs' own pass: the
- * logits are read once and dlogits written once. Otherwise, and on the
- * CPU, two passes: the log-probs, then their backward. */
+ * logits are read once and dlogits written once, and a token with m = 0
+ * (no part in the loss or the metrics, a zero gradient) has its dlogits
+ * row written as zeros without its logits being read, and its log-prob
+ * written as 0 (as Liger-Kernel's GRPO kernel leaves it). Otherwise, and
+ * on the CPU, two passes: the log-probs of every token, then their
+ * backward. */
 LMLOSS_API size_t lmloss_grpo_logits_workspace_size(int64_t sequences, int64_t tokens);
 LMLOSS_API lmloss_status lmloss_grpo_logits(
     const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,

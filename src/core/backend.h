@@ -220,10 +220,11 @@ typedef struct {
                        const lmloss_kto_options *, const lmloss_kto_outputs *out,
                        const lmloss_tensor *dloss, const lmloss_tensor *dlogps);
   /* GRPO on logits in one pass (NULL: the core's two): the log-probs of
-   * index [N, 1] into in->logp (rows of T, N = B T) and dlogits at
-   * upstream 1, for options lmloss_grpo_one_pass takes; the loss and
-   * metrics are then grpo's. ws: the sequences' scales (B doubles), the
-   * rows' target logits from lmloss_grpo_pass_xy(B) (N floats), then the
+   * index [N, 1] into in->logp (rows of T, N = B T; 0 at masked tokens,
+   * whose logits it need not read) and dlogits at upstream 1, for
+   * options lmloss_grpo_one_pass takes; the loss and metrics are then
+   * grpo's. ws: the sequences' scales (B doubles), the rows' masks and
+   * target logits from lmloss_grpo_pass_rows(B) (N float pairs), then the
    * cross-entropy row op's workspace from lmloss_grpo_pass_ce_ws(B, N). */
   lmloss_status (*grpo_logits)(const lmloss_context *, const lmloss_tensor *logits,
                                const lmloss_tensor *index, const lmloss_transform *,
@@ -238,14 +239,14 @@ extern const lmloss_backend_ops lmloss_cuda_ops;
 #endif
 
 /* The one GRPO pass's workspace (grpo_logits), each part on a 256-byte
- * boundary: the sequences' scales (B doubles), the rows' target logits
- * (N floats) from lmloss_grpo_pass_xy, the row op's from
- * lmloss_grpo_pass_ce_ws. */
-static inline size_t lmloss_grpo_pass_xy(int64_t sequences) {
+ * boundary: the sequences' scales (B doubles), the rows' masks and
+ * target logits (N float pairs) from lmloss_grpo_pass_rows, the row op's
+ * from lmloss_grpo_pass_ce_ws. */
+static inline size_t lmloss_grpo_pass_rows(int64_t sequences) {
   return ((size_t)sequences * 8 + 255) / 256 * 256;
 }
 static inline size_t lmloss_grpo_pass_ce_ws(int64_t sequences, int64_t rows) {
-  return lmloss_grpo_pass_xy(sequences) + ((size_t)rows * 4 + 255) / 256 * 256;
+  return lmloss_grpo_pass_rows(sequences) + ((size_t)rows * 8 + 255) / 256 * 256;
 }
 
 /* Absent optional tensor. */

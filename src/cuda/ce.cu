@@ -34,7 +34,10 @@ struct GrpoPass {
   lmloss_grpo_par p;
   lmloss_grpo_inputs in;
   const double *scale; /* [B]: lmloss_grpo_token_scale of each sequence */
-  const float *xy;     /* [N]: each row's target logit (gather_targets) */
+  /* [N]: each row's mask and target logit (gather_targets). A masked row
+   * (mask 0) has a zero gradient and no use for its log-prob: its
+   * gradient is written without its logits being read, its log-prob as 0. */
+  const float2 *row;
 };
 
 /* A row's GRPO inputs and its upstream, in the CTA's shared memory: its
@@ -192,7 +195,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     const int64_t in = i + rw.step;
     if (in < a.N) prefetch_index(a.tgt, a.tgt64, in * a.ts);
     const bool grad = a.mode != CE_FWD;
-    if (y == a.ignore) {
+    if (y == a.ignore || (GRPO && a.grpo.row[i].x == 0.0f)) {
       if (rw.rank == 0 && threadIdx.x == 0) {
         if (a.mode == CE_FWD || a.mode == CE_FUSED) {
           put_loss(a, i, 0.0, 0.0);
@@ -376,6 +379,21 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   const int64_t i = blockIdx.x / a.cs;
   HeldRow<In, CLUSTER, HELD_SHARED_SLOTS> h(&sm, &slots, a.cs, a.chunk, a.V);
   const In *xrow = (const In *)a.x + i * a.xs;
+  /* the GRPO pass's row: its mask, before the row's loads (a masked row
+   * is not read), and the target's logit that gather_targets read before
+   * this kernel and before any gradient over the logits (loaded here from
+   * the row, it waited for the target index's own load, a second memory
+   * latency on each row's path to its stores) */
+  float xy0 = 0.0f;
+  if constexpr (GRPO) {
+    const float2 q = a.grpo.row[i];
+    if (q.x == 0.0f) { /* the whole cluster returns here */
+      if (h.rank == 0 && threadIdx.x == 0) put_loss(a, i, 0.0, 0.0);
+      zero_chunk<NV>(ChunkOut<O, NV>((O *)a.dx + i * a.dxs, h.ch, a.V), h.ch);
+      return;
+    }
+    xy0 = q.y;
+  }
   h.load<true>(xrow, a.V);
   const long long y = ld_index(a.tgt, a.tgt64, i * a.ts);
   const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
@@ -398,17 +416,9 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
    * per-row scalars made CE's per-row code longer than the log-probs
    * backward's. */
   float G = GRPO ? 0.0f : ce_upstream(a, dl, den, tw); /* GRPO's: grpo_upstream's, below */
-  /* the GRPO pass's inputs, and the target's logit that gather_targets
-   * read before this kernel (and before any gradient over the logits):
-   * loaded here from the row, it waited for the target index's own load,
-   * a second memory latency on each row's path to its stores */
   const bool y_ok = y >= 0 && y < a.V;
   __shared__ GrpoRow grpo;
-  float xy0 = 0.0f;
-  if constexpr (GRPO) {
-    grpo_stage(a.grpo, i, &grpo);
-    if (threadIdx.x == 0) xy0 = a.grpo.xy[i];
-  }
+  if constexpr (GRPO) grpo_stage(a.grpo, i, &grpo);
   h.arrive();
   const Xf &X = a.X;
   const float k = X.f.k;
@@ -589,24 +599,26 @@ extern "C" lmloss_status lmloss_cuda_grpo_scales(const lmloss_context *, const l
                                                  double *); /* grpo.cu */
 
 namespace lmc {
-/* Row i's target logit x[i, y_i] as a float (0 for a target outside
- * [0, V), whose row is NaN), for the GRPO pass's held rows. */
+/* Row i's mask and target logit x[i, y_i] as floats (the logit 0 for a
+ * target outside [0, V), whose row is NaN), for the GRPO pass's rows
+ * (GrpoPass::row): row i is token i % T of sequence i / T. */
 template <typename In>
 __global__ void gather_targets(const In *x, int64_t xs, const void *tgt, int tgt64, int64_t ts,
-                               int64_t N, int64_t V, float *xy) {
+                               lmloss_tensor mask, int64_t N, int64_t V, float2 *row) {
   const int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x;
   if (i >= N) return;
   const long long y = ld_index(tgt, tgt64, i * ts);
-  xy[i] = y >= 0 && y < V ? tof(x[i * xs + y]) : 0.0f;
+  const float m = (float)lmloss_grpo_at(&mask, i / mask.cols, i % mask.cols);
+  row[i] = make_float2(m, y >= 0 && y < V ? tof(x[i * xs + y]) : 0.0f);
 }
 
-static lmloss_status launch_gather(const lmloss_tensor *x, const lmloss_tensor *idx, float *xy,
-                                   cudaStream_t st) {
+static lmloss_status launch_gather(const lmloss_tensor *x, const lmloss_tensor *idx,
+                                   const lmloss_tensor *mask, float2 *row, cudaStream_t st) {
   const int64_t N = x->rows;
   const auto go = [&](const auto *logits) {
-    gather_targets<<<(unsigned)((N + 255) / 256), 256, 0, st>>>(logits, x->row_stride, idx->data,
-                                                                idx->dtype == LMLOSS_I64,
-                                                                idx->row_stride, N, x->cols, xy);
+    gather_targets<<<(unsigned)((N + 255) / 256), 256, 0, st>>>(
+        logits, x->row_stride, idx->data, idx->dtype == LMLOSS_I64, idx->row_stride, *mask, N,
+        x->cols, row);
   };
   switch (x->dtype) {
   case LMLOSS_BF16: go((const bf16 *)x->data); break;
@@ -629,10 +641,10 @@ lmloss_cuda_grpo_logits(const lmloss_context *ctx, const lmloss_tensor *logits,
   lmc::GrpoPass g = {};
   g.on = 1, g.T = T, g.p = lmloss_grpo_par_make(opt, in), g.in = *in;
   double *scale = (double *)ws;
-  float *xy = (float *)((char *)ws + lmloss_grpo_pass_xy(B));
-  g.scale = scale, g.xy = xy;
+  float2 *row = (float2 *)((char *)ws + lmloss_grpo_pass_rows(B));
+  g.scale = scale, g.row = row;
   lmloss_status s = lmloss_cuda_grpo_scales(ctx, in, opt, scale);
-  if (s == LMLOSS_OK) s = lmc::launch_gather(logits, index, xy, lmc::stream_of(ctx));
+  if (s == LMLOSS_OK) s = lmc::launch_gather(logits, index, &in->mask, row, lmc::stream_of(ctx));
   if (s != LMLOSS_OK) return s;
   void *ce_ws = (char *)ws + lmloss_grpo_pass_ce_ws(B, B * T);
   lmloss_ce_options o = lmloss_ce_options_default();

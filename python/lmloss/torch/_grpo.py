@@ -284,7 +284,9 @@ def grpo_loss_on_logits(logits: Tensor, completion_ids: Tensor, advantages: Tens
     feed the metrics with no gradient (no entropy mask or bonus here:
     grpo_loss on lt.log_probs has them). Returns the loss, and (as
     grpo_loss) the metrics with return_metrics, then the per-token
-    log-probs [B, T] (float32, no gradient) with return_logps."""
+    log-probs [B, T] (float32, no gradient) with return_logps; the one
+    pass does not read the logits of a token whose mask is 0 (its
+    gradient is 0) and returns 0 as its log-prob."""
     fopts, iopts = grpo_values(loss_type, importance_sampling_level, epsilon, epsilon_high,
                                delta, beta, use_bias_correction_kl, sapo_temperature_pos,
                                sapo_temperature_neg, vespo_k_pos, vespo_lambda_pos, vespo_k_neg,
