@@ -183,8 +183,9 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
   Stage st(stage, red.halves, ch, a.staged);
 
   /* Every per-row global load is issued a pass ahead of its use: the
-   * next row's target and its logit are prefetched into L1 during this
-   * row, the upstream gradient and weights are loaded before pass 1.
+   * next row's target and its logit (the GRPO pass: also its mask) are
+   * prefetched into L1 during this row, the upstream gradient and
+   * weights are loaded before pass 1.
    * Loaded where they were used, each stalled every warp of the CTA every
    * row; a prefetch, not a load carried to the
    * next row, since the compiler moves a uniform load's value into a
@@ -193,7 +194,10 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     const In *row = (const In *)a.x + i * a.xs;
     const long long y = ld_index(a.tgt, a.tgt64, i * a.ts);
     const int64_t in = i + rw.step;
-    if (in < a.N) prefetch_index(a.tgt, a.tgt64, in * a.ts);
+    if (in < a.N) {
+      prefetch_index(a.tgt, a.tgt64, in * a.ts);
+      if constexpr (GRPO) prefetch_l1(a.grpo.row + in);
+    }
     const bool grad = a.mode != CE_FWD;
     if (y == a.ignore || (GRPO && a.grpo.row[i].x == 0.0f)) {
       if (rw.rank == 0 && threadIdx.x == 0) {
