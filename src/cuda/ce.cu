@@ -379,9 +379,10 @@ template <typename In, typename O, bool CLUSTER, bool GRPO>
 __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   constexpr int NV = elt<In>::NV;
   __shared__ HeldSmem sm;
-  __shared__ HeldSlots<HELD_SHARED_SLOTS> slots;
+  constexpr int SLOTS = GRPO ? HELD_GRPO_SHARED_SLOTS : HELD_SHARED_SLOTS;
+  __shared__ HeldSlots<SLOTS> slots;
   const int64_t i = blockIdx.x / a.cs;
-  HeldRow<In, CLUSTER, HELD_SHARED_SLOTS> h(&sm, &slots, a.cs, a.chunk, a.V);
+  HeldRow<In, CLUSTER, SLOTS> h(&sm, &slots, a.cs, a.chunk, a.V);
   const In *xrow = (const In *)a.x + i * a.xs;
   /* the GRPO pass's row: its mask, before the row's loads (a masked row
    * is not read), and the target's logit that gather_targets read before

@@ -37,6 +37,9 @@ constexpr int HELD_THREADS = 256; /* the most a CTA runs (HeldSmem's parts, Held
 constexpr int HELD_VECS = 4096;   /* 16-byte vectors a CTA holds: T threads of 4096 / T */
 constexpr int HELD_MAX_CS = 16;
 constexpr int HELD_SHARED_SLOTS = 2; /* CE's and the log-probs backward's (HeldRow's SHARED) */
+/* The GRPO pass's: its per-row formula's registers left thread 0 spilling
+ * at two slots; six leave it next to none, and its rows ran faster. */
+constexpr int HELD_GRPO_SHARED_SLOTS = 6;
 
 struct HeldSmem {
   float wmax[HELD_THREADS / 32];
@@ -100,7 +103,8 @@ __device__ __forceinline__ Raw<f16> raw_vmax(Raw<f16> a, const Raw<f16> &b) {
  * and the spills' lines went out to DRAM under the streaming rows; at
  * SHARED = 2 it spills next to nothing, and CE and the log-probs backward
  * ran faster in clusters at every dtype (SHARED = 4 was slower again).
- * The softmax ran slower with shared slots, so it keeps SHARED = 0. */
+ * The GRPO pass takes more (HELD_GRPO_SHARED_SLOTS). The softmax ran
+ * slower with shared slots, so it keeps SHARED = 0. */
 template <typename In, bool CLUSTER, int SHARED = 0> struct HeldRow {
   static constexpr int NV = elt<In>::NV, VECS = HELD_VECS / held_threads(NV, CLUSTER);
   static constexpr int IN_REGS = VECS - SHARED; /* slots u < IN_REGS in registers */
