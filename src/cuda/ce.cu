@@ -69,7 +69,20 @@ __device__ __forceinline__ float grpo_upstream(const GrpoPass &g, double logp, G
   return r->G;
 }
 
-enum CeMode { CE_FWD = 0, CE_FUSED = 1, CE_BWD = 2 };
+/* CE_STATE: a vocabulary shard's row states (lmloss.h's row contract)
+ * instead of outputs. */
+enum CeMode { CE_FWD = 0, CE_FUSED = 1, CE_BWD = 2, CE_STATE = 3 };
+
+/* A vocabulary shard: the logits' V columns are [col0, col0 + V) of vocab
+ * (the one-shot call: 0 and V). CE_STATE writes each row's state to
+ * state_out; a finish (any other mode) takes the merged states state_in
+ * in place of its first pass. Rows of sts floats. */
+struct CeShard {
+  int64_t col0, vocab, sts;
+  float *state_out;
+  const float *state_in;
+  int entropy; /* CE_STATE: carry the entropy sum t */
+};
 
 struct CeArgs {
   const void *x;
@@ -106,12 +119,13 @@ struct CeArgs {
   int64_t chunk;
   int staged;
   GrpoPass grpo;
+  CeShard sh;
 };
 
 /* The weight of row i in the MEAN denominator (0 when ignored or out of
  * range). */
 __device__ __forceinline__ double row_weight(const CeArgs &a, long long y) {
-  if (y == a.ignore || y < 0 || y >= a.V) return 0.0;
+  if (y == a.ignore || y < 0 || y >= a.sh.vocab) return 0.0;
   return a.cw ? (double)a.cw[y * a.cws] : 1.0;
 }
 
@@ -198,7 +212,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
       prefetch_index(a.tgt, a.tgt64, in * a.ts);
       if constexpr (GRPO) prefetch_l1(a.grpo.row + in);
     }
-    const bool grad = a.mode != CE_FWD;
+    const bool grad = a.mode == CE_FUSED || a.mode == CE_BWD;
     if (y == a.ignore || (GRPO && a.grpo.row[i].x == 0.0f)) {
       if (rw.rank == 0 && threadIdx.x == 0) {
         if (a.mode == CE_FWD || a.mode == CE_FUSED) {
@@ -206,6 +220,10 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
           if (a.lse) a.lse[i * a.lses] = 0.0f;
           if (a.ent) a.ent[i * a.ents] = 0.0f;
           if (a.amax) a.amax[i * a.ams] = -1;
+        }
+        if (a.mode == CE_STATE) {
+          const lmloss_rowstate e = lmloss_rowstate_empty();
+          lmloss_rowstate_pack(&e, a.sh.state_out + i * a.sh.sts);
         }
       }
       if (grad && a.zero_ignored)
@@ -215,11 +233,17 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     const bool in_al = is_aligned16(row);
     /* The target's logit, read before any CTA of the cluster writes (the
      * gradient may overwrite the logits in place): its NaN flag goes into
-     * this CTA's part, which every peer waits for before it writes. */
-    const bool y_ok = y >= 0 && y < a.V;
-    const float xy = y_ok ? tof(row[y]) : 0.0f;
+     * this CTA's part, which every peer waits for before it writes. A
+     * shard holds it only in its columns (yl: the target's column there);
+     * a finish has it from the merged state. */
+    const bool y_ok = y >= 0 && y < a.sh.vocab;
+    const long long yl = y - a.sh.col0;
+    const bool y_here = yl >= 0 && yl < a.V;
+    const bool finish = !GRPO && a.sh.state_in;
+    const float xy = y_here && !finish ? tof(row[yl]) : 0.0f;
     if constexpr (GRPO) grpo_stage(a.grpo, i, &grpo);
     const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
+    const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
     /* the upstream gradient's inputs, used after the merge */
     const float dl = !grad                               ? 0.0f
                      : a.mode == CE_FUSED                ? a.grad_output
@@ -228,31 +252,54 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     const double den = grad && a.reduction == LMLOSS_REDUCE_MEAN ? *a.den : 1.0;
 
     /* Pass 1: statistics of this CTA's chunk (staged, or kept in L2 for
-     * a second read when the row is too wide to stage). */
+     * a second read when the row is too wide to stage), in the
+     * vocabulary's columns; a finish takes them from the merged state. */
     const RowPart<In> part = {row, ch, a.V, in_al};
-    Acc acc;
-    acc.init(X);
-    const bool one_max =
-        first_pass<ENTROPY>(a.staged, st, part, grad, X, Smooth{smoothing, a.cw, a.cws}, acc, &red);
-    acc.bad |= xy != xy;
-    const float wy = y_ok ? lmloss_xform_w(&X.f, xy) : 0.0f;
-    const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
-
-    Part P = reduce_row(acc, k, ENTROPY, smoothing, &red, rw, one_max);
-    const long long yn = in < a.N ? ld_index(a.tgt, a.tgt64, in * a.ts) : a.ignore;
-    if (yn >= 0 && yn < a.V) prefetch_l1((const In *)a.x + in * a.xs + yn);
-    lmloss_rowstat s = P.s;
-    s.u += P.ue;
-    s.c += P.ce;
-    const bool ok = y_ok && !P.bad && lmloss_rowstat_finite(&s);
+    lmloss_rowstat s;
+    float wy;
+    bool bad;                /* no finite statistics (a finish: or no label's w) */
+    long long yn = a.ignore; /* the next row's target (a finish stages no next row) */
+    if (!finish) {
+      Acc acc;
+      acc.init(X);
+      const float *cw_here = a.cw ? a.cw + a.sh.col0 * a.cws : nullptr;
+      const bool one_max = first_pass<ENTROPY>(a.staged, st, part, grad, X,
+                                               Smooth{smoothing, cw_here, a.cws}, acc, &red);
+      acc.bad |= xy != xy;
+      wy = y_here ? lmloss_xform_w(&X.f, xy) : 0.0f;
+      const Part P = reduce_row(acc, k, ENTROPY, smoothing, &red, rw, one_max);
+      yn = in < a.N ? ld_index(a.tgt, a.tgt64, in * a.ts) : a.ignore;
+      const long long ynl = yn - a.sh.col0;
+      if (ynl >= 0 && ynl < a.V) prefetch_l1((const In *)a.x + in * a.xs + ynl);
+      s = P.s;
+      s.u += P.ue;
+      s.c += P.ce;
+      if (s.a >= 0) s.a += a.sh.col0;
+      bad = P.nonfinite();
+      if (!GRPO && a.mode == CE_STATE) {
+        if (rw.rank == 0 && threadIdx.x == 0) {
+          lmloss_rowstate x;
+          x.s = s, x.wy = wy;
+          x.flags = (P.bad ? LMLOSS_STATE_NONFINITE : 0) | (P.fin ? LMLOSS_STATE_LOGIT : 0) |
+                    (y_here ? LMLOSS_STATE_LABEL : 0);
+          lmloss_rowstate_pack(&x, a.sh.state_out + i * a.sh.sts);
+        }
+        continue;
+      }
+    } else {
+      const lmloss_rowstate x = lmloss_rowstate_unpack(a.sh.state_in + i * a.sh.sts, a.sh.vocab);
+      s = x.s, wy = x.wy;
+      bad = !lmloss_rowstate_ok_label(&x);
+    }
+    const bool ok = y_ok && !bad && lmloss_rowstat_finite(&s);
 
     /* Row scalars (identical in every CTA of the cluster). */
     const float l1r = log1pf(s.r);
     const float inv = 1.0f / (1.0f + s.r);
     const double lse = (double)s.m * k + l1r;
     const double ly = (double)(s.m - wy) * k + l1r; /* lse - z_y, exact 0 gap at the max */
-    const float C = a.cw ? s.c : (float)a.V;
-    const lmloss_ce_coef q = lmloss_ce_coef_make(cy, C, a.eps, a.V);
+    const float C = a.cw ? s.c : (float)a.sh.vocab;
+    const lmloss_ce_coef q = lmloss_ce_coef_make(cy, C, a.eps, a.sh.vocab);
     double ce = q.hot * ly;
     if (smoothing) ce += (double)q.smooth * ((double)C * l1r + s.u);
     const float py = cexp(X, fmaxf(wy - s.m, X.dmin)) * inv;
@@ -262,7 +309,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
 
     if (rw.rank == 0 && threadIdx.x == 0 && a.mode != CE_BWD) {
       put_loss(a, i, li, y_ok ? (double)cy : 0.0);
-      const bool fin = !P.bad && lmloss_rowstat_finite(&s);
+      const bool fin = !bad && lmloss_rowstat_finite(&s);
       if (a.lse) a.lse[i * a.lses] = fin ? (float)lse : NAN;
       if (a.ent) a.ent[i * a.ents] = fin ? lmloss_rowstat_entropy(&s) : NAN;
       if (a.amax) a.amax[i * a.ams] = fin ? s.a : -1;
@@ -283,13 +330,13 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     float F1 = Pz * kx, F0 = Qz * kx;
     if (!ok) F1 = F0 = NAN;
     const float m = s.m;
-    const long long am = s.a;
+    const long long am = s.a - a.sh.col0; /* the argmax's column in this shard, if it holds it */
     float *const kv = kept_vals<In>(a.keep, i);   /* entries: the target, then the argmax */
     if constexpr (std::is_same<In, float>::value) /* the only logits keep is asked with */
       if (rw.rank == 0 && threadIdx.x == 0) {
         if (a.keep.coef)
           a.keep.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, 0.0f, Qz) : lmloss_grad_coef_nan();
-        keep_col(a.keep, i, 0, y, a.V);
+        keep_col(a.keep, i, 0, yl, a.V);
         keep_col(a.keep, i, 1, am, a.V);
       }
     Ref ref;
@@ -298,12 +345,12 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     const DynChunkOut<NV> out(a.dx, a.dxt, i * a.dxs, ch, a.V);
     /* The vectors of this CTA's chunk that hold the target and the argmax
      * (-1: elsewhere): one 32-bit compare each per vector. */
-    const int vy = y >= ch.jb && y < ch.je ? (int)((y - ch.jb) / NV) : -1;
+    const int vy = yl >= ch.jb && yl < ch.je ? (int)((yl - ch.jb) / NV) : -1;
     const int va = am >= ch.jb && am < ch.je ? (int)((am - ch.jb) / NV) : -1;
     const auto kout = noting<NV>(
         out, [&](int v) { return kv && (v == vy || v == va); },
         [&](int64_t j, float g) {
-          if (j == y) kv[0] = g;
+          if (j == yl) kv[0] = g;
           if (j == am) kv[1] = g;
         },
         ch.jb, a.V);
@@ -324,7 +371,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
             const int64_t j0 = ch.jb + (int64_t)v * NV;
 #pragma unroll
             for (int e = 0; e < NV; e++) {
-              const float cj = j0 + e < a.V ? a.cw[(j0 + e) * a.cws] : 1.0f;
+              const float cj = j0 + e < a.V ? a.cw[(a.sh.col0 + j0 + e) * a.cws] : 1.0f;
               g[e] = fmaf(ex2(ref.p(X, w[e])), F1s, -F0 * cj);
             }
           } else {
@@ -337,10 +384,10 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
 #pragma unroll
             for (int e = 0; e < NV; e++) {
               long long j = j0 + e;
-              if (j == y || j == am) {
-                float cj = a.cw ? a.cw[j * a.cws] : 1.0f;
+              if (j == yl || j == am) {
+                float cj = a.cw ? a.cw[(a.sh.col0 + j) * a.cws] : 1.0f;
                 float pj = cexp(X, fmaxf(w[e] - m, X.dmin)) * inv;
-                float gz = Gce * lmloss_ce_grad_z(&q, &s, pj, cj, j == y, j == am) + Gz * pj;
+                float gz = Gce * lmloss_ce_grad_z(&q, &s, pj, cj, j == yl, j == am) + Gz * pj;
                 g[e] = ok ? gz * kx : NAN;
               }
             }
@@ -356,14 +403,15 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
   rw.finish();
 }
 
-/* The held plan (held.cuh) takes a gradient row whose options add no
- * per-element or per-row work beyond the plain loss: no softcap, label
+/* The held plan (held.cuh) takes a whole gradient row (not a shard's
+ * finish) whose options add no per-element or per-row work beyond the
+ * plain loss: no softcap, label
  * smoothing, class weights, DFT, entropy or argmax output, or kept
  * entries (z-loss, token weights, scale and temperature are per-row
  * coefficients). */
 static bool ce_held_applies(const CeArgs &a, bool entropy) {
-  return a.mode != CE_FWD && a.eps == 0.0f && !a.cw && !a.dft && a.X.f.cap == 0.0f && !entropy &&
-         !a.amax && !a.keep.coef && !a.keep.vals;
+  return (a.mode == CE_FUSED || a.mode == CE_BWD) && !a.sh.state_in && a.eps == 0.0f && !a.cw &&
+         !a.dft && a.X.f.cap == 0.0f && !entropy && !a.amax && !a.keep.coef && !a.keep.vals;
 }
 
 /* The plain CE gradient row, held (see ce_held_applies). The row's
@@ -497,13 +545,16 @@ static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool entropy, cudaSt
   const K k128 = kernel(type_tag<In>{}, std::integral_constant<int, 128>{});
   const K k256 = wide_row_kernel<In, K>(
       [&](auto in) { return kernel(in, std::integral_constant<int, 256>{}); });
-  return launch_rows(k128, k256, d, elt<In>::NV, a.mode != CE_FWD, 0, st, a, "cross_entropy");
+  /* a shard's state and finish read the row once: one-pass plans */
+  const bool two_pass = (a.mode == CE_FUSED || a.mode == CE_BWD) && !a.sh.state_in;
+  return launch_rows(k128, k256, d, elt<In>::NV, two_pass, 0, st, a, "cross_entropy");
 }
 
 static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                             const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
                             const lmloss_tensor *dloss, const lmloss_tensor *dlogits, void *ws,
-                            int mode, lmloss_grad_keep *keep, const GrpoPass *grpo = nullptr) {
+                            int mode, lmloss_grad_keep *keep, const GrpoPass *grpo = nullptr,
+                            const CeShard *shard = nullptr) {
   cudaStream_t st = stream_of(ctx);
   DevInfo d;
   lmloss_status s = dev_info(&d);
@@ -531,11 +582,14 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
   a.grad_output = opt->grad_output;
   a.num_items = opt->num_items;
   if (grpo) a.grpo = *grpo;
-  char *base = (char *)ws;
-  double *hdr = (double *)base;
-  a.ws_loss = (double *)(base + LMLOSS_CE_WS_HEADER);
-  a.ws_wt = a.ws_loss + a.N;
-  a.den = hdr;
+  a.sh.vocab = a.V;
+  if (shard) a.sh = *shard;
+  double *hdr = (double *)ws; /* none for a shard's states */
+  if (ws) {
+    a.ws_loss = (double *)((char *)ws + LMLOSS_CE_WS_HEADER);
+    a.ws_wt = a.ws_loss + a.N;
+    a.den = hdr;
+  }
   bool entropy = false;
   if (out) {
     a.loss = (float *)out->loss.data;
@@ -546,8 +600,9 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     a.ents = out->entropy.row_stride;
     a.amax = (long long *)out->argmax.data;
     a.ams = out->argmax.row_stride;
-    entropy = a.ent != NULL;
+    entropy = a.ent != NULL && !a.sh.state_in; /* a finish has t in its state */
   }
+  if (mode == CE_STATE) entropy = a.sh.entropy;
   a.dxt = LMLOSS_F32;
   if (dlogits) {
     a.dx = dlogits->data;
@@ -561,8 +616,9 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     a.dloss = (const float *)dloss->data;
     a.dls = dloss->row_stride;
   }
+  const bool reduced = (mode == CE_FWD || mode == CE_FUSED) && opt->reduction != LMLOSS_REDUCE_NONE;
   if (a.N == 0) {
-    if (mode != CE_BWD && opt->reduction != LMLOSS_REDUCE_NONE) {
+    if (reduced) {
       /* empty sum: 0 */
       cudaError_t e = cudaMemsetAsync(out->loss.data, 0, sizeof(float), st);
       if (e != cudaSuccess)
@@ -570,7 +626,7 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     }
     return LMLOSS_OK;
   }
-  if (mode != CE_FWD && opt->reduction == LMLOSS_REDUCE_MEAN) {
+  if ((mode == CE_FUSED || mode == CE_BWD) && opt->reduction == LMLOSS_REDUCE_MEAN) {
     ce_denominator<<<1, 1024, 0, st>>>(a, hdr);
     if ((s = check_launch("cross_entropy denominator")) != LMLOSS_OK) return s;
   }
@@ -580,7 +636,7 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
   default: s = launch_ce<float>(d, a, entropy, st); break;
   }
   if (s != LMLOSS_OK) return s;
-  if (mode != CE_BWD && opt->reduction != LMLOSS_REDUCE_NONE) {
+  if (reduced) {
     ce_finalize<<<1, 1024, 0, st>>>(a, (float *)out->loss.data);
     return check_launch("cross_entropy finalize");
   }
@@ -670,4 +726,26 @@ lmloss_cuda_cross_entropy_backward(const lmloss_context *ctx, const lmloss_ce_in
                                    lmloss_grad_keep *keep) {
   (void)ws_bytes;
   return lmc::run_ce(ctx, in, opt, NULL, dloss, dlogits, ws, lmc::CE_BWD, keep);
+}
+
+/* The row contract's CE phases over a vocabulary shard (lmloss.h), on
+ * the one-shot kernels' plans: the states by ce_rows's first pass, a
+ * finish by its outputs and gradient pass from the merged states. */
+extern "C" lmloss_status lmloss_cuda_ce_state(const lmloss_context *ctx, const lmloss_ce_inputs *in,
+                                              const lmloss_ce_options *opt, const lmloss_shard *sh,
+                                              const lmloss_tensor *state) {
+  const lmc::CeShard s = {sh->col0, sh->vocab,  state->row_stride, (float *)state->data,
+                          nullptr,  sh->entropy};
+  return lmc::run_ce(ctx, in, opt, NULL, NULL, NULL, NULL, lmc::CE_STATE, NULL, NULL, &s);
+}
+
+extern "C" lmloss_status lmloss_cuda_ce_finish(
+    const lmloss_context *ctx, const lmloss_ce_inputs *in, const lmloss_ce_options *opt,
+    const lmloss_shard *sh, const lmloss_tensor *state, const lmloss_ce_outputs *out,
+    const lmloss_tensor *dloss, const lmloss_tensor *dlogits, void *ws, size_t ws_bytes) {
+  (void)ws_bytes;
+  const lmc::CeShard s = {
+      sh->col0, sh->vocab, state->row_stride, nullptr, (const float *)state->data, 0};
+  const int mode = dloss ? lmc::CE_BWD : dlogits ? lmc::CE_FUSED : lmc::CE_FWD;
+  return lmc::run_ce(ctx, in, opt, out, dloss, dlogits, ws, mode, NULL, NULL, &s);
 }

@@ -1,6 +1,8 @@
 /*
  * shard.cu - the row contract's phases on CUDA (lmloss.h: states of a
- * vocabulary shard, their merge, and the finishes from merged states).
+ * vocabulary shard, their merge, and the finishes from merged states) for
+ * the log-probs, entropy and softmax; cross-entropy's run on the one-shot
+ * kernels' plans (ce.cu).
  *
  * One CTA a row: each thread merges its columns' elements into a state
  * with rowstate.h's merge, the CTA merges the threads' states in a fixed
@@ -18,7 +20,6 @@ namespace lmc {
 namespace {
 
 constexpr int SHARD_THREADS = 256;
-constexpr int ROW_LOSS = LMLOSS_CE_WS_HEADER / sizeof(double); /* in the CE workspace */
 
 /* Row i's logits and their place in the vocabulary. */
 struct ShardRows {
@@ -140,10 +141,8 @@ __device__ lmloss_rowstate cta_merge(lmloss_rowstate x, float k) {
 }
 
 /* The state of row i's columns (rowpass.h's semantics: softcap maps -inf
- * to -cap; without it a -inf adds nothing). cw: the vocabulary's class
- * weights for the smoothing sums, or NULL. */
-__device__ lmloss_rowstate row_state(const ShardRows &R, int64_t i, long long label,
-                                     const float *cw, int64_t cws, bool need_u) {
+ * to -cap; without it a -inf adds nothing), without smoothing's sums. */
+__device__ lmloss_rowstate row_state(const ShardRows &R, int64_t i, long long label) {
   const void *row = R.row(i);
   const float k = R.f.k;
   lmloss_rowstate x = lmloss_rowstate_empty();
@@ -153,15 +152,10 @@ __device__ lmloss_rowstate row_state(const ShardRows &R, int64_t i, long long la
       return;
     }
     if (v != -INFINITY) x.flags |= LMLOSS_STATE_LOGIT;
-    const float cj = need_u ? (cw ? cw[(R.col0 + j) * cws] : 1.0f) : 0.0f;
+    if (v == -INFINITY && R.f.cap == 0.0f) return;
     lmloss_rowstate e = lmloss_rowstate_empty();
-    e.s.c = cj;
-    if (v == -INFINITY && R.f.cap == 0.0f) {
-      e.s.u = need_u ? cj * INFINITY : 0.0f; /* no max, but an infinite gap under smoothing */
-    } else {
-      e.s.m = lmloss_xform_w(&R.f, v);
-      e.s.a = R.col0 + j;
-    }
+    e.s.m = lmloss_xform_w(&R.f, v);
+    e.s.a = R.col0 + j;
     x = lmloss_rowstate_merge(x, e, k);
   });
   x = cta_merge(x, k);
@@ -174,11 +168,10 @@ __device__ lmloss_rowstate row_state(const ShardRows &R, int64_t i, long long la
 }
 
 __global__ void __launch_bounds__(SHARD_THREADS)
-    state_kernel(ShardRows R, ShardLabels L, const float *cw, int64_t cws, int need_u, float *state,
-                 int64_t ss) {
+    state_kernel(ShardRows R, ShardLabels L, float *state, int64_t ss) {
   const int64_t i = blockIdx.x;
   lmloss_rowstate x = lmloss_rowstate_empty();
-  if (!L.skipped(i)) x = row_state(R, i, L.at(i), cw, cws, need_u);
+  if (!L.skipped(i)) x = row_state(R, i, L.at(i));
   if (threadIdx.x == 0) lmloss_rowstate_pack(&x, state + i * ss);
 }
 
@@ -190,114 +183,6 @@ __global__ void merge_kernel(const float *a, int64_t as, const float *b, int64_t
   const lmloss_rowstate y = lmloss_rowstate_unpack(b + i * bs, LMLOSS_STATE_MAX_VOCAB);
   const lmloss_rowstate m = lmloss_rowstate_merge(x, y, k);
   lmloss_rowstate_pack(&m, out + i * os);
-}
-
-/* ---- cross-entropy finish ---- */
-
-struct CeFinish {
-  ShardRows R;
-  ShardLabels L;
-  const float *state;
-  int64_t ss;
-  const float *tw, *cw;
-  int64_t tws, cws;
-  float eps, zl;
-  int dft, reduction, zero_ignored;
-  double num_items;
-  float grad_output;
-  const float *dloss; /* backward: its dloss, else NULL */
-  int64_t dls;
-  float *loss, *lse, *ent; /* forward outputs, each optional but loss */
-  int64_t los, lses, ents;
-  long long *amax;
-  int64_t ams;
-  void *dx; /* optional gradient over the shard's columns */
-  lmloss_dtype dxdt;
-  int64_t dxs;
-  double *ws; /* [0] MEAN's denominator, [1] C; then per-row losses (ROW_LOSS) */
-};
-
-/* MEAN's denominator and the class weights' sum C, in a fixed order. */
-__global__ void __launch_bounds__(SHARD_THREADS) ce_sums_kernel(CeFinish a) {
-  double den = 0.0, C = 0.0;
-  for (int64_t i = threadIdx.x; i < a.R.N; i += SHARD_THREADS) {
-    const long long y = a.L.at(i);
-    if (y != a.L.ignore && y >= 0 && y < a.R.vocab) den += a.cw ? (double)a.cw[y * a.cws] : 1.0;
-  }
-  for (int64_t j = threadIdx.x; a.cw && j < a.R.vocab; j += SHARD_THREADS)
-    C += a.cw[j * a.cws];
-  den = cta_sum(den), C = cta_sum(C);
-  if (threadIdx.x == 0) a.ws[0] = den, a.ws[1] = a.cw ? C : (double)a.R.vocab;
-}
-
-__device__ __forceinline__ double ce_scale(const CeFinish &a) {
-  if (a.reduction == LMLOSS_REDUCE_MEAN) return a.ws[0] > 0.0 ? 1.0 / a.ws[0] : 0.0;
-  if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) return 1.0 / a.num_items;
-  return 1.0;
-}
-
-__global__ void __launch_bounds__(SHARD_THREADS) ce_finish_kernel(CeFinish a) {
-  const int64_t i = blockIdx.x;
-  const ShardRows &R = a.R;
-  double *row_loss = a.ws + ROW_LOSS;
-  const long long y = a.L.at(i);
-  const bool fwd = a.loss != nullptr, none = a.reduction == LMLOSS_REDUCE_NONE;
-  if (y == a.L.ignore) {
-    if (threadIdx.x == 0 && fwd) {
-      row_loss[i] = 0.0;
-      if (none) a.loss[i * a.los] = 0.0f;
-      if (a.lse) a.lse[i * a.lses] = 0.0f;
-      if (a.ent) a.ent[i * a.ents] = 0.0f;
-      if (a.amax) a.amax[i * a.ams] = -1;
-    }
-    if (a.dx && a.zero_ignored) fill_row(a.dx, a.dxdt, a.dxs, i, R.n, 0.0f);
-    return;
-  }
-  /* A target outside the vocabulary (not checked on the device) and a
-   * state without its label's w give a NaN row. */
-  const lmloss_rowstate st = lmloss_rowstate_unpack(a.state + i * a.ss, R.vocab);
-  const lmloss_rowstat &s = st.s;
-  const bool ok = lmloss_rowstate_ok_label(&st) && y >= 0 && y < R.vocab;
-  const float cy = a.cw && ok ? a.cw[y * a.cws] : 1.0f;
-  const lmloss_ce_terms c = lmloss_ce_terms_make(&s, R.f.k, lmloss_rowstat_dk(&s, R.f.k, y, st.wy),
-                                                 cy, (float)a.ws[1], a.eps, R.vocab, a.dft);
-  const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
-  if (threadIdx.x == 0 && fwd) {
-    const double l = ok ? lmloss_ce_row_loss(&c, tw, a.zl) : NAN;
-    row_loss[i] = l;
-    if (none) a.loss[i * a.los] = (float)l;
-    if (a.lse) a.lse[i * a.lses] = ok ? c.lse : NAN;
-    if (a.ent) a.ent[i * a.ents] = ok ? lmloss_rowstat_entropy(&s) : NAN;
-    if (a.amax) a.amax[i * a.ams] = ok ? s.a : -1;
-  }
-  if (!a.dx) return;
-  if (!ok) {
-    fill_row(a.dx, a.dxdt, a.dxs, i, R.n, NAN);
-    return;
-  }
-  const float up = a.dloss ? a.dloss[(a.dls == 0 ? 0 : i) * a.dls] : a.grad_output;
-  const float fac = (float)(up * ce_scale(a) * tw);
-  float P, Q;
-  lmloss_ce_pass_coefs(&c, &s, fac, a.zl, &P, &Q);
-  void *g = out_row(a.dx, a.dxdt, a.dxs, i);
-  each_column(R, s, i, [&](int64_t j, int64_t jg, float x, float dk, float e) {
-    const float cj = a.cw ? a.cw[jg * a.cws] : 1.0f;
-    float gz;
-    if (jg == y || jg == s.a)
-      gz = fac * lmloss_ce_entry_z(&c, &s, e / (1.0f + s.r), cj, jg == y, jg == s.a, a.zl);
-    else
-      gz = e * P - Q * cj;
-    lmloss_store(g, a.dxdt, j, gz * lmloss_xform_dzdx(&R.f, x));
-  });
-}
-
-/* A reduced loss: the rows' losses summed in a fixed order. */
-__global__ void __launch_bounds__(SHARD_THREADS) ce_reduce_kernel(CeFinish a) {
-  double t = 0.0;
-  for (int64_t i = threadIdx.x; i < a.R.N; i += SHARD_THREADS)
-    t += a.ws[ROW_LOSS + i];
-  t = cta_sum(t);
-  if (threadIdx.x == 0) a.loss[0] = (float)(t * ce_scale(a));
 }
 
 /* ---- log-probs, entropy, softmax ---- */
@@ -492,63 +377,14 @@ using namespace lmc;
 
 extern "C" {
 
-lmloss_status lmloss_cuda_ce_state(const lmloss_context *ctx, const lmloss_ce_inputs *in,
-                                   const lmloss_ce_options *opt, const lmloss_shard *sh,
-                                   const lmloss_tensor *state) {
-  const ShardRows R = shard_rows(&in->logits, sh, opt->transform);
-  const ShardLabels L = shard_labels(&in->target, opt->ignore_index, nullptr);
-  int64_t cws;
-  const float *cw = f32_or_null(&in->class_weight, &cws);
-  if (R.N > 0)
-    state_kernel<<<(unsigned)R.N, SHARD_THREADS, 0, stream_of(ctx)>>>(
-        R, L, cw, cws, opt->label_smoothing > 0.0f, (float *)state->data, state->row_stride);
-  return check_launch("cross-entropy states");
-}
-
-lmloss_status lmloss_cuda_ce_finish(const lmloss_context *ctx, const lmloss_ce_inputs *in,
-                                    const lmloss_ce_options *opt, const lmloss_shard *sh,
-                                    const lmloss_tensor *state, const lmloss_ce_outputs *out,
-                                    const lmloss_tensor *dloss, const lmloss_tensor *dlogits,
-                                    void *ws, size_t ws_bytes) {
-  CeFinish a = {};
-  a.R = shard_rows(&in->logits, sh, opt->transform);
-  a.L = shard_labels(&in->target, opt->ignore_index, nullptr);
-  a.state = (const float *)state->data;
-  a.ss = state->row_stride;
-  a.tw = f32_or_null(&in->token_weight, &a.tws);
-  a.cw = f32_or_null(&in->class_weight, &a.cws);
-  a.eps = opt->label_smoothing;
-  a.zl = opt->z_loss;
-  a.dft = opt->dft;
-  a.reduction = opt->reduction;
-  a.zero_ignored = opt->zero_ignored_rows;
-  a.num_items = opt->num_items;
-  a.grad_output = opt->grad_output;
-  if (dloss) {
-    a.dloss = (const float *)dloss->data;
-    a.dls = dloss->rows == 1 ? 0 : dloss->row_stride;
-  }
-  if (out) {
-    a.loss = (float *)out->loss.data;
-    a.los = out->loss.row_stride;
-    a.lse = (float *)f32_or_null(&out->lse, &a.lses);
-    a.ent = (float *)f32_or_null(&out->entropy, &a.ents);
-    a.amax = (long long *)out->argmax.data;
-    a.ams = out->argmax.row_stride;
-  }
-  if (dlogits) {
-    a.dx = dlogits->data;
-    a.dxdt = dlogits->dtype;
-    a.dxs = dlogits->row_stride;
-  }
-  a.ws = (double *)ws;
-  if (a.R.N == 0 && !a.loss) return LMLOSS_OK;
-  cudaStream_t st = stream_of(ctx);
-  ce_sums_kernel<<<1, SHARD_THREADS, 0, st>>>(a);
-  if (a.R.N > 0) ce_finish_kernel<<<(unsigned)a.R.N, SHARD_THREADS, 0, st>>>(a);
-  if (a.loss && a.reduction != LMLOSS_REDUCE_NONE) ce_reduce_kernel<<<1, SHARD_THREADS, 0, st>>>(a);
-  return check_launch("cross-entropy finish");
-}
+/* ce.cu */
+lmloss_status lmloss_cuda_ce_state(const lmloss_context *, const lmloss_ce_inputs *,
+                                   const lmloss_ce_options *, const lmloss_shard *,
+                                   const lmloss_tensor *);
+lmloss_status lmloss_cuda_ce_finish(const lmloss_context *, const lmloss_ce_inputs *,
+                                    const lmloss_ce_options *, const lmloss_shard *,
+                                    const lmloss_tensor *, const lmloss_ce_outputs *,
+                                    const lmloss_tensor *, const lmloss_tensor *, void *, size_t);
 
 lmloss_status lmloss_cuda_lp_state(const lmloss_context *ctx, const lmloss_tensor *logits,
                                    const lmloss_tensor *index, const lmloss_tensor *mask,
@@ -557,8 +393,8 @@ lmloss_status lmloss_cuda_lp_state(const lmloss_context *ctx, const lmloss_tenso
   const ShardRows R = shard_rows(logits, sh, *tr);
   const ShardLabels L = shard_labels(index, -1, mask);
   if (R.N > 0)
-    state_kernel<<<(unsigned)R.N, SHARD_THREADS, 0, stream_of(ctx)>>>(
-        R, L, nullptr, 0, 0, (float *)state->data, state->row_stride);
+    state_kernel<<<(unsigned)R.N, SHARD_THREADS, 0, stream_of(ctx)>>>(R, L, (float *)state->data,
+                                                                      state->row_stride);
   return check_launch("log-probs states");
 }
 

@@ -231,6 +231,9 @@ struct Part {
   lmloss_rowstat s;
   float ue, ce;
   int bad, fin;
+  /* A whole row of only -inf is non-finite too; a shard's part of one is
+   * an empty state (the row contract). */
+  __device__ __forceinline__ bool nonfinite() const { return bad || !fin; }
 };
 static_assert(sizeof(Part) == 48, "Part travels as three 16-byte words");
 
@@ -411,8 +414,6 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool entropy
 #else
     (void)nred;
 #endif
-    /* a row of only -inf is non-finite (fin is tracked under softcap) */
-    p.bad |= !p.fin;
     if (threadIdx.x == 0) sm->block = p;
   }
   __syncthreads();
