@@ -267,7 +267,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
                                                Smooth{smoothing, cw_here, a.cws}, acc, &red);
       acc.bad |= xy != xy;
       wy = y_here ? lmloss_xform_w(&X.f, xy) : 0.0f;
-      const Part P = reduce_row(acc, k, ENTROPY, smoothing, &red, rw, one_max);
+      const Part P = reduce_row<false>(acc, k, ENTROPY, smoothing, &red, rw, one_max);
       yn = in < a.N ? ld_index(a.tgt, a.tgt64, in * a.ts) : a.ignore;
       const long long ynl = yn - a.sh.col0;
       if (ynl >= 0 && ynl < a.V) prefetch_l1((const In *)a.x + in * a.xs + ynl);
@@ -275,7 +275,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
       s.u += P.ue;
       s.c += P.ce;
       if (s.a >= 0) s.a += a.sh.col0;
-      bad = P.nonfinite();
+      bad = P.bad || !P.fin;
       if (!GRPO && a.mode == CE_STATE) {
         if (rw.rank == 0 && threadIdx.x == 0) {
           lmloss_rowstate x;

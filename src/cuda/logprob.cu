@@ -92,7 +92,7 @@ template <typename In, bool ENTROPY> __global__ void __launch_bounds__(256, 4) l
     Part P = reduce_row(acc, k, ENTROPY, false, &red, rw, one_max);
     if (rw.rank != 0) continue;
     const lmloss_rowstat &s = P.s;
-    const bool ok = !P.nonfinite() && lmloss_rowstat_finite(&s);
+    const bool ok = !P.bad && lmloss_rowstat_finite(&s);
     const float l1r = log1pf(s.r);
     for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x) {
       long long j = ld_index(a.idx, a.idx64, i * a.is + q);
@@ -283,7 +283,7 @@ __global__ void ROW_BOUNDS(THREADS) lp_bwd(LpArgs a) {
     Part P = reduce_row(acc, k, ENTROPY, false, &red, rw, one_max);
     for (int64_t q = threadIdx.x; q < nwords; q += blockDim.x)
       bm[q] = 0u;
-    const LpGrad<ENTROPY> G(X, P.s, P.nonfinite(), up);
+    const LpGrad<ENTROPY> G(X, P.s, P.bad, up);
     float *const kv = kept_vals<In>(a.keep, i);   /* entries: the K indices, then the argmax */
     if constexpr (std::is_same<In, float>::value) /* the only logits keep is asked with */
       if (rw.rank == 0 && threadIdx.x == 0) {

@@ -49,7 +49,7 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     acc.init(X);
     const bool one_max = first_pass<false>(a.staged, st, part, true, X, Smooth{}, acc, &red);
     Part P = reduce_row(acc, 1.0f, false, false, &red, rw, one_max);
-    const bool ok = !P.nonfinite() && lmloss_rowstat_finite(&P.s);
+    const bool ok = !P.bad && lmloss_rowstat_finite(&P.s);
     const float m = P.s.m;
     float inv = 1.0f / (1.0f + P.s.r), l1r = log1pf(P.s.r);
     if (!ok) inv = l1r = NAN;

@@ -231,9 +231,6 @@ struct Part {
   lmloss_rowstat s;
   float ue, ce;
   int bad, fin;
-  /* A whole row of only -inf is non-finite too; a shard's part of one is
-   * an empty state (the row contract). */
-  __device__ __forceinline__ bool nonfinite() const { return bad || !fin; }
 };
 static_assert(sizeof(Part) == 48, "Part travels as three 16-byte words");
 
@@ -319,6 +316,7 @@ struct RowWalk {
  * stores in flight. A slot is pushed again two rows
  * later, after its owner has merged it and pushed the next row's part.
  * Contains __syncthreads: call uniformly. */
+template <bool WHOLE_ROW = true>
 __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool entropy, bool smoothing,
                                            RedSmem *sm, RowWalk &walk, bool one_max) {
   const unsigned nred = walk.nred++;
@@ -414,6 +412,10 @@ __device__ __forceinline__ Part reduce_row(const Acc &acc, float k, bool entropy
 #else
     (void)nred;
 #endif
+    /* a row of only -inf is non-finite (fin is tracked under softcap);
+     * !WHOLE_ROW keeps the flags apart, for a vocabulary shard's part,
+     * where only -inf is an empty state */
+    if (WHOLE_ROW) p.bad |= !p.fin;
     if (threadIdx.x == 0) sm->block = p;
   }
   __syncthreads();
