@@ -11,6 +11,9 @@
  *                     the plain gradient rows of held.cuh's plan).
  *   [ce_finalize]     reduced losses: fixed-order sum of the per-row
  *                     losses and weights kept in the workspace (double).
+ * ce_rows also runs the row contract's phases over a vocabulary shard
+ * (CeShard): a state is its first pass, a finish the rest from the
+ * merged state.
  * Workspace: header (256 bytes: [0] denominator, double), then per-row
  * loss [N] and per-row weight [N] in double; the trailing N int64 unused.
  * A target outside [0, V) that is not ignore_index gives NaN for its row

@@ -32,8 +32,8 @@ struct ShardRows {
   }
 };
 
-/* A row's labels (CE targets or the log-probs' one index) and rows that
- * are skipped (ignored targets, masked-out rows). */
+/* A row's label (the log-probs' one index) and rows that are skipped
+ * (masked-out rows, or an index equal to ignore without a mask). */
 struct ShardLabels {
   const void *label; /* NULL: none */
   int label64;
