@@ -76,6 +76,10 @@ __device__ __forceinline__ float grpo_upstream(const GrpoPass &g, double logp, G
  * instead of outputs. */
 enum CeMode { CE_FWD = 0, CE_FUSED = 1, CE_BWD = 2, CE_STATE = 3 };
 
+/* Whether a mode writes a gradient (the host's test; ce_rows spells it
+ * out, where a call here changed the kernel's register allocation). */
+static constexpr bool ce_writes_grad(int mode) { return mode == CE_FUSED || mode == CE_BWD; }
+
 /* A vocabulary shard: the logits' V columns are [col0, col0 + V) of vocab
  * (the one-shot call: 0 and V). CE_STATE writes each row's state to
  * state_out; a finish (any other mode) takes the merged states state_in
@@ -413,8 +417,8 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
  * entries (z-loss, token weights, scale and temperature are per-row
  * coefficients). */
 static bool ce_held_applies(const CeArgs &a, bool entropy) {
-  return (a.mode == CE_FUSED || a.mode == CE_BWD) && !a.sh.state_in && a.eps == 0.0f && !a.cw &&
-         !a.dft && a.X.f.cap == 0.0f && !entropy && !a.amax && !a.keep.coef && !a.keep.vals;
+  return ce_writes_grad(a.mode) && !a.sh.state_in && a.eps == 0.0f && !a.cw && !a.dft &&
+         a.X.f.cap == 0.0f && !entropy && !a.amax && !a.keep.coef && !a.keep.vals;
 }
 
 /* The plain CE gradient row, held (see ce_held_applies). The row's
@@ -549,7 +553,7 @@ static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool entropy, cudaSt
   const K k256 = wide_row_kernel<In, K>(
       [&](auto in) { return kernel(in, std::integral_constant<int, 256>{}); });
   /* a shard's state and finish read the row once: one-pass plans */
-  const bool two_pass = (a.mode == CE_FUSED || a.mode == CE_BWD) && !a.sh.state_in;
+  const bool two_pass = ce_writes_grad(a.mode) && !a.sh.state_in;
   return launch_rows(k128, k256, d, elt<In>::NV, two_pass, 0, st, a, "cross_entropy");
 }
 
@@ -593,7 +597,9 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     a.ws_wt = a.ws_loss + a.N;
     a.den = hdr;
   }
-  bool entropy = false;
+  /* the entropy's sums: a state's when its shard carries them; a finish
+   * has them in its merged state */
+  bool entropy = mode == CE_STATE && a.sh.entropy;
   if (out) {
     a.loss = (float *)out->loss.data;
     a.ls = out->loss.row_stride;
@@ -603,9 +609,8 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     a.ents = out->entropy.row_stride;
     a.amax = (long long *)out->argmax.data;
     a.ams = out->argmax.row_stride;
-    entropy = a.ent != NULL && !a.sh.state_in; /* a finish has t in its state */
+    entropy = a.ent != NULL && !a.sh.state_in;
   }
-  if (mode == CE_STATE) entropy = a.sh.entropy;
   a.dxt = LMLOSS_F32;
   if (dlogits) {
     a.dx = dlogits->data;
@@ -629,7 +634,7 @@ static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *i
     }
     return LMLOSS_OK;
   }
-  if ((mode == CE_FUSED || mode == CE_BWD) && opt->reduction == LMLOSS_REDUCE_MEAN) {
+  if (ce_writes_grad(mode) && opt->reduction == LMLOSS_REDUCE_MEAN) {
     ce_denominator<<<1, 1024, 0, st>>>(a, hdr);
     if ((s = check_launch("cross_entropy denominator")) != LMLOSS_OK) return s;
   }

@@ -32,19 +32,16 @@ struct ShardRows {
   }
 };
 
-/* A row's label (the log-probs' one index) and rows that are skipped
- * (masked-out rows, or an index equal to ignore without a mask). */
+/* A row's label (the log-probs' one index) and the rows that are
+ * skipped: masked-out ones, as on the CPU. */
 struct ShardLabels {
   const void *label; /* NULL: none */
   int label64;
   int64_t ls;
-  long long ignore; /* with a label: rows equal to it are skipped */
   const unsigned char *mask;
   int64_t ms;
   __device__ long long at(int64_t i) const { return label ? ld_index(label, label64, i * ls) : -1; }
-  __device__ bool skipped(int64_t i) const {
-    return (mask && !mask[i * ms]) || (label && !mask && at(i) == ignore);
-  }
+  __device__ bool skipped(int64_t i) const { return mask && !mask[i * ms]; }
 };
 
 __device__ __forceinline__ lmloss_rowstat shfl_state(const lmloss_rowstat &s, int off) {
@@ -344,14 +341,13 @@ ShardRows shard_rows(const lmloss_tensor *x, const lmloss_shard *sh, lmloss_tran
   return R;
 }
 
-ShardLabels shard_labels(const lmloss_tensor *label, long long ignore, const lmloss_tensor *mask) {
+ShardLabels shard_labels(const lmloss_tensor *label, const lmloss_tensor *mask) {
   ShardLabels L = {};
   if (label && label->data) {
     L.label = label->data;
     L.label64 = label->dtype == LMLOSS_I64;
     L.ls = label->row_stride;
   }
-  L.ignore = ignore;
   if (mask && mask->data) {
     L.mask = (const unsigned char *)mask->data;
     L.ms = mask->row_stride;
@@ -391,7 +387,7 @@ lmloss_status lmloss_cuda_lp_state(const lmloss_context *ctx, const lmloss_tenso
                                    const lmloss_transform *tr, const lmloss_shard *sh,
                                    const lmloss_tensor *state) {
   const ShardRows R = shard_rows(logits, sh, *tr);
-  const ShardLabels L = shard_labels(index, -1, mask);
+  const ShardLabels L = shard_labels(index, mask);
   if (R.N > 0)
     state_kernel<<<(unsigned)R.N, SHARD_THREADS, 0, stream_of(ctx)>>>(R, L, (float *)state->data,
                                                                       state->row_stride);
@@ -406,7 +402,7 @@ lmloss_status lmloss_cuda_lp_finish(const lmloss_context *ctx, const lmloss_tens
                                     const lmloss_tensor *dentropy, const lmloss_tensor *dlogits) {
   LpFinish a = {};
   a.R = shard_rows(logits, sh, *tr);
-  a.L = shard_labels(index, -1, mask);
+  a.L = shard_labels(index, mask);
   a.state = (const float *)state->data;
   a.ss = state->row_stride;
   cudaStream_t st = stream_of(ctx);
