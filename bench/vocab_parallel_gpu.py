@@ -1,13 +1,14 @@
 """Vocab-parallel on one GPU: python3 bench/vocab_parallel_gpu.py [N] [V] [H].
 
 1. Correctness on CUDA: each family through lmloss.torch with a
-   process_group (NCCL, one rank: the state / finish kernels of the row
-   contract, not the one-shot ones) against the one-shot call, bf16 and
+   process_group (NCCL, one rank: the row contract's state and finish
+   phases, not the one-shot call) against the one-shot call, bf16 and
    fp32, on peaked rows (margins 0 to 1000); then two ranks on the one GPU
    over gloo with CUDA tensors, against the one-shot call.
 2. CUDA-graph capture of the sharded CE forward + backward.
-3. Time a rank's share: CE forward + backward (bf16, N x V/2 columns
-   through process_group) and the fused head with half of W's rows,
+3. Time a rank's share: CE forward + backward and log-probs + entropy
+   forward + backward (bf16, N x V/2 columns through process_group) and
+   the fused head with half of W's rows,
    against the one-GPU call on the whole vocabulary (the two-GPU issue's
    target is <= 0.55x), CUDA events, median of 10.
 """
@@ -121,6 +122,21 @@ def bench():
     tho = timed(step(half), 10)[0]
     print("CE fwd+bwd bf16 %dx%d: one GPU %.2f ms; a rank's half through process_group %.2f ms "
           "(%.2fx of one GPU); the one-shot call on the half %.2f ms" % (N, V, t1, th, th / t1, tho))
+    yi = y.clamp(min=0)
+
+    def lp_step(t, **kw):
+        def run():
+            tt = t.detach().requires_grad_(True)
+            lp, ent = LT.log_probs(tt, yi, entropy=True, **kw)
+            (lp.sum() + ent.sum()).backward()
+        return run
+
+    l1 = timed(lp_step(x), 10)[0]
+    lh = timed(lp_step(half, process_group=pg, vocab_start=0, vocab_size=V), 10)[0]
+    lho = timed(lp_step(half), 10)[0]
+    print("log-probs + entropy fwd+bwd bf16 %dx%d: one GPU %.2f ms; a rank's half through "
+          "process_group %.2f ms (%.2fx of one GPU); the one-shot call on the half %.2f ms"
+          % (N, V, l1, lh, lh / l1, lho))
     g = torch.Generator(device="cuda").manual_seed(1)
     h = (torch.randn(N, H, device="cuda", generator=g) / 4).bfloat16()
     w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).bfloat16()

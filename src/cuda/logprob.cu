@@ -41,7 +41,11 @@ struct LpArgs {
   float *ent;
   int64_t ents;
   float *stats; /* LMLOSS_ROW_STATS a row: written (forward) or read (lp_bwd_saved) */
-  int64_t sts;
+  /* a vocabulary shard's packed states (lmloss.h's row contract) in place
+   * of stats: written by lp_fwd (x holds columns j0.. of vh), read by
+   * lp_bwd_saved (merged) */
+  float *state;
+  int64_t sts; /* stats' or state's row stride */
   const float *dlogp;
   int64_t dlps;
   const float *dent;
@@ -54,6 +58,24 @@ struct LpArgs {
   int64_t chunk;
   int staged;
 };
+
+/* Row i's state over its shard's columns from the CTA's part P (the
+ * label: the row's one index, where the shard holds it). */
+template <typename In>
+__device__ __forceinline__ void shard_state(const LpArgs &a, int64_t i, const In *row,
+                                            const Part &P) {
+  lmloss_rowstate x;
+  x.s = P.s;
+  if (x.s.a >= 0) x.s.a += a.j0;
+  x.wy = 0.0f;
+  x.flags = (P.bad ? LMLOSS_STATE_NONFINITE : 0) | (P.fin ? LMLOSS_STATE_LOGIT : 0);
+  const long long y = a.idx ? ld_index(a.idx, a.idx64, i * a.is) - a.j0 : -1;
+  if (y >= 0 && y < a.V) {
+    x.wy = lmloss_xform_w(&a.X.f, tof(row[y]));
+    x.flags |= LMLOSS_STATE_LABEL;
+  }
+  lmloss_rowstate_pack(&x, a.state + i * a.sts);
+}
 
 /* One pass over the row, launched as make_plan (staged.cuh) plans a
  * one-pass row: one CTA streaming it through registers (see first_pass).
@@ -77,6 +99,10 @@ template <typename In, bool ENTROPY> __global__ void __launch_bounds__(256, 4) l
           lmloss_store(a.logp, a.lpt, i * a.lps + q, 0.0f);
         if (a.ent && threadIdx.x == 0) a.ent[i * a.ents] = 0.0f;
         if (a.stats && threadIdx.x == 0) lmloss_rowstat_save_masked(a.stats + i * a.sts);
+        if (a.state && threadIdx.x == 0) {
+          const lmloss_rowstate e = lmloss_rowstate_empty();
+          lmloss_rowstate_pack(&e, a.state + i * a.sts);
+        }
       }
       continue;
     }
@@ -89,10 +115,15 @@ template <typename In, bool ENTROPY> __global__ void __launch_bounds__(256, 4) l
     const bool one_max = first_pass<ENTROPY>(false, st, RowPart<In>{row, ch, a.V, al}, false, X,
                                              Smooth{}, acc, &red);
 
-    Part P = reduce_row(acc, k, ENTROPY, false, &red, rw, one_max);
+    /* the flags apart: a shard's part of only -inf is an empty state */
+    Part P = reduce_row<false>(acc, k, ENTROPY, false, &red, rw, one_max);
     if (rw.rank != 0) continue;
+    if (a.state) {
+      if (threadIdx.x == 0) shard_state(a, i, row, P);
+      continue;
+    }
     const lmloss_rowstat &s = P.s;
-    const bool ok = !P.bad && lmloss_rowstat_finite(&s);
+    const bool ok = !P.bad && P.fin && lmloss_rowstat_finite(&s);
     const float l1r = log1pf(s.r);
     for (int64_t q = threadIdx.x; q < a.K; q += blockDim.x) {
       long long j = ld_index(a.idx, a.idx64, i * a.is + q);
@@ -384,6 +415,13 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
  * (index, then logit: two dependent loads): a barrier there for every
  * CTA held the whole slice's stores behind them. */
 constexpr int SAVED_U = 8, SAVED_BS = 128;
+
+/* A merged state's statistics, empty (a NaN row) where it has none. */
+__device__ __forceinline__ lmloss_rowstat merged_stats(const float *state, int64_t vocab) {
+  const lmloss_rowstate x = lmloss_rowstate_unpack(state, vocab);
+  return lmloss_rowstate_ok(&x) ? x.s : lmloss_rowstat_empty();
+}
+
 static_assert(SAVED_BS == LMLOSS_SAVED_MAX_K + 1, "a thread per index and one for the argmax");
 static_assert(SAVED_U * SAVED_BS * 4 == LMLOSS_TILE_INPLACE_COLS, "a tile row of floats per CTA");
 
@@ -403,7 +441,8 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
     }
     const In *row = (const In *)a.x + i * a.xs;
     const RowPart<In> part = {row, ch, a.V, is_aligned16(row)};
-    const lmloss_rowstat s = lmloss_rowstat_load(a.stats + i * a.sts, a.vh);
+    const lmloss_rowstat s = a.state ? merged_stats(a.state + i * a.sts, a.vh)
+                                     : lmloss_rowstat_load(a.stats + i * a.sts, a.vh);
     const int q = threadIdx.x;
     const long long c = q == a.K             ? s.a
                         : q < a.K && a.dlogp ? ld_index(a.idx, a.idx64, i * a.is + q)
@@ -475,15 +514,21 @@ static lmloss_status launch_saved(LpArgs &a, bool entropy, cudaStream_t st) {
   return check_launch("log_probs_backward (saved statistics)");
 }
 
+/* The saved statistics' kernel for dlogits of any dtype. */
+template <typename In>
+static lmloss_status launch_saved_for(LpArgs &a, bool entropy, cudaStream_t st) {
+  switch (a.dxt) {
+  case LMLOSS_BF16: return launch_saved<In, bf16>(a, entropy, st);
+  case LMLOSS_F16: return launch_saved<In, f16>(a, entropy, st);
+  default: return launch_saved<In, float>(a, entropy, st);
+  }
+}
+
 /* The staged kernels take every gradient dtype at run time, the held
  * ones those launch_held_for builds. */
 template <typename In>
 static lmloss_status launch_bwd(const DevInfo &d, LpArgs &a, bool entropy, cudaStream_t st) {
-  if (a.stats && a.K <= LMLOSS_SAVED_MAX_K) switch (a.dxt) {
-    case LMLOSS_BF16: return launch_saved<In, bf16>(a, entropy, st);
-    case LMLOSS_F16: return launch_saved<In, f16>(a, entropy, st);
-    default: return launch_saved<In, float>(a, entropy, st);
-    }
+  if (a.stats && a.K <= LMLOSS_SAVED_MAX_K) return launch_saved_for<In>(a, entropy, st);
   lmloss_status s;
   if (lp_held_applies(a, entropy) && launch_held_for<In>(a.dxt, [&](auto o) {
         using O = typename decltype(o)::type;
@@ -624,4 +669,43 @@ lmloss_cuda_lp_tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, i
   cudaStream_t st = lmc::stream_of(ctx);
   if (dl->dtype == LMLOSS_BF16) return lmc::launch_saved<float, lmc::bf16>(a, entropy, st);
   return lmc::launch_saved<float, lmc::f16>(a, entropy, st);
+}
+
+/* The log-probs' phases over a vocabulary shard (lmloss.h): the states
+ * by the forward's one pass, the backward's finish by the saved
+ * statistics' kernel from the merged states (x holds columns col0.. of
+ * vocab, as a fused head's tile does). */
+extern "C" lmloss_status lmloss_cuda_lp_state(const lmloss_context *ctx,
+                                              const lmloss_tensor *logits,
+                                              const lmloss_tensor *index, const lmloss_tensor *mask,
+                                              const lmloss_transform *tr, const lmloss_shard *sh,
+                                              const lmloss_tensor *state) {
+  lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
+  a.K = 0; /* no log-probs written: the index is the state's label */
+  a.j0 = sh->col0;
+  a.vh = sh->vocab;
+  a.state = (float *)state->data;
+  a.sts = state->row_stride;
+  return lmc::run(a, logits->dtype, sh->entropy, 0, ctx);
+}
+
+extern "C" lmloss_status
+lmloss_cuda_lp_backward_finish(const lmloss_context *ctx, const lmloss_tensor *logits,
+                               const lmloss_tensor *index, const lmloss_tensor *mask,
+                               const lmloss_transform *tr, const lmloss_shard *sh,
+                               const lmloss_tensor *state, const lmloss_tensor *dlogp,
+                               const lmloss_tensor *dentropy, const lmloss_tensor *dlogits) {
+  lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
+  a.j0 = sh->col0;
+  a.vh = sh->vocab;
+  lmc::backward_args(a, dlogp, dentropy, dlogits, NULL);
+  a.state = (float *)state->data;
+  a.sts = state->row_stride;
+  const bool entropy = a.dent != NULL;
+  cudaStream_t st = lmc::stream_of(ctx);
+  switch (logits->dtype) {
+  case LMLOSS_BF16: return lmc::launch_saved_for<lmc::bf16>(a, entropy, st);
+  case LMLOSS_F16: return lmc::launch_saved_for<lmc::f16>(a, entropy, st);
+  default: return lmc::launch_saved_for<float>(a, entropy, st);
+  }
 }
