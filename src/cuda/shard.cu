@@ -1,15 +1,16 @@
 /*
  * shard.cu - the row contract's phases on CUDA (lmloss.h): the states'
- * merge, and the finishes that read no logits row or serve the softmax.
- * The phases that read the logits once per row run on the one-shot
- * kernels' plans: cross-entropy's states and finishes in ce.cu, the
- * log-probs' states and backward finish in logprob.cu.
+ * merge, the log-probs' forward finish and the softmax's backward. The
+ * phases that read the logits once per row run on the one-shot kernels'
+ * plans: cross-entropy's states and finishes in ce.cu, the log-probs'
+ * states and backward finish in logprob.cu, the softmax's finish in
+ * softmax.cu.
  *
- * Here: the log-probs' forward finish (one thread a row), the softmax's
- * finish and backward (one CTA a row, sums in a fixed tree, so results
- * are bitwise the same run to run), every element read and written
- * through dtype.h's scalar load and store (one kernel for every dtype),
- * every formula from src/math.
+ * Here: the log-probs' forward finish (one thread a row: a gather, no
+ * pass over the row), the softmax's backward (one CTA a row, its partial
+ * sums in a fixed tree, so results are bitwise the same run to run;
+ * every element read and written through dtype.h's scalar load and
+ * store, one kernel for every dtype), every formula from src/math.
  */
 #include "common.cuh"
 #include "math/rowstate.h"
@@ -47,27 +48,6 @@ __device__ double cta_sum(double t) {
   return block_sum(t, sh);
 }
 
-/* f(j, v) over the columns j of a row this thread owns (j = threadIdx.x
- * + q SHARD_THREADS, in order), v the logit: UNROLL loads are issued
- * before their elements are used, so that a thread keeps several reads in
- * flight where each element's work waits on the one before. */
-constexpr int UNROLL = 8;
-template <typename F>
-__device__ __forceinline__ void each_loaded(const void *row, lmloss_dtype dt, int64_t n, F f) {
-  int64_t j = threadIdx.x;
-  for (; j + (UNROLL - 1) * SHARD_THREADS < n; j += UNROLL * SHARD_THREADS) {
-    float v[UNROLL];
-#pragma unroll
-    for (int q = 0; q < UNROLL; q++)
-      v[q] = lmloss_load(row, dt, j + q * SHARD_THREADS);
-#pragma unroll
-    for (int q = 0; q < UNROLL; q++)
-      f(j + q * SHARD_THREADS, v[q]);
-  }
-  for (; j < n; j += SHARD_THREADS)
-    f(j, lmloss_load(row, dt, j));
-}
-
 __global__ void merge_kernel(const float *a, int64_t as, const float *b, int64_t bs, float *out,
                              int64_t os, int64_t N, float k) {
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -78,7 +58,7 @@ __global__ void merge_kernel(const float *a, int64_t as, const float *b, int64_t
   lmloss_rowstate_pack(&m, out + i * os);
 }
 
-/* ---- log-probs, entropy, softmax ---- */
+/* ---- log-probs, entropy, the softmax's backward ---- */
 
 struct LpFinish {
   ShardRows R;
@@ -92,10 +72,6 @@ struct LpFinish {
   float *logp, *ent; /* forward */
   lmloss_dtype lpdt;
   int64_t lps, ents;
-  void *out; /* the softmax */
-  lmloss_dtype odt;
-  int64_t os;
-  int log; /* softmax: log-softmax */
 };
 
 /* One thread a row: log p of the index (from the row, or the label's w
@@ -116,22 +92,6 @@ __global__ void lp_forward_kernel(LpFinish a) {
     lmloss_store(a.logp + i * a.lps, a.lpdt, 0, v);
   }
   if (a.ent) a.ent[i * a.ents] = masked ? 0.0f : ok ? lmloss_rowstat_entropy(&st.s) : NAN;
-}
-
-__global__ void __launch_bounds__(SHARD_THREADS) softmax_kernel(LpFinish a) {
-  const int64_t i = blockIdx.x;
-  const ShardRows &R = a.R;
-  const lmloss_rowstate st = lmloss_rowstate_unpack(a.state + i * a.ss, R.vocab);
-  if (!lmloss_rowstate_ok(&st)) {
-    fill_row(a.out, a.odt, a.os, i, R.n, NAN);
-    return;
-  }
-  const float l1r = log1pf(st.s.r), inv = 1.0f / (1.0f + st.s.r);
-  void *o = out_row(a.out, a.odt, a.os, i);
-  each_loaded(R.row(i), R.dt, R.n, [&](int64_t j, float x) {
-    const float d = x - st.s.m;
-    lmloss_store(o, a.odt, j, a.log ? d - l1r : expf(d) * inv);
-  });
 }
 
 /* The softmax backward over a shard (lmloss.h): R's rows are y. */
@@ -207,12 +167,6 @@ const float *f32_or_null(const lmloss_tensor *t, int64_t *stride) {
   return t && t->data ? (const float *)t->data : nullptr;
 }
 
-lmloss_status launch_rows(void (*kernel)(LpFinish), const LpFinish &a, cudaStream_t st,
-                          const char *what) {
-  if (a.R.N > 0) kernel<<<(unsigned)a.R.N, SHARD_THREADS, 0, st>>>(a);
-  return check_launch(what);
-}
-
 } // namespace
 } // namespace lmc
 
@@ -239,6 +193,11 @@ lmloss_status lmloss_cuda_lp_backward_finish(const lmloss_context *, const lmlos
                                              const lmloss_transform *, const lmloss_shard *,
                                              const lmloss_tensor *, const lmloss_tensor *,
                                              const lmloss_tensor *, const lmloss_tensor *);
+
+/* softmax.cu */
+lmloss_status lmloss_cuda_softmax_finish(const lmloss_context *, const lmloss_tensor *,
+                                         const lmloss_shard *, const lmloss_tensor *, int,
+                                         const lmloss_tensor *);
 
 lmloss_status lmloss_cuda_lp_finish(const lmloss_context *ctx, const lmloss_tensor *logits,
                                     const lmloss_tensor *index, const lmloss_tensor *mask,
@@ -271,20 +230,6 @@ lmloss_status lmloss_cuda_lp_finish(const lmloss_context *ctx, const lmloss_tens
   a.ent = (float *)f32_or_null(entropy, &a.ents);
   if (a.R.N > 0) lp_forward_kernel<<<(unsigned)((a.R.N + 127) / 128), 128, 0, st>>>(a);
   return check_launch("log-probs finish");
-}
-
-lmloss_status lmloss_cuda_softmax_finish(const lmloss_context *ctx, const lmloss_tensor *x,
-                                         const lmloss_shard *sh, const lmloss_tensor *state,
-                                         int log, const lmloss_tensor *out) {
-  LpFinish a = {};
-  a.R = shard_rows(x, sh, lmloss_transform_default());
-  a.state = (const float *)state->data;
-  a.ss = state->row_stride;
-  a.out = out->data;
-  a.odt = out->dtype;
-  a.os = out->row_stride;
-  a.log = log;
-  return launch_rows(softmax_kernel, a, stream_of(ctx), "softmax finish");
 }
 
 lmloss_status lmloss_cuda_softmax_bwd(const lmloss_context *ctx, const lmloss_tensor *y,

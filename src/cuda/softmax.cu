@@ -28,6 +28,11 @@ struct SmArgs {
   int cs;
   int64_t chunk;
   int staged;
+  /* a vocabulary shard's finish (lmloss.h's row contract): x holds some
+   * columns of rows whose merged states these are (vocab columns in all),
+   * so the first pass is skipped; NULL for whole rows */
+  const float *state;
+  int64_t sts, vocab;
 };
 
 /* Same shape as the other two-pass kernels (see ce_rows, make_plan): x is
@@ -45,13 +50,22 @@ template <typename In, typename O> __global__ void __launch_bounds__(256, 3) sm_
     O *yrow = (O *)a.y + i * a.ys;
     const bool in_al = is_aligned16(row);
     const RowPart<In> part = {row, ch, a.V, in_al};
-    Acc acc;
-    acc.init(X);
-    const bool one_max = first_pass<false>(a.staged, st, part, true, X, Smooth{}, acc, &red);
-    Part P = reduce_row(acc, 1.0f, false, false, &red, rw, one_max);
-    const bool ok = !P.bad && lmloss_rowstat_finite(&P.s);
-    const float m = P.s.m;
-    float inv = 1.0f / (1.0f + P.s.r), l1r = log1pf(P.s.r);
+    lmloss_rowstat s;
+    bool ok;
+    if (a.state) {
+      const lmloss_rowstate x = lmloss_rowstate_unpack(a.state + i * a.sts, a.vocab);
+      s = x.s;
+      ok = lmloss_rowstate_ok(&x);
+    } else {
+      Acc acc;
+      acc.init(X);
+      const bool one_max = first_pass<false>(a.staged, st, part, true, X, Smooth{}, acc, &red);
+      const Part P = reduce_row(acc, 1.0f, false, false, &red, rw, one_max);
+      s = P.s;
+      ok = !P.bad && lmloss_rowstat_finite(&s);
+    }
+    const float m = s.m;
+    float inv = 1.0f / (1.0f + s.r), l1r = log1pf(s.r);
     if (!ok) inv = l1r = NAN;
     Ref ref;
     ref.set(X, m);
@@ -201,14 +215,15 @@ __global__ void __launch_bounds__(512) sm_bwd(SbArgs a) {
   }
 }
 
+/* A shard's finish reads its columns once: the one-pass plan. */
 template <typename In, typename O>
 static lmloss_status launch_fwd(const DevInfo &d, SmArgs &a, cudaStream_t st) {
   lmloss_status s;
   if constexpr (held_built<In, O>())
-    if (launch_held(sm_held<In, O, false>, sm_held<In, O, true>, d, elt<In>::NV, a.y,
-                    a.ys * (int64_t)sizeof(O), st, a, "softmax", &s))
+    if (!a.state && launch_held(sm_held<In, O, false>, sm_held<In, O, true>, d, elt<In>::NV, a.y,
+                                a.ys * (int64_t)sizeof(O), st, a, "softmax", &s))
       return s;
-  return launch_rows(sm_fwd<In, O>, sm_fwd<In, O>, d, elt<In>::NV, 1, 0, st, a, "softmax");
+  return launch_rows(sm_fwd<In, O>, sm_fwd<In, O>, d, elt<In>::NV, !a.state, 0, st, a, "softmax");
 }
 
 template <typename In>
@@ -220,14 +235,13 @@ static lmloss_status fwd_out(const DevInfo &d, SmArgs &a, lmloss_dtype od, cudaS
   }
 }
 
-} // namespace lmc
-
-extern "C" lmloss_status lmloss_cuda_softmax(const lmloss_context *ctx, const lmloss_tensor *x,
-                                             int log, const lmloss_tensor *out) {
-  lmc::DevInfo d;
-  lmloss_status s = lmc::dev_info(&d);
+static lmloss_status run_fwd(const lmloss_context *ctx, const lmloss_tensor *x, int log,
+                             const lmloss_tensor *out, const lmloss_shard *sh,
+                             const lmloss_tensor *state) {
+  DevInfo d;
+  lmloss_status s = dev_info(&d);
   if (s != LMLOSS_OK) return s;
-  lmc::SmArgs a = {};
+  SmArgs a = {};
   a.x = x->data;
   a.N = x->rows;
   a.V = x->cols;
@@ -235,13 +249,34 @@ extern "C" lmloss_status lmloss_cuda_softmax(const lmloss_context *ctx, const lm
   a.y = out->data;
   a.ys = out->row_stride;
   a.log = log;
-  a.X = lmc::make_xf(lmloss_transform_default());
-  cudaStream_t st = lmc::stream_of(ctx);
-  switch (x->dtype) {
-  case LMLOSS_BF16: return lmc::fwd_out<lmc::bf16>(d, a, out->dtype, st);
-  case LMLOSS_F16: return lmc::fwd_out<lmc::f16>(d, a, out->dtype, st);
-  default: return lmc::fwd_out<float>(d, a, out->dtype, st);
+  a.X = make_xf(lmloss_transform_default());
+  if (state) {
+    a.state = (const float *)state->data;
+    a.sts = state->row_stride;
+    a.vocab = sh->vocab;
   }
+  cudaStream_t st = stream_of(ctx);
+  switch (x->dtype) {
+  case LMLOSS_BF16: return fwd_out<bf16>(d, a, out->dtype, st);
+  case LMLOSS_F16: return fwd_out<f16>(d, a, out->dtype, st);
+  default: return fwd_out<float>(d, a, out->dtype, st);
+  }
+}
+
+} // namespace lmc
+
+extern "C" lmloss_status lmloss_cuda_softmax(const lmloss_context *ctx, const lmloss_tensor *x,
+                                             int log, const lmloss_tensor *out) {
+  return lmc::run_fwd(ctx, x, log, out, NULL, NULL);
+}
+
+/* The row contract's softmax finish over a vocabulary shard (lmloss.h). */
+extern "C" lmloss_status lmloss_cuda_softmax_finish(const lmloss_context *ctx,
+                                                    const lmloss_tensor *x,
+                                                    const lmloss_shard *sh,
+                                                    const lmloss_tensor *state, int log,
+                                                    const lmloss_tensor *out) {
+  return lmc::run_fwd(ctx, x, log, out, sh, state);
 }
 
 extern "C" lmloss_status lmloss_cuda_softmax_backward(const lmloss_context *ctx,
