@@ -10,15 +10,14 @@
  * other kinds' gradient. A row split over a cluster of CTAs paid a
  * cluster barrier and exchange a sweep, which cost more than its rows' L2
  * hits saved (docs/design.md). Each sweep's sums are merged in a fixed
- * order, so the results are bitwise reproducible.
+ * order, so the results are bitwise reproducible. The row contract's
+ * phases over a vocabulary shard (lmloss.h) are the same sweeps, split
+ * where its exchanges fall (DivShard).
  *
- * Launch sequence on the caller's stream, nothing allocated:
- *   [div_count]    MEAN: the rows not ignored, into the workspace header;
- *   div_rows       per row pair: outputs, row losses, gradient;
- *   [div_finalize] reduced losses: a fixed-order sum of the row losses.
  * Workspace (lmloss_cross_entropy_workspace_size): header [0] the count
- * (double), then the row losses [N] (double). A label outside [0, V) that
- * is not ignore_index gives NaN for its row.
+ * (double), then the row losses [N] (double); the launch sequence is
+ * run_rows'. A label outside [0, V) that is not ignore_index gives NaN
+ * for its row.
  */
 #include "common.cuh"
 #include "math/divstate.h"
@@ -36,6 +35,21 @@ constexpr int DIV_WARPS = DIV_BS / 32;
  * rise). The JSD's sweeps are bound by their instructions, so the read
  * the one sweep saves does not pay for its rises there. */
 constexpr int64_t DIV_ONLINE_MIN_COLS = 16 * DIV_BS * DIV_NV;
+
+/* A vocabulary shard's phase (lmloss.h's row contract): the rows hold
+ * columns [col0, col0 + V) of vocab. DIV_STATE writes each row pair's
+ * state; DIV_PARTIALS the loss sweep's sums from the merged states (and
+ * the forward KL's gradient); DIV_FINISH the outputs from the summed
+ * partials, and the gradient. */
+enum DivPhase { DIV_WHOLE, DIV_STATE, DIV_PARTIALS, DIV_FINISH };
+struct DivShard {
+  int phase;
+  int64_t col0, vocab;
+  float *state; /* written by DIV_STATE, else the merged states */
+  int64_t sts;
+  double *part; /* written by DIV_PARTIALS; read by DIV_FINISH (NULL: none) */
+  int64_t ps;
+};
 
 struct DivArgs {
   const void *s, *t;
@@ -60,6 +74,7 @@ struct DivArgs {
   float *loss, *div, *ce, *ent; /* outputs (NONE: loss [N]) */
   int64_t los, dvs, ces, ens;
   double *count, *row_loss; /* workspace */
+  DivShard sh;
 };
 
 /* Eight columns of a row from j (16-byte loads where the row allows),
@@ -450,11 +465,17 @@ __device__ PairStats online_stats(const DivArgs &a, const void *rs, const void *
 }
 
 /* The row pair's statistics in two sweeps: the maxes and first argmaxes
- * (with the flags), then the sums against them. Every thread gets them. */
-template <bool GENERAL>
+ * (with the flags), then the sums against them. Every thread gets them.
+ * PART: the columns are a shard's, whose state a side of only -inf there
+ * does not decide: its sums are formed against 0 (as lmloss_div_state's
+ * merge expects). */
+template <bool GENERAL, bool PART = false>
 __device__ PairStats swept_stats(const DivArgs &a, const void *rs, const void *rt, int mode,
                                  DivShared &sh) {
+  /* a part's side of only -inf keeps -inf as its logit at the argmax, so
+   * that G (and each column's D) reads that side as empty */
   Extent e = {{-INFINITY, LLONG_MAX, 0.0f, 0.0f}, {-INFINITY, LLONG_MAX, 0.0f, 0.0f}, 0, 0, 0};
+  if (PART) e.s.x = e.s.o = e.t.x = e.t.o = -INFINITY;
   int flags = 0;
   for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
     float vs, vt;
@@ -476,8 +497,11 @@ __device__ PairStats swept_stats(const DivArgs &a, const void *rs, const void *r
              (e.any_t ? LMLOSS_PAIR_ANY_T : 0);
   /* a row without a finite max on a side is decided by the flags: its
    * sums are not read */
-  if (!(e.s.m > -INFINITY && e.t.m > -INFINITY && e.s.m < INFINITY && e.t.m < INFINITY)) return ps;
-  const float ms = e.s.m, mt = e.t.m;
+  if (PART ? (ps.flags & LMLOSS_PAIR_BAD) != 0
+           : !(e.s.m > -INFINITY && e.t.m > -INFINITY && e.s.m < INFINITY && e.t.m < INFINITY))
+    return ps;
+  const float ms = PART && e.s.m == -INFINITY ? 0.0f : e.s.m;
+  const float mt = PART && e.t.m == -INFINITY ? 0.0f : e.t.m;
   const long long as = e.s.a, at = e.t.a;
   const float G = lmloss_div_stats_G(&a.pr, &ps.st);
   double b3[3] = {0.0, 0.0, 0.0};
@@ -492,33 +516,49 @@ __device__ PairStats swept_stats(const DivArgs &a, const void *rs, const void *r
 
 /* One row pair per CTA, of the kind KIND; GENERAL: a softcap on either
  * side or a k of each (the transforms' modes then read at run time), else
- * one k and no softcap (LMLOSS_DIV_ONE_K). */
-template <int KIND, bool GENERAL, bool ONLINE>
+ * one k and no softcap (LMLOSS_DIV_ONE_K). SHARD: the row contract's
+ * phases over a vocabulary shard (a.sh), in the general two-sweep kernel:
+ * a state is the statistics' sweeps, the partials the loss sweep from the
+ * merged state (with the forward KL's gradient), a finish the outputs
+ * from the summed partials and the gradient sweep. */
+template <int KIND, bool GENERAL, bool ONLINE, bool SHARD = false>
 __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
+  static_assert(!SHARD || (GENERAL && !ONLINE), "a shard's phases take the two-sweep kernel");
   __shared__ DivShared sh;
   const int64_t i = blockIdx.x;
+  const int phase = SHARD ? a.sh.phase : DIV_WHOLE;
+  const int64_t col0 = SHARD ? a.sh.col0 : 0; /* the rows' first column in the vocabulary */
   const void *rs = (const char *)a.s + i * a.ss * (int64_t)lmloss_dtype_size(a.sdt);
   const void *rt = (const char *)a.t + i * a.ts * (int64_t)lmloss_dtype_size(a.tdt);
   void *rd = a.dx ? (char *)a.dx + i * a.dxs * (int64_t)lmloss_dtype_size(a.dxt) : nullptr;
   const bool lead = threadIdx.x == 0;
-  /* the label: y = -1 without; an ignored row; one outside [0, V) */
+  /* the label: y = -1 without; an ignored row; one outside [0, V) (a
+   * shard's: no column of the row, as on the CPU) */
   long long y = -1;
   bool ignored = false, bad_label = false;
   if (a.label) {
     const long long l = ld_index(a.label, a.label64, i * a.ls);
     ignored = l == a.ignore;
-    bad_label = !ignored && (l < 0 || l >= a.V);
+    bad_label = !SHARD && !ignored && (l < 0 || l >= a.V);
     y = ignored || bad_label ? -1 : l;
   }
-  /* the row's scale: the upstream gradient through the reduction */
+  const long long yl = y - col0; /* the label's column here (none: outside [0, V)) */
+  const bool y_here = SHARD ? y >= 0 && yl >= 0 && yl < a.V : y >= 0;
+  /* the row's scale: the upstream gradient through the reduction (a
+   * shard's phase without a workspace writes neither) */
   double factor = 1.0;
-  if (a.reduction == LMLOSS_REDUCE_MEAN) factor = *a.count > 0.0 ? 1.0 / *a.count : 0.0;
+  if (a.reduction == LMLOSS_REDUCE_MEAN && (!SHARD || a.count))
+    factor = *a.count > 0.0 ? 1.0 / *a.count : 0.0;
   if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) factor = 1.0 / a.num_items;
   const float up =
       a.dloss ? a.dloss[a.reduction == LMLOSS_REDUCE_NONE ? i * a.dls : 0] : a.grad_output;
   auto finish = [&](double div, double ce, double ent) {
     if (!lead) return;
-    const double li = ignored ? 0.0 : a.soft * div + a.hard * ce;
+    /* a shard's finish reads no ce without a hard term: an exchange may
+     * leave out the label's w */
+    const double li = ignored                     ? 0.0
+                      : SHARD && !(a.hard > 0.0f) ? a.soft * div
+                                                  : a.soft * div + a.hard * ce;
     if (a.div) a.div[i * a.dvs] = (float)div;
     if (a.ce) a.ce[i * a.ces] = (float)ce;
     if (a.ent) a.ent[i * a.ens] = (float)ent;
@@ -534,25 +574,60 @@ __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
     for (int64_t j = (int64_t)threadIdx.x * DIV_NV; j < a.V; j += (int64_t)DIV_BS * DIV_NV)
       store8(rd, a.dxt, j, a.V, g);
   };
+  /* the partials' row: the loss sweep's seven sums, then a zero */
+  auto put_partials = [&](const double *c7, double v) {
+    if (!lead) return;
+    double *o = a.sh.part + i * a.sh.ps;
+    for (int c = 0; c < LMLOSS_DIV_PARTIAL_COLS; c++)
+      o[c] = c < 7 ? (c7 ? c7[c] : v) : 0.0;
+  };
   if (ignored) {
+    if (phase == DIV_STATE) {
+      lmloss_div_state e = {};
+      e.st.as = -1; /* empty */
+      if (lead) lmloss_div_state_pack(&e, a.sh.state + i * a.sh.sts);
+      return;
+    }
     fill(0.0f);
+    if (phase == DIV_PARTIALS) return put_partials(nullptr, 0.0);
     finish(0.0, 0.0, 0.0);
     return;
   }
   const int mode = GENERAL ? a.mode : LMLOSS_DIV_ONE_K;
   /* the label's logit, read before any thread writes a gradient over
    * the student, its load in flight during the sweep */
-  const float xs_y = y >= 0 ? lmloss_load(rs, a.sdt, y) : 0.0f;
+  const float xs_y = y_here ? lmloss_load(rs, a.sdt, yl) : 0.0f;
   auto fail = [&]() {
     fill(NAN);
+    if (phase == DIV_PARTIALS) return put_partials(nullptr, NAN);
     finish(NAN, NAN, NAN);
   };
   /* 1. the statistics: both rows' maxes and first argmaxes of w, R of
    * each row and D = Rt - Rs below the maxes. A NaN or +inf logit: the
    * flags with a softcap (which bounds w); without, +inf is the max and a
-   * NaN makes the sums NaN, which costs the plain sweeps nothing. */
-  const PairStats ps = ONLINE ? online_stats<GENERAL>(a, rs, rt, mode, sh)
-                              : swept_stats<GENERAL>(a, rs, rt, mode, sh);
+   * NaN makes the sums NaN, which costs the plain sweeps nothing. A
+   * shard's partials and finish take them from the merged state. */
+  PairStats ps;
+  float ws_y = NAN; /* a shard: the student's w at the label, where known */
+  if (SHARD && phase != DIV_STATE) {
+    const lmloss_div_state m = lmloss_div_state_unpack(a.sh.state + i * a.sh.sts, a.sh.vocab, &a.pr);
+    ps.st = m.st, ps.xt_as = m.xt_as, ps.flags = m.flags, ws_y = m.ws_y;
+  } else {
+    ps = ONLINE ? online_stats<GENERAL>(a, rs, rt, mode, sh)
+                : swept_stats<GENERAL, SHARD>(a, rs, rt, mode, sh);
+  }
+  if (phase == DIV_STATE) {
+    if (!lead) return;
+    lmloss_div_state x;
+    x.st = ps.st, x.xt_as = ps.xt_as, x.flags = ps.flags;
+    /* the argmaxes in the vocabulary's columns (a side of no max: the
+     * shard's first, as its packed form reads) */
+    x.st.as = (ps.st.as == LLONG_MAX ? 0 : ps.st.as) + col0;
+    x.st.at = (ps.st.at == LLONG_MAX ? 0 : ps.st.at) + col0;
+    x.ws_y = y_here ? lmloss_xform_w(&a.pr.fs, xs_y) : NAN;
+    lmloss_div_state_pack(&x, a.sh.state + i * a.sh.sts);
+    return;
+  }
   const lmloss_div_stats &st = ps.st;
   const int flags = GENERAL ? ps.flags
                             : (st.ms == INFINITY || st.mt == INFINITY ? LMLOSS_PAIR_BAD : 0) |
@@ -561,21 +636,22 @@ __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
   if (!lmloss_pair_flags_ok(flags) || bad_label) return fail();
   if (!GENERAL && !(isfinite(st.rs) && isfinite(st.rt) && isfinite(st.d))) return fail();
   const float ms = st.ms;
-  const long long as = st.as;
+  const long long as = st.as - col0; /* the student's argmax here (none: outside [0, V)) */
   const float ks = a.pr.fs.k;
   const lmloss_div_row r = lmloss_div_row_make(&a.pr, st.ms, st.mt, (float)st.rs, (float)st.rt,
-                                               (float)st.d, as, st.xs_a, st.xt_a, ps.xt_as);
+                                               (float)st.d, st.as, st.xs_a, st.xt_a, ps.xt_as);
   lmloss_div_grad gc = {};
   gc.y = y, gc.soft = a.soft, gc.scale = (float)(up * factor);
   gc.hard = y >= 0 ? a.hard : 0.0f;
-  gc.one_minus_py = y == as ? r.rs / (1.0f + r.rs) : -1.0f;
+  gc.one_minus_py = y == st.as ? r.rs / (1.0f + r.rs) : -1.0f;
   auto column = [&](const float *xs, const float *xt, int k) {
     return lmloss_div_column(&a.pr, &r, mode, w_of<GENERAL>(&a.pr.fs, xs[k]),
                              w_of<GENERAL>(&a.pr.ft, xt[k]), xs[k], xt[k]);
   };
   /* 3. the loss sweep, with the forward KL's gradient; each kind sums
    * only what it reads, the entropy only in the copy that is asked for
-   * it (its terms cost instructions a column, not only an add) */
+   * it (its terms cost instructions a column, not only an add); a
+   * shard's partials carry every sum its finish may read */
   const bool fused = rd && KIND == LMLOSS_DIV_KL;
   double c7[7] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
   auto loss_sweep = [&](auto want_ent) {
@@ -588,35 +664,49 @@ __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
     };
     for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
       float g[DIV_NV], v[7] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-      for_each(left, in_vector(as, j) || in_vector(y, j), [&](int k, auto check) {
+      for_each(left, in_vector(as, j) || in_vector(yl, j), [&](int k, auto check) {
         const lmloss_div_col c = column(xs, xt, k);
         const lmloss_div_terms t =
             lmloss_div_loss_terms(&a.pr, &r, &c, !(check.on && j + k == as) && c.p != 0.0f, KIND);
         v[0] += t.div, v[1] += t.rev, v[2] += t.mix;
         v[3] += t.pos, v[4] += t.neg, v[5] += t.eq, v[6] += t.ent;
         if (fused)
-          g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p, t.h, xs[k], mode);
+          g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == yl, c.p, t.h, xs[k], mode);
       });
       add_vector(c7, v, used);
       if (fused) store8(rd, a.dxt, j, a.V, g);
     });
   };
-  if (a.ent)
-    loss_sweep(std::true_type());
-  else
-    loss_sweep(std::false_type());
-  block_sums<7>(c7, sh.sums);
+  if (phase != DIV_FINISH) {
+    if (a.ent || phase == DIV_PARTIALS)
+      loss_sweep(std::true_type());
+    else
+      loss_sweep(std::false_type());
+    block_sums<7>(c7, sh.sums);
+    if (phase == DIV_PARTIALS) return put_partials(c7, 0.0);
+  }
   float es_y = 0.0f;
-  if (y >= 0) es_y = y == as ? 0.0f : (w_of<GENERAL>(&a.pr.fs, xs_y) - ms) * ks;
-  finish(c7[0], y >= 0 ? (double)r.l1s - es_y : 0.0, c7[6]);
-  /* 4. the other kinds' gradient */
-  if (rd && !fused) {
-    lmloss_div_grad_sums(&gc, c7[1], c7[2], c7[3], c7[4], c7[5]);
+  if (y >= 0) es_y = y == st.as ? 0.0f : ((SHARD ? ws_y : w_of<GENERAL>(&a.pr.fs, xs_y)) - ms) * ks;
+  const double ce = y >= 0 ? (double)r.l1s - es_y : 0.0;
+  /* a finish's summed partials (none: the forward KL's backward, which
+   * reads none and writes no outputs) */
+  const double *p = phase == DIV_FINISH ? a.sh.part : nullptr;
+  if (p) p += i * a.sh.ps;
+  if (phase != DIV_FINISH)
+    finish(c7[0], ce, c7[6]);
+  else if (p)
+    finish(p[0], ce, p[6]);
+  /* 4. the other kinds' gradient (a shard's finish: every kind's) */
+  if (rd && (phase == DIV_FINISH || !fused)) {
+    if (phase != DIV_FINISH)
+      lmloss_div_grad_sums(&gc, c7[1], c7[2], c7[3], c7[4], c7[5]);
+    else if (p)
+      lmloss_div_grad_sums(&gc, p[1], p[2], p[3], p[4], p[5]);
     for_vectors(a, rs, rt, [&](int64_t j, const float *xs, const float *xt, int left) {
       float g[DIV_NV];
-      for_each(left, in_vector(y, j), [&](int k, auto check) {
+      for_each(left, in_vector(yl, j), [&](int k, auto check) {
         const lmloss_div_col c = column(xs, xt, k);
-        g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == y, c.p,
+        g[k] = lmloss_div_grad_tail(&a.pr, &gc, check.on && j + k == yl, c.p,
                                     lmloss_div_grad_kind(&a.pr, &r, &gc, &c, KIND), xs[k], mode);
       });
       store8(rd, a.dxt, j, a.V, g);
@@ -653,8 +743,20 @@ template <int KIND, bool GENERAL> static void (*pick_stats(const DivArgs &a))(Di
   return div_rows<KIND, GENERAL, false>;
 }
 template <int KIND> static void (*pick(const DivArgs &a))(DivArgs) {
+  if (a.sh.phase != DIV_WHOLE) return div_rows<KIND, true, false, true>;
   const bool general = a.pr.fs.cap > 0.0f || a.pr.ft.cap > 0.0f || a.pr.fs.k != a.pr.ft.k;
   return general ? pick_stats<KIND, true>(a) : pick_stats<KIND, false>(a);
+}
+
+/* A row pair's merge of two parts' states (lmloss.h), one thread a row. */
+__global__ void div_merge(const float *a, int64_t as, const float *b, int64_t bs, float *out,
+                          int64_t os, int64_t N, lmloss_div_pair pr) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= N) return;
+  const lmloss_div_state x = lmloss_div_state_unpack(a + i * as, LMLOSS_STATE_MAX_VOCAB, &pr);
+  const lmloss_div_state y = lmloss_div_state_unpack(b + i * bs, LMLOSS_STATE_MAX_VOCAB, &pr);
+  const lmloss_div_state m = lmloss_div_state_merge(&pr, &x, &y);
+  lmloss_div_state_pack(&m, out + i * os);
 }
 
 static lmloss_status launch_rows(const DivArgs &a, int kind, cudaStream_t st) {
@@ -670,11 +772,10 @@ static lmloss_status launch_rows(const DivArgs &a, int kind, cudaStream_t st) {
   return check_launch("divergence");
 }
 
-static lmloss_status run_div(const lmloss_context *ctx, const lmloss_div_inputs *in,
-                             const lmloss_div_options *opt, const lmloss_div_outputs *out,
-                             const lmloss_tensor *dloss, const lmloss_tensor *dx, void *ws) {
-  lmloss_status s;
-  const cudaStream_t st = stream_of(ctx);
+/* A call's rows, labels, pair and reduction; the workspace (NULL: none)
+ * holds MEAN's count and the row losses (lmloss_cross_entropy_workspace_size). */
+static DivArgs div_args(const lmloss_div_inputs *in, const lmloss_div_options *opt,
+                        const lmloss_tensor *dloss, const lmloss_tensor *dx, void *ws) {
   DivArgs a = {};
   a.s = in->student.data, a.t = in->teacher.data;
   a.sdt = in->student.dtype, a.tdt = in->teacher.dtype;
@@ -694,30 +795,55 @@ static lmloss_status run_div(const lmloss_context *ctx, const lmloss_div_inputs 
   a.grad_output = opt->grad_output;
   if (dloss) a.dloss = (const float *)dloss->data, a.dls = dloss->row_stride;
   if (dx) a.dx = dx->data, a.dxt = dx->dtype, a.dxs = dx->row_stride;
-  if (out) {
-    a.loss = (float *)out->loss.data, a.los = out->loss.row_stride;
-    a.div = (float *)out->divergence.data, a.dvs = out->divergence.row_stride;
-    a.ce = (float *)out->ce.data, a.ces = out->ce.row_stride;
-    a.ent = (float *)out->entropy.data, a.ens = out->entropy.row_stride;
+  if (ws) {
+    a.count = (double *)ws;
+    a.row_loss = (double *)((char *)ws + LMLOSS_CE_WS_HEADER);
   }
-  a.count = (double *)ws;
-  a.row_loss = (double *)((char *)ws + LMLOSS_CE_WS_HEADER);
-  const bool reduced_out = out && opt->reduction != LMLOSS_REDUCE_NONE;
+  return a;
+}
+
+static void set_outputs(DivArgs &a, const lmloss_div_outputs *out) {
+  a.loss = (float *)out->loss.data, a.los = out->loss.row_stride;
+  a.div = (float *)out->divergence.data, a.dvs = out->divergence.row_stride;
+  a.ce = (float *)out->ce.data, a.ces = out->ce.row_stride;
+  a.ent = (float *)out->entropy.data, a.ens = out->entropy.row_stride;
+}
+
+/* The launch sequence on the caller's stream, nothing allocated:
+ *   [div_count]    MEAN with a workspace: the rows not ignored into its
+ *                  header;
+ *   div_rows       per row pair;
+ *   [div_finalize] a reduced loss: a fixed-order sum of the row losses. */
+static lmloss_status run_rows(const lmloss_context *ctx, const DivArgs &a, int kind) {
+  lmloss_status s;
+  const cudaStream_t st = stream_of(ctx);
+  const bool reduced_out = a.loss && a.reduction != LMLOSS_REDUCE_NONE;
   if (a.N == 0) {
     if (!reduced_out) return LMLOSS_OK;
-    const cudaError_t e = cudaMemsetAsync(out->loss.data, 0, sizeof(float), st);
+    const cudaError_t e = cudaMemsetAsync(a.loss, 0, sizeof(float), st);
     if (e != cudaSuccess)
       return lmloss_fail(LMLOSS_ERR_DEVICE_FAILURE, "CUDA memset: %s", cudaGetErrorString(e));
     return LMLOSS_OK;
   }
-  if (opt->reduction == LMLOSS_REDUCE_MEAN) {
+  if (a.reduction == LMLOSS_REDUCE_MEAN && a.count) {
     div_count<<<1, 1024, 0, st>>>(a);
     if ((s = check_launch("divergence count")) != LMLOSS_OK) return s;
   }
-  if ((s = launch_rows(a, opt->kind, st)) != LMLOSS_OK) return s;
+  if ((s = launch_rows(a, kind, st)) != LMLOSS_OK) return s;
   if (!reduced_out) return LMLOSS_OK;
   div_finalize<<<1, 1024, 0, st>>>(a);
   return check_launch("divergence finalize");
+}
+
+/* A shard's phase: a call's arguments over the shard's columns. */
+static DivArgs shard_args(const lmloss_div_inputs *in, const lmloss_div_options *opt,
+                          const lmloss_shard *sh, int phase, const lmloss_tensor *state,
+                          const lmloss_tensor *dloss, const lmloss_tensor *dx, void *ws) {
+  DivArgs a = div_args(in, opt, dloss, dx, ws);
+  a.sh.phase = phase;
+  a.sh.col0 = sh->col0, a.sh.vocab = sh->vocab;
+  a.sh.state = (float *)state->data, a.sh.sts = state->row_stride;
+  return a;
 }
 
 } // namespace lmc
@@ -728,5 +854,63 @@ lmloss_cuda_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
                        const lmloss_tensor *dloss, const lmloss_tensor *dstudent, void *ws,
                        size_t ws_bytes) {
   (void)ws_bytes;
-  return lmc::run_div(ctx, in, opt, out, dloss, dstudent, ws);
+  lmc::DivArgs a = lmc::div_args(in, opt, dloss, dstudent, ws);
+  if (out) lmc::set_outputs(a, out);
+  return lmc::run_rows(ctx, a, opt->kind);
+}
+
+/* The row contract's divergence phases over a vocabulary shard
+ * (lmloss.h), on div_rows. */
+extern "C" lmloss_status lmloss_cuda_div_state(const lmloss_context *ctx,
+                                               const lmloss_div_inputs *in,
+                                               const lmloss_div_options *opt,
+                                               const lmloss_shard *sh,
+                                               const lmloss_tensor *state) {
+  const lmc::DivArgs a =
+      lmc::shard_args(in, opt, sh, lmc::DIV_STATE, state, NULL, NULL, NULL);
+  return lmc::run_rows(ctx, a, opt->kind);
+}
+
+extern "C" lmloss_status lmloss_cuda_div_merge(const lmloss_context *ctx, const lmloss_tensor *a,
+                                               const lmloss_tensor *b,
+                                               const lmloss_div_options *opt,
+                                               const lmloss_tensor *out) {
+  const int64_t N = a->rows;
+  if (N > 0)
+    lmc::div_merge<<<(unsigned)((N + 255) / 256), 256, 0, lmc::stream_of(ctx)>>>(
+        (const float *)a->data, a->row_stride, (const float *)b->data, b->row_stride,
+        (float *)out->data, out->row_stride, N, lmloss_div_pair_make(opt));
+  return lmc::check_launch("divergence state merge");
+}
+
+/* With dx, the forward KL's whole gradient in the same sweep; another
+ * kind's dx is left, and its finish (kept) forms the gradient from the
+ * rows. */
+extern "C" lmloss_status lmloss_cuda_div_partials(const lmloss_context *ctx,
+                                                  const lmloss_div_inputs *in,
+                                                  const lmloss_div_options *opt,
+                                                  const lmloss_shard *sh,
+                                                  const lmloss_tensor *state,
+                                                  const lmloss_tensor *partials,
+                                                  const lmloss_tensor *dx, void *ws,
+                                                  size_t ws_bytes) {
+  (void)ws_bytes;
+  const bool kl_grad = dx && opt->kind == LMLOSS_DIV_KL;
+  lmc::DivArgs a = lmc::shard_args(in, opt, sh, lmc::DIV_PARTIALS, state, NULL,
+                                   kl_grad ? dx : NULL, kl_grad ? ws : NULL);
+  a.sh.part = (double *)partials->data, a.sh.ps = partials->row_stride;
+  return lmc::run_rows(ctx, a, opt->kind);
+}
+
+extern "C" lmloss_status
+lmloss_cuda_div_finish(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                       const lmloss_div_options *opt, const lmloss_shard *sh,
+                       const lmloss_tensor *state, const lmloss_tensor *partials,
+                       const lmloss_div_outputs *out, const lmloss_tensor *dloss,
+                       const lmloss_tensor *dx, int kept, void *ws, size_t ws_bytes) {
+  (void)kept, (void)ws_bytes;
+  lmc::DivArgs a = lmc::shard_args(in, opt, sh, lmc::DIV_FINISH, state, dloss, dx, ws);
+  if (partials) a.sh.part = (double *)partials->data, a.sh.ps = partials->row_stride;
+  if (out) lmc::set_outputs(a, out);
+  return lmc::run_rows(ctx, a, opt->kind);
 }

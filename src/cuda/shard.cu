@@ -268,7 +268,7 @@ lmloss_status lmloss_cuda_state_merge(const lmloss_context *ctx, const lmloss_te
   return check_launch("state merge");
 }
 
-/* divergence_shard.cu */
+/* divergence.cu */
 lmloss_status lmloss_cuda_div_state(const lmloss_context *, const lmloss_div_inputs *,
                                     const lmloss_div_options *, const lmloss_shard *,
                                     const lmloss_tensor *);
