@@ -137,6 +137,22 @@ def bench():
     print("log-probs + entropy fwd+bwd bf16 %dx%d: one GPU %.2f ms; a rank's half through "
           "process_group %.2f ms (%.2fx of one GPU); the one-shot call on the half %.2f ms"
           % (N, V, l1, lh, lh / l1, lho))
+    xt = peaked(N, V, torch.bfloat16, seed=1)[0]
+
+    def div_step(fn, s, t, **kw):
+        def run():
+            ss = s.detach().requires_grad_(True)
+            fn(ss, t, **kw).backward()
+        return run
+
+    for name, fn in (("KL", LT.kl_div), ("JSD", LT.generalized_jsd)):
+        d1 = timed(div_step(fn, x, xt), 5)[0]
+        th = xt[:, : V // 2].contiguous()
+        dh = timed(div_step(fn, half, th, process_group=pg, vocab_start=0, vocab_size=V), 5)[0]
+        dho = timed(div_step(fn, half, th), 5)[0]
+        print("%s fwd+bwd bf16 %dx%d: one GPU %.2f ms; a rank's half through process_group "
+              "%.2f ms (%.2fx of one GPU); the one-shot call on the half %.2f ms"
+              % (name, N, V, d1, dh, dh / d1, dho))
     g = torch.Generator(device="cuda").manual_seed(1)
     h = (torch.randn(N, H, device="cuda", generator=g) / 4).bfloat16()
     w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
