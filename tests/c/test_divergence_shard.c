@@ -7,11 +7,11 @@
  * lmloss_divergence_backward (within fp32 rounding: testing.h's
  * tolerances, gradients with a floor of 1e-6 of their row's largest
  * entry). Every kind, beta 0, 0.3, 0.5 and 1, temperatures per side,
- * softcap, a hard term; k = 1, 2, 3, 4 and 7 uneven shards. Rows: peaked
- * with margins 0 to 1000 whose argmax lies in each shard in turn, the
- * teacher peaked elsewhere, student == teacher (exactly 0 loss and
- * gradient, merged over any number of shards), small gaps, ties at the max
- * across shards, a shard of only -inf in both rows, a NaN, ignored rows.
+ * softcap, a hard term; k = 1, 2, 3, 4 and 7 uneven shards (and 2 of a
+ * wide row). Rows: peaked with margins 0 to 1000 whose argmax lies in
+ * each shard in turn, the teacher peaked elsewhere, student == teacher
+ * (exactly 0 loss and gradient, merged over any number of shards), small
+ * gaps, ties at the max across shards, a shard of only -inf in both rows, a NaN, ignored rows.
  * On the backend under test (CPU, or CUDA with LMLOSS_TEST_BACKEND=cuda);
  * bad input on the host. On CUDA the one-shot call's e^x is one MUFU op
  * (math/divergence.h: within the suite's 1e-5 of the oracle) and the
@@ -23,6 +23,9 @@
 enum { MERGE_L2R, MERGE_R2L, MERGE_TREE, MERGE_ORDERS };
 static const int shard_counts[] = {1, 2, 3, 4, 7};
 static const double margins[] = {0, 5, 17, 30, 100, 1000};
+/* two shards of it: the wider holds 70001 columns or more, past
+ * divergence.cu's DIV_ONLINE_MIN_COLS */
+enum { WIDE_V = 140001 };
 
 static lmloss_tensor f32(int64_t rows, int64_t cols) {
   lmloss_tensor t = host_new(LMLOSS_F32, rows, cols, cols);
@@ -341,6 +344,8 @@ int main(void) {
     for (size_t v = 0; v < 3; v++)
       for (size_t k = 0; k < sizeof shard_counts / sizeof *shard_counts; k++)
         run(&g, Vs[v] > 2000 ? 14 : 21, Vs[v], shard_counts[k], (int)((v + k) % MERGE_ORDERS), dc);
+    /* a shard wide enough for CUDA's one-sweep statistics */
+    run(&g, 8, WIDE_V, 2, (int)(cse % MERGE_ORDERS), dc);
     tg_end(&g);
   }
   tgroup g;
