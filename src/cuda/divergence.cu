@@ -612,7 +612,8 @@ __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
   PairStats ps;
   float ws_y = NAN; /* a shard: the student's w at the label, where known */
   if (SHARD && phase != DIV_STATE) {
-    const lmloss_div_state m = lmloss_div_state_unpack(a.sh.state + i * a.sh.sts, a.sh.vocab, &a.pr);
+    const lmloss_div_state m =
+        lmloss_div_state_unpack(a.sh.state + i * a.sh.sts, a.sh.vocab, &a.pr);
     ps.st = m.st, ps.xt_as = m.xt_as, ps.flags = m.flags, ws_y = m.ws_y;
   } else {
     ps = ONLINE ? online_stats<GENERAL, SHARD>(a, rs, rt, mode, sh)
@@ -870,10 +871,8 @@ lmloss_cuda_divergence(const lmloss_context *ctx, const lmloss_div_inputs *in,
 extern "C" lmloss_status lmloss_cuda_div_state(const lmloss_context *ctx,
                                                const lmloss_div_inputs *in,
                                                const lmloss_div_options *opt,
-                                               const lmloss_shard *sh,
-                                               const lmloss_tensor *state) {
-  const lmc::DivArgs a =
-      lmc::shard_args(in, opt, sh, lmc::DIV_STATE, state, NULL, NULL, NULL);
+                                               const lmloss_shard *sh, const lmloss_tensor *state) {
+  const lmc::DivArgs a = lmc::shard_args(in, opt, sh, lmc::DIV_STATE, state, NULL, NULL, NULL);
   return lmc::run_rows(ctx, a, opt->kind);
 }
 
@@ -892,18 +891,15 @@ extern "C" lmloss_status lmloss_cuda_div_merge(const lmloss_context *ctx, const 
 /* With dx, the forward KL's whole gradient in the same sweep; another
  * kind's dx is left, and its finish (kept) forms the gradient from the
  * rows. */
-extern "C" lmloss_status lmloss_cuda_div_partials(const lmloss_context *ctx,
-                                                  const lmloss_div_inputs *in,
-                                                  const lmloss_div_options *opt,
-                                                  const lmloss_shard *sh,
-                                                  const lmloss_tensor *state,
-                                                  const lmloss_tensor *partials,
-                                                  const lmloss_tensor *dx, void *ws,
-                                                  size_t ws_bytes) {
+extern "C" lmloss_status
+lmloss_cuda_div_partials(const lmloss_context *ctx, const lmloss_div_inputs *in,
+                         const lmloss_div_options *opt, const lmloss_shard *sh,
+                         const lmloss_tensor *state, const lmloss_tensor *partials,
+                         const lmloss_tensor *dx, void *ws, size_t ws_bytes) {
   (void)ws_bytes;
   const bool kl_grad = dx && opt->kind == LMLOSS_DIV_KL;
-  lmc::DivArgs a = lmc::shard_args(in, opt, sh, lmc::DIV_PARTIALS, state, NULL,
-                                   kl_grad ? dx : NULL, kl_grad ? ws : NULL);
+  lmc::DivArgs a = lmc::shard_args(in, opt, sh, lmc::DIV_PARTIALS, state, NULL, kl_grad ? dx : NULL,
+                                   kl_grad ? ws : NULL);
   a.sh.part = (double *)partials->data, a.sh.ps = partials->row_stride;
   return lmc::run_rows(ctx, a, opt->kind);
 }

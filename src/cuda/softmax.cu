@@ -272,8 +272,7 @@ extern "C" lmloss_status lmloss_cuda_softmax(const lmloss_context *ctx, const lm
 
 /* The row contract's softmax finish over a vocabulary shard (lmloss.h). */
 extern "C" lmloss_status lmloss_cuda_softmax_finish(const lmloss_context *ctx,
-                                                    const lmloss_tensor *x,
-                                                    const lmloss_shard *sh,
+                                                    const lmloss_tensor *x, const lmloss_shard *sh,
                                                     const lmloss_tensor *state, int log,
                                                     const lmloss_tensor *out) {
   return lmc::run_fwd(ctx, x, log, out, sh, state);
