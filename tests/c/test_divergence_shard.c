@@ -6,7 +6,8 @@
  * finish and backward finish, against the one-shot lmloss_divergence and
  * lmloss_divergence_backward (within fp32 rounding: testing.h's
  * tolerances, gradients with a floor of 1e-6 of their row's largest
- * entry). Every kind, beta 0, 0.3, 0.5 and 1, temperatures per side,
+ * entry and, with a hard term, testing.h's cancellation floor over its
+ * two parts). Every kind, beta 0, 0.3, 0.5 and 1, temperatures per side,
  * softcap, a hard term; k = 1, 2, 3, 4 and 7 uneven shards (and 2 of a
  * wide row). Rows: peaked with margins 0 to 1000 whose argmax lies in
  * each shard in turn, the teacher peaked elsewhere, student == teacher
@@ -146,6 +147,19 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
   dev_put(up.d.data, up.h.data, tensor_bytes(&up.h));
   tg_true(g, lmloss_divergence_backward(&c, &in, &o, &up.d, &b1.d, ws, wsb) == LMLOSS_OK,
           "one-shot backward: %s", lmloss_last_error());
+  /* With a hard term the gradient is the divergence's part plus the
+   * cross-entropy's, which cancel where they meet (testing.h's cancel):
+   * the cross-entropy's part alone, the soft weight 0. */
+  pair_t h1 = both(f32(N, V)), hb = both(f32(N, V)), hl = both(f32(NL, 1));
+  if (dc->hard > 0) {
+    lmloss_div_options oh = o;
+    oh.soft_weight = 0.0f;
+    const lmloss_div_outputs oo = {hl.d, {0}, {0}, h1.d, {0}};
+    tg_true(g,
+            lmloss_divergence(&c, &in, &oh, &oo, ws, wsb) == LMLOSS_OK &&
+                lmloss_divergence_backward(&c, &in, &oh, &up.d, &hb.d, ws, wsb) == LMLOSS_OK,
+            "the cross-entropy's part: %s", lmloss_last_error());
+  }
   /* the shards' states, exchanged and merged, then the same merged state on every shard */
   lmloss_tensor st[8];
   lmloss_div_inputs sin[8];
@@ -213,7 +227,7 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
                 LMLOSS_OK,
             "the gradient's second half: %s", lmloss_last_error());
   }
-  pair_t *outs[] = {&l1, &d1, &c1, &e1, &g1, &b1, &b2, &l2, &d2, &c2, &e2, &g2, &g3};
+  pair_t *outs[] = {&l1, &d1, &c1, &e1, &g1, &b1, &b2, &l2, &d2, &c2, &e2, &g2, &g3, &h1, &hb};
   for (size_t q = 0; q < sizeof outs / sizeof *outs; q++)
     fetch(outs[q]);
   const double cu = tb_is_cuda() ? TOL_REL : 0.0; /* module comment */
@@ -233,10 +247,13 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
     }
     for (int64_t j = 0; j < V; j++) {
       const double r1 = tget(&g1.h, i, j), r2 = tget(&b1.h, i, j);
-      tg_close(g, tget(&g2.h, i, j), r1, LMLOSS_F32, fl * m1 + cu * fabs(r1), "dstudent", i, j);
-      tg_close(g, tget(&g3.h, i, j), r1, LMLOSS_F32, fl * m1 + cu * fabs(r1),
-               "dstudent in two halves", i, j);
-      tg_close(g, tget(&b2.h, i, j), r2, LMLOSS_F32, fl * m2 + cu * fabs(r2), "backward", i, j);
+      const double c1j = dc->hard > 0 ? tget(&h1.h, i, j) : 0.0;
+      const double c2j = dc->hard > 0 ? tget(&hb.h, i, j) : 0.0;
+      const double f1 = fl * m1 + cu * fabs(r1) + TOL_CANCEL * (fabs(r1 - c1j) + fabs(c1j));
+      const double f2 = fl * m2 + cu * fabs(r2) + TOL_CANCEL * (fabs(r2 - c2j) + fabs(c2j));
+      tg_close(g, tget(&g2.h, i, j), r1, LMLOSS_F32, f1, "dstudent", i, j);
+      tg_close(g, tget(&g3.h, i, j), r1, LMLOSS_F32, f1, "dstudent in two halves", i, j);
+      tg_close(g, tget(&b2.h, i, j), r2, LMLOSS_F32, f2, "backward", i, j);
     }
     if (same[i] && i % 5 != 4 && i != 4 && dc->ts == dc->tt) {
       tg_true(g, dv == 0, "identical rows: divergence %g at row %lld", dv, (long long)i);
@@ -248,8 +265,8 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
   }
   for (int r = 0; r < k; r++)
     dev_free(&st[r]);
-  pair_t *all[] = {&S,  &T,    &Y,    &l1, &d1, &c1, &e1, &g1, &up, &b1,
-                   &b2, &psum, &part, &pg, &g3, &l2, &d2, &c2, &e2, &g2};
+  pair_t *all[] = {&S,    &T,  &Y,  &l1, &d1, &c1, &e1, &g1, &up, &b1, &b2, &psum,
+                   &part, &pg, &g3, &l2, &d2, &c2, &e2, &g2, &h1, &hb, &hl};
   for (size_t q = 0; q < sizeof all / sizeof *all; q++)
     free_both(all[q]);
   free(label), free(same), dev_free_bytes(ws);
