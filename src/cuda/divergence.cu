@@ -396,7 +396,7 @@ __device__ __forceinline__ PairStats merge_down(const lmloss_div_pair *pr, const
  * each old argmax added in lane 0). A warp's maxes rise in about 2 ln n
  * of its n steps. The warps' parts then merge in a fixed tree. Every
  * thread gets the row's statistics. */
-template <bool GENERAL, bool PART = false>
+template <bool GENERAL>
 __device__ PairStats online_stats(const DivArgs &a, const void *rs, const void *rt, int mode,
                                   DivShared &sh) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
@@ -405,9 +405,7 @@ __device__ PairStats online_stats(const DivArgs &a, const void *rs, const void *
    * loop's registers; the loop keeps the maxes, and those the exponents
    * are taken from (0 for a side of only -inf so far) */
   MaxAt *const top = sh.top[w];
-  /* (a part's side of only -inf: its logits -inf, as swept_stats') */
-  const float none = PART ? -INFINITY : 0.0f;
-  if (lane == 0) top[0] = top[1] = MaxAt{-INFINITY, LLONG_MAX, none, none};
+  if (lane == 0) top[0] = top[1] = MaxAt{-INFINITY, LLONG_MAX, 0.0f, 0.0f};
   __syncwarp();
   float ms = -INFINITY, mt = -INFINITY, G = 0.0f, es0 = 0.0f, et0 = 0.0f;
   long long as = LLONG_MAX, at = LLONG_MAX; /* the columns a step that rose found */
@@ -519,13 +517,13 @@ __device__ PairStats swept_stats(const DivArgs &a, const void *rs, const void *r
 /* One row pair per CTA, of the kind KIND; GENERAL: a softcap on either
  * side or a k of each (the transforms' modes then read at run time), else
  * one k and no softcap (LMLOSS_DIV_ONE_K). SHARD: the row contract's
- * phases over a vocabulary shard (a.sh), in the general kernel: a state
- * is the statistics' sweep or sweeps, the partials the loss sweep from
- * the merged state (with the forward KL's gradient), a finish the
- * outputs from the summed partials and the gradient sweep. */
+ * phases over a vocabulary shard (a.sh), in the general two-sweep kernel:
+ * a state is the statistics' sweeps, the partials the loss sweep from the
+ * merged state (with the forward KL's gradient), a finish the outputs
+ * from the summed partials and the gradient sweep. */
 template <int KIND, bool GENERAL, bool ONLINE, bool SHARD = false>
 __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
-  static_assert(!SHARD || GENERAL, "a shard's phases take the general kernel");
+  static_assert(!SHARD || (GENERAL && !ONLINE), "a shard's phases take the two-sweep kernel");
   __shared__ DivShared sh;
   const int64_t i = blockIdx.x;
   const int phase = SHARD ? a.sh.phase : DIV_WHOLE;
@@ -616,7 +614,7 @@ __global__ void __launch_bounds__(DIV_BS, 2) div_rows(DivArgs a) {
         lmloss_div_state_unpack(a.sh.state + i * a.sh.sts, a.sh.vocab, &a.pr);
     ps.st = m.st, ps.xt_as = m.xt_as, ps.flags = m.flags, ws_y = m.ws_y;
   } else {
-    ps = ONLINE ? online_stats<GENERAL, SHARD>(a, rs, rt, mode, sh)
+    ps = ONLINE ? online_stats<GENERAL>(a, rs, rt, mode, sh)
                 : swept_stats<GENERAL, SHARD>(a, rs, rt, mode, sh);
   }
   if (phase == DIV_STATE) {
@@ -740,17 +738,13 @@ __global__ void div_finalize(DivArgs a) {
   }
 }
 
-/* A shard's partials and finish read their statistics from the merged
- * state: the one-sweep form serves its state alone. */
-template <int KIND, bool GENERAL, bool SHARD = false>
-static void (*pick_stats(const DivArgs &a))(DivArgs) {
+template <int KIND, bool GENERAL> static void (*pick_stats(const DivArgs &a))(DivArgs) {
   if constexpr (KIND != LMLOSS_DIV_JSD)
-    if (a.V >= DIV_ONLINE_MIN_COLS && (!SHARD || a.sh.phase == DIV_STATE))
-      return div_rows<KIND, GENERAL, true, SHARD>;
-  return div_rows<KIND, GENERAL, false, SHARD>;
+    if (a.V >= DIV_ONLINE_MIN_COLS) return div_rows<KIND, GENERAL, true>;
+  return div_rows<KIND, GENERAL, false>;
 }
 template <int KIND> static void (*pick(const DivArgs &a))(DivArgs) {
-  if (a.sh.phase != DIV_WHOLE) return pick_stats<KIND, true, true>(a);
+  if (a.sh.phase != DIV_WHOLE) return div_rows<KIND, true, false, true>;
   const bool general = a.pr.fs.cap > 0.0f || a.pr.ft.cap > 0.0f || a.pr.fs.k != a.pr.ft.k;
   return general ? pick_stats<KIND, true>(a) : pick_stats<KIND, false>(a);
 }
