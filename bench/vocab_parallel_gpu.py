@@ -111,48 +111,35 @@ def bench():
     x, y = peaked(N, V, torch.bfloat16)
     half = x[:, : V // 2].contiguous()
 
-    def step(t, **kw):
-        def run():
-            tt = t.detach().requires_grad_(True)
-            LT.cross_entropy(tt, y, **kw).backward()
-        return run
+    def compare(name, loss, other=None, reps=10):
+        """One GPU on all columns, a rank's half through process_group, the
+        one-shot call on the half: loss(logits, other's same columns, **kw)
+        is a scalar."""
+        def step(t, o, **kw):
+            def run():
+                tt = t.detach().requires_grad_(True)
+                loss(tt, o, **kw).backward()
+            return run
 
-    t1 = timed(step(x), 10)[0]
-    th = timed(step(half, process_group=pg, vocab_start=0, vocab_size=V), 10)[0]
-    tho = timed(step(half), 10)[0]
-    print("CE fwd+bwd bf16 %dx%d: one GPU %.2f ms; a rank's half through process_group %.2f ms "
-          "(%.2fx of one GPU); the one-shot call on the half %.2f ms" % (N, V, t1, th, th / t1, tho))
-    yi = y.clamp(min=0)
-
-    def lp_step(t, **kw):
-        def run():
-            tt = t.detach().requires_grad_(True)
-            lp, ent = LT.log_probs(tt, yi, entropy=True, **kw)
-            (lp.sum() + ent.sum()).backward()
-        return run
-
-    l1 = timed(lp_step(x), 10)[0]
-    lh = timed(lp_step(half, process_group=pg, vocab_start=0, vocab_size=V), 10)[0]
-    lho = timed(lp_step(half), 10)[0]
-    print("log-probs + entropy fwd+bwd bf16 %dx%d: one GPU %.2f ms; a rank's half through "
-          "process_group %.2f ms (%.2fx of one GPU); the one-shot call on the half %.2f ms"
-          % (N, V, l1, lh, lh / l1, lho))
-    xt = peaked(N, V, torch.bfloat16, seed=1)[0]
-
-    def div_step(fn, s, t, **kw):
-        def run():
-            ss = s.detach().requires_grad_(True)
-            fn(ss, t, **kw).backward()
-        return run
-
-    for name, fn in (("KL", LT.kl_div), ("JSD", LT.generalized_jsd)):
-        d1 = timed(div_step(fn, x, xt), 5)[0]
-        th = xt[:, : V // 2].contiguous()
-        dh = timed(div_step(fn, half, th, process_group=pg, vocab_start=0, vocab_size=V), 5)[0]
-        dho = timed(div_step(fn, half, th), 5)[0]
+        oh = None if other is None else other[:, : V // 2].contiguous()
+        one = timed(step(x, other), reps)[0]
+        sharded = timed(step(half, oh, process_group=pg, vocab_start=0, vocab_size=V), reps)[0]
+        alone = timed(step(half, oh), reps)[0]
         print("%s fwd+bwd bf16 %dx%d: one GPU %.2f ms; a rank's half through process_group "
               "%.2f ms (%.2fx of one GPU); the one-shot call on the half %.2f ms"
-              % (name, N, V, d1, dh, dh / d1, dho))
+              % (name, N, V, one, sharded, sharded / one, alone))
+
+    compare("CE", lambda t, _, **kw: LT.cross_entropy(t, y, **kw))
+    yi = y.clamp(min=0)
+
+    def lp_loss(t, _, **kw):
+        lp, ent = LT.log_probs(t, yi, entropy=True, **kw)
+        return lp.sum() + ent.sum()
+
+    compare("log-probs + entropy", lp_loss)
+    xt = peaked(N, V, torch.bfloat16, seed=1)[0]
+    compare("KL", LT.kl_div, xt, 5)
+    compare("JSD", LT.generalized_jsd, xt, 5)
     g = torch.Generator(device="cuda").manual_seed(1)
     h = (torch.randn(N, H, device="cuda", generator=g) / 4).bfloat16()
     w = (torch.randn(V, H, device="cuda", generator=g) / H ** 0.5).bfloat16()
