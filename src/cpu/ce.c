@@ -38,11 +38,12 @@ static lmloss_rowstate ce_row_state(const ce_job *jb, int64_t i, int64_t y) {
 /* Entry j (a column of this job's logits) of the gradient in x units,
  * exactly (target and argmax). */
 static float grad_entry(const ce_job *jb, const lmloss_xform *f, const lmloss_rowstat *s,
-                        const lmloss_ce_terms *c, int64_t j, int64_t y, float x, float fac) {
+                        const lmloss_ce_coef *q, lmloss_ce_upstream u, int64_t j, int64_t y,
+                        float x) {
   const float *cw = jb->cw;
   float p = expf(lmloss_rowstat_dk(s, f->k, j, lmloss_xform_w(f, x))) / (1.0f + s->r);
-  float gz = lmloss_ce_entry_z(c, s, p, cw ? cw[j] : 1.0f, j == y, j == s->a, jb->opt->z_loss);
-  return fac * gz * lmloss_xform_dzdx(f, x);
+  return lmloss_ce_entry_z(q, s, u, p, cw ? cw[j] : 1.0f, j == y, j == s->a) *
+         lmloss_xform_dzdx(f, x);
 }
 
 /* One supervised row from its whole row's state: its loss (returned),
@@ -69,13 +70,12 @@ static double ce_row_finish(const ce_job *jb, int64_t i, int64_t y, const lmloss
   const lmloss_rowstat s = st->s;
   const float cy = cw ? cw[y] : 1.0f;
   const lmloss_ce_terms c =
-      lmloss_ce_terms_make(&s, f.k, lmloss_rowstat_dk(&s, f.k, y, st->wy), cy, (float)jb->class_sum,
-                           opt->label_smoothing, V, opt->dft);
+      lmloss_ce_terms_make(&s, f.k, st->wy, cy, (float)jb->class_sum, opt->label_smoothing, V, opt->dft);
   const float tw =
       lmloss_present(&in->token_weight) ? *lmloss_cpu_f32_at(&in->token_weight, i) : 1.0f;
   const double loss = lmloss_ce_row_loss(&c, tw, opt->z_loss);
   if (jb->out) {
-    if (lmloss_present(&jb->out->lse)) *lmloss_cpu_f32_at(&jb->out->lse, i) = c.lse;
+    if (lmloss_present(&jb->out->lse)) *lmloss_cpu_f32_at(&jb->out->lse, i) = (float)c.lse;
     if (want_entropy) *lmloss_cpu_f32_at(&jb->out->entropy, i) = lmloss_rowstat_entropy(&s);
     if (lmloss_present(&jb->out->argmax))
       ((int64_t *)jb->out->argmax.data)[i * jb->out->argmax.row_stride] = s.a;
@@ -84,19 +84,19 @@ static double ce_row_finish(const ce_job *jb, int64_t i, int64_t y, const lmloss
 
   float up = opt->grad_output;
   if (jb->dloss) up = *lmloss_cpu_f32_at(jb->dloss, jb->dloss->rows == 1 ? 0 : i);
-  const float fac = (float)(up * jb->scale * tw);
+  const lmloss_ce_upstream u = lmloss_ce_upstream_make(&c, opt->z_loss, (float)(up * jb->scale * tw));
   /* Exact entries that lie in these columns first: the pass below may
    * overwrite the logits. */
   const int has_y = y >= col0 && y < col0 + n, has_a = s.a >= col0 && s.a < col0 + n;
   float gy = 0.0f, ga = 0.0f;
   if (has_y)
-    gy = grad_entry(jb, &f, &s, &c, y, y, lmloss_load(row, in->logits.dtype, y - col0), fac);
+    gy = grad_entry(jb, &f, &s, &c.q, u, y, y, lmloss_load(row, in->logits.dtype, y - col0));
   if (has_a)
     ga = s.a == y ? gy
-                  : grad_entry(jb, &f, &s, &c, s.a, y,
-                               lmloss_load(row, in->logits.dtype, s.a - col0), fac);
+                  : grad_entry(jb, &f, &s, &c.q, u, s.a, y,
+                               lmloss_load(row, in->logits.dtype, s.a - col0));
   float P, Q;
-  lmloss_ce_pass_coefs(&c, &s, fac, opt->z_loss, &P, &Q);
+  lmloss_ce_pass_coefs(&c.q, &s, u, &P, &Q);
   void *g = lmloss_cpu_row_mut(jb->dlogits, i);
   lmloss_cpu_row_grad(row, in->logits.dtype, n, &f, cw ? cw + col0 : NULL, s.m, P, 0.0f, Q, g,
                       jb->dlogits->dtype);

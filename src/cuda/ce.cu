@@ -301,23 +301,16 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     const bool ok = y_ok && !bad && lmloss_rowstat_finite(&s);
 
     /* Row scalars (identical in every CTA of the cluster). */
-    const float l1r = log1pf(s.r);
     const float inv = 1.0f / (1.0f + s.r);
-    const double lse = (double)s.m * k + l1r;
-    const double ly = (double)(s.m - wy) * k + l1r; /* lse - z_y, exact 0 gap at the max */
     const float C = a.cw ? s.c : (float)a.sh.vocab;
-    const lmloss_ce_coef q = lmloss_ce_coef_make(cy, C, a.eps, a.sh.vocab);
-    double ce = q.hot * ly;
-    if (smoothing) ce += (double)q.smooth * ((double)C * l1r + s.u);
-    const float py = cexp(X, fmaxf(wy - s.m, X.dmin)) * inv;
-    if (a.dft) ce *= py;
-    double li = GRPO ? -ly : (double)tw * (ce + (double)a.zl * lse * lse);
+    const lmloss_ce_terms c = lmloss_ce_terms_make(&s, k, wy, cy, C, a.eps, a.sh.vocab, a.dft);
+    double li = GRPO ? -c.nll : lmloss_ce_row_loss(&c, tw, a.zl);
     if (!ok) li = NAN;
 
     if (rw.rank == 0 && threadIdx.x == 0 && a.mode != CE_BWD) {
       put_loss(a, i, li, y_ok ? (double)cy : 0.0);
       const bool fin = !bad && lmloss_rowstat_finite(&s);
-      if (a.lse) a.lse[i * a.lses] = fin ? (float)lse : NAN;
+      if (a.lse) a.lse[i * a.lses] = fin ? (float)c.lse : NAN;
       if (a.ent) a.ent[i * a.ents] = fin ? lmloss_rowstat_entropy(&s) : NAN;
       if (a.amax) a.amax[i * a.ams] = fin ? s.a : -1;
     }
@@ -325,15 +318,15 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
 
     float G;
     if constexpr (GRPO)
-      G = grpo_upstream(a.grpo, -ly, &grpo);
+      G = grpo_upstream(a.grpo, -c.nll, &grpo);
     else
       G = ce_upstream(a, dl, den, tw);
-    const float Gce = a.dft ? G * py : G;
-    const float Gz = G * 2.0f * a.zl * (float)lse;
     /* dz_j = e_j F1 - F0 c_j away from the target and the argmax; without
      * softcap dx = k dz, folded into the coefficients (kx). */
     const float kx = X.f.cap > 0.0f ? 1.0f : k;
-    const float Pz = (Gce * q.a_coef + Gz) * inv, Qz = Gce * q.smooth; /* z units */
+    const lmloss_ce_upstream u = lmloss_ce_upstream_make(&c, a.zl, G);
+    float Pz, Qz; /* z units */
+    lmloss_ce_pass_coefs(&c.q, &s, u, &Pz, &Qz);
     float F1 = Pz * kx, F0 = Qz * kx;
     if (!ok) F1 = F0 = NAN;
     const float m = s.m;
@@ -394,7 +387,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
               if (j == yl || j == am) {
                 float cj = a.cw ? a.cw[(a.sh.col0 + j) * a.cws] : 1.0f;
                 float pj = cexp(X, fmaxf(w[e] - m, X.dmin)) * inv;
-                float gz = Gce * lmloss_ce_grad_z(&q, &s, pj, cj, j == yl, j == am) + Gz * pj;
+                const float gz = lmloss_ce_entry_z(&c.q, &s, u, pj, cj, j == yl, j == am);
                 g[e] = ok ? gz * kx : NAN;
               }
             }
@@ -502,15 +495,11 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   if (vy >= 0 && h.holds(vy)) {
     const float xy = h.at(vy, ey);
     const float py = cexp(X, fmaxf(xy - m, X.dmin)) * inv;
-    const lmloss_ce_coef q = lmloss_ce_coef_make(1.0f, (float)a.V, 0.0f, a.V);
     lmloss_rowstat s = lmloss_rowstat_empty();
-    s.r = h.rs;
-    gy = ok ? (G * lmloss_ce_grad_z(&q, &s, py, 1.0f, 1, xy == m) + Gz * py) * k : NAN;
-    if (fwd) {
-      const double ly = ly_of(xy); /* exact 0 gap at the max */
-      const double L = a.zl != 0.0f ? lse() : 0.0, zt = (double)a.zl * L * L;
-      put_loss(a, i, !ok ? NAN : GRPO ? -ly : (double)tw * (ly + zt), 1.0);
-    }
+    s.m = m, s.r = h.rs;
+    const lmloss_ce_terms c = lmloss_ce_terms_make(&s, k, xy, 1.0f, (float)a.V, 0.0f, a.V, 0);
+    gy = ok ? lmloss_ce_entry_z(&c.q, &s, lmloss_ce_upstream{G, Gz}, py, 1.0f, 1, xy == m) * k : NAN;
+    if (fwd) put_loss(a, i, !ok ? NAN : GRPO ? -c.nll : lmloss_ce_row_loss(&c, tw, a.zl), 1.0);
   }
   /* dx_j = k (G + Gz) p_j off the target */
   h.store_exp(X, xrow, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? (G + Gz) * inv * k : NAN, vy, ey, gy);

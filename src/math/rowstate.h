@@ -122,49 +122,65 @@ LMLOSS_HD lmloss_rowstate lmloss_rowstate_unpack(const float *in, int64_t vocab)
 }
 
 /* Cross-entropy of one row from its merged statistics (lmloss.h's
- * formula): dky = (w_y - m) k (0 at the argmax), cy = class_weight[y],
- * C = sum_j class_weight[j], e = label smoothing over V columns. */
+ * formula): wy = w at the label, cy = class_weight[y], C = sum_j
+ * class_weight[j], e = label smoothing over V columns. lse and
+ * nll = lse - z_y are formed in double, so that nll is an exact 0 at the
+ * max and a GRPO ratio's difference of two keeps its digits. */
 typedef struct {
-  float l1r, lse, nll;
+  float l1r;
+  double lse, nll;
   float dftw;       /* sg(p_y) with DFT, else 1 */
-  float ce;         /* the smoothed, class-weighted CE before DFT */
+  double ce;        /* the smoothed, class-weighted CE before DFT */
   lmloss_ce_coef q; /* its gradient's coefficients in z units */
 } lmloss_ce_terms;
 
-LMLOSS_HD lmloss_ce_terms lmloss_ce_terms_make(const lmloss_rowstat *s, float k, float dky,
-                                               float cy, float C, float e, int64_t V, int dft) {
+LMLOSS_HD lmloss_ce_terms lmloss_ce_terms_make(const lmloss_rowstat *s, float k, float wy, float cy,
+                                               float C, float e, int64_t V, int dft) {
   lmloss_ce_terms c;
   c.l1r = log1pf(s->r);
-  c.lse = s->m * k + c.l1r;
-  c.nll = c.l1r - dky;
-  c.dftw = dft ? expf(-c.nll) : 1.0f;
-  c.ce = cy * (1.0f - e) * c.nll;
-  if (e > 0.0f) c.ce += e / (float)V * (s->u + C * c.l1r);
+  c.lse = (double)s->m * k + c.l1r;
+  c.nll = (double)(s->m - wy) * k + c.l1r;
+  c.dftw = dft ? expf(-(float)c.nll) : 1.0f;
   c.q = lmloss_ce_coef_make(cy, C, e, V);
+  c.ce = c.q.hot * c.nll;
+  if (e > 0.0f) c.ce += (double)c.q.smooth * ((double)C * c.l1r + s->u);
   return c;
 }
 
 /* loss_i = w_i (sg(p_y) ce_i + z_loss lse^2), in double for the sums. */
 LMLOSS_HD double lmloss_ce_row_loss(const lmloss_ce_terms *c, float tw, float z_loss) {
-  return (double)tw * ((double)c->dftw * c->ce + (double)z_loss * c->lse * c->lse);
+  return (double)tw * (c->dftw * c->ce + (double)z_loss * c->lse * c->lse);
 }
 
-/* The gradient of the row's loss at one exact entry, in z units (times
- * the row's upstream factor and dz/dx by the caller): p its probability,
- * cj its class weight. */
-LMLOSS_HD float lmloss_ce_entry_z(const lmloss_ce_terms *c, const lmloss_rowstat *s, float p,
-                                  float cj, int is_target, int is_argmax, float z_loss) {
-  return c->dftw * lmloss_ce_grad_z(&c->q, s, p, cj, is_target, is_argmax) +
-         2.0f * z_loss * c->lse * p;
+/* A row's upstream factor fac (its reduction, weight and dloss) split
+ * between the gradient's two parts: ce multiplies the CE's coefficients
+ * (fac sg(p_y)), z the z-loss's p_j (fac 2 z_loss lse). */
+typedef struct {
+  float ce, z;
+} lmloss_ce_upstream;
+
+LMLOSS_HD lmloss_ce_upstream lmloss_ce_upstream_make(const lmloss_ce_terms *c, float z_loss,
+                                                     float fac) {
+  lmloss_ce_upstream u;
+  u.ce = c->dftw * fac;
+  u.z = fac * 2.0f * z_loss * (float)c->lse;
+  return u;
+}
+
+/* The gradient of the row's loss at one exact entry, in z units (dz/dx
+ * by the caller): p its probability, cj its class weight. */
+LMLOSS_HD float lmloss_ce_entry_z(const lmloss_ce_coef *q, const lmloss_rowstat *s,
+                                  lmloss_ce_upstream u, float p, float cj, int is_target,
+                                  int is_argmax) {
+  return u.ce * lmloss_ce_grad_z(q, s, p, cj, is_target, is_argmax) + u.z * p;
 }
 
 /* The row-pass coefficients of every other entry (rowpass's shape
- * e_j P - Q c_j, z units, times fac): P = fac (sg(p_y) A + 2 z lse) / (1 + R),
- * Q = fac sg(p_y) e / V. */
-LMLOSS_HD void lmloss_ce_pass_coefs(const lmloss_ce_terms *c, const lmloss_rowstat *s, float fac,
-                                    float z_loss, float *P, float *Q) {
-  *P = fac * (c->dftw * c->q.a_coef + 2.0f * z_loss * c->lse) / (1.0f + s->r);
-  *Q = fac * c->dftw * c->q.smooth;
+ * e_j P - Q c_j, z units): P = (u.ce A + u.z) / (1 + R), Q = u.ce e / V. */
+LMLOSS_HD void lmloss_ce_pass_coefs(const lmloss_ce_coef *q, const lmloss_rowstat *s,
+                                    lmloss_ce_upstream u, float *P, float *Q) {
+  *P = (u.ce * q->a_coef + u.z) * (1.0f / (1.0f + s->r));
+  *Q = u.ce * q->smooth;
 }
 
 #endif /* LMLOSS_MATH_ROWSTATE_H */

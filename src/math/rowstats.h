@@ -197,8 +197,8 @@ typedef struct {
 LMLOSS_HD lmloss_ce_coef lmloss_ce_coef_make(float cy, float C, float e, int64_t V) {
   lmloss_ce_coef q;
   q.hot = cy * (1.0f - e);
-  q.smooth = e / (float)V;
-  q.a_coef = q.hot + q.smooth * C;
+  q.smooth = e > 0.0f ? e / (float)V : 0.0f;
+  q.a_coef = e > 0.0f ? q.hot + q.smooth * C : q.hot;
   q.csum = C;
   return q;
 }
