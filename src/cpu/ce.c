@@ -69,8 +69,8 @@ static double ce_row_finish(const ce_job *jb, int64_t i, int64_t y, const lmloss
   }
   const lmloss_rowstat s = st->s;
   const float cy = cw ? cw[y] : 1.0f;
-  const lmloss_ce_terms c =
-      lmloss_ce_terms_make(&s, f.k, st->wy, cy, (float)jb->class_sum, opt->label_smoothing, V, opt->dft);
+  const lmloss_ce_terms c = lmloss_ce_terms_make(&s, f.k, st->wy, cy, (float)jb->class_sum,
+                                                 opt->label_smoothing, V, opt->dft);
   const float tw =
       lmloss_present(&in->token_weight) ? *lmloss_cpu_f32_at(&in->token_weight, i) : 1.0f;
   const double loss = lmloss_ce_row_loss(&c, tw, opt->z_loss);
@@ -84,7 +84,8 @@ static double ce_row_finish(const ce_job *jb, int64_t i, int64_t y, const lmloss
 
   float up = opt->grad_output;
   if (jb->dloss) up = *lmloss_cpu_f32_at(jb->dloss, jb->dloss->rows == 1 ? 0 : i);
-  const lmloss_ce_upstream u = lmloss_ce_upstream_make(&c, opt->z_loss, (float)(up * jb->scale * tw));
+  const lmloss_ce_upstream u =
+      lmloss_ce_upstream_make(&c, opt->z_loss, (float)(up * jb->scale * tw));
   /* Exact entries that lie in these columns first: the pass below may
    * overwrite the logits. */
   const int has_y = y >= col0 && y < col0 + n, has_a = s.a >= col0 && s.a < col0 + n;

@@ -498,10 +498,12 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
     lmloss_rowstat s = lmloss_rowstat_empty();
     s.m = m, s.r = h.rs;
     const lmloss_ce_terms c = lmloss_ce_terms_make(&s, k, xy, 1.0f, (float)a.V, 0.0f, a.V, 0);
-    gy = ok ? lmloss_ce_entry_z(&c.q, &s, lmloss_ce_upstream{G, Gz}, py, 1.0f, 1, xy == m) * k : NAN;
+    gy =
+        ok ? lmloss_ce_entry_z(&c.q, &s, lmloss_ce_upstream{G, Gz}, py, 1.0f, 1, xy == m) * k : NAN;
     if (fwd) put_loss(a, i, !ok ? NAN : GRPO ? -c.nll : lmloss_ce_row_loss(&c, tw, a.zl), 1.0);
   }
-  /* dx_j = k (G + Gz) p_j off the target */
+  /* dx_j = k (G + Gz) p_j off the target: lmloss_ce_pass_coefs' P at the
+   * plain options (A = 1, no smoothing), in every thread without its terms */
   h.store_exp(X, xrow, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? (G + Gz) * inv * k : NAN, vy, ey, gy);
 }
 
