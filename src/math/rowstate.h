@@ -124,8 +124,9 @@ LMLOSS_HD lmloss_rowstate lmloss_rowstate_unpack(const float *in, int64_t vocab)
 /* Cross-entropy of one row from its merged statistics (lmloss.h's
  * formula): wy = w at the label, cy = class_weight[y], C = sum_j
  * class_weight[j], e = label smoothing over V columns. lse and
- * nll = lse - z_y are formed in double, so that nll is an exact 0 at the
- * max and a GRPO ratio's difference of two keeps its digits. */
+ * nll = lse - z_y are formed in double: nll's gap (m - w_y) k is an exact
+ * 0 at the max, and GRPO's log-ratio, -nll less an old log-prob, keeps
+ * its digits. */
 typedef struct {
   float l1r;
   double lse, nll;

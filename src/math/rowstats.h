@@ -193,7 +193,8 @@ typedef struct {
 } lmloss_ce_coef;
 
 /* cy = class_weight[y], C = sum_j class_weight[j] (V without weights),
- * e = label smoothing over V columns. */
+ * e = label smoothing over V columns. Without smoothing no division is
+ * formed, so that a kernel's constant options fold. */
 LMLOSS_HD lmloss_ce_coef lmloss_ce_coef_make(float cy, float C, float e, int64_t V) {
   lmloss_ce_coef q;
   q.hot = cy * (1.0f - e);
