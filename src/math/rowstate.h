@@ -128,7 +128,6 @@ LMLOSS_HD lmloss_rowstate lmloss_rowstate_unpack(const float *in, int64_t vocab)
  * 0 at the max, and GRPO's log-ratio, -nll less an old log-prob, keeps
  * its digits. */
 typedef struct {
-  float l1r;
   double lse, nll;
   float dftw;       /* sg(p_y) with DFT, else 1 */
   double ce;        /* the smoothed, class-weighted CE before DFT */
@@ -138,13 +137,13 @@ typedef struct {
 LMLOSS_HD lmloss_ce_terms lmloss_ce_terms_make(const lmloss_rowstat *s, float k, float wy, float cy,
                                                float C, float e, int64_t V, int dft) {
   lmloss_ce_terms c;
-  c.l1r = log1pf(s->r);
-  c.lse = (double)s->m * k + c.l1r;
-  c.nll = (double)(s->m - wy) * k + c.l1r;
+  const float l1r = log1pf(s->r);
+  c.lse = (double)s->m * k + l1r;
+  c.nll = (double)(s->m - wy) * k + l1r;
   c.dftw = dft ? expf(-(float)c.nll) : 1.0f;
   c.q = lmloss_ce_coef_make(cy, C, e, V);
   c.ce = c.q.hot * c.nll;
-  if (e > 0.0f) c.ce += (double)c.q.smooth * ((double)C * c.l1r + s->u);
+  if (e > 0.0f) c.ce += (double)c.q.smooth * ((double)C * l1r + s->u);
   return c;
 }
 
