@@ -12,7 +12,8 @@
  * wide row). Rows: peaked with margins 0 to 1000 whose argmax lies in
  * each shard in turn, the teacher peaked elsewhere, student == teacher
  * (exactly 0 loss and gradient, merged over any number of shards), small
- * gaps, ties at the max across shards, a shard of only -inf in both rows, a NaN, ignored rows.
+ * gaps, ties at the max across shards, a shard of only -inf in both rows,
+ * a NaN, ignored rows.
  * On the backend under test (CPU, or CUDA with LMLOSS_TEST_BACKEND=cuda);
  * bad input on the host. On CUDA the one-shot call's e^x is one MUFU op
  * (math/divergence.h: within the suite's 1e-5 of the oracle) and the
@@ -24,8 +25,8 @@
 enum { MERGE_L2R, MERGE_R2L, MERGE_TREE, MERGE_ORDERS };
 static const int shard_counts[] = {1, 2, 3, 4, 7};
 static const double margins[] = {0, 5, 17, 30, 100, 1000};
-/* two shards of it: the wider holds 70001 columns or more, past
- * divergence.cu's DIV_ONLINE_MIN_COLS */
+/* a row whose one-shot call CUDA takes in one sweep (past divergence.cu's
+ * DIV_ONLINE_MIN_COLS), against two shards, whose states take two */
 enum { WIDE_V = 140001 };
 
 static lmloss_tensor f32(int64_t rows, int64_t cols) {
@@ -150,8 +151,9 @@ static void run(tgroup *g, int64_t N, int64_t V, int k, int order, const div_cas
   /* With a hard term the gradient is the divergence's part plus the
    * cross-entropy's, which cancel where they meet (testing.h's cancel):
    * the cross-entropy's part alone, the soft weight 0. */
-  pair_t h1 = both(f32(N, V)), hb = both(f32(N, V)), hl = both(f32(NL, 1));
+  pair_t h1 = {{0}}, hb = {{0}}, hl = {{0}}; /* zeros: nothing to fetch or free */
   if (dc->hard > 0) {
+    h1 = both(f32(N, V)), hb = both(f32(N, V)), hl = both(f32(NL, 1));
     lmloss_div_options oh = o;
     oh.soft_weight = 0.0f;
     const lmloss_div_outputs oo = {hl.d, {0}, {0}, h1.d, {0}};
@@ -361,7 +363,7 @@ int main(void) {
     for (size_t v = 0; v < 3; v++)
       for (size_t k = 0; k < sizeof shard_counts / sizeof *shard_counts; k++)
         run(&g, Vs[v] > 2000 ? 14 : 21, Vs[v], shard_counts[k], (int)((v + k) % MERGE_ORDERS), dc);
-    /* a shard wide enough for CUDA's one-sweep statistics */
+    /* shards of a row wide enough for CUDA's one-sweep one-shot call */
     run(&g, 8, WIDE_V, 2, (int)(cse % MERGE_ORDERS), dc);
     tg_end(&g);
   }
