@@ -50,6 +50,12 @@ lmloss_status lmloss_check_transform(const lmloss_transform *t) {
     return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
                        "temperature must be finite and > 0 with a finite reciprocal, got %g",
                        (double)t->temperature);
+  /* and their ratio, the logits' factor k: an infinite k makes every w
+   * infinite, where the backends part as above */
+  if (!isfinite(t->logit_scale / t->temperature))
+    return lmloss_fail(LMLOSS_ERR_BAD_OPTION,
+                       "logit_scale / temperature must be finite, got %g / %g",
+                       (double)t->logit_scale, (double)t->temperature);
   return LMLOSS_OK;
 }
 
