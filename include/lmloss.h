@@ -112,9 +112,9 @@ LMLOSS_API lmloss_context lmloss_context_default(void);
 
 /* Input transform applied to every logit, in this order:
  * logit scale s, softcap c (c * tanh(x / c), off when c == 0), temperature
- * T (x / T). Requires s > 0, c >= 0, T > 0, all finite, and 1 / T and
- * (c > 0) 1 / c finite (above about 2.9e-39). The backward applies their
- * chain rule. */
+ * T (x / T). Requires s > 0, c >= 0, T > 0, all finite, and 1 / T,
+ * (c > 0) 1 / c (above about 2.9e-39) and s / T finite (else BAD_OPTION).
+ * The backward applies their chain rule. */
 typedef struct {
   float logit_scale;
   float softcap;
