@@ -46,44 +46,20 @@ typedef struct {
    * (entries->cols, entries->vals: the first occurrence of a column in a
    * row) are taken from vals instead of a. */
   lmloss_status (*colsum)(const lmloss_context *, const lmloss_tensor *a,
-                          const lmloss_grad_keep *entries, float beta, const lmloss_tensor *out);
+                          const lmloss_row_keep *entries, float beta, const lmloss_tensor *out);
   /* dst [1] = sum of src [n, 1] (F32), in a fixed order */
   lmloss_status (*sum)(const lmloss_context *, const lmloss_tensor *src, const lmloss_tensor *dst);
   /* dst = src, converted (rounded to nearest even), same shape */
   lmloss_status (*cast)(const lmloss_context *, const lmloss_tensor *src, const lmloss_tensor *dst);
   /* t *= s[0] (s: one F32 in the backend's memory) */
   lmloss_status (*scale)(const lmloss_context *, const lmloss_tensor *t, const float *s);
-  /* 16-bit heads only (NULL in a backend without them, as is the one
-   * after it). entries: n rows of a row op's lmloss_grad_keep. acc [n, H]
-   * (F32) += (v - v rounded to weight's dtype) weight[c] for each distinct
-   * column c = cols[r, s] in [0, V) of row r, v = vals[r, s]: the part of
-   * the exact entries that rounding the gradient rows lost, put back into
-   * dhidden. */
-  lmloss_status (*restore_entries)(const lmloss_context *, const lmloss_grad_keep *entries,
+  /* 16-bit heads only (NULL in a backend without them). entries: n rows
+   * of a row op's lmloss_row_keep. acc [n, H] (F32) += (v - v rounded to
+   * weight's dtype) weight[c] for each distinct column c = cols[r, s] in
+   * [0, V) of row r, v = vals[r, s]: the part of the exact entries that
+   * rounding the gradient rows lost, put back into dhidden. */
+  lmloss_status (*restore_entries)(const lmloss_context *, const lmloss_row_keep *entries,
                                    const lmloss_tensor *weight, const lmloss_tensor *acc);
-  /* A vocab tile of gradient rows: dl [n, t] (the head's 16-bit dtype)
-   * from the rows' logits slab [n, t] (F32), which are columns j0..j0+t of
-   * rows V wide: lmloss_grad_coef's shape with keep->coef[r] and
-   * class_weight[j0 + j] (optional [V, 1]), then the exact entries that
-   * fall in the tile. */
-  lmloss_status (*tile_grad)(const lmloss_context *, const lmloss_tensor *slab, int64_t j0,
-                             const lmloss_transform *, const lmloss_tensor *class_weight,
-                             const lmloss_grad_keep *keep, const lmloss_tensor *dl);
-  /* The log-probs gradient of a vocab tile from saved statistics (16-bit
-   * heads only, as tile_grad): dl [n, t] from the slab [n, t] (F32: columns
-   * j0..j0+t of rows V wide) and, per row, stats [n, LMLOSS_ROW_STATS],
-   * index [n, K] (absent: K = 0; K <= LMLOSS_SAVED_MAX_K), dlogp [n, K] and
-   * dentropy [n, 1] (each optional). keep (count K + 1): the exact entries
-   * that fall in the tile into keep->vals; at j0 = 0 every entry's column
-   * into keep->cols, and NaN into vals for a column outside [0, V). dl may
-   * lie over the slab (the same data, each dl row at the start of its
-   * slab row) when t <= LMLOSS_TILE_INPLACE_COLS: a row's tile is read
-   * whole before any of it is written. */
-  lmloss_status (*lp_tile_grad)(const lmloss_context *, const lmloss_tensor *slab, int64_t j0,
-                                int64_t V, const lmloss_transform *, const lmloss_tensor *index,
-                                const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
-                                const lmloss_tensor *stats, const lmloss_grad_keep *keep,
-                                const lmloss_tensor *dl);
   /* t [n, cols] (F32/BF16/F16): row r *= s[r] (s: F32 [n, 1]) */
   lmloss_status (*scale_rows)(const lmloss_context *, const lmloss_tensor *t,
                               const lmloss_tensor *s);
@@ -92,8 +68,9 @@ typedef struct {
 /* The most indices a row of a backward from saved statistics forms on
  * CUDA (one thread each, beside the argmax's, in a 128-thread CTA). */
 #define LMLOSS_SAVED_MAX_K 127
-/* The widest tile lp_tile_grad writes over its slab (CUDA: one CTA holds
- * a row's tile in registers, SAVED_U x SAVED_BS x 4 floats). */
+/* The widest F32 logits a log-probs finish writes a 16-bit gradient over
+ * (the fused head's tiles; CUDA: one CTA holds a row's tile in registers,
+ * SAVED_U x SAVED_BS x 4 floats). */
 #define LMLOSS_TILE_INPLACE_COLS 4096
 
 /* The row contract's phases over a vocabulary shard (lmloss.h): the
@@ -114,13 +91,22 @@ typedef struct {
                             const lmloss_tensor *index, const lmloss_tensor *mask,
                             const lmloss_transform *, const lmloss_shard *,
                             const lmloss_tensor *state);
-  /* the forward (logp, entropy) without dlogits, the backward with it */
+  /* the forward (logp, entropy) without dlogits, the backward with it.
+   * The backward's state may also be the forward's saved statistics [N,
+   * LMLOSS_ROW_STATS] (what a state holds but the label, which it does not
+   * read). For the fused head's vocab tiles: keep (its entries only) gets
+   * the exact entries that fall in the shard's columns in vals, and at
+   * col0 = 0 every entry's column in cols (NaN in vals for one outside
+   * [0, vocab)); dlogits (16-bit) may lie over F32 logits of at most
+   * LMLOSS_TILE_INPLACE_COLS columns (each dlogits row at the start of its
+   * logits row): a row is read whole before any of it is written. */
   lmloss_status (*lp_finish)(const lmloss_context *, const lmloss_tensor *logits,
                              const lmloss_tensor *index, const lmloss_tensor *mask,
                              const lmloss_transform *, const lmloss_shard *,
                              const lmloss_tensor *state, const lmloss_tensor *logp,
                              const lmloss_tensor *entropy, const lmloss_tensor *dlogp,
-                             const lmloss_tensor *dentropy, const lmloss_tensor *dlogits);
+                             const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
+                             lmloss_row_keep *keep);
   lmloss_status (*softmax_finish)(const lmloss_context *, const lmloss_tensor *x,
                                   const lmloss_shard *, const lmloss_tensor *state, int log,
                                   const lmloss_tensor *out);
@@ -166,21 +152,21 @@ typedef enum {
 } lmloss_capability;
 
 /* The row ops take the public arguments, plus (for the ops that write a
- * gradient) keep: NULL, or lmloss_grad_keep's arrays in the backend's
+ * gradient) keep: NULL, or lmloss_row_keep's arrays in the backend's
  * memory, which a backend with 16-bit fused heads fills for every row it
- * writes a gradient for (coef, when given: the vocab tiles'; the exact
- * entries, when given: count = K + 1, 2 for cross-entropy); the others leave
- * them. The fused head asks for them with F32 logits (its slab) only, and
+ * writes a gradient for (the states, when given: the vocab tiles'; the
+ * exact entries, when given: count = K + 1, 2 for cross-entropy); the
+ * others leave them. The fused head asks for them with F32 logits (its slab) only, and
  * the CUDA backend supports that case alone (no 16-bit kernel carries the
  * stores). */
 typedef struct {
   lmloss_status (*cross_entropy)(const lmloss_context *, const lmloss_ce_inputs *,
                                  const lmloss_ce_options *, const lmloss_ce_outputs *, void *,
-                                 size_t, lmloss_grad_keep *keep);
+                                 size_t, lmloss_row_keep *keep);
   lmloss_status (*cross_entropy_backward)(const lmloss_context *, const lmloss_ce_inputs *,
                                           const lmloss_ce_options *, const lmloss_tensor *dloss,
                                           const lmloss_tensor *dlogits, void *, size_t,
-                                          lmloss_grad_keep *keep);
+                                          lmloss_row_keep *keep);
   /* index may be absent (K = 0, entropy only). */
   lmloss_status (*log_probs)(const lmloss_context *, const lmloss_tensor *logits,
                              const lmloss_tensor *index, const lmloss_tensor *mask,
@@ -190,7 +176,7 @@ typedef struct {
                                       const lmloss_tensor *index, const lmloss_tensor *mask,
                                       const lmloss_transform *, const lmloss_tensor *dlogp,
                                       const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
-                                      const lmloss_tensor *stats, lmloss_grad_keep *keep);
+                                      const lmloss_tensor *stats, lmloss_row_keep *keep);
   lmloss_status (*softmax)(const lmloss_context *, const lmloss_tensor *x, int log,
                            const lmloss_tensor *out);
   lmloss_status (*softmax_backward)(const lmloss_context *, const lmloss_tensor *y,

@@ -45,15 +45,33 @@ typedef struct {
 /* The row op of one chunk: its n compact rows (list, from compact row
  * first) whose logits are in slab, chunk number c; dl, where the row op
  * writes their gradient (NULL: none), keep what it keeps of it for a
- * 16-bit head (lmloss_grad_keep; NULL otherwise); scale, the loss's
+ * 16-bit head (lmloss_row_keep; NULL otherwise); scale, the loss's
  * factor (the select's). */
 typedef struct {
   const int64_t *list;
   int64_t c, n;
   const lmloss_tensor *slab, *dl;
-  lmloss_grad_keep *keep;
+  lmloss_row_keep *keep;
   double scale;
 } linear_chunk;
+
+/* The vocab tiles' per-row inputs (linear_loop.c's vocab_tiles) for the
+ * M supervised rows in compact order, or a view of n of them: each row's
+ * state (the row op's, kept, or the forward's saved statistics), labels
+ * and upstream, gathered once from the region on (the chunks are done
+ * with it) up to end; dhidden's fp32 sum over the tiles (from saved
+ * statistics only: acc, absent otherwise). */
+typedef struct {
+  lmloss_tensor state;  /* F32 [M, LMLOSS_ROW_STATE_COLS], or saved [M, LMLOSS_ROW_STATS] */
+  lmloss_tensor labels; /* target [M, 1] or index [M, K] */
+  /* cross-entropy's token weights and upstream (its reduction's: a row of
+   * stride 0), the chunks' loss factor */
+  lmloss_tensor weight, dloss;
+  double scale;
+  lmloss_tensor dlogp, dentropy; /* the log-probs' upstream */
+  lmloss_tensor acc;
+  size_t end;
+} tile_rows;
 
 /* What a kind of job does where the kinds differ. */
 struct linear_job_table {
@@ -77,6 +95,18 @@ struct linear_job_table {
   /* after the chunks: the outputs summed over them (NULL: none) */
   lmloss_status (*finish)(const linear_job *, const lmloss_linear_prims *, const linear_plan *,
                           char *ws, int64_t chunks, int64_t M);
+  /* The vocab tiles (a job that writes a gradient): the rows' inputs r
+   * (saved: with the forward's saved statistics as the states), laid out
+   * from the region on, gathered for the M rows of list unless only the
+   * layout is asked (gather 0); and the gradient of a tile, the family's
+   * finish over the tile's columns (sh) of the rows r views, its logits
+   * slab into dl (keep: the exact entries, from saved statistics). */
+  lmloss_status (*tile_rows)(const linear_job *, const lmloss_linear_prims *, const linear_plan *,
+                             char *ws, const int64_t *list, int64_t M, double scale, int saved,
+                             int gather, tile_rows *r);
+  lmloss_status (*tile)(const linear_job *, const lmloss_backend_ops *, const tile_rows *r,
+                        const lmloss_shard *sh, const lmloss_tensor *slab, lmloss_row_keep *keep,
+                        const lmloss_tensor *dl);
 };
 
 extern const linear_job_table lmloss_ce_forward_job, lmloss_ce_backward_job;
@@ -84,15 +114,13 @@ extern const linear_job_table lmloss_ce_state_job; /* a shard's states (no gradi
 extern const linear_job_table lmloss_lp_forward_job, lmloss_lp_backward_job;
 extern const linear_job_table lmloss_lp_keep_forward_job, lmloss_lp_keep_backward_job;
 
-/* What the row op keeps (S entries a row: the labels' columns and the
- * argmax) for compact rows first.. (16-bit heads, NULL otherwise): coef,
- * from which the vocab tiles recompute the gradient, and the exact
- * entries. The tiles put those back (a recomputed logit one ulp off the
- * max would move dk_a off its exact 0, an error of the whole entropy
- * gradient there), the dhidden GEMMs add what rounding dlogits took from
- * them, and dbias sums them in place of their rounded values. */
-lmloss_grad_keep *lmloss_linear_keep_at(const linear_plan *p, char *ws, int64_t first,
-                                        lmloss_grad_keep *k);
+/* What the row op keeps for compact rows first.. (16-bit heads, NULL
+ * otherwise): the rows' states, from which the vocab tiles run the
+ * family's finish, and the exact entries (S a row: the labels' columns
+ * and the argmax), what rounding dlogits took from which the dhidden
+ * GEMMs add, and which dbias sums in place of their rounded values. */
+lmloss_row_keep *lmloss_linear_keep_at(const linear_plan *p, char *ws, int64_t first,
+                                       lmloss_row_keep *k);
 
 /* dhidden of a store's n rows, compact rows first.. (their own list: dl,
  * their rounded gradient rows; hg, their hidden rows): through fp32 in

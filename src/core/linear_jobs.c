@@ -70,18 +70,24 @@ static lmloss_status ce_select(const linear_job *j, const lmloss_linear_prims *L
   return LMLOSS_OK;
 }
 
-/* The chunk's slots, and its cross-entropy inputs and options: a reduced
- * loss as the chunk's share of it (the global divisor, per chunk). */
+/* The options of a row op on some of the rows: a reduced loss as their
+ * share of it (the global divisor, scale the select's factor). */
+static lmloss_ce_options ce_part_options(const linear_job *j, double scale) {
+  lmloss_ce_options o = *j->opt;
+  o.zero_ignored_rows = 1;
+  if (o.reduction != LMLOSS_REDUCE_NONE) {
+    o.reduction = LMLOSS_REDUCE_SUM_OVER_ITEMS;
+    o.num_items = 1.0 / scale;
+  }
+  return o;
+}
+
+/* The chunk's slots, and its cross-entropy inputs and options. */
 static lmloss_status ce_chunk(const linear_job *j, const lmloss_linear_prims *L,
                               const linear_plan *p, char *ws, const linear_chunk *ch,
                               chunk_slots *sl, lmloss_ce_inputs *in, lmloss_ce_options *o) {
   TRY(chunk_slots_of(j, L, p, ws, ch, sl));
-  *o = *j->opt;
-  o->zero_ignored_rows = 1;
-  if (o->reduction != LMLOSS_REDUCE_NONE) {
-    o->reduction = LMLOSS_REDUCE_SUM_OVER_ITEMS;
-    o->num_items = 1.0 / ch->scale;
-  }
+  *o = ce_part_options(j, ch->scale);
   *in = (lmloss_ce_inputs){*ch->slab, sl->labels, {0}, *j->cw};
   if (!wants(j->tw)) return LMLOSS_OK;
   in->token_weight = sl->weight;
@@ -197,9 +203,59 @@ static lmloss_status ce_sum_chunks(const linear_job *j, const lmloss_linear_prim
   return L->sum(j->ctx, &sums, &j->out->loss);
 }
 
-const linear_job_table lmloss_ce_forward_job = {
-    .select = ce_select, .rows = ce_forward_rows, .fill = ce_fill, .finish = ce_sum_chunks};
-const linear_job_table lmloss_ce_backward_job = {.select = ce_select, .rows = ce_backward_rows};
+/* The vocab tiles' rows: the targets, token weights and upstream of the
+ * M rows (the backward's dloss, or the forward's grad_output), and the
+ * states the chunks' row op kept. */
+static lmloss_status ce_tile_rows(const linear_job *j, const lmloss_linear_prims *L,
+                                  const linear_plan *p, char *ws, const int64_t *list, int64_t M,
+                                  double scale, int saved, int gather, tile_rows *r) {
+  (void)saved; /* a log-probs backward's alone */
+  const lmloss_device dev = j->head->hidden.device;
+  const int per_row = j->opt->reduction == LMLOSS_REDUCE_NONE;
+  size_t off = p->region;
+  memset(r, 0, sizeof *r);
+  r->scale = scale;
+  r->state = lmloss_ws_view(ws + p->state, LMLOSS_F32, dev, M, LMLOSS_ROW_STATE_COLS);
+  r->labels = lmloss_ws_view(ws + off, j->labels->dtype, dev, M, 1);
+  off += lmloss_ws_up((size_t)M * 8);
+  if (wants(j->tw))
+    r->weight = lmloss_ws_view(ws + off, LMLOSS_F32, dev, M, 1), off += lmloss_ws_up((size_t)M * 4);
+  if (j->dloss && per_row) {
+    r->dloss = lmloss_ws_view(ws + off, LMLOSS_F32, dev, M, 1), off += lmloss_ws_up((size_t)M * 4);
+  } else { /* one value for every row */
+    r->dloss = j->dloss ? *j->dloss : lmloss_ws_view(ws + off, LMLOSS_F32, dev, 1, 1);
+    if (!j->dloss) off += LMLOSS_WS_ALIGN;
+    r->dloss.rows = M, r->dloss.row_stride = 0;
+  }
+  r->end = off;
+  if (!gather) return LMLOSS_OK;
+  TRY(L->gather_rows(j->ctx, j->labels, list, &r->labels));
+  if (wants(j->tw)) TRY(L->gather_rows(j->ctx, j->tw, list, &r->weight));
+  if (j->dloss && per_row) return L->gather_rows(j->ctx, j->dloss, list, &r->dloss);
+  if (j->dloss) return LMLOSS_OK;
+  lmloss_tensor g = r->dloss;
+  g.rows = 1;
+  return L->fill(j->ctx, &g, j->opt->grad_output);
+}
+
+/* A tile's gradient: the cross-entropy's finish (keep: none asked). */
+static lmloss_status ce_tile(const linear_job *j, const lmloss_backend_ops *ops, const tile_rows *r,
+                             const lmloss_shard *sh, const lmloss_tensor *slab,
+                             lmloss_row_keep *keep, const lmloss_tensor *dl) {
+  (void)keep;
+  const lmloss_ce_options o = ce_part_options(j, r->scale);
+  const lmloss_ce_inputs in = {*slab, r->labels, r->weight, *j->cw};
+  return ops->states->ce_finish(j->ctx, &in, &o, sh, &r->state, NULL, &r->dloss, dl, NULL, 0);
+}
+
+const linear_job_table lmloss_ce_forward_job = {.select = ce_select,
+                                                .rows = ce_forward_rows,
+                                                .fill = ce_fill,
+                                                .finish = ce_sum_chunks,
+                                                .tile_rows = ce_tile_rows,
+                                                .tile = ce_tile};
+const linear_job_table lmloss_ce_backward_job = {
+    .select = ce_select, .rows = ce_backward_rows, .tile_rows = ce_tile_rows, .tile = ce_tile};
 const linear_job_table lmloss_ce_state_job = {
     .select = ce_select, .rows = ce_state_rows, .fill = ce_state_fill};
 
@@ -289,10 +345,58 @@ static lmloss_status lp_keep_forward_rows(const linear_job *j, const lmloss_back
   return j->entropy ? L->scatter_rows(j->ctx, &sl.entropy, ch->list, j->entropy) : LMLOSS_OK;
 }
 
+/* The vocab tiles' rows: the indices and upstream of the M rows, and
+ * their states: kept by the chunks' row op, or (saved) the forward's
+ * saved statistics, gathered. */
+static lmloss_status lp_tile_rows(const linear_job *j, const lmloss_linear_prims *L,
+                                  const linear_plan *p, char *ws, const int64_t *list, int64_t M,
+                                  double scale, int saved, int gather, tile_rows *r) {
+  (void)scale; /* no reduction */
+  const lmloss_device dev = j->head->hidden.device;
+  const int64_t K = p->K;
+  size_t off = p->region;
+  memset(r, 0, sizeof *r);
+  if (saved) {
+    r->state = lmloss_ws_view(ws + off, LMLOSS_F32, dev, M, LMLOSS_ROW_STATS);
+    off += lmloss_ws_up((size_t)M * LMLOSS_ROW_STATS * 4);
+  } else {
+    r->state = lmloss_ws_view(ws + p->state, LMLOSS_F32, dev, M, LMLOSS_ROW_STATE_COLS);
+  }
+  if (j->dlogp && K > 0) {
+    r->labels = lmloss_ws_view(ws + off, j->labels->dtype, dev, M, K);
+    off += lmloss_ws_up((size_t)M * K * 8);
+    r->dlogp = lmloss_ws_view(ws + off, LMLOSS_F32, dev, M, K);
+    off += lmloss_ws_up((size_t)M * K * 4);
+  }
+  if (j->dentropy)
+    r->dentropy = lmloss_ws_view(ws + off, LMLOSS_F32, dev, M, 1),
+    off += lmloss_ws_up((size_t)M * 4);
+  r->end = off;
+  if (!gather) return LMLOSS_OK;
+  if (saved) TRY(L->gather_rows(j->ctx, j->stats, list, &r->state));
+  if (wants(&r->labels)) TRY(L->gather_rows(j->ctx, j->labels, list, &r->labels));
+  if (wants(&r->dlogp)) TRY(L->gather_rows(j->ctx, j->dlogp, list, &r->dlogp));
+  if (j->dentropy) TRY(L->gather_rows(j->ctx, j->dentropy, list, &r->dentropy));
+  return LMLOSS_OK;
+}
+
+/* A tile's gradient: the log-probs' backward finish. */
+static lmloss_status lp_tile(const linear_job *j, const lmloss_backend_ops *ops, const tile_rows *r,
+                             const lmloss_shard *sh, const lmloss_tensor *slab,
+                             lmloss_row_keep *keep, const lmloss_tensor *dl) {
+  const int idx = wants(&r->labels);
+  return ops->states->lp_finish(j->ctx, slab, idx ? &r->labels : NULL, NULL, j->tr, sh, &r->state,
+                                NULL, NULL, idx ? &r->dlogp : NULL,
+                                j->dentropy ? &r->dentropy : NULL, dl, keep);
+}
+
 const linear_job_table lmloss_lp_forward_job = {
     .select = lp_select, .rows = lp_forward_rows, .fill = lp_fill};
-const linear_job_table lmloss_lp_backward_job = {
-    .from_stats = 1, .select = lp_select, .rows = lp_backward_rows};
+const linear_job_table lmloss_lp_backward_job = {.from_stats = 1,
+                                                 .select = lp_select,
+                                                 .rows = lp_backward_rows,
+                                                 .tile_rows = lp_tile_rows,
+                                                 .tile = lp_tile};
 const linear_job_table lmloss_lp_keep_forward_job = {
     .kept = 1, .row_grad = 1, .select = lp_select, .rows = lp_keep_forward_rows, .fill = lp_fill};
 const linear_job_table lmloss_lp_keep_backward_job = {

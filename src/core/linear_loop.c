@@ -11,8 +11,10 @@
  * A 16-bit head keeps its chunks' rounded dlogits and hidden rows in a
  * store, and takes GEMMs 2 and 3 once a group of rows (plan_store); where
  * no store fits the budget, it takes dW after the chunks in vocab tiles
- * (vocab_tiles): no V x H fp32 accumulator, no V x H read-modify-write
- * per chunk, the logits computed twice. Memory beyond inputs and outputs
+ * (vocab_tiles: each tile's gradient the job's finish over its columns,
+ * from the row states the chunks' row op kept): no V x H fp32
+ * accumulator, no V x H read-modify-write per chunk, the logits computed
+ * twice. Memory beyond inputs and outputs
  * is the workspace, and the workspace is at most the budget. This file
  * holds no math: it sequences the backend's primitives.
  *
@@ -21,7 +23,7 @@
  * bf16, dlogits would cost dhidden more than twice the error of rounding
  * dhidden itself, almost all of it at the row's few large entries (the
  * labels' columns and the argmax), which the row op forms apart; so it
- * also keeps their fp32 values (lmloss_grad_keep), and dhidden = dlogits W
+ * also keeps their fp32 values (lmloss_row_keep), and dhidden = dlogits W
  * + what the rounding took from them times their rows of W, summed in
  * fp32; dbias sums the rows with those values in place. dW comes from the
  * rounded dlogits alone (within its bound).
@@ -30,7 +32,7 @@
  * 16-bit head whose dW takes vocab tiles) skips the chunks: the tiles form
  * the gradient from the statistics and sum dhidden over the tiles in fp32
  * as well as dW, so the logits are computed once in the backward instead
- * of twice (saved_rows).
+ * of twice (saved_start).
  */
 #include <string.h>
 
@@ -47,10 +49,10 @@ lmloss_status lmloss_linear_grads_apart(const lmloss_head *head, const lmloss_he
   return lmloss_check_disjoint(&g->dweight, "dweight", &g->dbias, "dbias");
 }
 
-lmloss_grad_keep *lmloss_linear_keep_at(const linear_plan *p, char *ws, int64_t first,
-                                        lmloss_grad_keep *k) {
+lmloss_row_keep *lmloss_linear_keep_at(const linear_plan *p, char *ws, int64_t first,
+                                       lmloss_row_keep *k) {
   if (!p->dl_separate) return NULL;
-  k->coef = (lmloss_grad_coef *)(ws + p->coef) + first;
+  k->state = (float *)(ws + p->state) + first * LMLOSS_ROW_STATE_COLS;
   k->cols = (int64_t *)(ws + p->cols) + first * p->S;
   k->vals = (float *)(ws + p->vals) + first * p->S;
   k->count = p->S;
@@ -63,7 +65,7 @@ lmloss_grad_keep *lmloss_linear_keep_at(const linear_plan *p, char *ws, int64_t 
  * W, summed in fp32. */
 static lmloss_status chunk_dhidden(const linear_job *j, const lmloss_linear_prims *L,
                                    const linear_plan *p, char *w, const int64_t *list,
-                                   const lmloss_grad_keep *keep, const lmloss_tensor *dl) {
+                                   const lmloss_row_keep *keep, const lmloss_tensor *dl) {
   const lmloss_head *h = j->head;
   const lmloss_device dev = h->hidden.device;
   const int64_t n = dl->rows, H = h->hidden.cols;
@@ -118,9 +120,9 @@ lmloss_status lmloss_linear_store_dhidden(const linear_job *j, const lmloss_line
     const int64_t bn = n - b0 < B ? n - b0 : B;
     const lmloss_tensor acc = lmloss_ws_view(w + p->region, LMLOSS_F32, h->hidden.device, bn, H);
     const lmloss_tensor dlb = lmloss_rows_of(dl, b0, bn), hb = lmloss_rows_of(hg, b0, bn);
-    lmloss_grad_keep kept;
+    lmloss_row_keep kept;
     TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dlb, &h->weight, 0.0f, &acc));
-    const lmloss_grad_keep *keep = lmloss_linear_keep_at(p, w, first + b0, &kept);
+    const lmloss_row_keep *keep = lmloss_linear_keep_at(p, w, first + b0, &kept);
     if (keep) TRY(L->restore_entries(j->ctx, keep, &h->weight, &acc));
     if (s) {
       const lmloss_tensor sb = lmloss_rows_of(s, b0, bn);
@@ -175,81 +177,58 @@ static lmloss_status kept_grads(const linear_job *j, const lmloss_linear_prims *
   return lmloss_linear_store_dhidden(j, L, p, w, list, 0, &dl, &hg, &s);
 }
 
-/* The log-probs backward from saved statistics (see the file comment):
- * the M supervised rows' statistics and upstream gradients, gathered
- * once, and dhidden's fp32 sum over the vocab tiles, from the region on;
- * the tiles' buffers from `end`. */
-typedef struct {
-  lmloss_tensor stats, index, dlogp, dent, acc; /* acc absent without dhidden */
-  size_t end;
-} saved_rows;
-
-static saved_rows saved_layout(const linear_job *j, const linear_plan *p, char *w, int64_t M) {
-  const lmloss_device dev = j->head->hidden.device;
-  const int64_t H = j->head->hidden.cols, K = p->K;
-  saved_rows s;
-  memset(&s, 0, sizeof s);
-  size_t off = p->region;
-  if (wants(&j->grads->dhidden))
-    s.acc = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, H), off += lmloss_ws_up((size_t)M * H * 4);
-  s.stats = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, LMLOSS_ROW_STATS);
-  off += lmloss_ws_up((size_t)M * LMLOSS_ROW_STATS * 4);
-  if (j->labels) {
-    s.index = lmloss_ws_view(w + off, j->labels->dtype, dev, M, K),
-    off += lmloss_ws_up((size_t)M * K * 8);
-    s.dlogp = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, K),
-    off += lmloss_ws_up((size_t)M * K * 4);
-  }
-  if (j->dentropy)
-    s.dent = lmloss_ws_view(w + off, LMLOSS_F32, dev, M, 1), off += lmloss_ws_up((size_t)M * 4);
-  s.end = off;
-  return s;
-}
-
-/* Whether the saved-statistics schedule runs: the head takes vocab tiles
- * (a 16-bit head, whose backend has lp_tile_grad), the call allows it
- * (lmloss.h) and its buffers leave the tiles room for all
- * M rows (one block: dhidden's sum is the fp32 state between tiles) by
- * min(V, 128) columns; narrower tiles would cost more than the logits
- * GEMM they save. */
-static int saved_fits(const linear_job *j, const linear_plan *p, const saved_rows *s, int64_t M) {
-  const lmloss_head *h = j->head;
-  const int64_t N = h->hidden.rows, H = h->hidden.cols, V = h->weight.rows;
-  if (!p->tiled || wants(&j->grads->dbias) || p->K > LMLOSS_SAVED_MAX_K) return 0;
-  const int64_t c = V < 128 ? V : 128;
-  return s->end <= p->total &&
-         p->total - s->end >= tile_bytes(p, M, c, H, 0, M < N, 1) + 3 * LMLOSS_WS_ALIGN;
-}
-
-/* Whether the call runs from saved statistics (*on), and then their
- * buffers, gathered for the M supervised rows. */
+/* Whether the log-probs backward runs from the forward's saved
+ * statistics (see the file comment; *on), and then the tiles' rows r,
+ * gathered before any chunk: the head takes vocab tiles, the call allows
+ * it (lmloss.h) and the rows' inputs and dhidden's fp32 sum leave the
+ * tiles room for all M rows (one block: dhidden's sum is the fp32 state
+ * between tiles) by min(V, 128) columns; narrower tiles would cost more
+ * than the logits GEMM they save. */
 static lmloss_status saved_start(const linear_job *j, const lmloss_linear_prims *L,
                                  const linear_plan *p, char *w, const int64_t *list, int64_t M,
-                                 saved_rows *s, int *on) {
-  if (!j->table->from_stats || !j->stats) return LMLOSS_OK;
-  *s = saved_layout(j, p, w, M);
-  if (!saved_fits(j, p, s, M)) return LMLOSS_OK;
+                                 tile_rows *r, int *on) {
+  const lmloss_head *h = j->head;
+  const int64_t N = h->hidden.rows, H = h->hidden.cols, V = h->weight.rows;
+  if (!j->table->from_stats || !j->stats || !p->tiled || wants(&j->grads->dbias) ||
+      p->K > LMLOSS_SAVED_MAX_K)
+    return LMLOSS_OK;
+  TRY(j->table->tile_rows(j, L, p, w, list, M, 1.0, 1, 0, r));
+  const size_t acc = wants(&j->grads->dhidden) ? lmloss_ws_up((size_t)M * H * 4) : 0,
+               end = r->end + acc;
+  const int64_t c = V < 128 ? V : 128;
+  if (end > p->total || p->total - end < tile_bytes(p, M, c, H, 0, M < N, 1) + 3 * LMLOSS_WS_ALIGN)
+    return LMLOSS_OK;
   *on = 1;
-  TRY(L->gather_rows(j->ctx, j->stats, list, &s->stats));
-  if (j->labels) TRY(L->gather_rows(j->ctx, j->labels, list, &s->index));
-  if (j->labels) TRY(L->gather_rows(j->ctx, j->dlogp, list, &s->dlogp));
-  if (j->dentropy) TRY(L->gather_rows(j->ctx, j->dentropy, list, &s->dent));
+  TRY(j->table->tile_rows(j, L, p, w, list, M, 1.0, 1, 1, r));
+  if (acc) r->acc = lmloss_ws_view(w + r->end, LMLOSS_F32, h->hidden.device, M, H);
+  r->end = end;
   return LMLOSS_OK;
+}
+
+/* The views of n of the tiles' rows from compact row first on (a
+ * stride-0 upstream stays whole). */
+static tile_rows tile_rows_of(const tile_rows *r, int64_t first, int64_t n) {
+  tile_rows v = *r;
+  lmloss_tensor *t[] = {&v.state, &v.labels, &v.weight, &v.dloss, &v.dlogp, &v.dentropy, &v.acc};
+  for (size_t k = 0; k < sizeof t / sizeof t[0]; k++)
+    if (wants(t[k])) *t[k] = lmloss_rows_of(t[k], first, n);
+  return v;
 }
 
 /* dW of a 16-bit head whose supervised rows took more than one chunk:
  * rather than sum dW over the chunks (V x H read and written per chunk, in
  * an fp32 copy for a 16-bit dW), each vocab tile of dW is one GEMM over
  * all M rows (or a few blocks of them), written once. The tile's gradient
- * is recomputed from its logits (one more logits GEMM, in tiles) and the
- * coefficients and exact entries the chunks kept, or (saved) formed from
- * the saved statistics, the tile then adding its part of dhidden too.
- * Worth it where the GEMMs run on tensor cores; an F32 head's GEMMs (the
- * CPU's, or fp32 ones on a GPU) cost more than the read-modify-write they
- * would save. */
-static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims *L,
+ * is the job's finish over its columns (one more logits GEMM, in tiles),
+ * from the states the chunks' row op kept or (saved) the saved
+ * statistics, the tile then adding its part of dhidden too. Worth it
+ * where the GEMMs run on tensor cores; an F32 head's GEMMs (the CPU's, or
+ * fp32 ones on a GPU) cost more than the read-modify-write they would
+ * save. */
+static lmloss_status vocab_tiles(const linear_job *j, const lmloss_backend_ops *ops,
                                  const linear_plan *p, char *w, const int64_t *list, int64_t M,
-                                 const lmloss_tensor *bias, const saved_rows *saved) {
+                                 const lmloss_tensor *bias, const tile_rows *r, int saved) {
+  const lmloss_linear_prims *L = ops->linear;
   const lmloss_head *h = j->head;
   const lmloss_device dev = h->hidden.device;
   const int64_t H = h->hidden.cols, V = h->weight.rows;
@@ -258,14 +237,14 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
    * sum narrows; the CE tiles so widened ran slower (BENCHMARKS.md's
    * history). */
   const int gathered = M < h->hidden.rows || !saved;
-  const tile_plan t =
-      lmloss_linear_plan_tiles(p, saved ? saved->end : p->region, gathered, !!saved, M, H, V);
+  const tile_plan t = lmloss_linear_plan_tiles(p, r->end, gathered, saved, M, H, V);
   const int64_t nb = (M + t.rows - 1) / t.rows;
   for (int64_t j0 = 0; j0 < V; j0 += t.cols) {
     const int64_t tc = V - j0 < t.cols ? V - j0 : t.cols;
     const lmloss_tensor wt = lmloss_rows_of(&h->weight, j0, tc),
                         dwt = lmloss_rows_of(&j->grads->dweight, j0, tc);
     const lmloss_tensor acc = t.acc_f32 ? lmloss_ws_view(w + t.acc, LMLOSS_F32, dev, tc, H) : dwt;
+    const lmloss_shard sh = {j0, V, j->dentropy != NULL};
     for (int64_t b = 0; b < nb; b++) {
       const int64_t first = b * t.rows, n = M - first < t.rows ? M - first : t.rows;
       lmloss_tensor hb = t.gathered ? lmloss_ws_view(w + t.hid, h->hidden.dtype, dev, n, H)
@@ -279,36 +258,25 @@ static lmloss_status vocab_tiles(const linear_job *j, const lmloss_linear_prims 
       lmloss_tensor dl =
           lmloss_ws_view(w + t.dl, h->weight.dtype, dev, n, tc);         /* a 16-bit head's */
       dl.row_stride = t.inplace ? t.cols * 4 / (int64_t)p->dls : t.cols; /* the slab's rows */
-      lmloss_grad_keep kept, *keep = lmloss_linear_keep_at(p, w, first, &kept);
-      if (saved) {
-        lmloss_tensor st = lmloss_rows_of(&saved->stats, first, n), ix, dlp, dent;
-        if (j->labels)
-          ix = lmloss_rows_of(&saved->index, first, n),
-          dlp = lmloss_rows_of(&saved->dlogp, first, n);
-        if (j->dentropy) dent = lmloss_rows_of(&saved->dent, first, n);
-        TRY(L->lp_tile_grad(j->ctx, &slab, j0, V, j->tr, j->labels ? &ix : NULL,
-                            j->labels ? &dlp : NULL, j->dentropy ? &dent : NULL, &st, keep, &dl));
-        if (wants(&saved->acc)) {
-          const lmloss_tensor ah = lmloss_rows_of(&saved->acc, first, n);
-          TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dl, &wt, j0 == 0 ? 0.0f : 1.0f, &ah));
-        }
-      } else {
-        TRY(L->tile_grad(j->ctx, &slab, j0, j->tr, j->cw, keep, &dl));
-      }
+      const tile_rows rb = tile_rows_of(r, first, n);
+      lmloss_row_keep kept, *keep = saved ? lmloss_linear_keep_at(p, w, first, &kept) : NULL;
+      TRY(j->table->tile(j, ops, &rb, &sh, &slab, keep, &dl));
+      if (wants(&rb.acc))
+        TRY(L->gemm(j->ctx, 0, 0, 1.0f, &dl, &wt, j0 == 0 ? 0.0f : 1.0f, &rb.acc));
       TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hb, b == 0 && !j->grads->accumulate ? 0.0f : 1.0f,
                   &acc));
     }
     if (t.acc_f32) TRY(L->cast(j->ctx, &acc, &dwt));
   }
-  if (!saved || !wants(&saved->acc)) return LMLOSS_OK;
+  if (!wants(&r->acc)) return LMLOSS_OK;
   /* dhidden: the sum, with what rounding dlogits took from the exact
    * entries, rounded to hidden's dtype; scattered through the gathered
    * hidden rows' buffer (the tiles took all M rows in one block) */
-  lmloss_grad_keep kept;
-  TRY(L->restore_entries(j->ctx, lmloss_linear_keep_at(p, w, 0, &kept), &h->weight, &saved->acc));
-  if (!t.gathered) return L->cast(j->ctx, &saved->acc, &j->grads->dhidden);
+  lmloss_row_keep kept;
+  TRY(L->restore_entries(j->ctx, lmloss_linear_keep_at(p, w, 0, &kept), &h->weight, &r->acc));
+  if (!t.gathered) return L->cast(j->ctx, &r->acc, &j->grads->dhidden);
   lmloss_tensor dh = lmloss_ws_view(w + t.hid, h->hidden.dtype, dev, M, H);
-  TRY(L->cast(j->ctx, &saved->acc, &dh));
+  TRY(L->cast(j->ctx, &r->acc, &dh));
   return L->scatter_rows(j->ctx, &dh, list, &j->grads->dhidden);
 }
 
@@ -364,10 +332,9 @@ lmloss_status lmloss_linear_run(const linear_job *j, void *ws, size_t ws_bytes) 
   const int64_t nchunks = (M + p.rows - 1) / p.rows;
   const int want_dw = want_grad && wants(&g->dweight);
   p.tiled = want_dw && p.tiles && nchunks > 1;
-  saved_rows sr;
-  int from_saved = 0;
-  TRY(saved_start(j, L, &p, w, list, M, &sr, &from_saved));
-  const saved_rows *saved = from_saved ? &sr : NULL;
+  tile_rows tr;
+  int saved = 0;
+  TRY(saved_start(j, L, &p, w, list, M, &tr, &saved));
   /* the row op writes a gradient: a training call's, or the kept log-probs' */
   const int row_grad = want_grad || jt->row_grad;
   const int store = row_grad && p.group > 0; /* dhidden and dW by groups (plan_store) */
@@ -386,7 +353,7 @@ lmloss_status lmloss_linear_run(const linear_job *j, void *ws, size_t ws_bytes) 
     if (!(j->logits_ready && nchunks == 1)) TRY(L->logits(j->ctx, &hc, &h->weight, &bias, &slab));
     char *dlo = store ? sb + p.store + (size_t)(in_group * V) * p.dls : w + p.dl;
     lmloss_tensor dl = p.dl_separate ? lmloss_ws_view(dlo, h->weight.dtype, dev, n, V) : slab;
-    lmloss_grad_keep kept_at,
+    lmloss_row_keep kept_at,
         *keep = row_grad ? lmloss_linear_keep_at(&p, w, first, &kept_at) : NULL;
     const linear_chunk ch = {lc, c, n, &slab, row_grad ? &dl : NULL, keep, scale};
     TRY(jt->rows(j, ops, &p, w, &ch));
@@ -402,7 +369,8 @@ lmloss_status lmloss_linear_run(const linear_job *j, void *ws, size_t ws_bytes) 
     if (wants(&g->dhidden)) TRY(chunk_dhidden(j, L, &p, w, lc, keep, &dl));
     if (want_dw && !p.tiled) TRY(L->gemm(j->ctx, 1, 0, 1.0f, &dl, &hc, beta, &g->dweight));
   }
-  if (p.tiled) TRY(vocab_tiles(j, L, &p, w, list, M, &bias, saved));
+  if (p.tiled && !saved) TRY(jt->tile_rows(j, L, &p, w, list, M, scale, 0, 1, &tr));
+  if (p.tiled) TRY(vocab_tiles(j, ops, &p, w, list, M, &bias, &tr, saved));
   if (want_grad) {
     const lmloss_tensor accw = lmloss_ws_view(w + p.acc_w, LMLOSS_F32, dev, V, H);
     if (want_dw && M == 0 && !beta0) TRY(L->fill(j->ctx, &g->dweight, 0.0));

@@ -53,7 +53,7 @@ static size_t pair_layout(const lmloss_head *head, int64_t P, int64_t k, int64_t
   size_t off = 0;
   p->list = off, off += lmloss_ws_up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
   if (p->dl_separate) {
-    p->coef = off, off += lmloss_ws_up((size_t)cap * sizeof(lmloss_grad_coef));
+    p->state = off, off += lmloss_ws_up((size_t)cap * LMLOSS_ROW_STATE_COLS * 4);
     p->cols = off, off += lmloss_ws_up((size_t)cap * p->S * 8);
     p->vals = off, off += lmloss_ws_up((size_t)cap * p->S * 4);
   }
@@ -278,7 +278,7 @@ static lmloss_status group_rows(const pair_call *c, int64_t g0, int64_t g1, cons
         TRY(L->gather_rows(c->ctx, &v.head.hidden, list + first, &hc));
         TRY(L->logits(c->ctx, &hc, &c->head->weight, &c->bias, &slab));
         const lmloss_tensor dl = q->grad ? store_rows(c, pos, n) : slab;
-        lmloss_grad_keep kept;
+        lmloss_row_keep kept;
         const linear_chunk ch = {
             list + first, 0, n, &slab, &dl, lmloss_linear_keep_at(&q->lp, c->w, pos, &kept), 1.0};
         TRY(lmloss_lp_keep_forward_job.rows(&v.job, c->ops, &q->lp, c->w, &ch));

@@ -112,9 +112,9 @@ lmloss_status lmloss_linear_make_plan(const lmloss_head *head, const lmloss_head
   p->acc_w_f32 = p->tiles && grads->dweight.dtype != LMLOSS_F32 && hopt->fp32_accumulate;
   size_t off = 0;
   p->list = off, off += lmloss_ws_up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
-  /* what the row op keeps for a 16-bit head (lmloss_grad_keep) */
+  /* what the row op keeps for a 16-bit head (lmloss_row_keep) */
   if (p->dl_separate) {
-    p->coef = off, off += lmloss_ws_up((size_t)N * sizeof(lmloss_grad_coef));
+    p->state = off, off += lmloss_ws_up((size_t)N * LMLOSS_ROW_STATE_COLS * 4);
     p->cols = off, off += lmloss_ws_up((size_t)N * p->S * 8);
     p->vals = off, off += lmloss_ws_up((size_t)N * p->S * 4);
   }
@@ -133,7 +133,8 @@ lmloss_status lmloss_linear_make_plan(const lmloss_head *head, const lmloss_head
   const size_t per_row = (size_t)V * (4 + p->dls) + 2 * (size_t)H * p->hs +
                          (p->round_dl ? (size_t)H * 4 : 0) + aux_per_row(K) + 3 * sizeof(double);
   const int64_t rows = lmloss_chunk_rows(budget, off + chunk_slack, per_row, N);
-  const size_t tiles_min = p->tiles ? tile_bytes(p, 1, 1, H, p->acc_w_f32, 1, 0) : 0;
+  const size_t tiles_min =
+      p->tiles ? tile_rows_bytes(N, K) + tile_bytes(p, 1, 1, H, p->acc_w_f32, 1, 0) : 0;
   if (rows < 1 || budget < off + tiles_min)
     return lmloss_fail(LMLOSS_ERR_WORKSPACE_TOO_SMALL,
                        "memory_budget of %zu bytes cannot hold one row (%zu bytes: V = %lld logits "

@@ -17,7 +17,7 @@ typedef struct {
   int64_t rows, K, S; /* S: exact entries kept per row (keep_entries) */
   int64_t slot_rows;  /* rows the per-row buffers hold: rows, or a store's widest chunk */
   size_t hs, dls;     /* bytes of a hidden element; of a dlogits one (0: in place, F32) */
-  size_t list, coef, cols, vals, sums, acc_b, bias32, region;
+  size_t list, state, cols, vals, sums, acc_b, bias32, region;
   size_t slab, dl, hid, dh, dh_acc, aux, ce_ws, total;
   int dl_separate; /* dlogits in the weight's 16-bit dtype, beside the fp32 slab */
   int round_dl;    /* dhidden from them, summed in fp32 at dh_acc with the exact entries */
@@ -65,12 +65,21 @@ static inline size_t tile_bytes(const linear_plan *p, int64_t rows, int64_t cols
          (acc ? lmloss_ws_up((size_t)cols * H * 4) : 0);
 }
 
+/* Bytes of the vocab tiles' per-row inputs (linear_job.h's tile_rows)
+ * for N rows of K labels, at most: the labels, their upstream, and a
+ * token weight and an upstream (or one value of it) a row. */
+static inline size_t tile_rows_bytes(int64_t N, int64_t K) {
+  const size_t k = K > 1 ? (size_t)K : 1;
+  return lmloss_ws_up((size_t)N * k * 8) + lmloss_ws_up((size_t)N * k * 4) +
+         2 * lmloss_ws_up((size_t)N * 4);
+}
+
 /* The vocab tiles' shape in the workspace from `base` on: blocks of
  * `rows` supervised rows (all M when their hidden rows take at most half
  * of it, or from saved statistics), tiles of `cols` columns filling the
  * rest. Hidden rows are gathered, or (only when every row is supervised:
  * the list is then 0..N-1) read in place. From saved statistics the
- * gradient may be written over the slab (lp_tile_grad, at most
+ * gradient may be written over the slab (the log-probs' finish, at most
  * LMLOSS_TILE_INPLACE_COLS columns): 4 bytes a logit rather than 6, where
  * that makes the tiles wider. */
 typedef struct {

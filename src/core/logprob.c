@@ -129,7 +129,7 @@ lmloss_status lmloss_log_probs_finish(const lmloss_context *ctx, const lmloss_te
   TRY(lmloss_check_device(ts, 2, logits->device));
   return ops->states->lp_finish(ctx, logits, index, mask, tr, &sh, state,
                                 lmloss_present(logp) ? logp : NULL,
-                                lmloss_present(entropy) ? entropy : NULL, NULL, NULL, NULL);
+                                lmloss_present(entropy) ? entropy : NULL, NULL, NULL, NULL, NULL);
 }
 
 lmloss_status
@@ -153,5 +153,5 @@ lmloss_log_probs_backward_finish(const lmloss_context *ctx, const lmloss_tensor 
   const lmloss_tensor *idx = lmloss_present(dlogp) ? index : NULL;
   return ops->states->lp_finish(ctx, logits, idx, mask, tr, &sh, state, NULL, NULL,
                                 lmloss_present(dlogp) ? dlogp : NULL,
-                                lmloss_present(dentropy) ? dentropy : NULL, dlogits);
+                                lmloss_present(dentropy) ? dentropy : NULL, dlogits, NULL);
 }

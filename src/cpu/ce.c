@@ -221,7 +221,7 @@ static lmloss_status ce_run(const lmloss_context *ctx, ce_job *jb, void *ws) {
 
 lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                        const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
-                                       void *ws, size_t ws_bytes, lmloss_grad_keep *keep) {
+                                       void *ws, size_t ws_bytes, lmloss_row_keep *keep) {
   ce_job jb = {.in = in,
                .opt = opt,
                .out = out,
@@ -235,7 +235,7 @@ lmloss_status lmloss_cpu_cross_entropy_backward(const lmloss_context *ctx,
                                                 const lmloss_ce_options *opt,
                                                 const lmloss_tensor *dloss,
                                                 const lmloss_tensor *dlogits, void *ws,
-                                                size_t ws_bytes, lmloss_grad_keep *keep) {
+                                                size_t ws_bytes, lmloss_row_keep *keep) {
   ce_job jb = {.in = in,
                .opt = opt,
                .dloss = dloss,

@@ -4,11 +4,11 @@
 
 lmloss_status lmloss_cpu_cross_entropy(const lmloss_context *, const lmloss_ce_inputs *,
                                        const lmloss_ce_options *, const lmloss_ce_outputs *, void *,
-                                       size_t, lmloss_grad_keep *);
+                                       size_t, lmloss_row_keep *);
 lmloss_status lmloss_cpu_cross_entropy_backward(const lmloss_context *, const lmloss_ce_inputs *,
                                                 const lmloss_ce_options *, const lmloss_tensor *,
                                                 const lmloss_tensor *, void *, size_t,
-                                                lmloss_grad_keep *);
+                                                lmloss_row_keep *);
 lmloss_status lmloss_cpu_log_probs(const lmloss_context *, const lmloss_tensor *,
                                    const lmloss_tensor *, const lmloss_tensor *,
                                    const lmloss_transform *, const lmloss_tensor *,
@@ -17,7 +17,7 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *, const lmloss
                                             const lmloss_tensor *, const lmloss_tensor *,
                                             const lmloss_transform *, const lmloss_tensor *,
                                             const lmloss_tensor *, const lmloss_tensor *,
-                                            const lmloss_tensor *, lmloss_grad_keep *);
+                                            const lmloss_tensor *, lmloss_row_keep *);
 lmloss_status lmloss_cpu_softmax(const lmloss_context *, const lmloss_tensor *, int,
                                  const lmloss_tensor *);
 lmloss_status lmloss_cpu_softmax_backward(const lmloss_context *, const lmloss_tensor *,
@@ -53,7 +53,7 @@ lmloss_status lmloss_cpu_lp_finish(const lmloss_context *, const lmloss_tensor *
                                    const lmloss_transform *, const lmloss_shard *,
                                    const lmloss_tensor *, const lmloss_tensor *,
                                    const lmloss_tensor *, const lmloss_tensor *,
-                                   const lmloss_tensor *, const lmloss_tensor *);
+                                   const lmloss_tensor *, const lmloss_tensor *, lmloss_row_keep *);
 lmloss_status lmloss_cpu_softmax_finish(const lmloss_context *, const lmloss_tensor *,
                                         const lmloss_shard *, const lmloss_tensor *, int,
                                         const lmloss_tensor *);

@@ -98,7 +98,7 @@ static lmloss_status logits(const lmloss_context *ctx, const lmloss_tensor *h,
 /* Column sums over the rows in row order, columns in parallel: the result
  * does not depend on the thread count. */
 static lmloss_status colsum(const lmloss_context *ctx, const lmloss_tensor *a,
-                            const lmloss_grad_keep *entries, float beta, const lmloss_tensor *out) {
+                            const lmloss_row_keep *entries, float beta, const lmloss_tensor *out) {
   if (entries) return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CPU: kept entries are 16-bit heads'");
 #pragma omp parallel for num_threads(lmloss_cpu_threads(ctx))
   for (int64_t j0 = 0; j0 < a->cols; j0 += 256) {
@@ -163,8 +163,8 @@ static lmloss_status scale_rows(const lmloss_context *ctx, const lmloss_tensor *
   return LMLOSS_OK;
 }
 
-/* restore_entries, tile_grad and lp_tile_grad: 16-bit heads only. */
+/* restore_entries: 16-bit heads only. */
 const lmloss_linear_prims lmloss_cpu_linear = {
-    gemm, select_rows, gather_rows, scatter_rows, fill, logits, colsum,
-    sum,  cast,        scale,       NULL,         NULL, NULL,   scale_rows,
+    gemm,   select_rows, gather_rows, scatter_rows, fill, logits,
+    colsum, sum,         cast,        scale,        NULL, scale_rows,
 };

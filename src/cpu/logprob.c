@@ -156,7 +156,7 @@ lmloss_status lmloss_cpu_log_probs_backward(const lmloss_context *ctx, const lml
                                             const lmloss_transform *tr, const lmloss_tensor *dlogp,
                                             const lmloss_tensor *dentropy,
                                             const lmloss_tensor *dlogits,
-                                            const lmloss_tensor *stats, lmloss_grad_keep *keep) {
+                                            const lmloss_tensor *stats, lmloss_row_keep *keep) {
   const lmloss_shard sh = lmloss_cpu_whole_row(logits->cols, dentropy != NULL);
   return lp_backward(ctx, logits, index, mask, tr, &sh, NULL, dlogp, dentropy, dlogits, stats);
 }
@@ -183,7 +183,10 @@ lmloss_status lmloss_cpu_lp_finish(const lmloss_context *ctx, const lmloss_tenso
                                    const lmloss_transform *tr, const lmloss_shard *sh,
                                    const lmloss_tensor *state, const lmloss_tensor *logp,
                                    const lmloss_tensor *entropy, const lmloss_tensor *dlogp,
-                                   const lmloss_tensor *dentropy, const lmloss_tensor *dlogits) {
+                                   const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
+                                   lmloss_row_keep *keep) {
+  if (dlogits && state->cols == LMLOSS_ROW_STATS) /* saved statistics (backend.h) */
+    return lp_backward(ctx, logits, index, mask, tr, sh, NULL, dlogp, dentropy, dlogits, state);
   if (dlogits)
     return lp_backward(ctx, logits, index, mask, tr, sh, state, dlogp, dentropy, dlogits, NULL);
   return lp_forward(ctx, logits, logp ? index : NULL, mask, tr, sh, state, logp, entropy, NULL);

@@ -115,7 +115,7 @@ struct CeArgs {
   void *dx;
   int64_t dxs;
   lmloss_dtype dxt;        /* dx's dtype */
-  lmloss_grad_keep keep;   /* optional arrays, with dx */
+  lmloss_row_keep keep;    /* optional arrays, with dx */
   double *ws_loss, *ws_wt; /* forward: per-row loss and weight */
   const double *den;       /* MEAN with a gradient */
   float grad_output;       /* fused */
@@ -182,6 +182,14 @@ __global__ void ce_finalize(CeArgs a, float *loss) {
     if (a.reduction == LMLOSS_REDUCE_SUM_OVER_ITEMS) r = l / a.num_items;
     *loss = (float)r;
   }
+}
+
+/* A row's packed state (lmloss.h's row contract) from its stats phase. */
+__device__ __forceinline__ void put_state(float *out, const lmloss_rowstat &s, float wy,
+                                          int flags) {
+  lmloss_rowstate x;
+  x.s = s, x.wy = wy, x.flags = flags;
+  lmloss_rowstate_pack(&x, out);
 }
 
 /* Shaped as make_plan (staged.cuh) says. With a gradient: one row per
@@ -265,6 +273,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     lmloss_rowstat s;
     float wy;
     bool bad;                /* no finite statistics (a finish: or no label's w) */
+    int flags = 0;           /* the stats phase's lmloss_rowstate flags */
     long long yn = a.ignore; /* the next row's target (a finish stages no next row) */
     if (!finish) {
       Acc acc;
@@ -283,14 +292,11 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
       s.c += P.ce;
       if (s.a >= 0) s.a += a.sh.col0;
       bad = P.bad || !P.fin;
+      flags = (P.bad ? LMLOSS_STATE_NONFINITE : 0) | (P.fin ? LMLOSS_STATE_LOGIT : 0) |
+              (y_here ? LMLOSS_STATE_LABEL : 0);
       if (!GRPO && a.mode == CE_STATE) {
-        if (rw.rank == 0 && threadIdx.x == 0) {
-          lmloss_rowstate x;
-          x.s = s, x.wy = wy;
-          x.flags = (P.bad ? LMLOSS_STATE_NONFINITE : 0) | (P.fin ? LMLOSS_STATE_LOGIT : 0) |
-                    (y_here ? LMLOSS_STATE_LABEL : 0);
-          lmloss_rowstate_pack(&x, a.sh.state_out + i * a.sh.sts);
-        }
+        if (rw.rank == 0 && threadIdx.x == 0)
+          put_state(a.sh.state_out + i * a.sh.sts, s, wy, flags);
         continue;
       }
     } else {
@@ -334,8 +340,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
     float *const kv = kept_vals<In>(a.keep, i);   /* entries: the target, then the argmax */
     if constexpr (std::is_same<In, float>::value) /* the only logits keep is asked with */
       if (rw.rank == 0 && threadIdx.x == 0) {
-        if (a.keep.coef)
-          a.keep.coef[i] = ok ? lmloss_grad_coef_make(&s, Pz, 0.0f, Qz) : lmloss_grad_coef_nan();
+        if (a.keep.state) put_state(a.keep.state + i * LMLOSS_ROW_STATE_COLS, s, wy, flags);
         keep_col(a.keep, i, 0, yl, a.V);
         keep_col(a.keep, i, 1, am, a.V);
       }
@@ -411,7 +416,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
  * coefficients). */
 static bool ce_held_applies(const CeArgs &a, bool entropy) {
   return ce_writes_grad(a.mode) && !a.sh.state_in && a.eps == 0.0f && !a.cw && !a.dft &&
-         a.X.f.cap == 0.0f && !entropy && !a.amax && !a.keep.coef && !a.keep.vals;
+         a.X.f.cap == 0.0f && !entropy && !a.amax && !a.keep.state && !a.keep.vals;
 }
 
 /* The plain CE gradient row, held (see ce_held_applies). The row's
@@ -551,7 +556,7 @@ static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool entropy, cudaSt
 static lmloss_status run_ce(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                             const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
                             const lmloss_tensor *dloss, const lmloss_tensor *dlogits, void *ws,
-                            int mode, lmloss_grad_keep *keep, const GrpoPass *grpo = nullptr,
+                            int mode, lmloss_row_keep *keep, const GrpoPass *grpo = nullptr,
                             const CeShard *shard = nullptr) {
   cudaStream_t st = stream_of(ctx);
   DevInfo d;
@@ -648,7 +653,7 @@ extern "C" lmloss_status lmloss_cuda_cross_entropy(const lmloss_context *ctx,
                                                    const lmloss_ce_inputs *in,
                                                    const lmloss_ce_options *opt,
                                                    const lmloss_ce_outputs *out, void *ws,
-                                                   size_t ws_bytes, lmloss_grad_keep *keep) {
+                                                   size_t ws_bytes, lmloss_row_keep *keep) {
   (void)ws_bytes;
   const lmloss_tensor *dl = lmloss_present(&out->dlogits) ? &out->dlogits : NULL;
   return lmc::run_ce(ctx, in, opt, out, NULL, dl, ws, dl ? lmc::CE_FUSED : lmc::CE_FWD, keep);
@@ -722,7 +727,7 @@ extern "C" lmloss_status
 lmloss_cuda_cross_entropy_backward(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                    const lmloss_ce_options *opt, const lmloss_tensor *dloss,
                                    const lmloss_tensor *dlogits, void *ws, size_t ws_bytes,
-                                   lmloss_grad_keep *keep) {
+                                   lmloss_row_keep *keep) {
   (void)ws_bytes;
   return lmc::run_ce(ctx, in, opt, NULL, dloss, dlogits, ws, lmc::CE_BWD, keep);
 }

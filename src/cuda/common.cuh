@@ -426,7 +426,7 @@ template <int NV> struct DynChunkOut {
 
 /* A gradient row's store (write_grad's out) that also hands the final
  * value of each element of the vectors at(v) flags to note(j, g): the
- * fused head's exact entries (lmloss_grad_keep), kept in fp32 beside a
+ * fused head's exact entries (lmloss_row_keep), kept in fp32 beside a
  * 16-bit row. at(v) is the test the row's fill already makes for its
  * exact entries, and false throughout where nothing is kept. */
 template <int NV, typename Out, typename At, typename Note> struct NotingOut {
@@ -450,16 +450,16 @@ __device__ __forceinline__ NotingOut<NV, Out, At, Note> noting(const Out &out, A
   return NotingOut<NV, Out, At, Note>{out, at, note, jb, V};
 }
 
-/* Where a row op writes row i's kept entries (lmloss_grad_keep): NULL for
+/* Where a row op writes row i's kept entries (lmloss_row_keep): NULL for
  * a 16-bit input, whose kernels never keep (the fused head's slab is F32:
  * no stores compiled in them). Rank 0's thread 0 writes the columns, and
  * NaN for a column outside [0, V), which no CTA's chunk holds. */
 template <typename In>
-__device__ __forceinline__ float *kept_vals(const lmloss_grad_keep &kp, int64_t i) {
+__device__ __forceinline__ float *kept_vals(const lmloss_row_keep &kp, int64_t i) {
   if constexpr (std::is_same<In, float>::value) return kp.vals ? kp.vals + i * kp.stride : nullptr;
   return nullptr;
 }
-__device__ __forceinline__ void keep_col(const lmloss_grad_keep &kp, int64_t i, int s, long long c,
+__device__ __forceinline__ void keep_col(const lmloss_row_keep &kp, int64_t i, int s, long long c,
                                          int64_t V) {
   if (!kp.vals) return;
   kp.cols[i * kp.stride + s] = c;

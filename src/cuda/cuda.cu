@@ -8,11 +8,11 @@
 extern "C" {
 lmloss_status lmloss_cuda_cross_entropy(const lmloss_context *, const lmloss_ce_inputs *,
                                         const lmloss_ce_options *, const lmloss_ce_outputs *,
-                                        void *, size_t, lmloss_grad_keep *);
+                                        void *, size_t, lmloss_row_keep *);
 lmloss_status lmloss_cuda_cross_entropy_backward(const lmloss_context *, const lmloss_ce_inputs *,
                                                  const lmloss_ce_options *, const lmloss_tensor *,
                                                  const lmloss_tensor *, void *, size_t,
-                                                 lmloss_grad_keep *);
+                                                 lmloss_row_keep *);
 lmloss_status lmloss_cuda_log_probs(const lmloss_context *, const lmloss_tensor *,
                                     const lmloss_tensor *, const lmloss_tensor *,
                                     const lmloss_transform *, const lmloss_tensor *,
@@ -21,7 +21,7 @@ lmloss_status lmloss_cuda_log_probs_backward(const lmloss_context *, const lmlos
                                              const lmloss_tensor *, const lmloss_tensor *,
                                              const lmloss_transform *, const lmloss_tensor *,
                                              const lmloss_tensor *, const lmloss_tensor *,
-                                             const lmloss_tensor *, lmloss_grad_keep *);
+                                             const lmloss_tensor *, lmloss_row_keep *);
 lmloss_status lmloss_cuda_softmax(const lmloss_context *, const lmloss_tensor *, int,
                                   const lmloss_tensor *);
 lmloss_status lmloss_cuda_softmax_backward(const lmloss_context *, const lmloss_tensor *,

@@ -357,7 +357,7 @@ static lmloss_status logits(const lmloss_context *ctx, const lmloss_tensor *h,
 template <typename T>
 __global__ void __launch_bounds__(256)
     colsum_kernel(const T *a, int64_t astride, int64_t rows, int64_t cols, bool aligned,
-                  lmloss_grad_keep kp, float beta, void *out, lmloss_dtype odt, int64_t ostride) {
+                  lmloss_row_keep kp, float beta, void *out, lmloss_dtype odt, int64_t ostride) {
   constexpr int NV = 16 / sizeof(T), W = 8, C = 32 * NV, B = 256; /* C <= B threads */
   __shared__ float part[W][C], lost[B];
   __shared__ int hit[B]; /* per batch: the column (from j0) entry t restores, or -1 */
@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(256)
 
 template <typename T>
 static void launch_colsum(const lmloss_context *ctx, const lmloss_tensor *a,
-                          const lmloss_grad_keep &kp, float beta, const lmloss_tensor *out) {
+                          const lmloss_row_keep &kp, float beta, const lmloss_tensor *out) {
   constexpr int64_t C = 32 * (16 / sizeof(T));
   const bool aligned = (a->row_stride * sizeof(T)) % 16 == 0 && (uintptr_t)a->data % 16 == 0;
   colsum_kernel<T><<<(unsigned)((a->cols + C - 1) / C), 256, 0, stream_of(ctx)>>>(
@@ -439,9 +439,9 @@ static void launch_colsum(const lmloss_context *ctx, const lmloss_tensor *a,
 }
 
 static lmloss_status colsum(const lmloss_context *ctx, const lmloss_tensor *a,
-                            const lmloss_grad_keep *entries, float beta, const lmloss_tensor *out) {
+                            const lmloss_row_keep *entries, float beta, const lmloss_tensor *out) {
   if (a->cols == 0) return LMLOSS_OK;
-  const lmloss_grad_keep kp = entries ? *entries : lmloss_grad_keep{};
+  const lmloss_row_keep kp = entries ? *entries : lmloss_row_keep{};
   if (a->dtype == LMLOSS_BF16)
     launch_colsum<bf16>(ctx, a, kp, beta, out);
   else if (a->dtype == LMLOSS_F16)
@@ -521,7 +521,7 @@ static lmloss_status cast(const lmloss_context *ctx, const lmloss_tensor *src,
  * two threads add to one element): the few W rows it reads are what the
  * lo half of a second dhidden GEMM would have read in full. */
 template <typename W>
-__global__ void restore_kernel(lmloss_grad_keep kp, const W *w, int64_t wstride, int64_t V,
+__global__ void restore_kernel(lmloss_row_keep kp, const W *w, int64_t wstride, int64_t V,
                                float *acc, int64_t astride, int64_t rows, int64_t H) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const int64_t *cr = kp.cols + r * kp.stride;
@@ -537,7 +537,7 @@ __global__ void restore_kernel(lmloss_grad_keep kp, const W *w, int64_t wstride,
   }
 }
 
-static lmloss_status restore_entries(const lmloss_context *ctx, const lmloss_grad_keep *entries,
+static lmloss_status restore_entries(const lmloss_context *ctx, const lmloss_row_keep *entries,
                                      const lmloss_tensor *weight, const lmloss_tensor *acc) {
   const int64_t n = acc->rows;
   if (n == 0 || entries->count == 0) return LMLOSS_OK;
@@ -553,112 +553,10 @@ static lmloss_status restore_entries(const lmloss_context *ctx, const lmloss_gra
   return check_launch("restore_entries");
 }
 
-/* A row per blockIdx.y, four columns per thread across blockIdx.x:
- * elementwise, each logit read once and its gradient written once, so
- * memory-bound (16-byte loads, 8- or 16-byte stores, the exponential as
- * the row kernels form it: one multiply and ex2). cw: class weights. */
-template <typename O, bool CAP>
-__global__ void tile_grad_kernel(const float *slab, int64_t sstride, int64_t j0, int64_t tc, Xf X,
-                                 const float *cw, int64_t cwstride, const lmloss_grad_coef *coef,
-                                 O *dl, int64_t dstride, int64_t rows, bool aligned) {
-  const float kx = CAP ? 1.0f : X.f.k; /* without softcap dx = k dz: folded in */
-  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
-    const lmloss_grad_coef c = coef[r];
-    const float p1 = c.p * kx, p2 = c.p2 * X.f.k * kx, q = c.q * kx;
-    const float *x = slab + r * sstride;
-    O *out = dl + r * dstride;
-    for (int64_t j = 4 * (blockIdx.x * (int64_t)blockDim.x + threadIdx.x); j < tc;
-         j += 4 * (int64_t)gridDim.x * blockDim.x) {
-      const Raw<float> v = load_vec<float, STREAM>(x, j, tc, aligned);
-      float g[4];
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const float w = CAP ? lmloss_xform_w(&X.f, v.e[e]) : v.e[e];
-        const float d = fmaxf(w - c.m, X.dmin), ex = cexp(X, d); /* -inf logits: 0 */
-        const float cj = cw && j + e < tc ? cw[(j0 + j + e) * cwstride] : 1.0f;
-        g[e] = fmaf(ex, fmaf(p2, d, p1), -q * cj);
-        if (CAP) g[e] *= lmloss_xform_dzdx(&X.f, v.e[e]);
-      }
-      if (aligned && j + 4 <= tc) {
-        store_whole<O, 4>(out + j, g);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; e++)
-          if (j + e < tc) out[j + e] = fromf<O>(g[e]);
-      }
-    }
-  }
-}
-
-/* After tile_grad_kernel: the exact entries that fall in the tile. */
-__global__ void patch_kernel(lmloss_grad_keep kp, int64_t j0, int64_t tc, void *dl,
-                             lmloss_dtype ddt, int64_t dstride, int64_t rows) {
-  const int64_t S = kp.count;
-  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < rows * S;
-       e += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t r = e / S, s = e % S, c = kp.cols[r * kp.stride + s];
-    char *row = (char *)dl + (size_t)(r * dstride) * lmloss_dtype_size(ddt);
-    if (c >= j0 && c < j0 + tc) lmloss_store(row, ddt, c - j0, kp.vals[r * kp.stride + s]);
-  }
-}
-
-template <typename O>
-static void launch_tile_grad(dim3 grid, cudaStream_t st, const lmloss_tensor *slab, int64_t j0,
-                             const Xf &X, const float *cw, int64_t cws,
-                             const lmloss_grad_coef *coef, const lmloss_tensor *dl, bool aligned) {
-  auto k = X.f.cap > 0.0f ? tile_grad_kernel<O, true> : tile_grad_kernel<O, false>;
-  k<<<grid, 256, 0, st>>>((const float *)slab->data, slab->row_stride, j0, slab->cols, X, cw, cws,
-                          coef, (O *)dl->data, dl->row_stride, slab->rows, aligned);
-}
-
-static lmloss_status tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, int64_t j0,
-                               const lmloss_transform *tr, const lmloss_tensor *class_weight,
-                               const lmloss_grad_keep *keep, const lmloss_tensor *dl) {
-  const int64_t n = slab->rows, tc = slab->cols, bx = (tc + 1023) / 1024;
-  if (n == 0 || tc == 0) return LMLOSS_OK;
-  cudaStream_t st = stream_of(ctx);
-  const bool has_cw = lmloss_present(class_weight);
-  const float *cw = has_cw ? (const float *)class_weight->data : nullptr;
-  const int64_t cws = has_cw ? class_weight->row_stride : 0;
-  const bool aligned = slab->row_stride % 4 == 0 && dl->row_stride % 4 == 0 &&
-                       ((uintptr_t)slab->data | (uintptr_t)dl->data) % 16 == 0;
-  const dim3 grid((unsigned)(bx < 64 ? bx : 64), (unsigned)(n < 65535 ? n : 65535));
-  const Xf X = make_xf(*tr);
-  if (dl->dtype == LMLOSS_BF16) /* the head's 16-bit dtype: only 16-bit heads take tiles */
-    launch_tile_grad<bf16>(grid, st, slab, j0, X, cw, cws, keep->coef, dl, aligned);
-  else
-    launch_tile_grad<f16>(grid, st, slab, j0, X, cw, cws, keep->coef, dl, aligned);
-  lmloss_status s = check_launch("tile_grad");
-  if (s != LMLOSS_OK) return s;
-  const int64_t ne = n * keep->count, blocks = (ne + 255) / 256;
-  if (ne == 0) return LMLOSS_OK;
-  patch_kernel<<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, st>>>(
-      *keep, j0, tc, dl->data, dl->dtype, dl->row_stride, n);
-  return check_launch("tile_grad entries");
-}
-
 } // namespace lmc
 
-extern "C" lmloss_status
-lmloss_cuda_lp_tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, int64_t j0,
-                         int64_t V, const lmloss_transform *tr, const lmloss_tensor *index,
-                         const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
-                         const lmloss_tensor *stats, const lmloss_grad_keep *keep,
-                         const lmloss_tensor *dl); /* logprob.cu */
-
 extern "C" const lmloss_linear_prims lmloss_cuda_linear = {
-    lmc::gemm,
-    lmc::select_rows,
-    lmc::gather_rows,
-    lmc::scatter_rows,
-    lmc::fill,
-    lmc::logits,
-    lmc::colsum,
-    lmc::sum,
-    lmc::cast,
-    lmc::scale,
-    lmc::restore_entries,
-    lmc::tile_grad,
-    lmloss_cuda_lp_tile_grad,
-    lmc::scale_rows,
+    lmc::gemm, lmc::select_rows, lmc::gather_rows,     lmc::scatter_rows,
+    lmc::fill, lmc::logits,      lmc::colsum,          lmc::sum,
+    lmc::cast, lmc::scale,       lmc::restore_entries, lmc::scale_rows,
 };

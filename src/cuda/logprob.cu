@@ -12,8 +12,8 @@
  * An out-of-range index makes its whole gradient row NaN. The backward
  * takes the row's statistics from its own first pass (lp_bwd, or lp_held
  * for one index and no entropy gradient) or from the forward's saved ones
- * (lp_bwd_saved, which reads the row once; it also forms the fused head's
- * vocab tiles, lmloss_cuda_lp_tile_grad).
+ * (lp_bwd_saved, which reads the row once; it is also the finish from
+ * merged states, over a vocabulary shard or a fused head's vocab tile).
  */
 #include <type_traits>
 
@@ -52,8 +52,8 @@ struct LpArgs {
   int64_t dents;
   void *dx;
   int64_t dxs;
-  lmloss_dtype dxt;      /* dx's dtype */
-  lmloss_grad_keep keep; /* optional arrays, backward */
+  lmloss_dtype dxt;     /* dx's dtype */
+  lmloss_row_keep keep; /* optional arrays, backward */
   int cs;
   int64_t chunk;
   int staged;
@@ -185,10 +185,6 @@ template <bool ENTROPY> struct LpGrad {
     C0 = (c0 - c1 * ref.ml / X.kh) * ref.s();
   }
 
-  /* The coefficients of lmloss_grad_coef (z units). */
-  __device__ __forceinline__ float pz() const { return -inv * (up.D + up.dH * tinv); }
-  __device__ __forceinline__ float p2z() const { return -inv * up.dH; }
-
   /* Flag the vectors of chunk ch holding the argmax or an index in the
    * bitmap bm (cleared by the caller before a barrier). Contains
    * __syncthreads: call uniformly. */
@@ -318,9 +314,12 @@ __global__ void ROW_BOUNDS(THREADS) lp_bwd(LpArgs a) {
     float *const kv = kept_vals<In>(a.keep, i);   /* entries: the K indices, then the argmax */
     if constexpr (std::is_same<In, float>::value) /* the only logits keep is asked with */
       if (rw.rank == 0 && threadIdx.x == 0) {
-        if (a.keep.coef)
-          a.keep.coef[i] =
-              G.ok ? lmloss_grad_coef_make(&G.s, G.pz(), G.p2z(), 0.0f) : lmloss_grad_coef_nan();
+        if (a.keep.state) { /* the finish reads no label */
+          lmloss_rowstate x;
+          x.s = P.s, x.wy = 0.0f;
+          x.flags = (P.bad ? LMLOSS_STATE_NONFINITE : 0) | (P.fin ? LMLOSS_STATE_LOGIT : 0);
+          lmloss_rowstate_pack(&x, a.keep.state + i * LMLOSS_ROW_STATE_COLS);
+        }
         for (int64_t q = 0; q < a.K; q++)
           keep_col(a.keep, i, (int)q, ld_index(a.idx, a.idx64, i * a.is + q), a.V);
         keep_col(a.keep, i, (int)a.K, G.s.a, a.V);
@@ -356,7 +355,7 @@ __global__ void ROW_BOUNDS(THREADS) lp_bwd(LpArgs a) {
  * not before them (see ce_held): a masked row is read too. */
 static bool lp_held_applies(const LpArgs &a, bool entropy) {
   return !a.stats && !entropy && a.dlogp && a.K == 1 && a.vh == a.V && a.X.f.cap == 0.0f &&
-         !a.keep.coef && !a.keep.vals;
+         !a.keep.state && !a.keep.vals;
 }
 
 template <typename In, typename O, bool CLUSTER>
@@ -408,9 +407,10 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
  * (BENCHMARKS.md) against 8 x 256 (three CTAs an SM), 4 x 256, 16 x 128,
  * and a persistent grid loading a CTA's next slice while it writes the
  * current one. The hot loop has no exact-entry test: the slice's exact
- * entries (thread q: index q, thread K: the argmax; K < SAVED_BS) are
- * formed from their logits and stored over the fast form after it, and
- * into the fused head's kept entries (a.keep) when asked. Only where
+ * entries (thread q: index q, thread K: the argmax; more than SAVED_BS
+ * of them: lp_late_entries) are formed from their logits and stored over
+ * the fast form after it, and into the fused head's kept entries
+ * (a.keep) when asked. Only where
  * dlogits alias the logits do the stores wait for the entries' logits
  * (index, then logit: two dependent loads): a barrier there for every
  * CTA held the whole slice's stores behind them. */
@@ -420,6 +420,12 @@ constexpr int SAVED_U = 8, SAVED_BS = 128;
 __device__ __forceinline__ lmloss_rowstat merged_stats(const float *state, int64_t vocab) {
   const lmloss_rowstate x = lmloss_rowstate_unpack(state, vocab);
   return lmloss_rowstate_ok(&x) ? x.s : lmloss_rowstat_empty();
+}
+
+/* Row i's statistics: its merged state's, or the forward's saved ones. */
+__device__ __forceinline__ lmloss_rowstat saved_stats(const LpArgs &a, int64_t i) {
+  return a.state ? merged_stats(a.state + i * a.sts, a.vh)
+                 : lmloss_rowstat_load(a.stats + i * a.sts, a.vh);
 }
 
 static_assert(SAVED_BS == LMLOSS_SAVED_MAX_K + 1, "a thread per index and one for the argmax");
@@ -441,8 +447,7 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
     }
     const In *row = (const In *)a.x + i * a.xs;
     const RowPart<In> part = {row, ch, a.V, is_aligned16(row)};
-    const lmloss_rowstat s = a.state ? merged_stats(a.state + i * a.sts, a.vh)
-                                     : lmloss_rowstat_load(a.stats + i * a.sts, a.vh);
+    const lmloss_rowstat s = saved_stats(a, i);
     const int q = threadIdx.x;
     const long long c = q == a.K             ? s.a
                         : q < a.K && a.dlogp ? ld_index(a.idx, a.idx64, i * a.is + q)
@@ -494,6 +499,29 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
   }
 }
 
+/* After lp_bwd_saved, where a row has more entries than its CTAs have
+ * threads (K >= SAVED_BS: the fused head's tiles of many indices, F32
+ * logits, not in place): those past them, a thread each, in a kernel of
+ * their own so that the common case's registers do not pay for it. */
+template <typename O, bool ENTROPY> __global__ void lp_late_entries(LpArgs a) {
+  const Xf &X = a.X;
+  const int64_t per = a.K + 1 - SAVED_BS;
+  for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < a.N * per;
+       t += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t i = t / per, e = SAVED_BS + t % per;
+    if (a.mask && !a.mask[i * a.ms]) continue;
+    const lmloss_rowstat s = saved_stats(a, i);
+    const long long c = e == a.K ? s.a : ld_index(a.idx, a.idx64, i * a.is + e), cx = c - a.j0;
+    if (cx < 0 || cx >= a.V) continue;
+    const LpGrad<ENTROPY> G(X, s, false, lp_upstream(a, i));
+    const float x = ((const float *)a.x)[i * a.xs + cx];
+    float g = 0.0f;
+    G.entry(a, i, X, c, lmloss_xform_w(&X.f, x), &g);
+    ((O *)a.dx)[i * a.dxs + cx] =
+        fromf<O>(g * (X.f.cap > 0.0f ? lmloss_xform_dzdx(&X.f, x) : 1.0f));
+  }
+}
+
 template <typename In>
 static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool entropy, cudaStream_t st) {
   auto k = entropy ? lp_fwd<In, true> : lp_fwd<In, false>;
@@ -511,7 +539,18 @@ static lmloss_status launch_saved(LpArgs &a, bool entropy, cudaStream_t st) {
     lp_bwd_saved<In, O, true><<<grid, SAVED_BS, 0, st>>>(a);
   else
     lp_bwd_saved<In, O, false><<<grid, SAVED_BS, 0, st>>>(a);
-  return check_launch("log_probs_backward (saved statistics)");
+  const lmloss_status s = check_launch("log_probs_backward (saved statistics)");
+  if constexpr (std::is_same<In, float>::value) {
+    const int64_t n = a.N * (a.K + 1 - SAVED_BS);
+    if (s != LMLOSS_OK || n <= 0) return s;
+    const unsigned blocks = (unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
+    if (entropy)
+      lp_late_entries<O, true><<<blocks, 256, 0, st>>>(a);
+    else
+      lp_late_entries<O, false><<<blocks, 256, 0, st>>>(a);
+    return check_launch("log_probs_backward (saved statistics, late entries)");
+  }
+  return s;
 }
 
 /* The saved statistics' kernel for dlogits of any dtype. */
@@ -637,44 +676,22 @@ lmloss_cuda_log_probs_backward(const lmloss_context *ctx, const lmloss_tensor *l
                                const lmloss_tensor *index, const lmloss_tensor *mask,
                                const lmloss_transform *tr, const lmloss_tensor *dlogp,
                                const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
-                               const lmloss_tensor *stats, lmloss_grad_keep *keep) {
+                               const lmloss_tensor *stats, lmloss_row_keep *keep) {
   lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
   if (keep) a.keep = *keep;
   if (keep && logits->dtype != LMLOSS_F32)
     return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: kept gradient entries of F32 logits only");
-  if (keep && stats) /* the fused head's tiles take lmloss_cuda_lp_tile_grad */
+  if (keep && stats) /* the fused head's tiles take lmloss_cuda_lp_backward_finish */
     return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: kept entries of whole rows from saved "
                                                "statistics");
   lmc::backward_args(a, dlogp, dentropy, dlogits, stats);
   return lmc::run(a, logits->dtype, a.dent != NULL, 1, ctx);
 }
 
-/* The fused head's vocab tile (backend.h, lp_tile_grad): the saved
- * statistics' kernel over columns j0.. of the rows. */
-extern "C" lmloss_status
-lmloss_cuda_lp_tile_grad(const lmloss_context *ctx, const lmloss_tensor *slab, int64_t j0,
-                         int64_t V, const lmloss_transform *tr, const lmloss_tensor *index,
-                         const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
-                         const lmloss_tensor *stats, const lmloss_grad_keep *keep,
-                         const lmloss_tensor *dl) {
-  lmc::LpArgs a = lmc::common_args(slab, index, NULL, tr);
-  a.vh = V;
-  a.j0 = j0;
-  a.keep = *keep;
-  lmc::backward_args(a, dlogp, dentropy, dl, stats);
-  if (dl->data == slab->data && slab->cols > LMLOSS_TILE_INPLACE_COLS) /* backend.h */
-    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: a tile of %lld columns written over itself",
-                       (long long)slab->cols);
-  const bool entropy = a.dent != NULL;
-  cudaStream_t st = lmc::stream_of(ctx);
-  if (dl->dtype == LMLOSS_BF16) return lmc::launch_saved<float, lmc::bf16>(a, entropy, st);
-  return lmc::launch_saved<float, lmc::f16>(a, entropy, st);
-}
-
 /* The log-probs' phases over a vocabulary shard (lmloss.h): the states
  * by the forward's one pass, the backward's finish by the saved
- * statistics' kernel from the merged states (x holds columns col0.. of
- * vocab, as a fused head's tile does). */
+ * statistics' kernel from the merged states or saved statistics (x holds
+ * columns col0.. of vocab; a fused head's vocab tile is such a shard). */
 extern "C" lmloss_status lmloss_cuda_lp_state(const lmloss_context *ctx,
                                               const lmloss_tensor *logits,
                                               const lmloss_tensor *index, const lmloss_tensor *mask,
@@ -689,18 +706,31 @@ extern "C" lmloss_status lmloss_cuda_lp_state(const lmloss_context *ctx,
   return lmc::run(a, logits->dtype, sh->entropy, 0, ctx);
 }
 
-extern "C" lmloss_status
-lmloss_cuda_lp_backward_finish(const lmloss_context *ctx, const lmloss_tensor *logits,
-                               const lmloss_tensor *index, const lmloss_tensor *mask,
-                               const lmloss_transform *tr, const lmloss_shard *sh,
-                               const lmloss_tensor *state, const lmloss_tensor *dlogp,
-                               const lmloss_tensor *dentropy, const lmloss_tensor *dlogits) {
+extern "C" lmloss_status lmloss_cuda_lp_backward_finish(
+    const lmloss_context *ctx, const lmloss_tensor *logits, const lmloss_tensor *index,
+    const lmloss_tensor *mask, const lmloss_transform *tr, const lmloss_shard *sh,
+    const lmloss_tensor *state, const lmloss_tensor *dlogp, const lmloss_tensor *dentropy,
+    const lmloss_tensor *dlogits, lmloss_row_keep *keep) {
+  const bool in_place = dlogits->data == logits->data;
+  if (in_place && dlogits->dtype != logits->dtype && logits->cols > LMLOSS_TILE_INPLACE_COLS)
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "CUDA: a tile of %lld columns written over itself",
+                       (long long)logits->cols); /* backend.h */
+  const int64_t K = lmloss_present(dlogp) ? index->cols : 0;
+  if ((in_place || keep || logits->dtype != LMLOSS_F32) && K > LMLOSS_SAVED_MAX_K)
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED,
+                       "CUDA: more than %d indices a row, in place, with kept entries or on "
+                       "16-bit logits",
+                       LMLOSS_SAVED_MAX_K);
   lmc::LpArgs a = lmc::common_args(logits, index, mask, tr);
   a.j0 = sh->col0;
   a.vh = sh->vocab;
-  lmc::backward_args(a, dlogp, dentropy, dlogits, NULL);
-  a.state = (float *)state->data;
-  a.sts = state->row_stride;
+  const bool saved = state->cols == LMLOSS_ROW_STATS;
+  lmc::backward_args(a, dlogp, dentropy, dlogits, saved ? state : NULL);
+  if (!saved) {
+    a.state = (float *)state->data;
+    a.sts = state->row_stride;
+  }
+  if (keep) a.keep = *keep;
   const bool entropy = a.dent != NULL;
   cudaStream_t st = lmc::stream_of(ctx);
   switch (logits->dtype) {

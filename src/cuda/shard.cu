@@ -192,7 +192,8 @@ lmloss_status lmloss_cuda_lp_backward_finish(const lmloss_context *, const lmlos
                                              const lmloss_tensor *, const lmloss_tensor *,
                                              const lmloss_transform *, const lmloss_shard *,
                                              const lmloss_tensor *, const lmloss_tensor *,
-                                             const lmloss_tensor *, const lmloss_tensor *);
+                                             const lmloss_tensor *, const lmloss_tensor *,
+                                             lmloss_row_keep *);
 
 /* softmax.cu */
 lmloss_status lmloss_cuda_softmax_finish(const lmloss_context *, const lmloss_tensor *,
@@ -204,10 +205,11 @@ lmloss_status lmloss_cuda_lp_finish(const lmloss_context *ctx, const lmloss_tens
                                     const lmloss_transform *tr, const lmloss_shard *sh,
                                     const lmloss_tensor *state, const lmloss_tensor *logp,
                                     const lmloss_tensor *entropy, const lmloss_tensor *dlogp,
-                                    const lmloss_tensor *dentropy, const lmloss_tensor *dlogits) {
+                                    const lmloss_tensor *dentropy, const lmloss_tensor *dlogits,
+                                    lmloss_row_keep *keep) {
   if (dlogits)
     return lmloss_cuda_lp_backward_finish(ctx, logits, index, mask, tr, sh, state, dlogp, dentropy,
-                                          dlogits);
+                                          dlogits, keep);
   LpFinish a = {};
   a.R = shard_rows(logits, sh, *tr);
   if (lmloss_present(index)) {

@@ -121,6 +121,24 @@ LMLOSS_HD lmloss_rowstate lmloss_rowstate_unpack(const float *in, int64_t vocab)
   return x;
 }
 
+/* What a one-shot row op keeps of its rows for the fused head, each array
+ * indexed by the op's row r (NULL: not asked for):
+ *  - state[r * LMLOSS_ROW_STATE_COLS]: the row's packed state, as its stats
+ *    phase formed it, from which the vocab tiles run the family's finish
+ *    (src/core/linear_loop.c);
+ *  - the row's exact entries (those a row op forms apart: the K labels'
+ *    columns, then the argmax), entry s at cols[r * stride + s] with the
+ *    final gradient there, in fp32, at vals[r * stride + s] (NaN for a
+ *    column outside [0, V)): a 16-bit gradient row loses much only there,
+ *    and dhidden and dbias put it back. */
+typedef struct {
+  float *state;
+  int64_t *cols;
+  float *vals;
+  int64_t count;  /* entries per row: K (0 without labels) + 1 */
+  int64_t stride; /* >= count */
+} lmloss_row_keep;
+
 /* Cross-entropy of one row from its merged statistics (lmloss.h's
  * formula): wy = w at the label, cy = class_weight[y], C = sum_j
  * class_weight[j], e = label smoothing over V columns. lse and

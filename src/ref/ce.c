@@ -114,7 +114,7 @@ static lmloss_status ce_run(const lmloss_ce_inputs *in, const lmloss_ce_options 
 
 lmloss_status lmloss_ref_cross_entropy(const lmloss_context *ctx, const lmloss_ce_inputs *in,
                                        const lmloss_ce_options *opt, const lmloss_ce_outputs *out,
-                                       void *ws, size_t ws_bytes, lmloss_grad_keep *keep) {
+                                       void *ws, size_t ws_bytes, lmloss_row_keep *keep) {
   return ce_run(in, opt, out, NULL, lmloss_present(&out->dlogits) ? &out->dlogits : NULL);
 }
 
@@ -123,6 +123,6 @@ lmloss_status lmloss_ref_cross_entropy_backward(const lmloss_context *ctx,
                                                 const lmloss_ce_options *opt,
                                                 const lmloss_tensor *dloss,
                                                 const lmloss_tensor *dlogits, void *ws,
-                                                size_t ws_bytes, lmloss_grad_keep *keep) {
+                                                size_t ws_bytes, lmloss_row_keep *keep) {
   return ce_run(in, opt, NULL, dloss, dlogits);
 }

@@ -72,7 +72,7 @@ lmloss_status lmloss_ref_log_probs_backward(const lmloss_context *ctx, const lml
                                             const lmloss_transform *tr, const lmloss_tensor *dlogp,
                                             const lmloss_tensor *dentropy,
                                             const lmloss_tensor *dlogits,
-                                            const lmloss_tensor *stats, lmloss_grad_keep *keep) {
+                                            const lmloss_tensor *stats, lmloss_row_keep *keep) {
   (void)stats; /* the oracle recomputes every row in float64 */
   int64_t N = logits->rows, V = logits->cols;
   int64_t K = lmloss_present(dlogp) ? index->cols : 0;

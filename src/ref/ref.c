@@ -7,11 +7,11 @@
 
 lmloss_status lmloss_ref_cross_entropy(const lmloss_context *, const lmloss_ce_inputs *,
                                        const lmloss_ce_options *, const lmloss_ce_outputs *, void *,
-                                       size_t, lmloss_grad_keep *);
+                                       size_t, lmloss_row_keep *);
 lmloss_status lmloss_ref_cross_entropy_backward(const lmloss_context *, const lmloss_ce_inputs *,
                                                 const lmloss_ce_options *, const lmloss_tensor *,
                                                 const lmloss_tensor *, void *, size_t,
-                                                lmloss_grad_keep *);
+                                                lmloss_row_keep *);
 lmloss_status lmloss_ref_log_probs(const lmloss_context *, const lmloss_tensor *,
                                    const lmloss_tensor *, const lmloss_tensor *,
                                    const lmloss_transform *, const lmloss_tensor *,
@@ -20,7 +20,7 @@ lmloss_status lmloss_ref_log_probs_backward(const lmloss_context *, const lmloss
                                             const lmloss_tensor *, const lmloss_tensor *,
                                             const lmloss_transform *, const lmloss_tensor *,
                                             const lmloss_tensor *, const lmloss_tensor *,
-                                            const lmloss_tensor *, lmloss_grad_keep *);
+                                            const lmloss_tensor *, lmloss_row_keep *);
 lmloss_status lmloss_ref_softmax(const lmloss_context *, const lmloss_tensor *, int,
                                  const lmloss_tensor *);
 lmloss_status lmloss_ref_softmax_backward(const lmloss_context *, const lmloss_tensor *,
