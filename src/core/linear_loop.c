@@ -332,6 +332,8 @@ lmloss_status lmloss_linear_run(const linear_job *j, void *ws, size_t ws_bytes) 
   const int64_t nchunks = (M + p.rows - 1) / p.rows;
   const int want_dw = want_grad && wants(&g->dweight);
   p.tiled = want_dw && p.tiles && nchunks > 1;
+  if (p.tiled && !jt->tile) /* a kind without a finish over columns */
+    return lmloss_fail(LMLOSS_ERR_UNSUPPORTED, "fused head: this call takes no vocab tiles");
   tile_rows tr;
   int saved = 0;
   TRY(saved_start(j, L, &p, w, list, M, &tr, &saved));
