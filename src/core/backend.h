@@ -156,9 +156,9 @@ typedef enum {
  * memory, which a backend with 16-bit fused heads fills for every row it
  * writes a gradient for (the states, when given: the vocab tiles'; the
  * exact entries, when given: count = K + 1, 2 for cross-entropy); the
- * others leave them. The fused head asks for them with F32 logits (its slab) only, and
- * the CUDA backend supports that case alone (no 16-bit kernel carries the
- * stores). */
+ * others leave them. The fused head asks for them with F32 logits (its
+ * slab) only, and the CUDA backend supports that case alone (no 16-bit
+ * kernel carries the stores). */
 typedef struct {
   lmloss_status (*cross_entropy)(const lmloss_context *, const lmloss_ce_inputs *,
                                  const lmloss_ce_options *, const lmloss_ce_outputs *, void *,

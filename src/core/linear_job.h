@@ -116,9 +116,10 @@ extern const linear_job_table lmloss_lp_keep_forward_job, lmloss_lp_keep_backwar
 
 /* What the row op keeps for compact rows first.. (16-bit heads, NULL
  * otherwise): the rows' states, from which the vocab tiles run the
- * family's finish, and the exact entries (S a row: the labels' columns
- * and the argmax), what rounding dlogits took from which the dhidden
- * GEMMs add, and which dbias sums in place of their rounded values. */
+ * family's finish (a call that takes tiles only: p->tiled), and the exact
+ * entries (S a row: the labels' columns and the argmax), what rounding
+ * dlogits took from which the dhidden GEMMs add, and which dbias sums in
+ * place of their rounded values. */
 lmloss_row_keep *lmloss_linear_keep_at(const linear_plan *p, char *ws, int64_t first,
                                        lmloss_row_keep *k);
 

@@ -52,7 +52,7 @@ lmloss_status lmloss_linear_grads_apart(const lmloss_head *head, const lmloss_he
 lmloss_row_keep *lmloss_linear_keep_at(const linear_plan *p, char *ws, int64_t first,
                                        lmloss_row_keep *k) {
   if (!p->dl_separate) return NULL;
-  k->state = (float *)(ws + p->state) + first * LMLOSS_ROW_STATE_COLS;
+  k->state = p->tiled ? (float *)(ws + p->state) + first * LMLOSS_ROW_STATE_COLS : NULL;
   k->cols = (int64_t *)(ws + p->cols) + first * p->S;
   k->vals = (float *)(ws + p->vals) + first * p->S;
   k->count = p->S;

@@ -53,7 +53,6 @@ static size_t pair_layout(const lmloss_head *head, int64_t P, int64_t k, int64_t
   size_t off = 0;
   p->list = off, off += lmloss_ws_up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
   if (p->dl_separate) {
-    p->state = off, off += lmloss_ws_up((size_t)cap * LMLOSS_ROW_STATE_COLS * 4);
     p->cols = off, off += lmloss_ws_up((size_t)cap * p->S * 8);
     p->vals = off, off += lmloss_ws_up((size_t)cap * p->S * 4);
   }

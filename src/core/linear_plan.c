@@ -114,7 +114,7 @@ lmloss_status lmloss_linear_make_plan(const lmloss_head *head, const lmloss_head
   p->list = off, off += lmloss_ws_up((size_t)(N + 2) * 8); /* + 2: select_rows' scratch */
   /* what the row op keeps for a 16-bit head (lmloss_row_keep) */
   if (p->dl_separate) {
-    p->state = off, off += lmloss_ws_up((size_t)N * LMLOSS_ROW_STATE_COLS * 4);
+    if (p->tiles) p->state = off, off += lmloss_ws_up((size_t)N * LMLOSS_ROW_STATE_COLS * 4);
     p->cols = off, off += lmloss_ws_up((size_t)N * p->S * 8);
     p->vals = off, off += lmloss_ws_up((size_t)N * p->S * 4);
   }

@@ -292,8 +292,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
       s.c += P.ce;
       if (s.a >= 0) s.a += a.sh.col0;
       bad = P.bad || !P.fin;
-      flags = (P.bad ? LMLOSS_STATE_NONFINITE : 0) | (P.fin ? LMLOSS_STATE_LOGIT : 0) |
-              (y_here ? LMLOSS_STATE_LABEL : 0);
+      flags = part_flags(P) | (y_here ? LMLOSS_STATE_LABEL : 0);
       if (!GRPO && a.mode == CE_STATE) {
         if (rw.rank == 0 && threadIdx.x == 0)
           put_state(a.sh.state_out + i * a.sh.sts, s, wy, flags);

@@ -68,7 +68,7 @@ __device__ __forceinline__ void shard_state(const LpArgs &a, int64_t i, const In
   x.s = P.s;
   if (x.s.a >= 0) x.s.a += a.j0;
   x.wy = 0.0f;
-  x.flags = (P.bad ? LMLOSS_STATE_NONFINITE : 0) | (P.fin ? LMLOSS_STATE_LOGIT : 0);
+  x.flags = part_flags(P);
   const long long y = a.idx ? ld_index(a.idx, a.idx64, i * a.is) - a.j0 : -1;
   if (y >= 0 && y < a.V) {
     x.wy = lmloss_xform_w(&a.X.f, tof(row[y]));
@@ -248,6 +248,15 @@ template <bool ENTROPY> struct LpGrad {
     return true;
   }
 
+  /* entry's gradient at column j from its raw logit x, through the
+   * softcap's chain rule (0 where j is no exact entry). */
+  __device__ __forceinline__ float entry_dx(const LpArgs &a, int64_t i, const Xf &X, long long j,
+                                            float x) const {
+    float g = 0.0f;
+    entry(a, i, X, j, lmloss_xform_w(&X.f, x), &g);
+    return g * (X.f.cap > 0.0f ? lmloss_xform_dzdx(&X.f, x) : 1.0f);
+  }
+
   /* fast, then the exact entries of a vector (j0..) that holds one. */
   template <int NV>
   __device__ __forceinline__ void fill(const LpArgs &a, int64_t i, const Xf &X, int64_t j0,
@@ -317,7 +326,7 @@ __global__ void ROW_BOUNDS(THREADS) lp_bwd(LpArgs a) {
         if (a.keep.state) { /* the finish reads no label */
           lmloss_rowstate x;
           x.s = P.s, x.wy = 0.0f;
-          x.flags = (P.bad ? LMLOSS_STATE_NONFINITE : 0) | (P.fin ? LMLOSS_STATE_LOGIT : 0);
+          x.flags = part_flags(P);
           lmloss_rowstate_pack(&x, a.keep.state + i * LMLOSS_ROW_STATE_COLS);
         }
         for (int64_t q = 0; q < a.K; q++)
@@ -460,13 +469,8 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
     }
     const LpGrad<ENTROPY> G(X, s, false, lp_upstream(a, i));
     const long long cx = c - a.j0; /* its column in x */
-    float gc = 0.0f;
     const bool mine = cx >= ch.jb && cx < ch.je;
-    if (mine) {
-      const float x = tof(row[cx]);
-      G.entry(a, i, X, c, lmloss_xform_w(&X.f, x), &gc);
-      gc *= X.f.cap > 0.0f ? lmloss_xform_dzdx(&X.f, x) : 1.0f;
-    }
+    const float gc = mine ? G.entry_dx(a, i, X, c, tof(row[cx])) : 0.0f;
     if (a.keep.vals && q <= a.K) { /* entry q: the index's, then the argmax's */
       const int64_t e = i * a.keep.stride + q;
       if (a.j0 == 0 && blockIdx.x == 0) {
@@ -514,11 +518,8 @@ template <typename O, bool ENTROPY> __global__ void lp_late_entries(LpArgs a) {
     const long long c = e == a.K ? s.a : ld_index(a.idx, a.idx64, i * a.is + e), cx = c - a.j0;
     if (cx < 0 || cx >= a.V) continue;
     const LpGrad<ENTROPY> G(X, s, false, lp_upstream(a, i));
-    const float x = ((const float *)a.x)[i * a.xs + cx];
-    float g = 0.0f;
-    G.entry(a, i, X, c, lmloss_xform_w(&X.f, x), &g);
     ((O *)a.dx)[i * a.dxs + cx] =
-        fromf<O>(g * (X.f.cap > 0.0f ? lmloss_xform_dzdx(&X.f, x) : 1.0f));
+        fromf<O>(G.entry_dx(a, i, X, c, ((const float *)a.x)[i * a.xs + cx]));
   }
 }
 

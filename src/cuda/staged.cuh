@@ -234,6 +234,11 @@ struct Part {
 };
 static_assert(sizeof(Part) == 48, "Part travels as three 16-byte words");
 
+/* A part's lmloss_rowstate flags (a label's is the family's to add). */
+__device__ __forceinline__ int part_flags(const Part &P) {
+  return (P.bad ? LMLOSS_STATE_NONFINITE : 0) | (P.fin ? LMLOSS_STATE_LOGIT : 0);
+}
+
 /* The most threads a row kernel runs (make_plan's larger block). */
 constexpr int MAX_ROW_THREADS = 256;
 
