@@ -146,8 +146,9 @@ typedef struct {
   lmloss_reduction reduction;
 } ce_case;
 
-static void run_ce(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int order,
-                   const ce_case *cc) {
+/* Logits of dtype dt, gradients of dtype gdt. */
+static void run_ce(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, lmloss_dtype gdt, int k,
+                   int order, const ce_case *cc) {
   const split s = make_split(V, k);
   lmloss_tensor x = host_new(dt, N, V, V + 3), tgt = host_new(LMLOSS_I64, N, 1, 1);
   lmloss_tensor tw = host_new(LMLOSS_F32, N, 1, 1), cw = host_new(LMLOSS_F32, V, 1, 1);
@@ -172,7 +173,7 @@ static void run_ce(tgroup *g, int64_t N, int64_t V, lmloss_dtype dt, int k, int 
   lmloss_ce_inputs in = {dx, dt_, dtw, dcw};
   /* outputs: one-shot (r*) and sharded (g*) */
   lmloss_tensor hl = host_new(LMLOSS_F32, none ? N : 1, 1, 1), hf = host_new(LMLOSS_F32, N, 1, 1);
-  lmloss_tensor ha = host_new(LMLOSS_I64, N, 1, 1), hg = host_new(dt, N, V, V + 1);
+  lmloss_tensor ha = host_new(LMLOSS_I64, N, 1, 1), hg = host_new(gdt, N, V, V + 1);
   host_poison(&hg);
   lmloss_tensor rl = dev_clone(&hl), rse = dev_clone(&hf), rent = dev_clone(&hf),
                 ram = dev_clone(&ha), rg = dev_clone(&hg);
@@ -539,10 +540,25 @@ int main(void) {
           for (size_t k = 0; k < 4; k++) {
             ce_case cc = ce_cases[c];
             cc.reduction = cc.reduction == LMLOSS_REDUCE_MEAN ? reds[k % 3] : cc.reduction;
-            run_ce(&g, Vs[v] > 2000 ? 13 : 24, Vs[v], dts[d], shard_counts[k], order, &cc);
+            run_ce(&g, Vs[v] > 2000 ? 13 : 24, Vs[v], dts[d], dts[d], shard_counts[k], order,
+                   &cc);
           }
         tg_end(&g);
       }
+  /* F32 logits into a 16-bit gradient: the fused head's vocab tiles */
+  for (size_t c = 0; c < sizeof ce_cases / sizeof *ce_cases; c++) {
+    char name[96];
+    snprintf(name, sizeof name, "CE F32 logits, BF16 gradient, case %zu", c);
+    tgroup g;
+    tg_begin(&g, name);
+    for (size_t v = 0; v < 3; v++)
+      for (size_t k = 0; k < 4; k++) {
+        ce_case cc = ce_cases[c];
+        cc.reduction = cc.reduction == LMLOSS_REDUCE_MEAN ? reds[k % 3] : cc.reduction;
+        run_ce(&g, 13, Vs[v], LMLOSS_F32, LMLOSS_BF16, shard_counts[k], MERGE_TREE, &cc);
+      }
+    tg_end(&g);
+  }
   for (size_t d = 0; d < 2; d++)
     for (int order = 0; order < MERGE_ORDERS; order++) {
       char name[96];
@@ -567,7 +583,7 @@ int main(void) {
       capture_grad = &grad[run], capture_loss = &loss[run];
       rng_seed(7);
       if (fam == 0)
-        run_ce(&g, 16, 5003, LMLOSS_BF16, 3, MERGE_TREE, &ce_cases[1]);
+        run_ce(&g, 16, 5003, LMLOSS_BF16, LMLOSS_BF16, 3, MERGE_TREE, &ce_cases[1]);
       else
         run_lp(&g, 16, 5003, LMLOSS_F32, 7, MERGE_L2R, 0.6f, 20.0f, 1);
       if (run > 0)
