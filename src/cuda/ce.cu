@@ -184,6 +184,14 @@ __global__ void ce_finalize(CeArgs a, float *loss) {
   }
 }
 
+/* The exact dz of a column the fast form cannot hold (the target's or the
+ * argmax's), at its transformed logit w; inv = 1 / (1 + R). */
+__device__ __forceinline__ float ce_entry_dz(const Xf &X, const lmloss_ce_coef &q,
+                                             const lmloss_rowstat &s, lmloss_ce_upstream u,
+                                             float w, float inv, float cj, bool is_y, bool is_a) {
+  return lmloss_ce_entry_z(&q, &s, u, cexp(X, fmaxf(w - s.m, X.dmin)) * inv, cj, is_y, is_a);
+}
+
 /* A row's packed state (lmloss.h's row contract) from its stats phase. */
 __device__ __forceinline__ void put_state(float *out, const lmloss_rowstat &s, float wy,
                                           int flags) {
@@ -390,9 +398,7 @@ __global__ void ROW_BOUNDS(THREADS) ce_rows(CeArgs a) {
               long long j = j0 + e;
               if (j == yl || j == am) {
                 float cj = a.cw ? a.cw[(a.sh.col0 + j) * a.cws] : 1.0f;
-                float pj = cexp(X, fmaxf(w[e] - m, X.dmin)) * inv;
-                const float gz = lmloss_ce_entry_z(&c.q, &s, u, pj, cj, j == yl, j == am);
-                g[e] = ok ? gz * kx : NAN;
+                g[e] = ok ? ce_entry_dz(X, c.q, s, u, w[e], inv, cj, j == yl, j == am) * kx : NAN;
               }
             }
           }
@@ -498,17 +504,113 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
   float gy = 0.0f;
   if (vy >= 0 && h.holds(vy)) {
     const float xy = h.at(vy, ey);
-    const float py = cexp(X, fmaxf(xy - m, X.dmin)) * inv;
     lmloss_rowstat s = lmloss_rowstat_empty();
     s.m = m, s.r = h.rs;
     const lmloss_ce_terms c = lmloss_ce_terms_make(&s, k, xy, 1.0f, (float)a.V, 0.0f, a.V, 0);
-    gy =
-        ok ? lmloss_ce_entry_z(&c.q, &s, lmloss_ce_upstream{G, Gz}, py, 1.0f, 1, xy == m) * k : NAN;
+    gy = ok ? ce_entry_dz(X, c.q, s, lmloss_ce_upstream{G, Gz}, xy, inv, 1.0f, true, xy == m) * k
+            : NAN;
     if (fwd) put_loss(a, i, !ok ? NAN : GRPO ? -c.nll : lmloss_ce_row_loss(&c, tw, a.zl), 1.0);
   }
   /* dx_j = k (G + Gz) p_j off the target: lmloss_ce_pass_coefs' P at the
    * plain options (A = 1, no smoothing), in every thread without its terms */
   h.store_exp(X, xrow, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? (G + Gz) * inv * k : NAN, vy, ey, gy);
+}
+
+/* A finish's gradient over a shard of F32 logits into a 16-bit gradient
+ * (the fused head's vocab tiles, a few thousand columns a row): the shape
+ * of the log-probs' lp_bwd_saved, a CTA per row slice of at most TILE_U x
+ * TILE_BS vectors, each thread's TILE_U loads issued before the row's
+ * state is read and its scalars formed. ce_rows' one-pass plan (a CTA a
+ * row, two loads in flight a thread, issued after the scalars) ran these
+ * tiles slower than the coefficient kernel they replaced. The exact
+ * entries: thread 0 the target's, thread 1 the argmax's, stored over the
+ * fast form. Never in place and never with kept entries (launch_ce). */
+constexpr int TILE_U = 8, TILE_BS = 128;
+
+template <typename O, bool CW> __global__ void __launch_bounds__(TILE_BS, 6) ce_tile(CeArgs a) {
+  constexpr int NV = 4;
+  const Xf &X = a.X;
+  const float k = X.f.k, kx = X.f.cap > 0.0f ? 1.0f : k; /* without softcap dx = k dz */
+  const Chunk ch = my_chunk<NV>(a.V, a.chunk, blockIdx.x);
+  for (int64_t i = blockIdx.y; i < a.N; i += gridDim.y) {
+    const float *row = (const float *)a.x + i * a.xs;
+    O *drow = (O *)a.dx + i * a.dxs;
+    const long long y = ld_index(a.tgt, a.tgt64, i * a.ts);
+    if (y == a.ignore) {
+      if (a.zero_ignored) zero_chunk<NV>(ChunkOut<O, NV>(drow, ch, a.V), ch);
+      continue;
+    }
+    const RowPart<float> part = {row, ch, a.V, is_aligned16(row)};
+    Raw<float> rv[TILE_U];
+#pragma unroll
+    for (int u = 0; u < TILE_U; u++) {
+      const int v = threadIdx.x + u * TILE_BS;
+      if (v < ch.nv) rv[u] = part.load(v, false);
+    }
+    const lmloss_rowstate x = lmloss_rowstate_unpack(a.sh.state_in + i * a.sh.sts, a.sh.vocab);
+    const lmloss_rowstat &s = x.s;
+    const bool y_ok = y >= 0 && y < a.sh.vocab;
+    const bool ok = y_ok && lmloss_rowstate_ok_label(&x) && lmloss_rowstat_finite(&s);
+    const float tw = a.tw ? a.tw[i * a.tws] : 1.0f;
+    const float cy = y_ok ? (a.cw ? a.cw[y * a.cws] : 1.0f) : 0.0f;
+    const float dl = a.dloss[a.reduction == LMLOSS_REDUCE_NONE ? i * a.dls : 0];
+    const double den = a.reduction == LMLOSS_REDUCE_MEAN ? *a.den : 1.0;
+    const float C = a.cw ? s.c : (float)a.sh.vocab;
+    const lmloss_ce_terms c = lmloss_ce_terms_make(&s, k, x.wy, cy, C, a.eps, a.sh.vocab, a.dft);
+    const lmloss_ce_upstream u = lmloss_ce_upstream_make(&c, a.zl, ce_upstream(a, dl, den, tw));
+    float Pz, Qz; /* z units */
+    lmloss_ce_pass_coefs(&c.q, &s, u, &Pz, &Qz);
+    const float F1 = ok ? Pz * kx : NAN, F0 = ok ? Qz * kx : NAN;
+    Ref ref;
+    ref.set(X, s.m);
+    const float F1s = F1 * ref.s();
+    const int q = threadIdx.x;
+    const long long ce = q == 0 ? y : q == 1 ? (long long)s.a : -1, cx = ce - a.sh.col0;
+    const bool mine = q < 2 && cx >= ch.jb && cx < ch.je;
+    float gc = 0.0f;
+    if (mine) {
+      const float xc = row[cx], w = lmloss_xform_w(&X.f, xc);
+      const float cj = CW ? a.cw[ce * a.cws] : 1.0f;
+      const float gz = ce_entry_dz(X, c.q, s, u, w, 1.0f / (1.0f + s.r), cj, ce == y, ce == s.a);
+      gc = ok ? gz * kx * (X.f.cap > 0.0f ? lmloss_xform_dzdx(&X.f, xc) : 1.0f) : NAN;
+    }
+    const ChunkOut<O, NV> out(drow, ch, a.V);
+    auto run = [&](auto cap) {
+#pragma unroll
+      for (int u2 = 0; u2 < TILE_U; u2++) {
+        const int v = threadIdx.x + u2 * TILE_BS;
+        if (v < ch.nv)
+          write_grad(X, rv[u2], out, v, cap, [&](const float *w, float *g) {
+#pragma unroll
+            for (int e = 0; e < NV; e++) { /* -inf logits: ex2(-inf) = 0 */
+              const int64_t j = ch.jb + (int64_t)v * NV + e;
+              const float cj = CW && j < a.V ? a.cw[(a.sh.col0 + j) * a.cws] : 1.0f;
+              g[e] = fmaf(ex2(ref.p(X, w[e])), F1s, -F0 * cj);
+            }
+          });
+      }
+    };
+    if (X.f.cap > 0.0f)
+      run(std::true_type{});
+    else
+      run(std::false_type{});
+    __syncthreads(); /* the entries over the fast form (the target at the
+                        argmax: one value twice) */
+    if (mine) drow[cx] = fromf<O>(gc);
+  }
+}
+
+/* ce_tile's launch: equal slices of a row, a row per blockIdx.y. */
+template <typename O> static lmloss_status launch_ce_tile(CeArgs &a, cudaStream_t st) {
+  const int64_t nv = (a.V + 3) / 4, most = TILE_U * TILE_BS;
+  const int64_t slices = (nv + most - 1) / most;
+  a.chunk = (nv + slices - 1) / slices * 4;
+  const dim3 grid((unsigned)slices, (unsigned)(a.N < 65535 ? a.N : 65535));
+  if (a.cw)
+    ce_tile<O, true><<<grid, TILE_BS, 0, st>>>(a);
+  else
+    ce_tile<O, false><<<grid, TILE_BS, 0, st>>>(a);
+  return check_launch("cross_entropy finish (tile)");
 }
 
 /* The held plan for a gradient of dtype O; false where it does not take
@@ -530,6 +632,11 @@ static bool launch_ce_held(const DevInfo &d, CeArgs &a, cudaStream_t st, lmloss_
 template <typename In>
 static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool entropy, cudaStream_t st) {
   lmloss_status s;
+  if constexpr (std::is_same<In, float>::value) /* a vocab tile's finish (ce_tile) */
+    if (a.sh.state_in && a.mode == CE_BWD && !a.keep.vals && a.dx != a.x) {
+      if (a.dxt == LMLOSS_BF16) return launch_ce_tile<bf16>(a, st);
+      if (a.dxt == LMLOSS_F16) return launch_ce_tile<f16>(a, st);
+    }
   if (ce_held_applies(a, entropy) && launch_held_for<In>(a.dxt, [&](auto o) {
         return launch_ce_held<In, typename decltype(o)::type>(d, a, st, &s);
       }))
