@@ -187,8 +187,8 @@ __global__ void ce_finalize(CeArgs a, float *loss) {
 /* The exact dz of a column the fast form cannot hold (the target's or the
  * argmax's), at its transformed logit w; inv = 1 / (1 + R). */
 __device__ __forceinline__ float ce_entry_dz(const Xf &X, const lmloss_ce_coef &q,
-                                             const lmloss_rowstat &s, lmloss_ce_upstream u,
-                                             float w, float inv, float cj, bool is_y, bool is_a) {
+                                             const lmloss_rowstat &s, lmloss_ce_upstream u, float w,
+                                             float inv, float cj, bool is_y, bool is_a) {
   return lmloss_ce_entry_z(&q, &s, u, cexp(X, fmaxf(w - s.m, X.dmin)) * inv, cj, is_y, is_a);
 }
 

@@ -540,8 +540,7 @@ int main(void) {
           for (size_t k = 0; k < 4; k++) {
             ce_case cc = ce_cases[c];
             cc.reduction = cc.reduction == LMLOSS_REDUCE_MEAN ? reds[k % 3] : cc.reduction;
-            run_ce(&g, Vs[v] > 2000 ? 13 : 24, Vs[v], dts[d], dts[d], shard_counts[k], order,
-                   &cc);
+            run_ce(&g, Vs[v] > 2000 ? 13 : 24, Vs[v], dts[d], dts[d], shard_counts[k], order, &cc);
           }
         tg_end(&g);
       }
