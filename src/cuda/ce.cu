@@ -517,17 +517,14 @@ __global__ void HELD_BOUNDS(In, CLUSTER) ce_held(CeArgs a) {
 }
 
 /* A finish's gradient over a shard of F32 logits into a 16-bit gradient
- * (the fused head's vocab tiles, a few thousand columns a row): the shape
- * of the log-probs' lp_bwd_saved, a CTA per row slice of at most TILE_U x
- * TILE_BS vectors, each thread's TILE_U loads issued before the row's
- * state is read and its scalars formed. ce_rows' one-pass plan (a CTA a
- * row, two loads in flight a thread, issued after the scalars) ran these
- * tiles slower than the coefficient kernel they replaced. The exact
- * entries: thread 0 the target's, thread 1 the argmax's, stored over the
- * fast form. Never in place and never with kept entries (launch_ce). */
-constexpr int TILE_U = 8, TILE_BS = 128;
-
-template <typename O, bool CW> __global__ void __launch_bounds__(TILE_BS, 6) ce_tile(CeArgs a) {
+ * (the fused head's vocab tiles, a few thousand columns a row) on the
+ * slice plan (slice_grid), as the log-probs' lp_bwd_saved: ce_rows'
+ * one-pass plan (a CTA a row, two loads in flight a thread, issued after
+ * the scalars) ran these tiles slower than the coefficient kernel they
+ * replaced. The exact entries: thread 0 the target's, thread 1 the
+ * argmax's, stored over the fast form. Never in place (backend.h: only
+ * the log-probs' tiles are) and with no kept entries (a finish has none). */
+template <typename O, bool CW> __global__ void __launch_bounds__(SLICE_BS, 6) ce_tile(CeArgs a) {
   constexpr int NV = 4;
   const Xf &X = a.X;
   const float k = X.f.k, kx = X.f.cap > 0.0f ? 1.0f : k; /* without softcap dx = k dz */
@@ -541,10 +538,10 @@ template <typename O, bool CW> __global__ void __launch_bounds__(TILE_BS, 6) ce_
       continue;
     }
     const RowPart<float> part = {row, ch, a.V, is_aligned16(row)};
-    Raw<float> rv[TILE_U];
+    Raw<float> rv[SLICE_U];
 #pragma unroll
-    for (int u = 0; u < TILE_U; u++) {
-      const int v = threadIdx.x + u * TILE_BS;
+    for (int u = 0; u < SLICE_U; u++) {
+      const int v = threadIdx.x + u * SLICE_BS;
       if (v < ch.nv) rv[u] = part.load(v, false);
     }
     const lmloss_rowstate x = lmloss_rowstate_unpack(a.sh.state_in + i * a.sh.sts, a.sh.vocab);
@@ -577,8 +574,8 @@ template <typename O, bool CW> __global__ void __launch_bounds__(TILE_BS, 6) ce_
     const ChunkOut<O, NV> out(drow, ch, a.V);
     auto run = [&](auto cap) {
 #pragma unroll
-      for (int u2 = 0; u2 < TILE_U; u2++) {
-        const int v = threadIdx.x + u2 * TILE_BS;
+      for (int u2 = 0; u2 < SLICE_U; u2++) {
+        const int v = threadIdx.x + u2 * SLICE_BS;
         if (v < ch.nv)
           write_grad(X, rv[u2], out, v, cap, [&](const float *w, float *g) {
 #pragma unroll
@@ -600,16 +597,12 @@ template <typename O, bool CW> __global__ void __launch_bounds__(TILE_BS, 6) ce_
   }
 }
 
-/* ce_tile's launch: equal slices of a row, a row per blockIdx.y. */
 template <typename O> static lmloss_status launch_ce_tile(CeArgs &a, cudaStream_t st) {
-  const int64_t nv = (a.V + 3) / 4, most = TILE_U * TILE_BS;
-  const int64_t slices = (nv + most - 1) / most;
-  a.chunk = (nv + slices - 1) / slices * 4;
-  const dim3 grid((unsigned)slices, (unsigned)(a.N < 65535 ? a.N : 65535));
+  const dim3 grid = slice_grid(a.V, a.N, 4, &a.chunk);
   if (a.cw)
-    ce_tile<O, true><<<grid, TILE_BS, 0, st>>>(a);
+    ce_tile<O, true><<<grid, SLICE_BS, 0, st>>>(a);
   else
-    ce_tile<O, false><<<grid, TILE_BS, 0, st>>>(a);
+    ce_tile<O, false><<<grid, SLICE_BS, 0, st>>>(a);
   return check_launch("cross_entropy finish (tile)");
 }
 
@@ -633,7 +626,7 @@ template <typename In>
 static lmloss_status launch_ce(const DevInfo &d, CeArgs &a, bool entropy, cudaStream_t st) {
   lmloss_status s;
   if constexpr (std::is_same<In, float>::value) /* a vocab tile's finish (ce_tile) */
-    if (a.sh.state_in && a.mode == CE_BWD && !a.keep.vals && a.dx != a.x) {
+    if (a.sh.state_in && a.mode == CE_BWD) {
       if (a.dxt == LMLOSS_BF16) return launch_ce_tile<bf16>(a, st);
       if (a.dxt == LMLOSS_F16) return launch_ce_tile<f16>(a, st);
     }

@@ -406,25 +406,6 @@ __global__ void HELD_BOUNDS(In, CLUSTER) lp_held(LpArgs a) {
   h.store_exp(X, xrow, ChunkOut<O, NV>(drow, h.ch, a.V), ok ? -inv * D * k : NAN, vj, ej, gj);
 }
 
-/* The backward from the forward's saved statistics: no reduction, so
- * each logit is read once and its gradient written once, a copy's
- * traffic. Why this shape: a CTA per (row, slice of at most SAVED_U x
- * SAVED_BS vectors; a row's slices equal), blockIdx.y the row; each
- * thread's SAVED_U 16-byte loads are issued before anything waits (the
- * row's scalars are formed while they fly), and 128-thread CTAs, six to
- * an SM, keep the loads in flight across the CTAs' barriers: measured
- * (BENCHMARKS.md) against 8 x 256 (three CTAs an SM), 4 x 256, 16 x 128,
- * and a persistent grid loading a CTA's next slice while it writes the
- * current one. The hot loop has no exact-entry test: the slice's exact
- * entries (thread q: index q, thread K: the argmax; more than SAVED_BS
- * of them: lp_late_entries) are formed from their logits and stored over
- * the fast form after it, and into the fused head's kept entries
- * (a.keep) when asked. Only where
- * dlogits alias the logits do the stores wait for the entries' logits
- * (index, then logit: two dependent loads): a barrier there for every
- * CTA held the whole slice's stores behind them. */
-constexpr int SAVED_U = 8, SAVED_BS = 128;
-
 /* A merged state's statistics, empty (a NaN row) where it has none. */
 __device__ __forceinline__ lmloss_rowstat merged_stats(const float *state, int64_t vocab) {
   const lmloss_rowstate x = lmloss_rowstate_unpack(state, vocab);
@@ -437,11 +418,27 @@ __device__ __forceinline__ lmloss_rowstat saved_stats(const LpArgs &a, int64_t i
                  : lmloss_rowstat_load(a.stats + i * a.sts, a.vh);
 }
 
-static_assert(SAVED_BS == LMLOSS_SAVED_MAX_K + 1, "a thread per index and one for the argmax");
-static_assert(SAVED_U * SAVED_BS * 4 == LMLOSS_TILE_INPLACE_COLS, "a tile row of floats per CTA");
+static_assert(SLICE_BS == LMLOSS_SAVED_MAX_K + 1, "a thread per index and one for the argmax");
+static_assert(SLICE_U * SLICE_BS * 4 == LMLOSS_TILE_INPLACE_COLS, "a tile row of floats per CTA");
 
+/* The backward from the forward's saved statistics: no reduction, so
+ * each logit is read once and its gradient written once, a copy's
+ * traffic, on the slice plan (slice_grid). Why that shape: each
+ * thread's SLICE_U 16-byte loads are issued before anything waits (the
+ * row's scalars are formed while they fly), and 128-thread CTAs, six to
+ * an SM, keep the loads in flight across the CTAs' barriers: measured
+ * (BENCHMARKS.md) against 8 x 256 (three CTAs an SM), 4 x 256, 16 x 128,
+ * and a persistent grid loading a CTA's next slice while it writes the
+ * current one. The hot loop has no exact-entry test: the slice's exact
+ * entries (thread q: index q, thread K: the argmax; more than SLICE_BS
+ * of them: lp_late_entries) are formed from their logits and stored over
+ * the fast form after it, and into the fused head's kept entries
+ * (a.keep) when asked. Only where
+ * dlogits alias the logits do the stores wait for the entries' logits
+ * (index, then logit: two dependent loads): a barrier there for every
+ * CTA held the whole slice's stores behind them. */
 template <typename In, typename O, bool ENTROPY>
-__global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
+__global__ void __launch_bounds__(SLICE_BS, 6) lp_bwd_saved(LpArgs a) {
   constexpr int NV = elt<In>::NV;
   const Xf &X = a.X;
   const Chunk ch = my_chunk<NV>(a.V, a.chunk, blockIdx.x);
@@ -461,10 +458,10 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
     const long long c = q == a.K             ? s.a
                         : q < a.K && a.dlogp ? ld_index(a.idx, a.idx64, i * a.is + q)
                                              : -1;
-    Raw<In> rv[SAVED_U];
+    Raw<In> rv[SLICE_U];
 #pragma unroll
-    for (int u = 0; u < SAVED_U; u++) {
-      const int v = threadIdx.x + u * SAVED_BS;
+    for (int u = 0; u < SLICE_U; u++) {
+      const int v = threadIdx.x + u * SLICE_BS;
       if (v < ch.nv) rv[u] = part.load(v, false);
     }
     const LpGrad<ENTROPY> G(X, s, false, lp_upstream(a, i));
@@ -486,8 +483,8 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
     const ChunkOut<O, NV> out(drow, ch, a.V);
     auto run = [&](auto cap) {
 #pragma unroll
-      for (int u = 0; u < SAVED_U; u++) {
-        const int v = threadIdx.x + u * SAVED_BS;
+      for (int u = 0; u < SLICE_U; u++) {
+        const int v = threadIdx.x + u * SLICE_BS;
         if (v < ch.nv)
           write_grad(X, rv[u], out, v, cap,
                      [&](const float *w, float *g) { G.template fast<NV>(X, w, g); });
@@ -504,15 +501,15 @@ __global__ void __launch_bounds__(SAVED_BS, 6) lp_bwd_saved(LpArgs a) {
 }
 
 /* After lp_bwd_saved, where a row has more entries than its CTAs have
- * threads (K >= SAVED_BS: the fused head's tiles of many indices, F32
+ * threads (K >= SLICE_BS: the fused head's tiles of many indices, F32
  * logits, not in place): those past them, a thread each, in a kernel of
  * their own so that the common case's registers do not pay for it. */
 template <typename O, bool ENTROPY> __global__ void lp_late_entries(LpArgs a) {
   const Xf &X = a.X;
-  const int64_t per = a.K + 1 - SAVED_BS;
+  const int64_t per = a.K + 1 - SLICE_BS;
   for (int64_t t = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; t < a.N * per;
        t += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t i = t / per, e = SAVED_BS + t % per;
+    const int64_t i = t / per, e = SLICE_BS + t % per;
     if (a.mask && !a.mask[i * a.ms]) continue;
     const lmloss_rowstat s = saved_stats(a, i);
     const long long c = e == a.K ? s.a : ld_index(a.idx, a.idx64, i * a.is + e), cx = c - a.j0;
@@ -532,17 +529,14 @@ static lmloss_status launch_fwd(const DevInfo &d, LpArgs &a, bool entropy, cudaS
 template <typename In, typename O>
 static lmloss_status launch_saved(LpArgs &a, bool entropy, cudaStream_t st) {
   if (a.N <= 0) return LMLOSS_OK;
-  const int64_t nv = (a.V + elt<In>::NV - 1) / elt<In>::NV, most = SAVED_U * SAVED_BS;
-  const int64_t slices = (nv + most - 1) / most;
-  a.chunk = (nv + slices - 1) / slices * elt<In>::NV; /* equal slices */
-  const dim3 grid((unsigned)slices, (unsigned)(a.N < 65535 ? a.N : 65535));
+  const dim3 grid = slice_grid(a.V, a.N, elt<In>::NV, &a.chunk);
   if (entropy)
-    lp_bwd_saved<In, O, true><<<grid, SAVED_BS, 0, st>>>(a);
+    lp_bwd_saved<In, O, true><<<grid, SLICE_BS, 0, st>>>(a);
   else
-    lp_bwd_saved<In, O, false><<<grid, SAVED_BS, 0, st>>>(a);
+    lp_bwd_saved<In, O, false><<<grid, SLICE_BS, 0, st>>>(a);
   const lmloss_status s = check_launch("log_probs_backward (saved statistics)");
   if constexpr (std::is_same<In, float>::value) {
-    const int64_t n = a.N * (a.K + 1 - SAVED_BS);
+    const int64_t n = a.N * (a.K + 1 - SLICE_BS);
     if (s != LMLOSS_OK || n <= 0) return s;
     const unsigned blocks = (unsigned)((n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096);
     if (entropy)

@@ -239,6 +239,20 @@ __device__ __forceinline__ int part_flags(const Part &P) {
   return (P.bad ? LMLOSS_STATE_NONFINITE : 0) | (P.fin ? LMLOSS_STATE_LOGIT : 0);
 }
 
+/* The slice plan of a finish that holds its part of a row in registers
+ * (lp_bwd_saved, ce_tile): CTAs of SLICE_BS threads, SLICE_U vectors of
+ * nv elements a thread, each issuing all its loads before the row's state
+ * is read. A row's slices are equal (*chunk, in elements), a row per
+ * blockIdx.y. */
+constexpr int SLICE_U = 8, SLICE_BS = 128;
+
+inline dim3 slice_grid(int64_t V, int64_t N, int nv, int64_t *chunk) {
+  const int64_t vecs = (V + nv - 1) / nv, most = SLICE_U * SLICE_BS;
+  const int64_t slices = (vecs + most - 1) / most;
+  *chunk = (vecs + slices - 1) / slices * nv;
+  return dim3((unsigned)slices, (unsigned)(N < 65535 ? N : 65535));
+}
+
 /* The most threads a row kernel runs (make_plan's larger block). */
 constexpr int MAX_ROW_THREADS = 256;
 
