@@ -538,12 +538,8 @@ template <typename O, bool CW> __global__ void __launch_bounds__(SLICE_BS, 6) ce
       continue;
     }
     const RowPart<float> part = {row, ch, a.V, is_aligned16(row)};
-    Raw<float> rv[SLICE_U];
-#pragma unroll
-    for (int u = 0; u < SLICE_U; u++) {
-      const int v = threadIdx.x + u * SLICE_BS;
-      if (v < ch.nv) rv[u] = part.load(v, false);
-    }
+    SliceVecs<float> sv;
+    sv.load(part);
     const lmloss_rowstate x = lmloss_rowstate_unpack(a.sh.state_in + i * a.sh.sts, a.sh.vocab);
     const lmloss_rowstat &s = x.s;
     const bool y_ok = y >= 0 && y < a.sh.vocab;
@@ -571,26 +567,14 @@ template <typename O, bool CW> __global__ void __launch_bounds__(SLICE_BS, 6) ce
       const float gz = ce_entry_dz(X, c.q, s, u, w, 1.0f / (1.0f + s.r), cj, ce == y, ce == s.a);
       gc = ok ? gz * kx * (X.f.cap > 0.0f ? lmloss_xform_dzdx(&X.f, xc) : 1.0f) : NAN;
     }
-    const ChunkOut<O, NV> out(drow, ch, a.V);
-    auto run = [&](auto cap) {
+    sv.write(X, ChunkOut<O, NV>(drow, ch, a.V), ch.nv, [&](int v, const float *w, float *g) {
 #pragma unroll
-      for (int u2 = 0; u2 < SLICE_U; u2++) {
-        const int v = threadIdx.x + u2 * SLICE_BS;
-        if (v < ch.nv)
-          write_grad(X, rv[u2], out, v, cap, [&](const float *w, float *g) {
-#pragma unroll
-            for (int e = 0; e < NV; e++) { /* -inf logits: ex2(-inf) = 0 */
-              const int64_t j = ch.jb + (int64_t)v * NV + e;
-              const float cj = CW && j < a.V ? a.cw[(a.sh.col0 + j) * a.cws] : 1.0f;
-              g[e] = fmaf(ex2(ref.p(X, w[e])), F1s, -F0 * cj);
-            }
-          });
+      for (int e = 0; e < NV; e++) { /* -inf logits: ex2(-inf) = 0 */
+        const int64_t j = ch.jb + (int64_t)v * NV + e;
+        const float cj = CW && j < a.V ? a.cw[(a.sh.col0 + j) * a.cws] : 1.0f;
+        g[e] = fmaf(ex2(ref.p(X, w[e])), F1s, -F0 * cj);
       }
-    };
-    if (X.f.cap > 0.0f)
-      run(std::true_type{});
-    else
-      run(std::false_type{});
+    });
     __syncthreads(); /* the entries over the fast form (the target at the
                         argmax: one value twice) */
     if (mine) drow[cx] = fromf<O>(gc);

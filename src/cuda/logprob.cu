@@ -458,12 +458,8 @@ __global__ void __launch_bounds__(SLICE_BS, 6) lp_bwd_saved(LpArgs a) {
     const long long c = q == a.K             ? s.a
                         : q < a.K && a.dlogp ? ld_index(a.idx, a.idx64, i * a.is + q)
                                              : -1;
-    Raw<In> rv[SLICE_U];
-#pragma unroll
-    for (int u = 0; u < SLICE_U; u++) {
-      const int v = threadIdx.x + u * SLICE_BS;
-      if (v < ch.nv) rv[u] = part.load(v, false);
-    }
+    SliceVecs<In> sv;
+    sv.load(part);
     const LpGrad<ENTROPY> G(X, s, false, lp_upstream(a, i));
     const long long cx = c - a.j0; /* its column in x */
     const bool mine = cx >= ch.jb && cx < ch.je;
@@ -480,20 +476,8 @@ __global__ void __launch_bounds__(SLICE_BS, 6) lp_bwd_saved(LpArgs a) {
      * only (elsewhere the stores go out while the entries' dependent
      * loads, index then logit, are in flight) */
     if (in_place) __syncthreads();
-    const ChunkOut<O, NV> out(drow, ch, a.V);
-    auto run = [&](auto cap) {
-#pragma unroll
-      for (int u = 0; u < SLICE_U; u++) {
-        const int v = threadIdx.x + u * SLICE_BS;
-        if (v < ch.nv)
-          write_grad(X, rv[u], out, v, cap,
-                     [&](const float *w, float *g) { G.template fast<NV>(X, w, g); });
-      }
-    };
-    if (X.f.cap > 0.0f)
-      run(std::true_type{});
-    else
-      run(std::false_type{});
+    sv.write(X, ChunkOut<O, NV>(drow, ch, a.V), ch.nv,
+             [&](int, const float *w, float *g) { G.template fast<NV>(X, w, g); });
     __syncthreads(); /* the entries over the fast form (a column held
                         twice, an index at the argmax, gets one value twice) */
     if (mine) drow[cx] = fromf<O>(gc);

@@ -456,6 +456,39 @@ template <typename In> struct RowPart {
   }
 };
 
+/* A thread's vectors of its row slice on the slice plan (slice_grid):
+ * load issues all SLICE_U loads at once, before the row's state is read;
+ * write stores their gradient, fill(v, w, g) forming vector v's g from
+ * its transformed logits w, the softcap's form chosen once for the
+ * slice. */
+template <typename In> struct SliceVecs {
+  Raw<In> rv[SLICE_U];
+
+  __device__ __forceinline__ void load(const RowPart<In> &part) {
+#pragma unroll
+    for (int u = 0; u < SLICE_U; u++) {
+      const int v = threadIdx.x + u * SLICE_BS;
+      if (v < part.ch.nv) rv[u] = part.load(v, false);
+    }
+  }
+
+  template <typename Out, typename Fill>
+  __device__ __forceinline__ void write(const Xf &X, const Out &out, int64_t nv, Fill fill) const {
+    auto run = [&](auto cap) {
+#pragma unroll
+      for (int u = 0; u < SLICE_U; u++) {
+        const int v = threadIdx.x + u * SLICE_BS;
+        if (v < nv)
+          write_grad(X, rv[u], out, v, cap, [&](const float *w, float *g) { fill(v, w, g); });
+      }
+    };
+    if (X.f.cap > 0.0f)
+      run(std::true_type{});
+    else
+      run(std::false_type{});
+  }
+};
+
 /* Label smoothing's sums in the first pass (on), with class weights cw. */
 struct Smooth {
   bool on;
